@@ -1,0 +1,1 @@
+"""lossplug.adapters — the only modules that import trl or verl (each lazily, on use)."""

@@ -1,0 +1,17 @@
+"""lossplug.contracts — the pydantic models every batch, recipe and result is checked against.
+
+Imports only torch and pydantic (and, lazily, yaml for recipes).
+"""
+
+from .batch import LOGP_TOLERANCE, PackedTransitions, PolicyBatch
+from .errors import BatchValidationError, LossplugError, PluginError, RecipeError, Violation
+from .normalizer import Normalizer
+from .provenance import LogProbSource, Provenance
+from .recipe import PluginSpec, Recipe
+from .results import AdvantageResult, LossResult
+
+__all__ = [
+    "AdvantageResult", "BatchValidationError", "LOGP_TOLERANCE", "LogProbSource", "LossResult", "LossplugError",
+    "Normalizer", "PackedTransitions", "PluginError", "PluginSpec", "PolicyBatch", "Provenance", "Recipe",
+    "RecipeError", "Violation",
+]

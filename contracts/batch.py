@@ -1,0 +1,268 @@
+"""The batch contracts: :class:`PolicyBatch` (padded ``[B, T]``) and :class:`PackedTransitions` (packed 1-D).
+
+Both are pydantic models holding torch tensors. Constructing one validates it in one O(N) pass of vectorised
+checks with a single host synchronisation; every violated rule is reported at once, each naming the field, the rule
+and the offending rows/positions. ``PolicyBatch.unchecked(...)`` builds one without checks for the hot path.
+
+Masked (non-action) positions may hold anything, NaN and inf included: nothing downstream reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
+
+from .errors import BatchValidationError, Violation, describe_positions, did_you_mean
+
+#: log-probs may exceed 0 by this much (rounding in low-precision log-softmax) before they are rejected.
+LOGP_TOLERANCE = 1e-3
+
+Tensor = torch.Tensor
+
+
+class _Checks:
+    """Collects rule checks; tensor-valued checks are resolved with a single device→host sync."""
+
+    def __init__(self, contract: str):
+        self.contract = contract
+        self.violations: list[Violation] = []
+        self._pending: list[tuple[Tensor, Callable[[], Violation]]] = []
+
+    def fail(self, field: str, rule: str, where: str = "") -> None:
+        self.violations.append(Violation(field, rule, where))
+
+    def when_any(self, bad: Tensor, field: str, rule: str, noun: str = "rows") -> None:
+        """Report ``rule`` for ``field`` if any element of the boolean tensor ``bad`` is set."""
+        self._pending.append((bad.any(), lambda: Violation(field, rule, describe_positions(bad, noun=noun))))
+
+    def raise_if_any(self) -> None:
+        if self._pending:
+            flags = torch.stack([flag for flag, _ in self._pending]).tolist()
+            self.violations.extend(make() for flag, (_, make) in zip(flags, self._pending) if flag)
+            self._pending.clear()
+        if self.violations:
+            raise BatchValidationError(self.contract, self.violations)
+
+
+def _dtype_rule(name: str, t: Tensor, kind: str, checks: _Checks) -> bool:
+    ok = {
+        "float": t.is_floating_point(),
+        "bool": t.dtype == torch.bool,
+        "int": not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool,
+    }[kind]
+    if not ok:
+        hint = {
+            "bool": " (convert with .bool() once you know it holds only 0/1)",
+            "int": "",
+            "float": "",
+        }[kind]
+        checks.fail(name, f"must be a {kind} tensor, got {t.dtype}{hint}")
+    return ok
+
+
+class _TensorModel(BaseModel):
+    """Shared machinery: tensor-only fields, typo-aware unknown-field errors, checked/unchecked construction."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
+    _validated: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensors_only(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise BatchValidationError(cls.__name__, [Violation("<batch>", f"expected keyword fields, got {type(data).__name__}")])
+        checks = _Checks(cls.__name__)
+        fields = cls.model_fields
+        for key, value in data.items():
+            if key not in fields:
+                checks.fail(key, "unknown field" + did_you_mean(key, fields), f"fields are: {', '.join(fields)}")
+            elif value is not None and not isinstance(value, torch.Tensor):
+                checks.fail(key, f"must be a torch.Tensor, got {type(value).__name__}")
+        for key, info in fields.items():
+            if info.is_required() and data.get(key) is None:
+                checks.fail(key, "is required")
+        checks.raise_if_any()
+        return data
+
+    @model_validator(mode="after")
+    def _run_contract(self):
+        self.check()
+        return self
+
+    @classmethod
+    def unchecked(cls, **fields: Optional[Tensor]):
+        """Build without any validation (hot path). ``policy_loss(validate="full")`` still checks it later."""
+        return cls.model_construct(**fields)
+
+    @property
+    def validated(self) -> bool:
+        return self._validated
+
+    def check(self) -> None:
+        """Run every contract rule; raise :class:`BatchValidationError` listing all violations."""
+        checks = _Checks(type(self).__name__)
+        self._rules(checks)
+        checks.raise_if_any()
+        self._validated = True
+
+    def _rules(self, checks: _Checks) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def replace(self, **fields: Optional[Tensor]):
+        """A copy with some fields replaced, validated again."""
+        return type(self)(**{**self.fields(), **fields})
+
+    def fields(self) -> dict[str, Tensor]:
+        """The tensors that are set, by field name."""
+        return {k: getattr(self, k) for k in type(self).model_fields if getattr(self, k) is not None}
+
+
+class PolicyBatch(_TensorModel):
+    """A padded batch of B responses of up to T tokens.
+
+    Per-token fields are ``[B, T]``; per-sequence fields are ``[B]``. Only ``logp`` and ``action_mask`` are required;
+    which other fields a recipe needs is declared by its plugins and checked before any tensor is touched.
+    """
+
+    #: current-policy log-probs of the sampled tokens; the only field that carries gradient
+    logp: Tensor
+    #: True where the position is a policy action (not prompt, observation/tool output or padding)
+    action_mask: Tensor
+    #: training engine, before this update (numerator of the engine ratio, denominator of the update ratio)
+    old_logp: Optional[Tensor] = None
+    #: rollout engine (e.g. vLLM) that sampled the tokens
+    behavior_logp: Optional[Tensor] = None
+    #: frozen reference policy (KL penalties)
+    ref_logp: Optional[Tensor] = None
+    #: ``[B]`` (sequence) or ``[B, T]`` (token) advantages
+    advantage: Optional[Tensor] = None
+    #: ``[B]`` sequence score or ``[B, T]`` token rewards
+    reward: Optional[Tensor] = None
+    #: critic values V_old(s_t) at each position, ``[B, T]``
+    value: Optional[Tensor] = None
+    #: prompt group of each response, ``[B]`` integer; groups may be scattered and of unequal size
+    group_id: Optional[Tensor] = None
+    #: trajectory of each response, ``[B]`` integer (several rows may be turns of one trajectory)
+    trajectory_id: Optional[Tensor] = None
+    #: ``[B]`` bool: the response ended in a terminal state (no bootstrap); False means time-limit truncation
+    terminated: Optional[Tensor] = None
+    #: ``[B]`` value of the real final observation of truncated responses (read only where ``terminated`` is False)
+    final_value: Optional[Tensor] = None
+
+    TOKEN_FLOATS: ClassVar[tuple[str, ...]] = ("logp", "old_logp", "behavior_logp", "ref_logp", "value")
+    LOGPROBS: ClassVar[tuple[str, ...]] = ("logp", "old_logp", "behavior_logp", "ref_logp")
+
+    @property
+    def batch_size(self) -> int:
+        return self.logp.shape[0]
+
+    @property
+    def action_lengths(self) -> Tensor:
+        """Number of action tokens of each response, ``[B]``."""
+        return self.action_mask.sum(-1)
+
+    def _rules(self, checks: _Checks) -> None:
+        logp, mask = self.logp, self.action_mask
+        if logp.ndim != 2:
+            checks.fail("logp", f"must be [B, T], got shape {tuple(logp.shape)}")
+            return
+        B, T = logp.shape
+        ok = _dtype_rule("logp", logp, "float", checks)
+        shape_ok = True
+        expected = {
+            **{k: ((B, T),) for k in self.TOKEN_FLOATS if k != "logp"},
+            "action_mask": ((B, T),),
+            "advantage": ((B,), (B, T)),
+            "reward": ((B,), (B, T)),
+            "group_id": ((B,),),
+            "trajectory_id": ((B,),),
+            "terminated": ((B,),),
+            "final_value": ((B,),),
+        }
+        kinds = {"action_mask": "bool", "terminated": "bool", "group_id": "int", "trajectory_id": "int"}
+        for name, shapes in expected.items():
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if tuple(t.shape) not in shapes:
+                want = " or ".join(str(list(s)) for s in shapes)
+                checks.fail(name, f"shape must align with logp [B={B}, T={T}]: expected {want}, got {list(t.shape)}")
+                shape_ok = False
+            if not _dtype_rule(name, t, kinds.get(name, "float"), checks):
+                shape_ok = False
+            if t.device != logp.device:
+                checks.fail(name, f"must be on logp's device {logp.device}, got {t.device}")
+                shape_ok = False
+        if not (ok and shape_ok):
+            return  # value rules below assume aligned, well-typed tensors
+
+        checks.when_any(~mask.any(-1), "action_mask", "every response needs at least one action token")
+        for name in self.TOKEN_FLOATS + ("advantage", "reward"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if t.ndim == 2:
+                checks.when_any(mask & ~torch.isfinite(t), name, "must be finite on action positions")
+            else:
+                checks.when_any(~torch.isfinite(t), name, "must be finite")
+            if name in self.LOGPROBS:
+                checks.when_any(mask & (t > LOGP_TOLERANCE), name,
+                                f"log-probs must be <= 0 (tolerance {LOGP_TOLERANCE}) on action positions")
+        if self.final_value is not None:
+            live = ~self.terminated if self.terminated is not None else torch.ones_like(self.final_value, dtype=torch.bool)
+            checks.when_any(live & ~torch.isfinite(self.final_value), "final_value",
+                            "must be finite for truncated (not terminated) responses")
+
+
+class PackedTransitions(_TensorModel):
+    """The seeds' packed layout: N transitions of several trajectories laid end to end, all ``[N]``.
+
+    ``terminated`` decides whether the TD target bootstraps from ``next_value``; ``boundary`` decides whether the
+    GAE trace continues into the next transition. A time-limit truncation is ``terminated=False, boundary=True``
+    with ``next_value`` the value of the real final observation.
+    """
+
+    reward: Tensor
+    value: Tensor
+    #: V(s_{t+1}); ignored (may be NaN) where ``terminated``
+    next_value: Tensor
+    terminated: Tensor
+    boundary: Tensor
+    trajectory_id: Optional[Tensor] = None
+
+    def _rules(self, checks: _Checks) -> None:
+        reward = self.reward
+        if reward.ndim != 1 or reward.numel() == 0:
+            checks.fail("reward", f"packed fragments must be non-empty and one-dimensional, got shape {list(reward.shape)}")
+            return
+        (N,) = reward.shape
+        kinds = {"reward": "float", "value": "float", "next_value": "float", "terminated": "bool",
+                 "boundary": "bool", "trajectory_id": "int"}
+        aligned = True
+        for name, kind in kinds.items():
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if tuple(t.shape) != (N,):
+                checks.fail(name, f"all transition tensors must align with reward [N={N}], got {list(t.shape)}")
+                aligned = False
+            if not _dtype_rule(name, t, kind, checks):
+                aligned = False
+        if not aligned:
+            return
+        if not bool(self.boundary[-1]):
+            checks.fail("boundary", "packed fragments must be closed: the last transition must be a boundary",
+                        f"position {N - 1}")
+        checks.when_any(self.terminated & ~self.boundary, "terminated",
+                        "a terminal transition must close its trajectory (terminated ⇒ boundary)", noun="positions")
+        checks.when_any(~torch.isfinite(self.reward), "reward", "must be finite", noun="positions")
+        checks.when_any(~torch.isfinite(self.value), "value", "must be finite", noun="positions")
+        checks.when_any(~self.terminated & ~torch.isfinite(self.next_value), "next_value",
+                        "must be finite where the transition bootstraps (not terminated)", noun="positions")
+        if self.trajectory_id is not None and N > 1:
+            changes = self.trajectory_id[1:] != self.trajectory_id[:-1]
+            checks.when_any(changes & ~self.boundary[:-1], "trajectory_id",
+                            "a fragment must not mix trajectories: the id changes without a boundary after",
+                            noun="positions")

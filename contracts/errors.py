@@ -1,0 +1,71 @@
+"""Errors raised by lossplug.
+
+Every error a user can trigger with bad input is a :class:`LossplugError`. They deliberately do not subclass
+``ValueError``: pydantic wraps ``ValueError`` raised inside validators into its own ``ValidationError``, and we want
+our messages — field, rule, position — to reach the user as written, not buried in pydantic's report.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+class LossplugError(Exception):
+    """Base class of every error lossplug raises on bad input or bad configuration."""
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken contract rule: which field, which rule, and where (rows / positions / groups)."""
+
+    field: str
+    rule: str
+    where: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.rule}" + (f" — {self.where}" if self.where else "")
+
+
+class BatchValidationError(LossplugError):
+    """A batch broke one or more contract rules. ``violations`` lists every one of them, not just the first."""
+
+    def __init__(self, contract: str, violations: Sequence[Violation]):
+        self.contract = contract
+        self.violations = list(violations)
+        lines = "\n".join(f"  - {v}" for v in self.violations)
+        n = len(self.violations)
+        super().__init__(f"{contract} failed {n} contract check{'s' if n != 1 else ''}:\n{lines}")
+
+
+class RecipeError(LossplugError):
+    """A recipe names an unknown plugin, an unknown parameter, or a parameter value the plugin refuses."""
+
+
+class PluginError(LossplugError):
+    """A plugin could not be loaded or registered (import error, bad hook, duplicate name)."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """A ' (did you mean 'x'?)' suffix for typos, or ''."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def describe_positions(index, limit: int = 8, noun: str = "rows") -> str:
+    """Render the offending places of a boolean mask or an index tensor: 'rows [1, 4]' / '(row 2, pos 5), …'."""
+    import torch
+
+    if index.dtype == torch.bool:
+        index = index.nonzero()
+    index = index.cpu()
+    total = index.shape[0]
+    if index.ndim == 1 or index.shape[-1] == 1:
+        items = [str(int(i)) for i in index.reshape(-1)[:limit]]
+        noun = noun if total != 1 else noun.rstrip("s")
+        text = f"{noun} [{', '.join(items)}{', …' if total > limit else ''}]"
+    else:
+        items = [f"(row {int(r)}, pos {int(c)})" for r, c in index[:limit].tolist()]
+        text = ", ".join(items) + (", …" if total > limit else "")
+    return text + (f" ({total} in all)" if total > limit else "")

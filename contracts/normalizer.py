@@ -1,0 +1,70 @@
+"""The global population of one optimizer step.
+
+A reduction divides by a population: action tokens (token mean), sequences (response mean, per-response sums) or a
+fixed budget. Under gradient accumulation and data parallelism each micro-batch only sees part of that population,
+and dividing by the part is the bug every peer framework has shipped ("token-mean" silently becoming a mean of
+per-micro-batch means). A :class:`Normalizer` carries the counts of the **whole** step, so that the sum of the
+micro-batch losses over all micro-batches and all ranks equals the full-batch reduction exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import LossplugError
+
+
+class Normalizer(BaseModel):
+    """Counts of the global population of one optimizer step (all micro-batches, all data-parallel ranks)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: action tokens in the whole step
+    action_tokens: int = Field(gt=0)
+    #: responses (sequences) in the whole step
+    sequences: int = Field(gt=0)
+    #: prompt groups in the whole step, where known
+    groups: Optional[int] = Field(default=None, gt=0)
+    #: the fixed generation budget per response (e.g. ``max_completion_length``) used by the ``fixed`` reduction
+    #: when its recipe gives none
+    budget: Optional[float] = Field(default=None, gt=0)
+
+    @classmethod
+    def for_masks(cls, action_masks: Iterable[torch.Tensor], *, budget: Optional[float] = None,
+                  group_ids: Optional[Iterable[torch.Tensor]] = None) -> "Normalizer":
+        """The population of the micro-batches whose action masks are given (e.g. all micro-batches of a step)."""
+        masks = list(action_masks)
+        tokens = sum(int(m.sum()) for m in masks)
+        sequences = sum(int(m.shape[0]) for m in masks)
+        groups = None
+        if group_ids is not None:
+            groups = int(torch.unique(torch.cat([g.reshape(-1).cpu() for g in group_ids])).numel())
+        return cls(action_tokens=tokens, sequences=sequences, groups=groups, budget=budget)
+
+    @classmethod
+    def all_reduce(cls, local: "Normalizer", group=None) -> "Normalizer":
+        """Sum this rank's local population over a ``torch.distributed`` process group.
+
+        ``groups`` is summed too, which is exact when every prompt group lives on one rank (as in TRL and verl,
+        where the rollouts of a prompt are scattered only within the rank's generation batch).
+        """
+        import torch.distributed as dist
+
+        counts = torch.tensor([local.action_tokens, local.sequences, local.groups or 0], dtype=torch.float64)
+        if dist.get_backend(group) == "nccl":
+            counts = counts.cuda()
+        dist.all_reduce(counts, group=group)
+        tokens, sequences, groups = (int(round(v)) for v in counts.tolist())
+        return cls(action_tokens=tokens, sequences=sequences, groups=groups or None, budget=local.budget)
+
+    def check_covers(self, action_tokens: int, sequences: int) -> None:
+        """Refuse a population smaller than the micro-batch it normalises — a denominator that cannot be right."""
+        if action_tokens > self.action_tokens or sequences > self.sequences:
+            raise LossplugError(
+                f"Normalizer: the global population (action_tokens={self.action_tokens}, sequences={self.sequences}) "
+                f"is smaller than this micro-batch alone (action_tokens={action_tokens}, sequences={sequences}); "
+                "the normaliser must count the whole optimizer step (all micro-batches and ranks)"
+            )

@@ -1,0 +1,43 @@
+"""Results returned by the loss pipeline."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, PrivateAttr
+
+
+class LossResult(BaseModel):
+    """The scalar loss (to minimise, carries the gradient) and its metrics.
+
+    Metrics are kept as 0-d tensors and converted to floats on first access of :attr:`metrics`, in a single
+    device→host transfer, so that computing a loss never forces a synchronisation by itself.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    loss: torch.Tensor
+    metric_tensors: dict[str, torch.Tensor] = {}
+    _metrics: Optional[dict[str, float]] = PrivateAttr(default=None)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        if self._metrics is None:
+            names = list(self.metric_tensors)
+            if names:
+                values = torch.stack([self.metric_tensors[n].detach().float().reshape(()) for n in names]).tolist()
+            else:
+                values = []
+            self._metrics = dict(zip(names, values))
+        return self._metrics
+
+
+class AdvantageResult(BaseModel):
+    """Advantages, and the critic targets (returns ``A + V_old``) where the estimator has a critic."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    advantage: torch.Tensor
+    returns: Optional[torch.Tensor] = None
+    metric_tensors: dict[str, torch.Tensor] = {}

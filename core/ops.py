@@ -1,0 +1,90 @@
+"""Small tensor helpers shared by plugins: group statistics from ``group_id`` and masked reductions.
+
+Group statistics never assume that the rollouts of a prompt are adjacent or that groups are of equal size: they
+work from ``group_id`` through ``torch.unique(..., return_inverse=True)`` and scatter-adds, in O(B).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The partition of B rows into G groups."""
+
+    inverse: Tensor  # [B] group index in 0..G-1 of every row
+    counts: Tensor  # [G] rows per group
+    num_groups: int
+
+    @classmethod
+    def from_ids(cls, group_id: Tensor) -> "Groups":
+        _, inverse, counts = torch.unique(group_id, return_inverse=True, return_counts=True)
+        return cls(inverse, counts, int(counts.numel()))
+
+    def sum(self, x: Tensor) -> Tensor:
+        """Per-group sum of a ``[B]`` tensor, ``[G]``."""
+        return torch.zeros(self.num_groups, dtype=x.dtype, device=x.device).index_add_(0, self.inverse, x)
+
+    def mean(self, x: Tensor) -> Tensor:
+        return self.sum(x) / self.counts.to(x.dtype)
+
+    def amax(self, x: Tensor) -> Tensor:
+        out = torch.full((self.num_groups,), float("-inf"), dtype=x.dtype, device=x.device)
+        return out.scatter_reduce(0, self.inverse, x, reduce="amax")
+
+    def amin(self, x: Tensor) -> Tensor:
+        out = torch.full((self.num_groups,), float("inf"), dtype=x.dtype, device=x.device)
+        return out.scatter_reduce(0, self.inverse, x, reduce="amin")
+
+    def std(self, x: Tensor, *, unbiased: bool) -> Tensor:
+        """Per-group standard deviation (two-pass, for accuracy); NaN for singleton groups when ``unbiased``."""
+        centered = x - self.mean(x)[self.inverse]
+        dof = self.counts.to(x.dtype) - (1 if unbiased else 0)
+        return (self.sum(centered * centered) / dof).sqrt()
+
+    def constant(self, x: Tensor) -> Tensor:
+        """``[G]`` bool: every value of the group is exactly equal (no ranking signal at all)."""
+        return self.amax(x) == self.amin(x)
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim=None) -> Tensor:
+    x = torch.where(mask, x, 0)
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
+    """Mean over masked positions; NaN-safe (unmasked positions are never read)."""
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    mean = masked_mean(x, mask)
+    count = mask.sum()
+    var = masked_sum((x - mean) ** 2, mask) / count.clamp(min=1)
+    if unbiased:
+        var = var * count / (count - 1).clamp(min=1)
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Whiten over masked positions (unbiased variance, as TRL/verl's ``masked_whiten``); zero off the mask."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask, out, 0)
+
+
+def masked_quantiles(x: Tensor, mask: Tensor, qs: tuple[float, ...]) -> Tensor:
+    """Quantiles of ``x`` over masked positions without a host sync (NaN-fill + ``nanquantile``)."""
+    flat = torch.where(mask, x.detach().float(), float("nan")).reshape(-1)
+    if flat.numel() > 1 << 24:  # torch.quantile's input limit: an even stride subsample keeps it sync-free
+        flat = flat[:: (flat.numel() + (1 << 24) - 1) >> 24]
+    q = torch.tensor(qs, dtype=flat.dtype, device=flat.device)
+    return torch.nanquantile(flat, q)

@@ -1,0 +1,287 @@
+"""The loss pipeline: advantage → gates → reduction.
+
+``compile_recipe`` resolves a recipe's plugins once (cached on the recipe, invalidated if the registry is rebuilt);
+``policy_loss`` is then plain tensor code per micro-batch. With ``validate="full"`` the batch is checked against the
+contract (once per batch object) and against what the recipe's plugins declare they need; ``validate="off"`` skips
+every check and every host synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+import torch
+
+from lossplug.contracts import (AdvantageResult, BatchValidationError, LossResult, Normalizer, PackedTransitions,
+                                PolicyBatch, Recipe, Violation)
+from lossplug.contracts.errors import LossplugError, describe_positions
+
+from . import registry as _registry
+from .ops import Groups, masked_quantiles
+from .plugin import AdvantagePlugin, GateInput, GatePlugin, Params, Population, ReductionPlugin
+
+Tensor = torch.Tensor
+Validate = Literal["full", "off"]
+QUANTILES = (0.0, 0.05, 0.5, 0.95, 1.0)
+QUANTILE_NAMES = ("min", "p05", "p50", "p95", "max")
+
+
+@dataclass(frozen=True)
+class Stage:
+    plugin: Union[AdvantagePlugin, GatePlugin, ReductionPlugin]
+    params: Params
+    where: str
+
+
+@dataclass(frozen=True)
+class CompiledRecipe:
+    recipe: Recipe
+    advantage: Optional[Stage]
+    update: Stage
+    corrections: tuple[Stage, ...]
+    reduction: Stage
+    has_validators: bool
+    has_metric_hooks: bool
+    generation: int
+
+    @property
+    def gates(self) -> tuple[Stage, ...]:
+        return (self.update,) + self.corrections
+
+
+def _stage(reg, kind: str, spec, where: str) -> Stage:
+    plugin = reg.lookup(kind, spec.name, where)
+    return Stage(plugin, plugin.params.model_validate(spec.params), where)
+
+
+def compile_recipe(recipe: Recipe) -> CompiledRecipe:
+    """Resolve the recipe's plugins and parameter models once; cached on the recipe object."""
+    reg = _registry.registry()
+    cached = recipe._compiled
+    if cached is not None and cached.generation == reg.generation:
+        return cached
+    pm = _registry.plugin_manager()
+    gates = tuple(_stage(reg, "gate", g, f"recipe.gates[{i}]") for i, g in enumerate(recipe.gates))
+    compiled = CompiledRecipe(
+        recipe=recipe,
+        advantage=_stage(reg, "advantage", recipe.advantage, "recipe.advantage") if recipe.advantage else None,
+        update=gates[0],
+        corrections=gates[1:],
+        reduction=_stage(reg, "reduction", recipe.reduction, "recipe.reduction"),
+        has_validators=bool(pm.hook.lossplug_validate_batch.get_hookimpls()),
+        has_metric_hooks=bool(pm.hook.lossplug_extra_metrics.get_hookimpls()),
+        generation=reg.generation,
+    )
+    recipe._compiled = compiled
+    return compiled
+
+
+@functools.lru_cache(maxsize=64)
+def _recipe_from_name(name: str) -> Recipe:
+    return Recipe.load(name)
+
+
+def as_recipe(recipe: Union[Recipe, str]) -> Recipe:
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str):
+        return _recipe_from_name(recipe)
+    return Recipe.load(recipe)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _missing(batch, fields, who: str) -> list[Violation]:
+    contract = type(batch).__name__
+    out = []
+    for name in fields:
+        if getattr(batch, name, None) is None:
+            hint = " (for a single on-policy step pass old_logp=logp.detach())" if name == "old_logp" else ""
+            out.append(Violation(name, f"required by {who}, but this {contract} has none{hint}"))
+    return out
+
+
+def _group_violations(batch, plugin: AdvantagePlugin, where: str) -> list[Violation]:
+    if plugin.min_group_size <= 1 or batch.group_id is None:
+        return []
+    groups = Groups.from_ids(batch.group_id)
+    small = groups.counts < plugin.min_group_size
+    if not bool(small.any()):
+        return []
+    ids = torch.unique(batch.group_id)[small]
+    return [Violation("group_id", f"{where} ({plugin.name}) needs at least {plugin.min_group_size} rollouts per "
+                                  f"group", f"groups {ids.tolist()[:8]} have fewer (sizes "
+                                            f"{groups.counts[small].tolist()[:8]})")]
+
+
+def _check(batch, compiled: CompiledRecipe, violations: list[Violation]) -> None:
+    if not batch.validated:
+        batch.check()
+    if compiled.has_validators:
+        for found in _registry.plugin_manager().hook.lossplug_validate_batch(batch=batch, recipe=compiled.recipe):
+            violations.extend(found or ())
+    if violations:
+        raise BatchValidationError(type(batch).__name__, violations)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Advantages
+
+
+def estimate_advantages(batch: Union[PolicyBatch, PackedTransitions], recipe: Union[Recipe, str], *,
+                        validate: Validate = "full") -> AdvantageResult:
+    """Run the recipe's advantage plugin: advantages and, for critic-based estimators, returns ``A + V_old``."""
+    compiled = compile_recipe(as_recipe(recipe))
+    stage = compiled.advantage
+    if stage is None:
+        raise LossplugError("recipe has no advantage stage: advantages must come with the batch")
+    plugin: AdvantagePlugin = stage.plugin
+    layout = "packed" if isinstance(batch, PackedTransitions) else "padded"
+    if layout not in plugin.layouts:
+        raise LossplugError(f"{stage.where} ({plugin.name}) works on the {' / '.join(plugin.layouts)} layout, "
+                            f"got a {type(batch).__name__}")
+    if validate == "full":
+        who = f"{stage.where} ({plugin.name})"
+        violations = _missing(batch, plugin.requires, who) + (
+            _group_violations(batch, plugin, stage.where) if layout == "padded" else [])
+        _check(batch, compiled, violations)
+    elif validate != "off":
+        raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
+    with torch.no_grad():
+        result = plugin(batch, stage.params)
+    if validate == "full":
+        _check_advantage_output(result.advantage, batch, stage)
+    return result
+
+
+def compute_advantages(batch: Union[PolicyBatch, PackedTransitions], recipe: Union[Recipe, str], *,
+                       validate: Validate = "full") -> Tensor:
+    """The recipe's advantages for ``batch``: ``[B]``, ``[B, T]`` or ``[N]`` (packed)."""
+    return estimate_advantages(batch, recipe, validate=validate).advantage
+
+
+def _check_advantage_output(adv: Tensor, batch, stage: Stage) -> None:
+    where = f"{stage.where} ({stage.plugin.name}) returned advantages that"
+    if isinstance(batch, PackedTransitions):
+        shapes, mask = ((batch.reward.shape[0],),), None
+    else:
+        shapes, mask = ((batch.batch_size,), tuple(batch.logp.shape)), batch.action_mask
+    if tuple(adv.shape) not in shapes:
+        raise LossplugError(f"{where} have shape {list(adv.shape)}, expected one of {[list(s) for s in shapes]}")
+    bad = ~torch.isfinite(adv)
+    if mask is not None and adv.ndim == 2:
+        bad = bad & mask
+    if bool(bad.any()):
+        raise LossplugError(f"{where} are not finite at {describe_positions(bad)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Policy loss
+
+
+def _prepare(batch: PolicyBatch) -> GateInput:
+    mask = batch.action_mask
+    logp = batch.logp
+    compute = torch.float32 if logp.dtype in (torch.float16, torch.bfloat16) else logp.dtype
+
+    def clean(t: Optional[Tensor]) -> Optional[Tensor]:
+        return None if t is None else torch.where(mask, t.to(compute), 0)
+
+    adv = batch.advantage
+    if adv is not None and adv.ndim == 1:
+        adv = adv.unsqueeze(-1).expand_as(logp)
+    return GateInput(
+        logp=clean(logp), mask=mask, advantage=clean(adv), lengths=mask.sum(-1),
+        old_logp=clean(batch.old_logp), behavior_logp=clean(batch.behavior_logp), ref_logp=clean(batch.ref_logp),
+        batch=batch,
+    )
+
+
+def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Optional[Normalizer] = None, *,
+                validate: Validate = "full", metrics: bool = True) -> LossResult:
+    """The recipe's policy loss for one micro-batch.
+
+    Without a ``normalizer`` the micro-batch is the whole population. With one, the returned loss is this
+    micro-batch's share of the full-step reduction: summed over every micro-batch and rank it equals the full-batch
+    loss exactly. ``metrics=False`` skips every metric (no quantile sorts).
+    """
+    compiled = compile_recipe(as_recipe(recipe))
+    if validate == "full":
+        violations = _missing(batch, ("advantage",), "policy_loss (compute it with lossplug.compute_advantages)")
+        for stage in compiled.gates:
+            violations += _missing(batch, stage.plugin.requires, f"{stage.where} ({stage.plugin.name})")
+        _check(batch, compiled, violations)
+        if normalizer is not None:
+            normalizer.check_covers(int(batch.action_mask.sum()), batch.batch_size)
+    elif validate != "off":
+        raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
+
+    inp = _prepare(batch)
+    update = compiled.update
+    out = update.plugin(inp, update.params)
+    objective = out.objective
+    outputs = [(update, out)]
+    for stage in compiled.corrections:
+        corr = stage.plugin(inp, stage.params)
+        weight = corr.weight if corr.weight.ndim == 2 else corr.weight.unsqueeze(-1)
+        objective = objective * weight
+        outputs.append((stage, corr))
+    objective = torch.where(inp.mask, objective, 0)
+
+    if normalizer is None:
+        population = Population(inp.lengths.sum(), batch.batch_size, None, None)
+    else:
+        population = Population(normalizer.action_tokens, normalizer.sequences, normalizer.groups, normalizer.budget)
+    red = compiled.reduction
+    value = red.plugin(objective, inp.mask, inp.lengths, population, red.params)
+    loss = (-value).to(batch.logp.dtype) if batch.logp.dtype != value.dtype else -value
+
+    metric_tensors: dict[str, Tensor] = {}
+    if metrics:
+        with torch.no_grad():
+            metric_tensors = _metrics(inp, outputs, objective, loss)
+            if compiled.has_metric_hooks:
+                for extra in _registry.plugin_manager().hook.lossplug_extra_metrics(
+                        batch=batch, objective=objective.detach(), recipe=compiled.recipe):
+                    metric_tensors.update(extra or {})
+    return LossResult.model_construct(loss=loss, metric_tensors=metric_tensors)
+
+
+def _ratio_metrics(prefix: str, log_ratio: Tensor, mask: Tensor, out: dict[str, Tensor]) -> None:
+    ratio = log_ratio.clamp(-20, 20).exp()
+    for name, q in zip(QUANTILE_NAMES, masked_quantiles(ratio, mask, QUANTILES)):
+        out[f"{prefix}/{name}"] = q
+    out[f"{prefix}/mean"] = torch.where(mask, ratio, 0).sum() / mask.sum().clamp(min=1)
+
+
+def _metrics(inp: GateInput, outputs, objective: Tensor, loss: Tensor) -> dict[str, Tensor]:
+    mask = inp.mask
+    n_tokens = mask.sum().clamp(min=1)
+    m: dict[str, Tensor] = {"loss": loss.detach()}
+    if inp.old_logp is not None:
+        _ratio_metrics("ratio/update", inp.logp.detach() - inp.old_logp, mask, m)
+    if inp.old_logp is not None and inp.behavior_logp is not None:
+        _ratio_metrics("ratio/engine", inp.old_logp - inp.behavior_logp, mask, m)
+    token_active = mask
+    seq_active = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
+    for stage, out in outputs:
+        name = stage.plugin.name
+        for key, value in out.metrics.items():
+            m[f"{name}/{key}"] = value
+        if out.active is None:
+            continue
+        if out.active.ndim == 2:
+            m[f"{name}/active_token_frac"] = (out.active & mask).sum() / n_tokens
+            token_active = token_active & out.active
+        else:
+            m[f"{name}/active_seq_frac"] = out.active.float().mean()
+            seq_active = seq_active & out.active
+    token_active = token_active & seq_active.unsqueeze(-1)
+    m["effective/token_frac"] = token_active.sum() / n_tokens
+    m["effective/seq_frac"] = token_active.any(-1).float().mean()
+    m["objective/mean"] = objective.sum() / n_tokens
+    return m

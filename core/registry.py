@@ -1,0 +1,271 @@
+"""The plugin manager and the name registry built from it.
+
+Built the first time it is needed (never at ``import lossplug``): a pluggy ``PluginManager`` with the hook specs,
+the built-in plugins registered as ordinary plugins, then the ``lossplug`` entry points — unless
+``LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD=1``; ``LOSSPLUG_PLUGINS=a,b`` is an allow-list of entry-point or distribution
+names. Then every ``lossplug_register_*`` hook is called once and the names are recorded with their source.
+
+Failures are loud but contained, so one broken third-party package cannot take down recipes that do not use it:
+
+* an entry point that fails to import, has a bad hook, or raises inside a hook is reported with a
+  :class:`LossplugPluginWarning` naming the entry point and its distribution, listed by ``lossplug list``, and named
+  again in the error of any lookup that misses;
+* a name registered twice makes that name unusable: looking it up raises :class:`PluginError` naming both sources.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import pluggy
+
+from lossplug.contracts import PluginError, RecipeError
+from lossplug.contracts.errors import did_you_mean
+from lossplug.contracts.recipe import set_catalog
+
+from . import hookspecs
+from .plugin import AdvantagePlugin, AnyPlugin, GatePlugin, ReductionPlugin
+
+ENTRY_POINT_GROUP = "lossplug"
+DISABLE_ENV = "LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD"
+ALLOW_ENV = "LOSSPLUG_PLUGINS"
+BUILTIN_SOURCE = "lossplug (built-in)"
+
+KINDS = {"advantage": AdvantagePlugin, "gate": GatePlugin, "reduction": ReductionPlugin}
+HOOKS = {
+    "advantage": "lossplug_register_advantages",
+    "gate": "lossplug_register_gates",
+    "reduction": "lossplug_register_reductions",
+}
+
+
+class LossplugPluginWarning(UserWarning):
+    """A third-party plugin could not be loaded or registered; recipes that do not use it still run."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    recipe: Mapping[str, Any]
+    source: str
+    origin: str
+
+
+@dataclass
+class BrokenPlugin:
+    origin: str
+    error: str
+
+    def __str__(self) -> str:
+        return f"{self.origin}: {self.error}"
+
+
+@dataclass
+class Registry:
+    """Every registered plugin by kind and name, with where each came from."""
+
+    plugins: dict[str, dict[str, AnyPlugin]] = field(default_factory=lambda: {k: {} for k in KINDS})
+    origins: dict[tuple[str, str], str] = field(default_factory=dict)
+    presets: dict[str, Preset] = field(default_factory=dict)
+    duplicates: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    broken: list[BrokenPlugin] = field(default_factory=list)
+    generation: int = 0
+
+    # -- building ---------------------------------------------------------------------------------------------------
+    def add(self, kind: str, plugin: Any, origin: str) -> None:
+        cls = KINDS[kind]
+        if not isinstance(plugin, cls):
+            raise PluginError(f"{origin}: {HOOKS[kind]} registered {plugin!r}, which is not a {cls.__name__} "
+                              f"(decorate the function with @lossplug.{kind}(...))")
+        key = (kind, plugin.name)
+        if key in self.duplicates:
+            self.duplicates[key].append(origin)
+        elif key in self.origins:
+            self.duplicates[key] = [self.origins.pop(key), origin]
+            del self.plugins[kind][plugin.name]
+        else:
+            self.plugins[kind][plugin.name] = plugin
+            self.origins[key] = origin
+
+    def add_preset(self, name: str, recipe: Mapping[str, Any], source: str, origin: str) -> None:
+        key = ("preset", name)
+        if key in self.duplicates:
+            self.duplicates[key].append(origin)
+        elif name in self.presets:
+            self.duplicates[key] = [self.presets.pop(name).origin, origin]
+        else:
+            self.presets[name] = Preset(name, dict(recipe), source, origin)
+
+    # -- the Catalog protocol recipes consult -----------------------------------------------------------------------
+    def lookup(self, kind: str, name: str, where: str = "") -> AnyPlugin:
+        prefix = f"{where}: " if where else ""
+        if (kind, name) in self.duplicates:
+            raise PluginError(f"{prefix}{kind} '{name}' is registered more than once, by "
+                              f"{' and by '.join(self.duplicates[(kind, name)])}; uninstall or disable one")
+        found = self.plugins[kind].get(name)
+        if found is None:
+            known = sorted(self.plugins[kind])
+            msg = (f"{prefix}unknown {kind} plugin '{name}'{did_you_mean(name, known)}; "
+                   f"available: {', '.join(known) or 'none'}")
+            if self.broken:
+                msg += "; note that these plugins failed to load: " + "; ".join(map(str, self.broken))
+            raise RecipeError(msg)
+        return found
+
+    def preset(self, name: str) -> Mapping[str, Any]:
+        if ("preset", name) in self.duplicates:
+            raise PluginError(f"preset '{name}' is registered more than once, by "
+                              f"{' and by '.join(self.duplicates[('preset', name)])}")
+        if name not in self.presets:
+            known = sorted(self.presets)
+            raise RecipeError(f"unknown preset '{name}'{did_you_mean(name, known)}; presets: {', '.join(known)}")
+        return {"name": name, **self.presets[name].recipe}
+
+    def origin(self, kind: str, name: str) -> str:
+        return self.origins.get((kind, name), "?")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+_lock = threading.RLock()
+_pm: Optional[pluggy.PluginManager] = None
+_registry: Optional[Registry] = None
+_generation = 0
+
+
+def _describe(ep: md.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    dist_text = f" of distribution '{dist.name} {dist.version}'" if dist is not None else ""
+    return f"entry point '{ep.name} = {ep.value}'{dist_text}"
+
+
+def _allowed(ep: md.EntryPoint, allow: Optional[set[str]]) -> bool:
+    if allow is None:
+        return True
+    dist = getattr(ep, "dist", None)
+    return ep.name in allow or (dist is not None and dist.name in allow)
+
+
+def _build() -> tuple[pluggy.PluginManager, Registry]:
+    from lossplug.plugins import builtin
+
+    pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
+    pm.add_hookspecs(hookspecs)
+    registry = Registry()
+    origins: dict[int, str] = {}
+
+    pm.register(builtin, name="lossplug.builtin")
+    origins[id(builtin)] = BUILTIN_SOURCE
+
+    if os.environ.get(DISABLE_ENV, "").strip().lower() not in ("1", "true", "yes"):
+        allow_text = os.environ.get(ALLOW_ENV)
+        allow = {s.strip() for s in allow_text.split(",") if s.strip()} if allow_text is not None else None
+        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+            if not _allowed(ep, allow):
+                continue
+            origin = _describe(ep)
+            try:
+                obj = ep.load()
+            except Exception as err:  # any import-time failure of third-party code
+                registry.broken.append(BrokenPlugin(origin, f"failed to import: {type(err).__name__}: {err}"))
+                continue
+            if pm.is_registered(obj):
+                continue  # the same module exposed under two entry-point names
+            try:
+                pm.register(obj, name=f"entrypoint:{ep.name}")
+            except (pluggy.PluginValidationError, ValueError) as err:
+                registry.broken.append(BrokenPlugin(origin, f"bad plugin: {err}"))
+                continue
+            origins[id(obj)] = origin
+
+    def call(hook_name: str, make_register: Callable[[str], Callable]) -> None:
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():  # in registration order: built-ins first
+            origin = origins.get(id(impl.plugin), impl.plugin_name)
+            try:
+                impl.function(*[make_register(origin) for _ in impl.argnames])
+            except Exception as err:
+                if origin == BUILTIN_SOURCE:
+                    raise
+                registry.broken.append(BrokenPlugin(origin, f"{hook_name} raised {type(err).__name__}: {err}"))
+
+    for kind, hook_name in HOOKS.items():
+        call(hook_name, lambda origin, kind=kind: (lambda plugin: registry.add(kind, plugin, origin)))
+    call("lossplug_register_presets",
+         lambda origin: (lambda name, recipe, source="": registry.add_preset(name, recipe, source, origin)))
+
+    for b in registry.broken:
+        warnings.warn(f"lossplug plugin not loaded — {b}", LossplugPluginWarning, stacklevel=3)
+    for (kind, name), where in registry.duplicates.items():
+        warnings.warn(f"lossplug {kind} '{name}' is registered more than once ({' and '.join(where)}); "
+                      "it cannot be used until one is removed", LossplugPluginWarning, stacklevel=3)
+    return pm, registry
+
+
+def _ensure() -> tuple[pluggy.PluginManager, Registry]:
+    global _pm, _registry, _generation
+    if _registry is None:
+        with _lock:
+            if _registry is None:
+                pm, registry = _build()
+                _generation += 1
+                registry.generation = _generation
+                _pm, _registry = pm, registry
+    return _pm, _registry
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    """The pluggy plugin manager (built on first use)."""
+    return _ensure()[0]
+
+
+def registry() -> Registry:
+    """The registry of named plugins and presets (built on first use)."""
+    return _ensure()[1]
+
+
+def reset() -> None:
+    """Forget the plugin manager; the next use rebuilds it (re-reading entry points and environment variables)."""
+    global _pm, _registry
+    with _lock:
+        _pm, _registry = None, None
+
+
+class _LazyCatalog:
+    """What recipes consult; building the registry is deferred to the first recipe."""
+
+    def lookup(self, kind: str, name: str, where: str):
+        return registry().lookup(kind, name, where)
+
+    def preset(self, name: str):
+        return registry().preset(name)
+
+
+set_catalog(_LazyCatalog())
+
+
+def list_plugins() -> list[dict[str, Any]]:
+    """Every registered plugin: kind, name, source, parameters (with defaults) and the first line of its doc."""
+    reg = registry()
+    rows = []
+    for kind in KINDS:
+        for name, plugin in sorted(reg.plugins[kind].items()):
+            params = {
+                pname: {"default": f.default if not f.is_required() else None, "required": f.is_required(),
+                        "type": getattr(f.annotation, "__name__", str(f.annotation))}
+                for pname, f in plugin.params.model_fields.items()
+            }
+            rows.append({
+                "kind": kind, "name": name, "source": reg.origin(kind, name), "params": params,
+                "summary": plugin.doc.splitlines()[0] if plugin.doc else "",
+                "role": getattr(plugin, "role", None), "level": getattr(plugin, "level", None),
+                "requires": list(getattr(plugin, "requires", ())),
+            })
+    for name, preset in sorted(reg.presets.items()):
+        rows.append({"kind": "preset", "name": name, "source": preset.origin, "params": {},
+                     "summary": preset.source, "role": None, "level": None, "requires": []})
+    return rows

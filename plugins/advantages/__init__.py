@@ -1,0 +1,1 @@
+"""Built-in advantage estimators, one module per family."""

@@ -1,0 +1,33 @@
+"""The built-in plugins, registered through the very hooks a third-party package implements."""
+
+from __future__ import annotations
+
+import lossplug
+from lossplug.plugins import reductions
+from lossplug.plugins.advantages import group_relative
+from lossplug.plugins.gates import ppo_clip
+
+from .presets import PRESETS
+
+
+@lossplug.hookimpl
+def lossplug_register_advantages(register):
+    register(group_relative.grpo)
+    register(group_relative.rloo)
+
+
+@lossplug.hookimpl
+def lossplug_register_gates(register):
+    register(ppo_clip.ppo_clip)
+
+
+@lossplug.hookimpl
+def lossplug_register_reductions(register):
+    for plugin in (reductions.response_mean, reductions.token_mean, reductions.fixed_budget, reductions.sequence_sum):
+        register(plugin)
+
+
+@lossplug.hookimpl
+def lossplug_register_presets(register):
+    for name, (recipe, source) in PRESETS.items():
+        register(name, recipe, source=source)

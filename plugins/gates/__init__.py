@@ -1,0 +1,1 @@
+"""Built-in gates, one module per gate family."""

@@ -1,0 +1,60 @@
+"""PPO's clipped surrogate, with clip-higher and dual-clip.
+
+Objective per action token, with ratio ``r = exp(logp − old_logp)`` and advantage ``A``::
+
+    J = min(r·A, clip(r, 1 − eps_low, 1 + eps_high)·A)                  (sign-aware: the min is the point)
+    J = max(J, c·A)        where A < 0, if dual_clip_c = c is set (c > 1)
+
+For ``A > 0`` only ratios above ``1 + eps_high`` are cut (their gradient is zero); for ``A < 0`` only ratios below
+``1 − eps_low``. The other side keeps the raw branch and its gradient. Dual-clip additionally bounds the objective
+of negative-advantage tokens at ``c·A`` when the ratio explodes (gradient zero there). Gradient flows through
+``logp`` only; ``old_logp`` is treated as a constant.
+
+The log-ratio is clamped to ``±log_ratio_clamp`` before ``exp`` (verl's safety clamp, 20 by default) so that a
+log-ratio of ±100 can never produce inf or NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from pydantic import Field, model_validator
+
+import lossplug
+
+
+class PPOClipParams(lossplug.Params):
+    eps_low: float = Field(0.2, gt=0, lt=1, description="lower clip: ratios below 1 − eps_low are cut when A < 0")
+    eps_high: float = Field(0.2, gt=0, description="upper clip: ratios above 1 + eps_high are cut when A > 0")
+    dual_clip_c: Optional[float] = Field(None, gt=1, description="dual-clip bound c·A for A < 0 (e.g. 3)")
+    log_ratio_clamp: float = Field(20.0, gt=0, description="the log-ratio is clamped to ± this before exp")
+
+
+@lossplug.gate("ppo_clip", params=PPOClipParams, requires=("old_logp",))
+def ppo_clip(inp: lossplug.GateInput, p: PPOClipParams) -> lossplug.GateOutput:
+    """PPO clip: min(r·A, clip(r, 1−eps_low, 1+eps_high)·A), optional dual-clip max(·, c·A) for A < 0."""
+    adv = inp.advantage
+    ratio = inp.update_log_ratio().clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
+    raw = ratio * adv
+    clipped = ratio.clamp(1 - p.eps_low, 1 + p.eps_high) * adv
+    objective = torch.minimum(raw, clipped)
+    with torch.no_grad():
+        r = ratio.detach()
+        low = (r < 1 - p.eps_low) & (adv < 0)
+        high = (r > 1 + p.eps_high) & (adv > 0)
+        cut = low | high
+    if p.dual_clip_c is not None:
+        bound = p.dual_clip_c * adv
+        dual = (adv < 0) & (objective.detach() < bound)
+        objective = torch.where(adv < 0, torch.maximum(objective, bound), objective)
+        cut = cut | dual
+    mask = inp.mask
+    n = mask.sum().clamp(min=1)
+    metrics = {
+        "clip_frac_low": (low & mask).sum() / n,
+        "clip_frac_high": (high & mask).sum() / n,
+    }
+    if p.dual_clip_c is not None:
+        metrics["clip_frac_dual"] = (dual & mask).sum() / n
+    return lossplug.GateOutput(objective=objective, active=~cut, metrics=metrics)

@@ -1,0 +1,57 @@
+"""Reductions: how the per-token objective becomes one scalar — the choice that sets each token's implicit weight.
+
+With ``L`` the per-token objective (zero off actions), ``|o_i|`` the action tokens of response ``i``, and the
+population of the whole optimizer step (``N`` action tokens, ``S`` responses; a micro-batch without a
+:class:`~lossplug.Normalizer` is its own population)::
+
+    response      Σ_i (Σ_t L_it / |o_i|) / S        every response weighs the same (GRPO)
+    token         Σ_i Σ_t L_it / N                  every action token weighs the same (DAPO)
+    fixed         Σ_i Σ_t L_it / (budget · S)       per-response sums over a fixed budget (Dr. GRPO)
+    sequence_sum  Σ_i Σ_t L_it / S                  mean of per-response sums
+
+Each is additive over micro-batches: the sum over all micro-batches and ranks of their values equals the value of
+the whole step — which is why the denominators come from the step's population and never from the micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from pydantic import Field
+
+import lossplug
+from lossplug.contracts import LossplugError
+
+
+@lossplug.reduction("response")
+def response_mean(objective, mask, lengths, population, p):
+    """Mean over responses of each response's token mean (every response weighs the same)."""
+    per_response = objective.sum(-1) / lengths.clamp(min=1).to(objective.dtype)
+    return per_response.sum() / population.sequences
+
+
+@lossplug.reduction("token")
+def token_mean(objective, mask, lengths, population, p):
+    """Global action-token mean (every action token weighs the same; DAPO)."""
+    return objective.sum() / population.action_tokens
+
+
+class FixedParams(lossplug.Params):
+    budget: Optional[float] = Field(None, gt=0, description="tokens per response; default: the Normalizer's budget")
+
+
+@lossplug.reduction("fixed", params=FixedParams)
+def fixed_budget(objective, mask, lengths, population, p: FixedParams):
+    """Per-response sums divided by a fixed token budget, averaged over responses (Dr. GRPO)."""
+    budget = p.budget if p.budget is not None else population.budget
+    if budget is None:
+        raise LossplugError("reduction 'fixed' needs a positive budget: set it in the recipe "
+                            "({name: fixed, budget: 1024}) or pass Normalizer(budget=...)")
+    return objective.sum() / (budget * population.sequences)
+
+
+@lossplug.reduction("sequence_sum")
+def sequence_sum(objective, mask, lengths, population, p):
+    """Mean over responses of each response's token sum."""
+    return objective.sum() / population.sequences
