@@ -18,7 +18,7 @@ from lossplug.contracts import (AdvantageResult, BatchValidationError, LogProbSo
                                 Normalizer, PackedTransitions, PluginError, PluginSpec, PolicyBatch, Provenance,
                                 Recipe, RecipeError, Violation)
 
-from .pipeline import compile_recipe, compute_advantages, estimate_advantages, policy_loss
+from .pipeline import compile_recipe, compute_advantages, estimate_advantages, policy_loss, reduce
 from .plugin import (AdvantagePlugin, GateInput, GateOutput, GatePlugin, NoParams, Params, Population,
                      ReductionPlugin, advantage, gate, reduction)
 from .registry import LossplugPluginWarning, list_plugins, plugin_manager, registry
@@ -34,5 +34,5 @@ __all__ = [
     "PackedTransitions", "Params", "PluginError", "PluginSpec", "PolicyBatch", "Population", "Provenance", "Recipe",
     "RecipeError", "ReductionPlugin", "Violation", "advantage", "compile_recipe", "compute_advantages",
     "estimate_advantages", "gate", "hookimpl", "list_plugins", "plugin_manager", "policy_loss", "reduction",
-    "registry",
+    "reduce", "registry",
 ]

@@ -232,12 +232,8 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
         outputs.append((stage, corr))
     objective = torch.where(inp.mask, objective, 0)
 
-    if normalizer is None:
-        population = Population(inp.lengths.sum(), batch.batch_size, None, None)
-    else:
-        population = Population(normalizer.action_tokens, normalizer.sequences, normalizer.groups, normalizer.budget)
     red = compiled.reduction
-    value = red.plugin(objective, inp.mask, inp.lengths, population, red.params)
+    value = red.plugin(objective, inp.mask, inp.lengths, population_of(inp.mask, normalizer), red.params)
     loss = (-value).to(batch.logp.dtype) if batch.logp.dtype != value.dtype else -value
 
     metric_tensors: dict[str, Tensor] = {}
@@ -249,6 +245,24 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
                         batch=batch, objective=objective.detach(), recipe=compiled.recipe):
                     metric_tensors.update(extra or {})
     return LossResult.model_construct(loss=loss, metric_tensors=metric_tensors)
+
+
+def population_of(mask: Tensor, normalizer: Optional[Normalizer]) -> Population:
+    """The reduction denominators: the normaliser's global counts, else this micro-batch's own (no host sync)."""
+    if normalizer is None:
+        return Population(mask.sum(), mask.shape[0], None, None)
+    return Population(normalizer.action_tokens, normalizer.sequences, normalizer.groups, normalizer.budget)
+
+
+def reduce(values: Tensor, action_mask: Tensor, recipe: Union[Recipe, str],
+           normalizer: Optional[Normalizer] = None) -> Tensor:
+    """Reduce any per-token quantity ``[B, T]`` (a KL penalty, an entropy bonus…) exactly as the recipe reduces its
+    objective — same denominators, same population. Reductions are linear, so a loss built as
+    ``policy_loss(...).loss + β · reduce(kl, ...)`` equals reducing ``objective − β·kl`` in one go."""
+    compiled = compile_recipe(as_recipe(recipe))
+    red = compiled.reduction
+    values = torch.where(action_mask, values, 0)
+    return red.plugin(values, action_mask, action_mask.sum(-1), population_of(action_mask, normalizer), red.params)
 
 
 def _ratio_metrics(prefix: str, log_ratio: Tensor, mask: Tensor, out: dict[str, Tensor]) -> None:
