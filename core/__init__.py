@@ -21,7 +21,8 @@ from lossplug.contracts import (AdvantageResult, BatchValidationError, LogProbSo
 from .pipeline import compile_recipe, compute_advantages, estimate_advantages, policy_loss, reduce
 from .plugin import (AdvantagePlugin, GateInput, GateOutput, GatePlugin, NoParams, Params, Population,
                      ReductionPlugin, advantage, gate, reduction)
-from .registry import LossplugPluginWarning, list_plugins, plugin_manager, registry
+from .plugin_registry import (LossplugPluginWarning, list_plugins, plugin_manager, register_plugin, registry,
+                              unregister_plugin)
 
 __version__ = "0.1.0"
 
@@ -34,5 +35,5 @@ __all__ = [
     "PackedTransitions", "Params", "PluginError", "PluginSpec", "PolicyBatch", "Population", "Provenance", "Recipe",
     "RecipeError", "ReductionPlugin", "Violation", "advantage", "compile_recipe", "compute_advantages",
     "estimate_advantages", "gate", "hookimpl", "list_plugins", "plugin_manager", "policy_loss", "reduction",
-    "reduce", "registry",
+    "reduce", "register_plugin", "registry", "unregister_plugin",
 ]

@@ -18,7 +18,7 @@ from lossplug.contracts import (AdvantageResult, BatchValidationError, LossResul
                                 PolicyBatch, Recipe, Violation)
 from lossplug.contracts.errors import LossplugError, describe_positions
 
-from . import registry as _registry
+from . import plugin_registry as _registry
 from .ops import Groups, masked_quantiles
 from .plugin import AdvantagePlugin, GateInput, GatePlugin, Params, Population, ReductionPlugin
 

@@ -24,7 +24,7 @@ def _deterministic():
 @pytest.fixture
 def fresh_registry():
     """Rebuild the plugin registry before and after a test that changes entry points or environment variables."""
-    import lossplug.registry as reg
+    import lossplug.plugin_registry as reg
 
     reg.reset()
     yield reg

@@ -133,6 +133,7 @@ class Registry:
 # ---------------------------------------------------------------------------------------------------------------------
 
 _lock = threading.RLock()
+_in_process: list[tuple[object, str]] = []
 _pm: Optional[pluggy.PluginManager] = None
 _registry: Optional[Registry] = None
 _generation = 0
@@ -161,6 +162,13 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
 
     pm.register(builtin, name="lossplug.builtin")
     origins[id(builtin)] = BUILTIN_SOURCE
+    for obj, name in _in_process:
+        try:
+            pm.register(obj, name=name)
+        except (pluggy.PluginValidationError, ValueError) as err:
+            registry.broken.append(BrokenPlugin(f"in-process plugin '{name}'", f"bad plugin: {err}"))
+            continue
+        origins[id(obj)] = f"in-process plugin '{name}'"
 
     if os.environ.get(DISABLE_ENV, "").strip().lower() not in ("1", "true", "yes"):
         allow_text = os.environ.get(ALLOW_ENV)
@@ -233,6 +241,21 @@ def reset() -> None:
     global _pm, _registry
     with _lock:
         _pm, _registry = None, None
+
+
+def register_plugin(plugin: object, name: Optional[str] = None) -> None:
+    """Register a plugin object or module from code (a notebook, a test, a trainer script) — the in-process
+    counterpart of an entry point. It survives registry rebuilds until :func:`unregister_plugin`."""
+    name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
+    with _lock:
+        _in_process.append((plugin, name))
+        reset()
+
+
+def unregister_plugin(plugin: object) -> None:
+    with _lock:
+        _in_process[:] = [(obj, n) for obj, n in _in_process if obj is not plugin]
+        reset()
 
 
 class _LazyCatalog:

@@ -1,0 +1,231 @@
+"""policy_loss / compute_advantages / reduce: the seeds' examples, exactness under a Normalizer, checks, hooks."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import lossplug
+from lossplug import (BatchValidationError, LossplugError, Normalizer, PolicyBatch, Recipe, Violation,
+                      compute_advantages, policy_loss)
+
+NAN = float("nan")
+REDUCTIONS = ["response", "token", "fixed", "sequence_sum"]
+
+
+def recipe_for(reduction, **params):
+    return Recipe.model_validate({"gates": "ppo_clip", "reduction": {"name": reduction, **params}})
+
+
+def seed_reduction_batch(mask=None):
+    # seed 1, "Reduction 决定隐式权重": per-token values with NaN at masked positions. With logp == old_logp the
+    # ratio is 1 and the PPO objective is exactly the advantage, so the advantage carries the seed's values.
+    values = torch.tensor([[2.0, NAN, NAN, NAN], [1.0, 1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool) if mask is None else mask
+    logp = torch.full((2, 4), -0.5)
+    return dict(logp=logp, old_logp=logp.clone(), action_mask=mask, advantage=values)
+
+
+@pytest.mark.parametrize("reduction,params,expected", [
+    ("response", {}, 1.5), ("token", {}, 1.2), ("fixed", {"budget": 4}, 0.75), ("sequence_sum", {}, 3.0)])
+def test_seed_reduction_example(reduction, params, expected):
+    result = policy_loss(PolicyBatch(**seed_reduction_batch()), recipe_for(reduction, **params))
+    assert -result.loss == pytest.approx(expected)
+    assert math.isfinite(result.metrics["loss"])
+
+
+def test_seed_reduction_rejects_an_empty_response():
+    with pytest.raises(BatchValidationError, match="every response needs at least one action token — row \\[0\\]"):
+        PolicyBatch(**seed_reduction_batch(torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)))
+
+
+def test_fixed_needs_a_budget_from_recipe_or_normalizer():
+    batch = PolicyBatch(**seed_reduction_batch())
+    with pytest.raises(LossplugError, match="reduction 'fixed' needs a positive budget"):
+        policy_loss(batch, recipe_for("fixed"))
+    norm = Normalizer(action_tokens=5, sequences=2, budget=4)
+    assert -policy_loss(batch, recipe_for("fixed"), norm).loss == pytest.approx(0.75)
+
+
+def test_seed_ppo_example_objective_and_gradient_signs():
+    # seed 1, "PPO 的符号相关裁剪": ratios [1.3, .7, 1.3, .7], advantages [1, 1, -1, -1], eps 0.2.
+    # Log-probs are shifted by −1 on both sides (the contract rejects positive log-probs); the ratio is unchanged.
+    ratio = torch.tensor([1.3, 0.7, 1.3, 0.7])
+    logp = (ratio.log() - 1).unsqueeze(-1).requires_grad_()
+    batch = PolicyBatch(logp=logp, old_logp=torch.full((4, 1), -1.0), action_mask=torch.ones(4, 1, dtype=torch.bool),
+                        advantage=torch.tensor([1.0, 1.0, -1.0, -1.0]))
+    result = policy_loss(batch, recipe_for("response"))
+    # response mean of one-token responses = mean of the objectives [1.2, .7, -1.3, -.8]
+    assert -result.loss.item() == pytest.approx((1.2 + 0.7 - 1.3 - 0.8) / 4)
+    result.loss.backward()
+    grad = logp.grad.squeeze(-1)
+    assert grad[0] == 0 and grad[3] == 0  # clipped: A>0 above 1+ε, A<0 below 1−ε
+    assert grad[1] < 0 and grad[2] > 0  # loss gradients: the raw branch keeps its gradient
+    m = result.metrics
+    assert m["ppo_clip/clip_frac_high"] == 0.25 and m["ppo_clip/clip_frac_low"] == 0.25
+    assert m["effective/token_frac"] == 0.5 and m["ppo_clip/active_token_frac"] == 0.5
+
+
+def test_seed_grpo_rloo_example_through_compute_advantages():
+    reward = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    batch = PolicyBatch(logp=torch.zeros(6, 1), action_mask=torch.ones(6, 1, dtype=torch.bool), reward=reward,
+                        group_id=torch.tensor([0, 0, 0, 1, 1, 1]))
+    rloo = compute_advantages(batch, Recipe.preset("rloo"))
+    torch.testing.assert_close(rloo[:3], 1.5 * (reward[:3] - reward[:3].mean()))
+    seed_grpo = Recipe.model_validate({"advantage": {"name": "grpo", "std": "population", "eps": 1e-6,
+                                                     "eps_mode": "threshold"}, "gates": "ppo_clip", "reduction": "token"})
+    grpo = compute_advantages(batch, seed_grpo)
+    torch.testing.assert_close(grpo.view(2, 3).mean(1), torch.zeros(2))
+    assert torch.count_nonzero(grpo[3:]) == 0
+
+
+def test_rloo_refuses_singleton_groups_naming_them():
+    batch = PolicyBatch(logp=torch.zeros(3, 1), action_mask=torch.ones(3, 1, dtype=torch.bool),
+                        reward=torch.tensor([0.0, 1.0, 1.0]), group_id=torch.tensor([4, 4, 9]))
+    with pytest.raises(BatchValidationError, match=r"recipe.advantage \(rloo\) needs at least 2 rollouts per group — "
+                                                   r"groups \[9\] have fewer"):
+        compute_advantages(batch, "rloo")
+
+
+@st.composite
+def micro_batched(draw):
+    B = draw(st.integers(2, 7))
+    T = draw(st.integers(1, 6))
+    lengths = draw(st.lists(st.integers(1, T), min_size=B, max_size=B))
+    cuts = sorted(draw(st.sets(st.integers(1, B - 1), max_size=3)))
+    seed = draw(st.integers(0, 2**16))
+    return B, T, lengths, cuts, seed
+
+
+@given(micro_batched(), st.sampled_from(REDUCTIONS))
+def test_micro_batches_under_a_normalizer_sum_to_the_full_batch(case, reduction):
+    B, T, lengths, cuts, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.arange(T).expand(B, T) < torch.tensor(lengths).unsqueeze(-1)
+    base = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 2
+    old = base + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    old = old.clamp(max=0)
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    recipe = recipe_for(reduction, **({"budget": 8} if reduction == "fixed" else {}))
+
+    full_logp = base.clone().requires_grad_()
+    full = policy_loss(PolicyBatch(logp=full_logp, old_logp=old, action_mask=mask, advantage=adv), recipe)
+    full.loss.backward()
+
+    norm = Normalizer.for_masks([mask])
+    micro_logp = base.clone().requires_grad_()
+    total = 0
+    bounds = [0, *cuts, B]
+    for lo, hi in zip(bounds, bounds[1:]):
+        part = PolicyBatch(logp=micro_logp[lo:hi], old_logp=old[lo:hi], action_mask=mask[lo:hi], advantage=adv[lo:hi])
+        total = total + policy_loss(part, recipe, norm).loss
+    total.backward()
+    torch.testing.assert_close(total, full.loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(micro_logp.grad, full_logp.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_missing_fields_are_named_with_who_needs_them():
+    batch = PolicyBatch(logp=torch.zeros(2, 2), action_mask=torch.ones(2, 2, dtype=torch.bool))
+    with pytest.raises(BatchValidationError) as info:
+        policy_loss(batch, "dapo")
+    msg = str(info.value)
+    assert "advantage: required by policy_loss" in msg
+    assert "old_logp: required by recipe.gates[0] (ppo_clip), but this PolicyBatch has none (for a single on-policy " \
+           "step pass old_logp=logp.detach())" in msg
+    with pytest.raises(BatchValidationError, match="reward: required by recipe.advantage \\(grpo\\)"):
+        compute_advantages(batch.replace(group_id=torch.tensor([0, 0])), "dapo")
+
+
+def test_validate_off_skips_checks_and_full_checks_unchecked_batches():
+    fields = seed_reduction_batch()
+    fields["logp"] = fields["logp"].clone()
+    fields["logp"][1, 0] = 3.0  # positive log-prob on an action: a contract violation
+    batch = PolicyBatch.unchecked(**fields)
+    policy_loss(batch, "dapo", validate="off")
+    with pytest.raises(BatchValidationError, match="log-probs must be <= 0"):
+        policy_loss(batch, "dapo")
+    with pytest.raises(LossplugError, match="validate must be 'full' or 'off'"):
+        policy_loss(batch, "dapo", validate="yes")
+
+
+def test_normalizer_smaller_than_the_batch_is_refused():
+    batch = PolicyBatch(**seed_reduction_batch())
+    with pytest.raises(LossplugError, match="smaller than this micro-batch alone"):
+        policy_loss(batch, "dapo", Normalizer(action_tokens=2, sequences=2))
+
+
+def test_masked_nan_never_reaches_loss_or_gradient():
+    fields = seed_reduction_batch()
+    logp = fields["logp"].clone()
+    logp[0, 1:] = NAN
+    logp.requires_grad_()
+    old = fields["old_logp"].clone()
+    old[0, 2] = float("inf")
+    result = policy_loss(PolicyBatch(**{**fields, "logp": logp, "old_logp": old}), "dapo")
+    result.loss.backward()
+    assert torch.isfinite(result.loss) and torch.isfinite(logp.grad).all()
+    assert (logp.grad[0, 1:] == 0).all()
+    assert all(math.isfinite(v) for v in result.metrics.values())
+
+
+def test_low_precision_logprobs_are_computed_in_float32():
+    fields = seed_reduction_batch()
+    logp = fields["logp"].to(torch.bfloat16).requires_grad_()
+    result = policy_loss(PolicyBatch(**{**fields, "logp": logp, "old_logp": fields["old_logp"].bfloat16()}), "dapo")
+    assert result.loss.dtype == torch.bfloat16
+    result.loss.backward()
+    assert logp.grad.dtype == torch.bfloat16 and torch.isfinite(logp.grad.float()).all()
+
+
+def test_metrics_are_lazy_tensors_then_floats():
+    result = policy_loss(PolicyBatch(**seed_reduction_batch()), "dapo")
+    assert all(isinstance(v, torch.Tensor) for v in result.metric_tensors.values())
+    assert all(isinstance(v, float) for v in result.metrics.values())
+    assert policy_loss(PolicyBatch(**seed_reduction_batch()), "dapo", metrics=False).metric_tensors == {}
+
+
+def test_reduce_matches_the_recipe_reduction():
+    fields = seed_reduction_batch()
+    mask = fields["action_mask"]
+    for reduction, expected in (("response", 1.5), ("token", 1.2), ("sequence_sum", 3.0)):
+        assert lossplug.reduce(fields["advantage"], mask, recipe_for(reduction)).item() == pytest.approx(expected)
+
+
+def test_compiled_recipe_is_cached_and_rebuilt_with_the_registry():
+    recipe = Recipe.preset("dapo")
+    first = lossplug.compile_recipe(recipe)
+    assert lossplug.compile_recipe(recipe) is first
+    lossplug.plugin_registry.reset()
+    assert lossplug.compile_recipe(recipe) is not first
+
+
+class CheckingPlugin:
+    """Adds a batch rule and a metric through the hooks."""
+
+    calls = 0
+
+    @lossplug.hookimpl
+    def lossplug_validate_batch(self, batch, recipe):
+        if isinstance(batch, PolicyBatch) and batch.group_id is None:
+            return [Violation("group_id", "required by the checking plugin")]
+        return None
+
+    @lossplug.hookimpl
+    def lossplug_extra_metrics(self, batch, objective, recipe):
+        type(self).calls += 1
+        return {"checking/objective_abs_max": objective.abs().max()}
+
+
+def test_validator_and_metric_hooks():
+    plugin = CheckingPlugin()
+    lossplug.register_plugin(plugin, "checking")
+    try:
+        fields = seed_reduction_batch()
+        with pytest.raises(BatchValidationError, match="group_id: required by the checking plugin"):
+            policy_loss(PolicyBatch(**fields), "dapo")
+        result = policy_loss(PolicyBatch(**fields, group_id=torch.tensor([0, 0])), "dapo")
+        assert result.metrics["checking/objective_abs_max"] == 2.0
+    finally:
+        lossplug.unregister_plugin(plugin)
+    assert "checking/objective_abs_max" not in policy_loss(PolicyBatch(**seed_reduction_batch()), "dapo").metrics

@@ -1,0 +1,168 @@
+"""The plugin manager: built-ins as ordinary plugins, real entry points from installed distributions, and loud but
+contained failures (import errors, bad hooks, duplicates, hooks that raise)."""
+
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import lossplug
+from lossplug import PluginError, Recipe, RecipeError
+from lossplug.plugin_registry import BUILTIN_SOURCE, LossplugPluginWarning
+
+GATE_MODULE = """
+import torch
+import lossplug
+from pydantic import Field
+
+
+class HalfParams(lossplug.Params):
+    factor: float = Field(0.5, gt=0)
+
+
+@lossplug.gate("{gate}", params=HalfParams, requires=("old_logp",))
+def half_pg(inp, p):
+    \"\"\"factor · A · logp.\"\"\"
+    return lossplug.GateOutput(objective=p.factor * inp.advantage * inp.logp)
+
+
+@lossplug.hookimpl
+def lossplug_register_gates(register):
+    register(half_pg)
+
+
+@lossplug.hookimpl
+def lossplug_register_presets(register):
+    register("{gate}_preset", {{"gates": ["{gate}"], "reduction": "token"}}, source="test")
+"""
+
+
+def make_distribution(root, dist, module, body, entry_name=None, version="0.1"):
+    """A real installed distribution: a package and its .dist-info with entry_points.txt, on ``root``."""
+    pkg = root / module
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent(body))
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[lossplug]\n{entry_name or module} = {module}\n")
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch, fresh_registry):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.delenv("LOSSPLUG_PLUGINS", raising=False)
+    yield tmp_path
+    for name in [m for m in sys.modules if m.startswith("lpx_")]:
+        del sys.modules[name]
+
+
+def tiny_batch():
+    return lossplug.PolicyBatch(
+        logp=torch.full((2, 3), -1.0, requires_grad=True), old_logp=torch.full((2, 3), -1.0),
+        action_mask=torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool), advantage=torch.tensor([1.0, -1.0]))
+
+
+def test_builtins_register_through_the_hooks():
+    reg = lossplug.registry()
+    assert reg.origin("gate", "ppo_clip") == BUILTIN_SOURCE
+    assert {"grpo", "rloo"} <= set(reg.plugins["advantage"])
+    assert {"response", "token", "fixed", "sequence_sum"} <= set(reg.plugins["reduction"])
+    assert lossplug.plugin_manager().get_plugin("lossplug.builtin") is not None
+
+
+def test_entry_point_plugin_is_found_by_name_with_its_distribution(site):
+    make_distribution(site, "lpx-half", "lpx_half", GATE_MODULE.format(gate="half_pg"))
+    reg = lossplug.registry()
+    assert reg.origin("gate", "half_pg") == "entry point 'lpx_half = lpx_half' of distribution 'lpx-half 0.1'"
+    recipe = Recipe.preset("half_pg_preset")
+    batch = tiny_batch()
+    result = lossplug.policy_loss(batch, recipe)
+    result.loss.backward()
+    # objective = ½·A·logp, token mean over 5 action tokens: (2·½·(−1) + 3·½·(+1)) / 5 = 0.1 → loss −0.1
+    assert result.loss.item() == pytest.approx(-0.1)
+    rows = [r for r in lossplug.list_plugins() if r["name"] == "half_pg"]
+    assert rows[0]["source"].endswith("'lpx-half 0.1'") and rows[0]["params"]["factor"]["default"] == 0.5
+
+
+def test_disable_autoload_and_allow_list(site, monkeypatch):
+    make_distribution(site, "lpx-half", "lpx_half", GATE_MODULE.format(gate="half_pg"))
+    make_distribution(site, "lpx-other", "lpx_other", GATE_MODULE.format(gate="other_pg"))
+    monkeypatch.setenv("LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD", "1")
+    lossplug.plugin_registry.reset()
+    assert "half_pg" not in lossplug.registry().plugins["gate"]
+    assert "ppo_clip" in lossplug.registry().plugins["gate"]  # built-ins are not entry points
+    monkeypatch.delenv("LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD")
+    monkeypatch.setenv("LOSSPLUG_PLUGINS", "lpx-other")  # by distribution name
+    lossplug.plugin_registry.reset()
+    gates = lossplug.registry().plugins["gate"]
+    assert "other_pg" in gates and "half_pg" not in gates
+    monkeypatch.setenv("LOSSPLUG_PLUGINS", "lpx_half")  # by entry-point name
+    lossplug.plugin_registry.reset()
+    gates = lossplug.registry().plugins["gate"]
+    assert "half_pg" in gates and "other_pg" not in gates
+
+
+def test_import_error_names_the_entry_point_and_other_recipes_still_run(site):
+    make_distribution(site, "lpx-broken", "lpx_broken", "import no_such_module_anywhere\n")
+    with pytest.warns(LossplugPluginWarning, match="entry point 'lpx_broken = lpx_broken' of distribution "
+                                                   "'lpx-broken 0.1': failed to import: ModuleNotFoundError"):
+        lossplug.registry()
+    lossplug.policy_loss(tiny_batch(), "dapo")  # unaffected
+    with pytest.raises(RecipeError, match="unknown gate plugin 'broken_gate'.*failed to load: entry point 'lpx_broken"):
+        Recipe.model_validate({"gates": "broken_gate", "reduction": "token"})
+
+
+def test_bad_hook_signature_is_reported(site):
+    body = """
+import lossplug
+
+@lossplug.hookimpl
+def lossplug_register_gates(register, unexpected_argument):
+    pass
+"""
+    make_distribution(site, "lpx-badhook", "lpx_badhook", body)
+    with pytest.warns(LossplugPluginWarning, match="(?s)lpx-badhook 0.1': bad plugin: .*unexpected_argument"):
+        lossplug.registry()
+
+
+def test_hook_that_raises_is_reported(site):
+    body = """
+import lossplug
+
+@lossplug.hookimpl
+def lossplug_register_gates(register):
+    raise RuntimeError("boom")
+"""
+    make_distribution(site, "lpx-raises", "lpx_raises", body)
+    with pytest.warns(LossplugPluginWarning, match="lpx-raises 0.1': lossplug_register_gates raised RuntimeError: boom"):
+        lossplug.registry()
+
+
+def test_registering_a_non_plugin_object_is_reported(site):
+    body = """
+import lossplug
+
+@lossplug.hookimpl
+def lossplug_register_gates(register):
+    register(lambda inp, p: None)
+"""
+    make_distribution(site, "lpx-notaplugin", "lpx_notaplugin", body)
+    with pytest.warns(LossplugPluginWarning, match="which is not a GatePlugin"):
+        lossplug.registry()
+
+
+def test_duplicate_names_are_an_error_naming_both_sources(site):
+    make_distribution(site, "lpx-dup", "lpx_dup", GATE_MODULE.format(gate="ppo_clip"))
+    with pytest.warns(LossplugPluginWarning, match="gate 'ppo_clip' is registered more than once"):
+        lossplug.registry()
+    with pytest.raises(PluginError) as info:
+        Recipe.model_validate({"gates": "ppo_clip", "reduction": "token"})
+    msg = str(info.value)
+    assert "lossplug (built-in)" in msg and "distribution 'lpx-dup 0.1'" in msg
+    # names that are not duplicated still resolve
+    assert lossplug.registry().lookup("advantage", "grpo").name == "grpo"
+    assert lossplug.registry().lookup("reduction", "token").name == "token"

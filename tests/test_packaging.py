@@ -1,0 +1,91 @@
+"""The distribution: folder mapping, wheel contents, import cost and the one-way dependency rule."""
+
+import ast
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAPPING = {"lossplug": "core", "lossplug.contracts": "contracts", "lossplug.plugins": "plugins",
+           "lossplug.adapters": "adapters"}
+
+
+def folder_of(package: str) -> Path:
+    for prefix in sorted(MAPPING, key=len, reverse=True):
+        if package == prefix or package.startswith(prefix + "."):
+            rest = package[len(prefix):].lstrip(".")
+            return ROOT / MAPPING[prefix] / Path(*rest.split(".")) if rest else ROOT / MAPPING[prefix]
+    raise AssertionError(package)
+
+
+def test_packages_list_matches_the_folders_on_disk():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["package-dir"] == MAPPING
+    listed = set(config["packages"])
+    on_disk = set()
+    for package, folder in MAPPING.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            on_disk.add(".".join([package, *rel.parts]) if rel.parts else package)
+    assert listed == on_disk, f"pyproject packages vs folders: missing {on_disk - listed}, stale {listed - on_disk}"
+    for package in listed:
+        assert (folder_of(package) / "__init__.py").is_file()
+
+
+@pytest.mark.slow
+def test_wheel_contains_exactly_the_lossplug_package(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    (wheel,) = tmp_path.glob("lossplug-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert top == {"lossplug", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
+    assert "lossplug/__init__.py" in names and "lossplug/contracts/batch.py" in names
+    assert "lossplug/plugins/gates/ppo_clip.py" in names
+    assert not any(n.startswith(("tests/", "core/")) for n in names)
+
+
+def test_import_is_fast_and_imports_no_trainer():
+    code = ("import time, sys; import torch; t = time.perf_counter(); import lossplug; "
+            "dt = time.perf_counter() - t; print(dt, 'trl' in sys.modules, 'verl' in sys.modules, "
+            "'lossplug.plugins.builtin' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    seconds, trl, verl, builtins = float(out[0]), out[1], out[2], out[3]
+    assert (trl, verl) == ("False", "False")
+    assert builtins == "False"  # the registry is built on first use, not at import
+    assert seconds < 1.0, f"import lossplug took {seconds:.2f}s beyond torch"
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("folder,forbidden", [
+    ("contracts", ("lossplug.plugins", "lossplug.adapters", "lossplug.pipeline", "lossplug.plugin_registry",
+                   "lossplug.plugin", "trl", "verl")),
+    ("core", ("lossplug.adapters", "trl", "verl")),
+    ("plugins", ("lossplug.adapters", "trl", "verl")),
+])
+def test_dependencies_point_one_way(folder, forbidden):
+    for path in (ROOT / folder).rglob("*.py"):
+        for name in imported_modules(path):
+            assert not any(name == f or name.startswith(f + ".") for f in forbidden), f"{path}: imports {name}"
+
+
+def test_contracts_import_only_torch_pydantic_and_the_standard_library():
+    allowed = {"torch", "pydantic", "yaml", "__future__", "lossplug.contracts"} | set(sys.stdlib_module_names)
+    for path in (ROOT / "contracts").rglob("*.py"):
+        for name in imported_modules(path):
+            assert name.split(".")[0] in allowed or name.startswith("lossplug.contracts"), f"{path}: {name}"
