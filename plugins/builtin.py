@@ -12,8 +12,12 @@ from .presets import PRESETS
 
 @lossplug.hookimpl
 def lossplug_register_advantages(register):
+    from lossplug.plugins.advantages import gae, length_adaptive_gae
+
     register(group_relative.grpo)
     register(group_relative.rloo)
+    register(gae.gae)
+    register(length_adaptive_gae.length_adaptive_gae)
 
 
 @lossplug.hookimpl
