@@ -211,9 +211,12 @@ class PolicyBatch(_TensorModel):
                 checks.when_any(mask & (t > LOGP_TOLERANCE), name,
                                 f"log-probs must be <= 0 (tolerance {LOGP_TOLERANCE}) on action positions")
         if self.final_value is not None:
-            live = ~self.terminated if self.terminated is not None else torch.ones_like(self.final_value, dtype=torch.bool)
-            checks.when_any(live & ~torch.isfinite(self.final_value), "final_value",
-                            "must be finite for truncated (not terminated) responses")
+            if self.terminated is None:
+                checks.fail("final_value", "is only read for truncated responses: give terminated [B] bool with it "
+                                           "(False where the response was cut by a time limit)")
+            else:
+                checks.when_any(~self.terminated & ~torch.isfinite(self.final_value), "final_value",
+                                "must be finite for truncated (not terminated) responses")
 
 
 class PackedTransitions(_TensorModel):

@@ -95,6 +95,18 @@ class PluginSpec(BaseModel):
         raise RecipeError(f"{where}: expected a plugin name or a mapping with 'name', got {type(raw).__name__}")
 
 
+def _merge_stage(base: Any, override: Any) -> Any:
+    """A stage override without a name, or with the preset's own plugin name, only changes parameters:
+    ``Recipe.preset("ppo", advantage={"kl_coef": 0.05})`` keeps ``gae`` and its other parameters."""
+    if not isinstance(override, Mapping) or base is None or isinstance(base, (list, tuple)):
+        return override
+    base_spec = PluginSpec.parse(base, "preset")
+    if override.get("name", base_spec.name) != base_spec.name:
+        return override
+    extra = dict(override.get("params", {})) if "params" in override else {k: v for k, v in override.items() if k != "name"}
+    return {"name": base_spec.name, **base_spec.params, **extra}
+
+
 def _validate_spec(spec: PluginSpec, kind: str, where: str) -> tuple[PluginSpec, PluginInfo]:
     info = _get_catalog().lookup(kind, spec.name, where)
     allowed = list(info.params.model_fields)
@@ -129,7 +141,7 @@ class Recipe(BaseModel):
         data = dict(data)
         if "preset" in data:  # a preset with overrides: {preset: dapo, reduction: token}
             base = dict(_get_catalog().preset(data.pop("preset")))
-            data = {**base, **data}
+            data = {**base, **{k: _merge_stage(base.get(k), v) for k, v in data.items()}}
         allowed = ("name",) + STAGES
         for key in data:
             if key not in allowed:

@@ -146,7 +146,7 @@ def estimate_advantages(batch: Union[PolicyBatch, PackedTransitions], recipe: Un
                             f"got a {type(batch).__name__}")
     if validate == "full":
         who = f"{stage.where} ({plugin.name})"
-        violations = _missing(batch, plugin.requires, who) + (
+        violations = _missing(batch, plugin.required_fields(stage.params), who) + (
             _group_violations(batch, plugin, stage.where) if layout == "padded" else [])
         _check(batch, compiled, violations)
     elif validate != "off":
@@ -154,7 +154,9 @@ def estimate_advantages(batch: Union[PolicyBatch, PackedTransitions], recipe: Un
     with torch.no_grad():
         result = plugin(batch, stage.params)
     if validate == "full":
-        _check_advantage_output(result.advantage, batch, stage)
+        _check_advantage_output(result.advantage, batch, stage, "advantages")
+        if result.returns is not None:
+            _check_advantage_output(result.returns, batch, stage, "returns")
     return result
 
 
@@ -164,8 +166,8 @@ def compute_advantages(batch: Union[PolicyBatch, PackedTransitions], recipe: Uni
     return estimate_advantages(batch, recipe, validate=validate).advantage
 
 
-def _check_advantage_output(adv: Tensor, batch, stage: Stage) -> None:
-    where = f"{stage.where} ({stage.plugin.name}) returned advantages that"
+def _check_advantage_output(adv: Tensor, batch, stage: Stage, what: str) -> None:
+    where = f"{stage.where} ({stage.plugin.name}) returned {what} that"
     if isinstance(batch, PackedTransitions):
         shapes, mask = ((batch.reward.shape[0],),), None
     else:
@@ -202,18 +204,25 @@ def _prepare(batch: PolicyBatch) -> GateInput:
 
 
 def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Optional[Normalizer] = None, *,
-                validate: Validate = "full", metrics: bool = True) -> LossResult:
+                validate: Validate = "full", metrics: bool = True, weight: Optional[Tensor] = None) -> LossResult:
     """The recipe's policy loss for one micro-batch.
 
     Without a ``normalizer`` the micro-batch is the whole population. With one, the returned loss is this
     micro-batch's share of the full-step reduction: summed over every micro-batch and rank it equals the full-batch
     loss exactly. ``metrics=False`` skips every metric (no quantile sorts).
+
+    ``weight`` (``[B, T]`` or ``[B]``, ≥ 0): a coefficient computed by the trainer itself (e.g. verl's
+    ``rollout_is_weights``), multiplied into the objective after the gates exactly like a correction gate's weight;
+    it is detached — no gradient flows through it.
     """
     compiled = compile_recipe(as_recipe(recipe))
     if validate == "full":
         violations = _missing(batch, ("advantage",), "policy_loss (compute it with lossplug.compute_advantages)")
         for stage in compiled.gates:
-            violations += _missing(batch, stage.plugin.requires, f"{stage.where} ({stage.plugin.name})")
+            violations += _missing(batch, stage.plugin.required_fields(stage.params),
+                                   f"{stage.where} ({stage.plugin.name})")
+        if weight is not None:
+            violations += _weight_violations(weight, batch)
         _check(batch, compiled, violations)
         if normalizer is not None:
             normalizer.check_covers(int(batch.action_mask.sum()), batch.batch_size)
@@ -224,6 +233,9 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
     update = compiled.update
     out = update.plugin(inp, update.params)
     objective = out.objective
+    if weight is not None:  # the trainer's own detached coefficient, applied like a correction gate's weight
+        external = weight.detach().to(objective.dtype)
+        objective = objective * (external if external.ndim == 2 else external.unsqueeze(-1))
     outputs = [(update, out)]
     for stage in compiled.corrections:
         corr = stage.plugin(inp, stage.params)
@@ -245,6 +257,19 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
                         batch=batch, objective=objective.detach(), recipe=compiled.recipe):
                     metric_tensors.update(extra or {})
     return LossResult.model_construct(loss=loss, metric_tensors=metric_tensors)
+
+
+def _weight_violations(weight: Tensor, batch: PolicyBatch) -> list[Violation]:
+    shapes = ((batch.batch_size,), tuple(batch.logp.shape))
+    if tuple(weight.shape) not in shapes:
+        return [Violation("weight", f"shape must be [B] or [B, T] like logp {list(batch.logp.shape)}, got "
+                                    f"{list(weight.shape)}")]
+    bad = ~torch.isfinite(weight) | (weight < 0)
+    if weight.ndim == 2:
+        bad = bad & batch.action_mask
+    if bool(bad.any()):
+        return [Violation("weight", "must be finite and >= 0 on action positions", describe_positions(bad))]
+    return []
 
 
 def population_of(mask: Tensor, normalizer: Optional[Normalizer]) -> Population:

@@ -101,14 +101,26 @@ class GateOutput:
 
 
 GateFn = Callable[[GateInput, Params], GateOutput]
+#: the batch fields a plugin reads: fixed, or a function of its parameters (e.g. ``kl_coef`` set → ``ref_logp``)
+Requires = Union[tuple[str, ...], Callable[[Params], tuple[str, ...]]]
+
+
+def _requires(requires: Requires) -> Requires:
+    return requires if callable(requires) else tuple(requires)
+
+
+class _RequiresMixin:
+    def required_fields(self, params: Params) -> tuple[str, ...]:
+        """The batch fields this plugin reads with these parameters."""
+        return tuple(self.requires(params)) if callable(self.requires) else self.requires
 
 
 @dataclass(frozen=True)
-class GatePlugin:
+class GatePlugin(_RequiresMixin):
     name: str
     fn: GateFn
     params: type[Params]
-    requires: tuple[str, ...]
+    requires: Requires
     role: Literal["update", "correction"]
     level: Literal["token", "sequence"]
     doc: str
@@ -118,11 +130,12 @@ class GatePlugin:
         return self.fn(inp, p)
 
 
-def gate(name: str, *, params: type[Params] = NoParams, requires: tuple[str, ...] = (),
+def gate(name: str, *, params: type[Params] = NoParams, requires: Requires = (),
          role: Literal["update", "correction"] = "update", level: Literal["token", "sequence"] = "token",
          doc: Optional[str] = None) -> Callable[[GateFn], GatePlugin]:
-    """Declare a gate. ``requires`` names the optional :class:`PolicyBatch` fields it reads (e.g. ``old_logp``)."""
-    return lambda fn: GatePlugin(name, fn, params, tuple(requires), role, level, _doc(fn, doc))
+    """Declare a gate. ``requires`` names the optional :class:`PolicyBatch` fields it reads (e.g. ``old_logp``), or
+    is a function of the parameters returning them."""
+    return lambda fn: GatePlugin(name, fn, params, _requires(requires), role, level, _doc(fn, doc))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -132,11 +145,11 @@ AdvantageFn = Callable[[Union[PolicyBatch, PackedTransitions], Params], Union[Te
 
 
 @dataclass(frozen=True)
-class AdvantagePlugin:
+class AdvantagePlugin(_RequiresMixin):
     name: str
     fn: AdvantageFn
     params: type[Params]
-    requires: tuple[str, ...]
+    requires: Requires
     layouts: tuple[str, ...]
     min_group_size: int
     doc: str
@@ -148,7 +161,7 @@ class AdvantagePlugin:
         return out if isinstance(out, AdvantageResult) else AdvantageResult(advantage=out)
 
 
-def advantage(name: str, *, params: type[Params] = NoParams, requires: tuple[str, ...] = (),
+def advantage(name: str, *, params: type[Params] = NoParams, requires: Requires = (),
               layouts: tuple[str, ...] = ("padded",), min_group_size: int = 0,
               doc: Optional[str] = None) -> Callable[[AdvantageFn], AdvantagePlugin]:
     """Declare an advantage estimator.
@@ -156,7 +169,8 @@ def advantage(name: str, *, params: type[Params] = NoParams, requires: tuple[str
     ``layouts``: ``"padded"`` (:class:`PolicyBatch`) and/or ``"packed"`` (:class:`PackedTransitions`).
     ``min_group_size``: the smallest prompt group it can work with (checked from ``group_id`` before it runs).
     """
-    return lambda fn: AdvantagePlugin(name, fn, params, tuple(requires), tuple(layouts), min_group_size, _doc(fn, doc))
+    return lambda fn: AdvantagePlugin(name, fn, params, _requires(requires), tuple(layouts), min_group_size,
+                                      _doc(fn, doc))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

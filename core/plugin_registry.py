@@ -271,6 +271,16 @@ class _LazyCatalog:
 set_catalog(_LazyCatalog())
 
 
+def _default_requires(plugin) -> list[str]:
+    """The batch fields a plugin reads with its default parameters (other parameters may need more)."""
+    if not hasattr(plugin, "required_fields"):
+        return []
+    try:
+        return list(plugin.required_fields(plugin.params()))
+    except Exception:  # parameters without defaults: only a fixed declaration can be shown
+        return [] if callable(plugin.requires) else list(plugin.requires)
+
+
 def list_plugins() -> list[dict[str, Any]]:
     """Every registered plugin: kind, name, source, parameters (with defaults) and the first line of its doc."""
     reg = registry()
@@ -286,7 +296,7 @@ def list_plugins() -> list[dict[str, Any]]:
                 "kind": kind, "name": name, "source": reg.origin(kind, name), "params": params,
                 "summary": plugin.doc.splitlines()[0] if plugin.doc else "",
                 "role": getattr(plugin, "role", None), "level": getattr(plugin, "level", None),
-                "requires": list(getattr(plugin, "requires", ())),
+                "requires": _default_requires(plugin),
             })
     for name, preset in sorted(reg.presets.items()):
         rows.append({"kind": "preset", "name": name, "source": preset.origin, "params": {},

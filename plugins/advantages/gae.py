@@ -231,7 +231,11 @@ class GAEParams(lossplug.Params):
                                                              "−kl_coef·(old_logp − ref_logp) per action token")
 
 
-@lossplug.advantage("gae", params=GAEParams, requires=("reward", "value"), layouts=("packed", "padded"))
+def _gae_requires(p: "GAEParams") -> tuple[str, ...]:
+    return ("reward", "value") + (("old_logp", "ref_logp") if p.kl_coef else ())
+
+
+@lossplug.advantage("gae", params=GAEParams, requires=_gae_requires, layouts=("packed", "padded"))
 def gae(batch, p: GAEParams) -> lossplug.AdvantageResult:
     """GAE(γ, λ) with terminated/boundary bookkeeping; returns A + V_old; observation tokens are skipped."""
     if isinstance(batch, lossplug.PackedTransitions):

@@ -64,7 +64,8 @@ def grpo(batch: lossplug.PolicyBatch, p: GRPOParams) -> torch.Tensor:
             std = reward.std(unbiased=unbiased).expand_as(reward) if reward.numel() > int(unbiased) \
                 else torch.zeros_like(reward)
         if p.eps_mode == "add":
-            adv = centered / (std + p.eps)
+            denom = std + p.eps  # eps may be 0: a std that underflowed to 0 must not turn into ±inf
+            adv = torch.where(denom > 0, centered / denom, torch.zeros_like(centered))
         else:
             adv = torch.where(std > p.eps, centered / std, torch.zeros_like(centered))
     return torch.where(constant, torch.zeros_like(adv), adv)

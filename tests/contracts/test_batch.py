@@ -192,3 +192,8 @@ def test_trajectory_id_may_change_only_after_a_boundary():
     PackedTransitions(**packed(trajectory_id=torch.tensor([7, 7, 8])))
     msg = packed_error(**packed(trajectory_id=torch.tensor([7, 8, 8])))
     assert "trajectory_id: a fragment must not mix trajectories" in msg and "position [0]" in msg
+
+
+def test_final_value_needs_terminated():
+    err, msg = violations(**good(final_value=torch.tensor([0.0, 1.0, 2.0])))
+    assert "final_value: is only read for truncated responses: give terminated [B] bool with it" in msg

@@ -127,3 +127,13 @@ def test_recipe_is_immutable():
     recipe = Recipe.preset("dapo")
     with pytest.raises(Exception):
         recipe.reduction = recipe.reduction
+
+
+def test_preset_override_of_the_same_plugin_merges_parameters():
+    base = Recipe.preset("dapo")
+    tweaked = Recipe.preset("dapo", gates=[{"name": "ppo_clip", "eps_high": 0.3}], advantage={"eps": 1e-4})
+    assert tweaked.advantage.name == "grpo" and tweaked.advantage.params["eps"] == 1e-4
+    assert tweaked.advantage.params["scale"] == base.advantage.params["scale"]
+    replaced = Recipe.preset("dapo", advantage={"name": "rloo"})
+    assert replaced.advantage.name == "rloo" and replaced.advantage.params == {}
+    assert Recipe.model_validate({"preset": "dapo", "reduction": {"name": "fixed", "budget": 8}}).reduction.params == {"budget": 8}
