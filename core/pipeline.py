@@ -96,13 +96,27 @@ def as_recipe(recipe: Union[Recipe, str]) -> Recipe:
 
 
 def _missing(batch, fields, who: str) -> list[Violation]:
-    contract = type(batch).__name__
+    contract = type(batch)
     out = []
     for name in fields:
-        if getattr(batch, name, None) is None:
+        if name not in contract.model_fields:
+            out.append(Violation(name, f"required by {who}, but the {contract.__name__} layout has no such field"))
+        elif getattr(batch, name) is None:
             hint = " (for a single on-policy step pass old_logp=logp.detach())" if name == "old_logp" else ""
-            out.append(Violation(name, f"required by {who}, but this {contract} has none{hint}"))
+            out.append(Violation(name, f"required by {who}, but this {contract.__name__} has none{hint}"))
     return out
+
+
+def _who(stage: Stage) -> str:
+    """'recipe.gates[0] (ppo_clip)', with the parameters that differ from the defaults when those decide what the
+    plugin needs (``requires`` given as a function of the parameters)."""
+    plugin = stage.plugin
+    changed = ""
+    if callable(plugin.requires):
+        defaults = {k: f.default for k, f in type(stage.params).model_fields.items() if not f.is_required()}
+        diff = {k: v for k, v in stage.params.model_dump().items() if defaults.get(k, object()) != v}
+        changed = " with " + ", ".join(f"{k}={v!r}" for k, v in diff.items()) if diff else ""
+    return f"{stage.where} ({plugin.name}{changed})"
 
 
 def _group_violations(batch, plugin: AdvantagePlugin, where: str) -> list[Violation]:
@@ -145,8 +159,7 @@ def estimate_advantages(batch: Union[PolicyBatch, PackedTransitions], recipe: Un
         raise LossplugError(f"{stage.where} ({plugin.name}) works on the {' / '.join(plugin.layouts)} layout, "
                             f"got a {type(batch).__name__}")
     if validate == "full":
-        who = f"{stage.where} ({plugin.name})"
-        violations = _missing(batch, plugin.required_fields(stage.params), who) + (
+        violations = _missing(batch, plugin.required_fields(stage.params), _who(stage)) + (
             _group_violations(batch, plugin, stage.where) if layout == "padded" else [])
         _check(batch, compiled, violations)
     elif validate != "off":
@@ -219,8 +232,7 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
     if validate == "full":
         violations = _missing(batch, ("advantage",), "policy_loss (compute it with lossplug.compute_advantages)")
         for stage in compiled.gates:
-            violations += _missing(batch, stage.plugin.required_fields(stage.params),
-                                   f"{stage.where} ({stage.plugin.name})")
+            violations += _missing(batch, stage.plugin.required_fields(stage.params), _who(stage))
         if weight is not None:
             violations += _weight_violations(weight, batch)
         _check(batch, compiled, violations)

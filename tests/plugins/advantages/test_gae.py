@@ -280,9 +280,9 @@ def test_truncation_without_final_value_is_an_error():
 
 def test_final_value_without_terminated_is_an_error():
     mask = torch.ones(2, 3, dtype=torch.bool)
-    batch = policy_batch(mask, torch.zeros(2, 3), torch.ones(2), final_value=torch.ones(2))
-    with pytest.raises(lossplug.LossplugError, match="without terminated"):
-        lossplug.compute_advantages(batch, recipe())
+    with pytest.raises(lossplug.BatchValidationError, match="final_value: is only read for truncated responses: "
+                                                            "give terminated"):
+        policy_batch(mask, torch.zeros(2, 3), torch.ones(2), final_value=torch.ones(2))
 
 
 def test_padded_whitening_is_over_action_tokens_only():
@@ -363,8 +363,11 @@ def test_kl_coef_shapes_the_reward_like_seed2():
 
 def test_kl_coef_needs_old_and_ref_logp():
     batch = policy_batch(torch.ones(2, 3), torch.zeros(2, 3), torch.ones(2))
-    with pytest.raises(lossplug.LossplugError, match="old_logp and ref_logp"):
+    with pytest.raises(lossplug.BatchValidationError) as info:
         lossplug.compute_advantages(batch, recipe(kl_coef=0.1))
+    msg = str(info.value)
+    assert "old_logp: required by recipe.advantage (gae with kl_coef=0.1)" in msg
+    assert "ref_logp: required by recipe.advantage (gae with kl_coef=0.1)" in msg
 
 
 # ---------------------------------------------------------------------------------------------------------------------
