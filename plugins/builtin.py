@@ -22,7 +22,12 @@ def lossplug_register_advantages(register):
 
 @lossplug.hookimpl
 def lossplug_register_gates(register):
-    register(ppo_clip.ppo_clip)
+    from lossplug.plugins.gates import cispo, corrections, dis, gspo, reinforce, sapo
+
+    for plugin in (ppo_clip.ppo_clip, gspo.gspo, gspo.gspo_token, sapo.sapo, cispo.cispo, dis.dis,
+                   reinforce.reinforce, corrections.tis, corrections.tis_seq, corrections.icepop,
+                   corrections.icepop_seq):
+        register(plugin)
 
 
 @lossplug.hookimpl

@@ -57,4 +57,34 @@ PRESETS = {
         "critic λ = 1), clip-higher (0.2 / 0.28), global token mean; value pretraining and the positive-sample NLL "
         "term are outside the policy loss",
     ),
+    "gspo": (
+        {
+            "advantage": {"name": "grpo", "scale": "group", "std": "sample", "eps": 1e-6},
+            "gates": [{"name": "gspo", "eps_low": 3e-4, "eps_high": 4e-4}],
+            "reduction": {"name": "response"},
+        },
+        "GSPO (Zheng et al., 2025, arXiv:2507.18071): length-normalised sequence ratio exp(mean_t log r_t) clipped "
+        "at sequence level with the paper's range 3e-4 / 4e-4, group-normalised advantage, per-response mean "
+        "(verl: loss_mode=gspo, seq-mean-token-mean)",
+    ),
+    "sapo": (
+        {
+            "advantage": {"name": "grpo", "scale": "group", "std": "sample", "eps": 1e-6},
+            "gates": [{"name": "sapo", "tau_pos": 1.0, "tau_neg": 1.05}],
+            "reduction": {"name": "response"},
+        },
+        "SAPO (Gao et al., 2025, arXiv:2511.20347): smooth gate (4/τ)·σ(τ(r−1))·A with τ_pos = 1.0, τ_neg = 1.05 "
+        "(the paper's, TRL's and verl's defaults), per-response mean (verl hard-wires seq-mean-token-mean for sapo)",
+    ),
+    "cispo": (
+        {
+            "advantage": {"name": "grpo", "scale": "group", "std": "sample", "eps": 1e-6},
+            "gates": [{"name": "cispo", "eps_low": None, "eps_high": None, "ratio_max": 5.0}],
+            "reduction": {"name": "token"},
+        },
+        "CISPO, MiniMax-M1 (MiniMax, 2025, arXiv:2506.13585): detached clipped IS weight times log-prob, no lower "
+        "bound, upper cap ε_max = 5.0 (ScaleRL, Khatri et al., 2025, arXiv:2510.13786; TRL's recommended "
+        "epsilon_high for cispo), global token mean. verl's cispo (two-sided 1 ± 0.2) is "
+        "{name: cispo, eps_low: 0.2, eps_high: 0.2}",
+    ),
 }

@@ -1,0 +1,142 @@
+"""Detached corrections of the train–inference (engine) mismatch: TIS and IcePop, token and sequence variants.
+
+They act on the **engine ratio** — the same checkpoint scored by the training engine (``old_logp``) and by the
+rollout engine that sampled the tokens (``behavior_logp``)::
+
+    log ρ_t = old_logp_t − behavior_logp_t                       (never the update ratio π_θ/π_old)
+
+Token variants use ``ρ_t`` per action token; sequence variants use one ratio per response. Following verl's
+``rollout_corr_helper.compute_rollout_correction_weights`` (``rollout_is="sequence"``), the sequence ratio is the
+*product* of the token ratios, ``ρ_i = exp(Σ_t log ρ_t)`` (the unbiased sequence importance weight), with the log
+sum clamped to ``± log_ratio_clamp`` (verl's ``SAFETY_BOUND`` = 20) before ``exp``. ``ratio: geometric`` uses the
+length-normalised ``exp(mean_t log ρ_t)`` instead (GSPO-style; lower variance, biased; not a verl mode).
+
+* ``tis`` / ``tis_seq`` — truncated importance sampling: ``w = min(ρ, cap)`` (verl: ``rollout_is_threshold=cap``,
+  TRL: ``vllm_importance_sampling_mode="token_truncate"/"sequence_truncate"`` with ``clip_max=cap``).
+* ``icepop`` / ``icepop_seq`` — two-sided rejection: ``w = ρ`` if ``low ≤ ρ ≤ high`` else ``0`` (verl:
+  ``rollout_is_threshold="low_high"``, TRL: ``..._mask`` modes).
+
+Each returns a **detached** weight (``[B, T]`` token level, ``[B]`` sequence level) that multiplies the update
+gate's objective (``role="correction"``): the weight carries no gradient by construction — it is computed from
+detached log-probs under ``no_grad`` and ``.detach()``-ed explicitly — so gradient flows only through the update
+gate's ``logp``. ``active`` marks what still carries gradient (weight > 0).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+
+import lossplug
+
+REQUIRES = ("old_logp", "behavior_logp")
+
+
+def _clamp_field():
+    return Field(20.0, gt=0, le=80, description="the (token or summed) engine log-ratio is clamped to ± this before "
+                                                "exp (verl's SAFETY_BOUND: 20)")
+
+
+def _sequence_ratio_field():
+    return Field("product", description="sequence ratio: product of the token ratios (verl rollout_is=sequence) or "
+                                        "their geometric mean")
+
+
+class TISParams(lossplug.Params):
+    cap: float = Field(2.0, gt=0, description="upper cap C of the weight min(ρ, C) (verl default 2.0)")
+    log_ratio_clamp: float = _clamp_field()
+
+
+class TISSequenceParams(lossplug.Params):
+    cap: float = Field(2.0, gt=0, description="upper cap C of the sequence weight min(ρ_i, C)")
+    ratio: Literal["product", "geometric"] = _sequence_ratio_field()
+    log_ratio_clamp: float = _clamp_field()
+
+
+class _IcePopBounds(lossplug.Params):
+    low: float = Field(0.5, gt=0, description="weights with ρ < low are rejected (set to 0)")
+    high: float = Field(5.0, gt=0, description="weights with ρ > high are rejected (set to 0)")
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        return self
+
+
+class IcePopParams(_IcePopBounds):
+    log_ratio_clamp: float = _clamp_field()
+
+
+class IcePopSequenceParams(_IcePopBounds):
+    ratio: Literal["product", "geometric"] = _sequence_ratio_field()
+    log_ratio_clamp: float = _clamp_field()
+
+
+def _token_log_ratio(inp: lossplug.GateInput, p) -> torch.Tensor:
+    log_ratio = torch.where(inp.mask, inp.old_logp.detach() - inp.behavior_logp.detach(), 0)
+    return log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
+
+
+def _sequence_log_ratio(inp: lossplug.GateInput, p) -> torch.Tensor:
+    log_ratio = torch.where(inp.mask, inp.old_logp.detach() - inp.behavior_logp.detach(), 0).sum(-1)
+    if p.ratio == "geometric":
+        log_ratio = log_ratio / inp.lengths.clamp(min=1).to(log_ratio.dtype)
+    return log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
+
+
+def _ratio_stats(ratio: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    n = valid.sum().clamp(min=1)
+    return {
+        "ratio/mean": torch.where(valid, ratio, 0).sum() / n,
+        "ratio/min": torch.where(valid, ratio, float("inf")).min(),
+        "ratio/max": torch.where(valid, ratio, float("-inf")).max(),
+    }
+
+
+def _tis(ratio: torch.Tensor, valid: torch.Tensor, cap: float) -> lossplug.GateOutput:
+    weight = ratio.clamp(max=cap)
+    n = valid.sum().clamp(min=1)
+    metrics = {**_ratio_stats(ratio, valid), "trunc_frac": (valid & (ratio > cap)).sum() / n,
+               "weight_mean": torch.where(valid, weight, 0).sum() / n}
+    return lossplug.GateOutput(weight=weight.detach(), active=weight > 0, metrics=metrics)
+
+
+def _icepop(ratio: torch.Tensor, valid: torch.Tensor, low: float, high: float) -> lossplug.GateOutput:
+    keep = (ratio >= low) & (ratio <= high)
+    weight = torch.where(keep, ratio, torch.zeros_like(ratio))
+    n = valid.sum().clamp(min=1)
+    metrics = {**_ratio_stats(ratio, valid), "reject_frac_low": (valid & (ratio < low)).sum() / n,
+               "reject_frac_high": (valid & (ratio > high)).sum() / n,
+               "weight_mean": torch.where(valid, weight, 0).sum() / n}
+    return lossplug.GateOutput(weight=weight.detach(), active=keep, metrics=metrics)
+
+
+@lossplug.gate("tis", params=TISParams, requires=REQUIRES, role="correction", level="token")
+def tis(inp: lossplug.GateInput, p: TISParams) -> lossplug.GateOutput:
+    """TIS (token): detached weight min(ρ_t, cap), ρ_t = π_old/π_behaviour."""
+    with torch.no_grad():
+        return _tis(_token_log_ratio(inp, p).exp(), inp.mask, p.cap)
+
+
+@lossplug.gate("tis_seq", params=TISSequenceParams, requires=REQUIRES, role="correction", level="sequence")
+def tis_seq(inp: lossplug.GateInput, p: TISSequenceParams) -> lossplug.GateOutput:
+    """TIS (sequence): detached weight min(ρ_i, cap), ρ_i = Π_t ρ_t (or their geometric mean)."""
+    with torch.no_grad():
+        return _tis(_sequence_log_ratio(inp, p).exp(), inp.lengths > 0, p.cap)
+
+
+@lossplug.gate("icepop", params=IcePopParams, requires=REQUIRES, role="correction", level="token")
+def icepop(inp: lossplug.GateInput, p: IcePopParams) -> lossplug.GateOutput:
+    """IcePop (token): detached weight ρ_t where low ≤ ρ_t ≤ high, else 0."""
+    with torch.no_grad():
+        return _icepop(_token_log_ratio(inp, p).exp(), inp.mask, p.low, p.high)
+
+
+@lossplug.gate("icepop_seq", params=IcePopSequenceParams, requires=REQUIRES, role="correction", level="sequence")
+def icepop_seq(inp: lossplug.GateInput, p: IcePopSequenceParams) -> lossplug.GateOutput:
+    """IcePop (sequence): detached weight ρ_i where low ≤ ρ_i ≤ high, else 0 (ρ_i = Π_t ρ_t by default)."""
+    with torch.no_grad():
+        return _icepop(_sequence_log_ratio(inp, p).exp(), inp.lengths > 0, p.low, p.high)

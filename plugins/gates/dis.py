@@ -1,0 +1,52 @@
+"""DIS: direct double-sided importance sampling — a detached keep/drop gate on the current/behaviour ratio.
+
+DIS (GLM-5; used by SAO) keeps the token-level importance-weighted update only where the ratio of the *current*
+policy to the *behaviour* (rollout) policy lies strictly inside an asymmetric interval, and drops the token's
+policy-gradient signal otherwise — whatever the advantage's sign (unlike PPO, which keeps the raw branch on the
+side the advantage does not guard). Per action token::
+
+    ρ     = exp(logp − behavior_logp)                    (log-ratio clamped to ± log_ratio_clamp)
+    keep  = 1 − low < ρ < 1 + high
+    c     = sg(where(keep, ρ, 0))
+    J     = c · A · logp                                  ∂J/∂logp = c · A
+
+Detach/gradient contract: the coefficient ``c`` is explicitly ``.detach()``-ed (the seed's reference choice; the SAO
+paper writes no stop-gradient, and not detaching would add a ``ρ·A·logp`` derivative term) — gradient flows through
+the ``logp`` factor only, and is exactly zero on dropped tokens. Needs ``behavior_logp``. Defaults
+``low = 0.2``, ``high = 0.28`` (the seed's).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+import lossplug
+
+
+class DISParams(lossplug.Params):
+    low: float = Field(0.2, gt=0, lt=1, description="tokens with ρ ≤ 1 − low are dropped")
+    high: float = Field(0.28, gt=0, description="tokens with ρ ≥ 1 + high are dropped")
+    log_ratio_clamp: float = Field(20.0, gt=0, le=80, description="the log-ratio is clamped to ± this before exp")
+
+
+@lossplug.gate("dis", params=DISParams, requires=("behavior_logp",))
+def dis(inp: lossplug.GateInput, p: DISParams) -> lossplug.GateOutput:
+    """DIS: sg(where(1−low < ρ < 1+high, ρ, 0))·A·logp with ρ = π_θ/π_behaviour."""
+    adv = inp.advantage.detach()
+    mask = inp.mask
+    with torch.no_grad():
+        log_ratio = (inp.logp.detach() - inp.behavior_logp.detach()).clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
+        ratio = log_ratio.exp()
+        keep = (ratio > 1 - p.low) & (ratio < 1 + p.high)
+        coefficient = torch.where(keep, ratio, torch.zeros_like(ratio))
+        n = mask.sum().clamp(min=1)
+        metrics = {
+            "drop_frac_low": (mask & (ratio <= 1 - p.low)).sum() / n,
+            "drop_frac_high": (mask & (ratio >= 1 + p.high)).sum() / n,
+            "ratio/mean": torch.where(mask, ratio, 0).sum() / n,
+            "ratio/min": torch.where(mask, ratio, float("inf")).min(),
+            "ratio/max": torch.where(mask, ratio, float("-inf")).max(),
+        }
+    objective = coefficient.detach() * adv * inp.logp
+    return lossplug.GateOutput(objective=objective, active=keep, metrics=metrics)

@@ -1,0 +1,105 @@
+"""GSPO: the length-normalised sequence ratio, clipped at sequence level (Zheng et al., 2025, arXiv:2507.18071).
+
+With ``|y_i|`` the action tokens of response ``i`` and ``log r_it = logp_it − old_logp_it``, the sequence ratio is the
+geometric mean of the token ratios, computed in log space (a product of T ratios over- or underflows)::
+
+    s_i = exp( Σ_t log r_it / |y_i| )                                     (log clamped to ± log_ratio_clamp)
+
+``gspo`` (sequence level) — the paper's objective, broadcast to the response's action tokens::
+
+    J_it = min(s_i·A_it, clip(s_i, 1 − eps_low, 1 + eps_high)·A_it)
+
+``s_i`` carries the gradient of *every* token of response ``i``: ∂s_i/∂logp_iu = s_i / |y_i|. The clip decision is
+one per response (and advantage sign): a response is kept or saturated as a whole.
+
+``gspo_token`` (GSPO-token, as verl's ``compute_policy_loss_gspo`` implements it)::
+
+    s_it = sg(s_i) · π_θ(y_it) / sg(π_θ(y_it))     i.e.  log s_it = sg(log s_i) + logp_it − sg(logp_it)
+    J_it = min(s_it·A_it, clip(s_it, 1 − eps_low, 1 + eps_high)·A_it)
+
+Its value equals ``s_i`` but each token's gradient flows only through its own ``logp_it`` (∂s_it/∂logp_it = s_i), so
+token-level advantages are meaningful. With an advantage that is constant over a response and a reduction that
+weighs a response's tokens equally (all built-in reductions), ``gspo`` and ``gspo_token`` give the same loss and the
+same gradient.
+
+Detach/gradient contract: ``old_logp`` and the advantage are constants (explicitly detached); gradient flows through
+``logp`` only. Defaults: clip range 3e-4 / 4e-4 (the paper's, used by verl's GSPO example scripts) and a log-ratio
+clamp of 10 (verl clamps the log sequence ratio at 10 in ``compute_policy_loss_gspo``), so log-ratios of ±100 give
+finite losses and gradients. Empty responses are rejected by the batch contract; with ``validate="off"`` an empty
+response gets ``s_i = 1`` (its length is clamped to 1 and its log-ratio sum is 0) and contributes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+import lossplug
+
+
+class GSPOParams(lossplug.Params):
+    eps_low: float = Field(3e-4, gt=0, lt=1,
+                           description="lower clip: sequence ratios below 1 − eps_low are cut when A < 0 (paper: 3e-4)")
+    eps_high: float = Field(4e-4, gt=0,
+                            description="upper clip: sequence ratios above 1 + eps_high are cut when A > 0 "
+                                        "(paper: 4e-4)")
+    log_ratio_clamp: float = Field(10.0, gt=0, le=80,
+                                   description="the log sequence ratio is clamped to ± this before exp (verl: 10)")
+
+
+def _sequence_log_ratio(inp: lossplug.GateInput) -> torch.Tensor:
+    """mean_t(logp − old_logp) over each response's action tokens, ``[B]`` (carries the gradient of ``logp``)."""
+    log_ratio = torch.where(inp.mask, inp.logp - inp.old_logp.detach(), 0)
+    return log_ratio.sum(-1) / inp.lengths.clamp(min=1).to(log_ratio.dtype)
+
+
+def _clip(seq_ratio_bt: torch.Tensor, adv: torch.Tensor, p: GSPOParams):
+    """min(s·A, clip(s)·A) and the token-level cut masks (ratio outside the range on the side A's sign guards)."""
+    raw = seq_ratio_bt * adv
+    clipped = seq_ratio_bt.clamp(1 - p.eps_low, 1 + p.eps_high) * adv
+    objective = torch.minimum(raw, clipped)
+    with torch.no_grad():
+        r = seq_ratio_bt.detach()
+        low = (r < 1 - p.eps_low) & (adv < 0)
+        high = (r > 1 + p.eps_high) & (adv > 0)
+    return objective, low, high
+
+
+def _metrics(inp: lossplug.GateInput, seq_ratio: torch.Tensor, low, high) -> dict[str, torch.Tensor]:
+    mask = inp.mask
+    n = mask.sum().clamp(min=1)
+    valid = inp.lengths > 0
+    n_seq = valid.sum().clamp(min=1)
+    s = seq_ratio.detach()
+    return {
+        "clip_frac_low": (low & mask).sum() / n,
+        "clip_frac_high": (high & mask).sum() / n,
+        "seq_ratio/mean": torch.where(valid, s, 0).sum() / n_seq,
+        "seq_ratio/min": torch.where(valid, s, float("inf")).min(),
+        "seq_ratio/max": torch.where(valid, s, float("-inf")).max(),
+    }
+
+
+@lossplug.gate("gspo", params=GSPOParams, requires=("old_logp",), level="sequence")
+def gspo(inp: lossplug.GateInput, p: GSPOParams) -> lossplug.GateOutput:
+    """GSPO: min(s·A, clip(s, 1−eps_low, 1+eps_high)·A) with s = exp(mean_t log r_t), clipped per response."""
+    adv = inp.advantage.detach()
+    seq_log_ratio = _sequence_log_ratio(inp).clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
+    seq_ratio = seq_log_ratio.exp()
+    objective, low, high = _clip(seq_ratio.unsqueeze(-1), adv, p)
+    # a response still carries gradient if any of its action tokens is not cut (all or none for a sequence advantage)
+    active = (~(low | high) & inp.mask).any(-1)
+    return lossplug.GateOutput(objective=objective, active=active, metrics=_metrics(inp, seq_ratio, low, high))
+
+
+@lossplug.gate("gspo_token", params=GSPOParams, requires=("old_logp",), level="token")
+def gspo_token(inp: lossplug.GateInput, p: GSPOParams) -> lossplug.GateOutput:
+    """GSPO-token: s_t = sg(s)·π_θ/sg(π_θ), clipped like GSPO; each token's gradient flows through its own logp."""
+    adv = inp.advantage.detach()
+    seq_log_ratio = _sequence_log_ratio(inp).detach()
+    log_ratio = inp.logp - inp.logp.detach() + seq_log_ratio.unsqueeze(-1)
+    ratio = log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
+    objective, low, high = _clip(ratio, adv, p)
+    seq_ratio = seq_log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
+    return lossplug.GateOutput(objective=objective, active=~(low | high),
+                               metrics=_metrics(inp, seq_ratio, low, high))

@@ -1,0 +1,58 @@
+"""SAPO: a smooth, sign-asymmetric gate instead of a hard clip (Gao et al., 2025, arXiv:2511.20347).
+
+Per action token, with ``r = exp(logp − old_logp)`` (log-ratio clamped to ``± log_ratio_clamp``) and ``τ = tau_pos``
+where ``A > 0``, ``τ = tau_neg`` otherwise::
+
+    J = (4/τ) · σ(τ·(r − 1)) · A
+
+The loss itself is the sigmoid surrogate; ``sech²`` only appears in its derivative. With respect to ``logp``::
+
+    ∂J/∂logp = r · sech²(τ·(r − 1)/2) · A          (= 4·σ(x)·σ(−x)·r·A with x = τ·(r − 1))
+
+so the gradient gate is 1 at ``r = 1`` and decays smoothly as the ratio leaves 1 — faster on the side of the larger
+temperature. Note that at ``r = 1`` the objective's *value* is ``2A/τ``, not ``A``: only its gradient matches the
+policy gradient there. Nothing is clipped, so no token is dropped outright; ``active`` marks the tokens whose
+gradient gate is not exactly zero (it underflows to 0 only for extreme ratios).
+
+Defaults ``tau_pos = 1.0``, ``tau_neg = 1.05``: the SAPO paper's values, and the defaults of both TRL
+(``sapo_temperature_pos/neg``) and verl (``actor.tau_pos/tau_neg``). ``tau_neg > tau_pos`` damps off-policy
+negative-advantage updates faster, which the paper found stabilising. verl always reduces SAPO with
+``seq-mean-token-mean`` (lossplug's ``response`` reduction), whatever ``loss_agg_mode`` says; TRL's ``sapo`` loss
+uses the same per-response mean.
+
+Detach/gradient contract: ``old_logp`` and the advantage are constants (explicitly detached); gradient flows through
+``logp`` only.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+import lossplug
+
+
+class SAPOParams(lossplug.Params):
+    tau_pos: float = Field(1.0, gt=0, le=100, description="temperature τ for tokens with A > 0 (TRL, verl: 1.0)")
+    tau_neg: float = Field(1.05, gt=0, le=100, description="temperature τ for tokens with A ≤ 0 (TRL, verl: 1.05)")
+    log_ratio_clamp: float = Field(20.0, gt=0, le=80, description="the log-ratio is clamped to ± this before exp")
+
+
+@lossplug.gate("sapo", params=SAPOParams, requires=("old_logp",))
+def sapo(inp: lossplug.GateInput, p: SAPOParams) -> lossplug.GateOutput:
+    """SAPO: (4/τ)·σ(τ(r−1))·A with τ = tau_pos for A > 0, tau_neg otherwise; gradient r·sech²(τ(r−1)/2)·A."""
+    adv = inp.advantage.detach()
+    ratio = (inp.logp - inp.old_logp.detach()).clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
+    tau = torch.full_like(ratio, p.tau_neg).masked_fill(adv > 0, p.tau_pos)  # in the ratio's dtype, not float32
+    objective = (4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
+    mask = inp.mask
+    with torch.no_grad():
+        x = tau * (ratio.detach() - 1)
+        gate = 4 * torch.sigmoid(x) * torch.sigmoid(-x)  # sech²(x/2), the gradient gate
+        n = mask.sum().clamp(min=1)
+        metrics = {
+            "gate_mean": torch.where(mask, gate, 0).sum() / n,
+            "gate_min": torch.where(mask, gate, float("inf")).min(),
+            "soft_frac": (mask & (gate < 0.5)).sum() / n,  # tokens whose gradient is damped by more than half
+        }
+    return lossplug.GateOutput(objective=objective, active=gate > 0, metrics=metrics)

@@ -1,0 +1,60 @@
+"""dis through the public API: the seed's double-sided keep/drop example."""
+
+import pytest
+import torch
+
+import lossplug
+
+SHIFT = -1.0  # the seed's log-probs (behaviour = 0) shifted onto the contract's ≤ 0 side
+
+
+def test_seed_double_sided_gate():
+    ratio = torch.tensor([.7, .81, 1., 1.27, 1.4])
+    logp = (ratio.log() + SHIFT).reshape(1, 5).requires_grad_()
+    behavior = torch.full((1, 5), SHIFT)
+    batch = lossplug.PolicyBatch(logp=logp, behavior_logp=behavior, advantage=torch.ones(1),
+                                 action_mask=torch.ones(1, 5, dtype=torch.bool))
+    # one response under sequence_sum: loss = −Σ_t coefficient_t·logp_t, the seed's loss
+    result = lossplug.policy_loss(batch, {"gates": [{"name": "dis", "low": .2, "high": .28}],
+                                          "reduction": "sequence_sum"})
+    result.loss.backward()
+    observed = (logp.detach() - behavior).exp()
+    keep = (observed > .8) & (observed < 1.28)
+    assert keep.tolist() == [[False, True, True, True, False]]
+    coefficient = torch.where(keep, observed, 0)
+    torch.testing.assert_close(logp.grad, -coefficient)
+    torch.testing.assert_close(result.loss, -(coefficient * logp.detach()).sum())
+    m = result.metrics
+    assert m["dis/active_token_frac"] == pytest.approx(.6)
+    assert m["dis/drop_frac_low"] == pytest.approx(.2) and m["dis/drop_frac_high"] == pytest.approx(.2)
+
+
+def test_drop_is_independent_of_the_advantage_sign():
+    # PPO keeps the raw branch of r = 1.4 when A < 0; DIS drops it whatever the sign
+    logp = torch.log(torch.tensor([[1.4, 1.4]])).sub(1).requires_grad_()
+    batch = lossplug.PolicyBatch(logp=logp, behavior_logp=torch.full((1, 2), -1.0),
+                                 advantage=torch.tensor([[1.0, -1.0]]), action_mask=torch.ones(1, 2, dtype=torch.bool))
+    lossplug.policy_loss(batch, {"gates": ["dis"], "reduction": "token"}).loss.backward()
+    torch.testing.assert_close(logp.grad, torch.zeros(1, 2))
+
+
+def test_needs_behavior_logp():
+    batch = lossplug.PolicyBatch(logp=torch.full((1, 2), -1.0), old_logp=torch.full((1, 2), -1.0),
+                                 advantage=torch.ones(1), action_mask=torch.ones(1, 2, dtype=torch.bool))
+    with pytest.raises(lossplug.BatchValidationError, match="behavior_logp"):
+        lossplug.policy_loss(batch, {"gates": ["dis"], "reduction": "token"})
+
+
+def test_coefficient_is_detached():
+    plugin = lossplug.registry().plugins["gate"]["dis"]
+    logp = torch.tensor([[-1.0, -0.9, -3.0]], requires_grad=True)
+    behavior = torch.full((1, 3), -1.0, requires_grad=True)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    inp = lossplug.GateInput(logp=logp, mask=mask, advantage=torch.ones(1, 3), lengths=mask.sum(-1), old_logp=None,
+                             behavior_logp=behavior, ref_logp=None,
+                             batch=lossplug.PolicyBatch.unchecked(logp=logp, action_mask=mask))
+    out = plugin(inp, plugin.params())
+    (g,) = torch.autograd.grad(out.objective.sum(), logp, create_graph=True)
+    assert not g.requires_grad  # the coefficient is a constant: the gradient does not depend on logp
+    assert torch.autograd.grad(out.objective.sum(), behavior, allow_unused=True)[0] is None
+    torch.testing.assert_close(g, torch.tensor([[1.0, 0.1 ** 0 * torch.tensor(.1).exp().item(), 0.0]]))

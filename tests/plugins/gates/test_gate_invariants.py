@@ -1,0 +1,233 @@
+"""Property tests that every registered gate must satisfy (the seed's list of invariants that must be kept).
+
+Each gate runs through the public API (PolicyBatch + policy_loss + a Recipe); a correction runs behind
+``reinforce`` (A·logp, every token active), so that what is observed is the correction's own effect.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import lossplug
+
+GATES = sorted(lossplug.registry().plugins["gate"])
+BUILTIN = {"ppo_clip", "gspo", "gspo_token", "sapo", "cispo", "dis", "reinforce", "tis", "tis_seq", "icepop",
+           "icepop_seq"}
+#: gates whose contract is "detached coefficient × A × logp": the gradient wrt logp does not depend on logp
+DETACHED_COEFFICIENT = {"cispo", "dis", "reinforce"}
+TOKEN_FIELDS = ("logp", "old_logp", "behavior_logp", "ref_logp", "value", "reward", "advantage")
+
+
+def plugin(name):
+    return lossplug.registry().plugins["gate"][name]
+
+
+@functools.lru_cache(maxsize=None)
+def recipe(name: str, reduction: str, T: int) -> lossplug.Recipe:
+    gates = ["reinforce", name] if plugin(name).role == "correction" else [name]
+    red = {"name": reduction, "budget": float(T)} if reduction == "fixed" else {"name": reduction}
+    return lossplug.Recipe.load({"gates": gates, "reduction": red})
+
+
+@dataclass
+class Case:
+    B: int
+    T: int
+    seed: int
+    scale: float
+    seq_advantage: bool
+    reduction: str
+    dtype: torch.dtype
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed)
+        B, T, dt = self.B, self.T, self.dtype
+
+        def rand(*shape):
+            return torch.rand(*shape, generator=g, dtype=torch.float64)
+
+        mask = rand(B, T) > 0.4
+        mask[torch.arange(B), torch.randint(0, T, (B,), generator=g)] = True
+        old = -(rand(B, T) * 3 + 0.05)
+        logp = (old + self.scale * (2 * rand(B, T) - 1)).clamp(max=-1e-3)
+        behavior = (old + self.scale * (2 * rand(B, T) - 1)).clamp(max=-1e-3)
+        adv = (2 * rand(B) - 1) * 2 if self.seq_advantage else (2 * rand(B, T) - 1) * 2
+        fields = dict(logp=logp, old_logp=old, behavior_logp=behavior, ref_logp=old - 0.1 * rand(B, T),
+                      value=rand(B, T), reward=rand(B, T), advantage=adv)
+        out = {k: v.to(dt) for k, v in fields.items()}
+        out["action_mask"] = mask
+        return out
+
+
+@st.composite
+def cases(draw) -> Case:
+    return Case(
+        B=draw(st.integers(1, 3)),
+        T=draw(st.integers(1, 5)),
+        seed=draw(st.integers(0, 2 ** 31 - 1)),
+        scale=draw(st.sampled_from([0.0, 1e-3, 0.1, 0.5, 2.0])),
+        seq_advantage=draw(st.booleans()),
+        reduction=draw(st.sampled_from(["token", "response", "sequence_sum", "fixed"])),
+        dtype=draw(st.sampled_from([torch.float32, torch.float64])),
+    )
+
+
+def run(name: str, case: Case, fields: dict, *, metrics: bool = True):
+    logp = fields["logp"].clone().requires_grad_()
+    batch = lossplug.PolicyBatch(**{**fields, "logp": logp})
+    result = lossplug.policy_loss(batch, recipe(name, case.reduction, case.T), metrics=metrics)
+    result.loss.backward()
+    return result, logp.grad
+
+
+def test_every_builtin_gate_is_registered_and_documented():
+    assert BUILTIN <= set(GATES)
+    for name in GATES:
+        p = plugin(name)
+        assert p.doc, name
+        for field, info in p.params.model_fields.items():
+            assert info.description, f"{name}.{field} has no description"
+        if p.role == "correction":
+            assert {"old_logp", "behavior_logp"} <= set(p.requires), name
+
+
+@pytest.mark.parametrize("name", GATES)
+@given(case=cases())
+def test_identical_logprobs_give_ratio_one(name, case):
+    fields = case.tensors()
+    fields["old_logp"] = fields["logp"].clone()
+    fields["behavior_logp"] = fields["logp"].clone()
+    result, grad = run(name, case, fields)
+    m = result.metrics
+    ratio_keys = [k for k in m if "ratio/" in k]
+    assert any(k.startswith("ratio/update/") for k in ratio_keys)
+    assert any(k.startswith("ratio/engine/") for k in ratio_keys)
+    for key in ratio_keys:  # update and engine quantiles/means, and every gate's own ratio statistics
+        assert m[key] == 1.0, (key, m[key])
+    assert torch.isfinite(result.loss) and torch.isfinite(grad).all()
+
+
+POISON = st.sampled_from([float("nan"), float("inf"), float("-inf")])
+
+
+@pytest.mark.parametrize("name", GATES)
+@given(case=cases(), poison=POISON)
+def test_masked_positions_never_leak(name, case, poison):
+    fields = case.tensors()
+    mask = fields["action_mask"]
+    poisoned = {k: (torch.where(mask, v, torch.full_like(v, poison)) if k in TOKEN_FIELDS and v.ndim == 2 else v)
+                for k, v in fields.items()}
+    clean, clean_grad = run(name, case, fields)
+    dirty, dirty_grad = run(name, case, poisoned)
+    assert torch.equal(clean.loss, dirty.loss)  # bitwise
+    assert torch.equal(clean_grad, dirty_grad)
+    assert (clean_grad[~mask] == 0).all()
+    assert clean.metrics == dirty.metrics
+
+
+@pytest.mark.parametrize("name", GATES)
+@given(case=cases())
+def test_zero_advantage_gives_zero_gradient(name, case):
+    fields = case.tensors()
+    fields["advantage"] = torch.zeros_like(fields["advantage"])
+    result, grad = run(name, case, fields, metrics=False)
+    assert result.loss == 0
+    assert (grad == 0).all()
+
+
+def gate_input(fields: dict, *, inputs_require_grad: bool):
+    """The GateInput the pipeline would build, with the non-logp log-probs requiring grad if asked."""
+    mask = fields["action_mask"]
+    logp = torch.where(mask, fields["logp"], 0).requires_grad_()
+
+    def clean(t):
+        t = torch.where(mask, t, 0)
+        return t.requires_grad_() if inputs_require_grad else t
+
+    adv = fields["advantage"]
+    adv = adv.unsqueeze(-1).expand_as(logp) if adv.ndim == 1 else adv
+    inp = lossplug.GateInput(logp=logp, mask=mask, advantage=torch.where(mask, adv, 0), lengths=mask.sum(-1),
+                             old_logp=clean(fields["old_logp"]), behavior_logp=clean(fields["behavior_logp"]),
+                             ref_logp=clean(fields["ref_logp"]),
+                             batch=lossplug.PolicyBatch.unchecked(logp=fields["logp"], action_mask=mask))
+    return inp
+
+
+@pytest.mark.parametrize("name", GATES)
+@given(case=cases())
+def test_detached_coefficients_carry_no_gradient(name, case):
+    p = plugin(name)
+    inp = gate_input(case.tensors(), inputs_require_grad=True)
+    out = p(inp, p.params())
+    if p.role == "correction":
+        assert out.objective is None and out.weight is not None
+        assert not out.weight.requires_grad  # even though old_logp and behavior_logp require grad
+        assert out.weight.shape == (inp.mask.shape if p.level == "token" else inp.mask.shape[:1])
+        return
+    if name in DETACHED_COEFFICIENT:
+        # objective = sg(c)·A·logp: its gradient c·A has no graph back to logp (second derivative zero)
+        (g,) = torch.autograd.grad(out.objective.sum(), inp.logp, create_graph=True)
+        assert not g.requires_grad
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(
+        n == "ppo_clip", strict=True,
+        reason="ppo_clip uses GateInput.update_log_ratio(), which does not detach old_logp (core/plugin.py); "
+               "harmless while old_logp never requires grad, but the contract is not enforced"))
+    for n in GATES])
+@given(case=cases())
+def test_gradient_flows_only_through_logp(name, case):
+    p = plugin(name)
+    inp = gate_input(case.tensors(), inputs_require_grad=True)
+    out = p(inp, p.params())
+    value = out.objective if p.role == "update" else out.weight
+    others = [inp.old_logp, inp.behavior_logp, inp.ref_logp]
+    grads = torch.autograd.grad(value.sum(), others, allow_unused=True) if value.requires_grad else [None] * 3
+    for gr in grads:
+        assert gr is None or (gr == 0).all()
+
+
+def extreme_fields(case: Case, g: torch.Generator) -> dict:
+    """Update, engine and current/behaviour log-ratios of ±100 (and 0, ±50) with every log-prob ≤ 0."""
+    fields = case.tensors()
+    B, T = case.B, case.T
+    pick = torch.tensor([-0.5, -100.5, -50.5], dtype=case.dtype)
+    fields["logp"] = pick[torch.randint(0, 2, (B, T), generator=g)]
+    fields["old_logp"] = torch.where(fields["logp"] == -0.5, -100.5, -0.5).to(case.dtype)
+    fields["behavior_logp"] = pick[torch.randint(0, 3, (B, T), generator=g)]
+    return fields
+
+
+@pytest.mark.parametrize("name", GATES)
+@given(case=cases())
+def test_extreme_log_ratios_stay_finite(name, case):
+    fields = extreme_fields(case, torch.Generator().manual_seed(case.seed))
+    result, grad = run(name, case, fields)
+    assert torch.isfinite(result.loss)
+    assert torch.isfinite(grad).all()
+    assert all(math.isfinite(v) for v in result.metrics.values()), result.metrics
+
+
+@pytest.mark.parametrize("name", GATES)
+@given(case=cases())
+def test_token_and_sequence_effective_rates_are_separate(name, case):
+    result, _ = run(name, case, case.tensors())
+    m = result.metrics
+    level = plugin(name).level
+    token_key, seq_key = f"{name}/active_token_frac", f"{name}/active_seq_frac"
+    assert 0 <= m["effective/token_frac"] <= 1 and 0 <= m["effective/seq_frac"] <= 1
+    if level == "token":
+        assert token_key in m and seq_key not in m
+        # behind reinforce (all active) or alone, the gate's own rate is the effective token rate
+        assert m[token_key] == pytest.approx(m["effective/token_frac"])
+    else:
+        assert seq_key in m and token_key not in m
+        assert m[seq_key] == pytest.approx(m["effective/seq_frac"])

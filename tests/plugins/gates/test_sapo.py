@@ -1,0 +1,75 @@
+"""sapo through the public API: the seed's smooth-gate example (gradient = r·sech²(τ(r−1)/2)·A)."""
+
+import pytest
+import torch
+
+import lossplug
+
+SHIFT = -1.0  # the seed's log-probs (old = 0, new up to .7) shifted onto the contract's ≤ 0 side
+
+
+def run(gate: dict, *, logp, old_logp, advantage, reduction="sequence_sum", mask=None):
+    logp = logp.clone().requires_grad_()
+    mask = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask
+    batch = lossplug.PolicyBatch(logp=logp, old_logp=old_logp, advantage=advantage, action_mask=mask)
+    result = lossplug.policy_loss(batch, {"gates": [gate], "reduction": {"name": reduction}})
+    result.loss.backward()
+    return result, logp.grad
+
+
+def test_seed_smooth_gate():
+    new_logp = torch.tensor([[-.7, 0., .7]]) + SHIFT
+    old_logp = torch.zeros(1, 3) + SHIFT
+    advantage = torch.tensor([[1., -1., 1.]])
+    # one response under sequence_sum: loss = −Σ_t term_t, i.e. the seed's term.sum()
+    result, grad = run({"name": "sapo", "tau_pos": 1., "tau_neg": 2.}, logp=new_logp, old_logp=old_logp,
+                       advantage=advantage)
+    ratio = (new_logp - old_logp).exp()
+    tau = torch.where(advantage > 0, 1., 2.)
+    term = 4 / tau * torch.sigmoid(tau * (ratio - 1)) * advantage
+    torch.testing.assert_close(result.loss, -term.sum())
+    gate = torch.cosh(tau * (ratio - 1) / 2).reciprocal().square()
+    torch.testing.assert_close(-grad, ratio * gate * advantage)
+    assert gate[0, 1] == 1
+    assert gate[0, 2] < gate[0, 0]
+    # the gate recovered from the gradient itself
+    recovered = -grad / (ratio * advantage)
+    assert recovered[0, 1] == 1
+    assert recovered[0, 2] < recovered[0, 0]
+    assert result.metrics["sapo/gate_min"] == pytest.approx(gate.min().item())
+    assert result.metrics["sapo/active_token_frac"] == 1.0
+
+
+def test_value_at_ratio_one_is_two_a_over_tau():
+    # only the gradient equals the policy gradient at r = 1; the value is 2A/τ
+    logp = torch.full((2, 1), -1.0)
+    result, grad = run({"name": "sapo"}, logp=logp, old_logp=logp.clone(), advantage=torch.tensor([1.0, -1.0]))
+    torch.testing.assert_close(result.loss, torch.tensor(-(2 / 1.0 - 2 / 1.05) / 2))
+    torch.testing.assert_close(grad.reshape(2), -torch.tensor([1.0, -1.0]) / 2)
+
+
+def test_negative_advantages_are_damped_faster():
+    # same distance from r = 1, larger temperature for A < 0: a smaller gradient gate
+    old = torch.full((2, 1), -2.0)
+    new = old + torch.tensor([[.5], [.5]])
+    _, grad = run({"name": "sapo", "tau_pos": 1.0, "tau_neg": 3.0}, logp=new, old_logp=old,
+                  advantage=torch.tensor([1.0, -1.0]))
+    assert abs(grad[1, 0]) < abs(grad[0, 0])
+
+
+def test_extreme_ratio_gate_underflows_to_inactive():
+    old = torch.tensor([[-0.5, -60.5]])
+    new = torch.tensor([[-60.5, -0.5]])  # log-ratios −60 and +60, clamped to ±20
+    result, grad = run({"name": "sapo"}, logp=new, old_logp=old, advantage=torch.tensor([1.0]))
+    assert torch.isfinite(result.loss) and torch.isfinite(grad).all()
+    assert grad[0, 1] == 0  # r = e^20: the gate is exactly 0
+    assert result.metrics["sapo/active_token_frac"] == 0.5
+
+
+def test_defaults_match_trl_and_verl():
+    rec = lossplug.Recipe.preset("sapo")
+    assert rec.gates[0].params["tau_pos"] == 1.0 and rec.gates[0].params["tau_neg"] == 1.05
+    assert rec.reduction.name == "response"
+    assert "2511.20347" in lossplug.registry().presets["sapo"].source
+    with pytest.raises(lossplug.RecipeError, match="tau_neg"):
+        lossplug.Recipe.load({"gates": [{"name": "sapo", "tau_neg": 0}], "reduction": "token"})
