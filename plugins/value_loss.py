@@ -1,0 +1,264 @@
+"""PPO's clipped value loss (the critic side of PPO), and its clip fraction.
+
+With ``V`` the current value prediction (carries the gradient), ``V_old`` the prediction of the critic that scored the
+rollout, ``R = A_GAE + V_old`` the returns (``AdvantageResult.returns``) and ``ε ≥ 0`` the value clip range::
+
+    V_clip = clip(V, V_old − ε, V_old + ε)
+    ℓ_t    = ½ · max((V − R)², (V_clip − R)²)                               per action token
+    loss   = Σ_{action tokens} ℓ_t / N                                       reduction "token" (default)
+           = Σ_i (Σ_t ℓ_it / |o_i|) / S                                      reduction "response"
+    clip_frac = #{action tokens where (V_clip − R)² > (V − R)²} / #{action tokens of this micro-batch}
+
+``N`` and ``S`` are the population of the whole optimizer step when a :class:`~lossplug.Normalizer` (or a global
+``action_tokens`` count) is given — then the loss of a micro-batch is its *share* and the sum over all micro-batches
+and ranks equals the full-batch loss exactly — else this micro-batch's own action tokens / responses.
+
+Gradient contract (seed 003, "why the max"), per token, of ``ℓ_t`` with respect to ``V``:
+
+1. ``V`` inside ``[V_old − ε, V_old + ε]``: ``V_clip = V`` and ``∂ℓ/∂V = ½ · 2(V − R) = V − R``;
+2. ``V`` outside the band and the unclipped branch is the larger: same, ``V − R``;
+3. ``V`` outside the band and the clipped branch is strictly larger: ``ℓ = ½(V_clip − R)²`` with ``V_clip`` a
+   constant of ``V`` there, so ``∂ℓ/∂V = 0`` — the critic has already moved closer to ``R`` than the band allows,
+   and stops.
+
+The branch is chosen with ``torch.where(clipped, clipped_branch, raw_branch)`` (``clipped`` = strictly larger, the
+same rule as the clip fraction), so ties take the raw branch and its gradient; the value equals ``torch.max``
+exactly. ``V_old`` and ``R`` are treated as constants (no gradient flows into them).
+
+Matches verl 0.9.1 ``compute_value_loss`` (loss, gradient, clip fraction) under ``loss_agg_mode="token-mean"`` and
+``"seq-mean-token-mean"`` with ``dp_size = 1``; verl multiplies by ``dp_size`` to cancel DDP gradient averaging,
+which is the adapter's business, not this function's. One deliberate difference, on a measure-zero set: exactly at
+the band's edges ``V = V_old ± ε`` the clip is ``torch.clamp`` (edges inside the band, gradient ``V − R``, seed case
+1), where verl's ``max(min(·))`` and ``torch.max`` split tied gradients (``0.75·(V − R)`` there). Non-action positions may hold anything (NaN, inf): they are
+replaced by 0 before any arithmetic, so they reach neither the loss nor the gradient.
+
+This module also hosts ``_Checks``, the argument checker the other seed-tool modules (kl, reward_model,
+dynamic_sampling, diagnostics) share: every bad input raises a :class:`~lossplug.BatchValidationError` (a
+:class:`~lossplug.LossplugError`) naming the field, the rule and the rows/positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Optional
+
+import torch
+
+from lossplug.contracts import BatchValidationError, Normalizer, Violation
+from lossplug.contracts.errors import describe_positions
+
+Tensor = torch.Tensor
+
+__all__ = ["ValueLossOutput", "value_loss", "value_clip_fraction"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Argument checks shared by the seed-tool modules (kept here: core/ and contracts/ belong to others).
+
+
+class _Checks:
+    """Collects rule violations of one call; tensor-valued rules are resolved with a single device→host sync."""
+
+    def __init__(self, contract: str):
+        self.contract = contract
+        self.violations: list[Violation] = []
+        self._pending: list[tuple[Tensor, Callable[[], Violation]]] = []
+        self._device: Optional[torch.device] = None
+        self._device_of: str = ""
+
+    def fail(self, field_: str, rule: str, where: str = "") -> None:
+        self.violations.append(Violation(field_, rule, where))
+
+    def when_any(self, bad: Tensor, field_: str, rule: str, noun: str = "rows") -> None:
+        """Report ``rule`` for ``field_`` (with the offending places) if any element of ``bad`` is set."""
+        self._pending.append((bad.any(), lambda: Violation(field_, rule, describe_positions(bad, noun=noun))))
+
+    def when(self, flag: Tensor, field_: str, rule: str, where: str = "") -> None:
+        """Report ``rule`` for ``field_`` if the 0-d boolean tensor ``flag`` is set (resolved with the same sync)."""
+        self._pending.append((flag.reshape(()), lambda: Violation(field_, rule, where)))
+
+    def tensor(self, name: str, t, *, kind: str = "float", ndim: Optional[tuple[int, ...]] = None,
+               shape: Optional[tuple[int, ...]] = None, like: str = "") -> bool:
+        """Type, dtype, rank, shape and device rules of one tensor argument; False if any failed."""
+        if not isinstance(t, torch.Tensor):
+            self.fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
+            return False
+        ok = True
+        dtype_ok = {
+            "float": t.is_floating_point(),
+            "bool": t.dtype == torch.bool,
+            "int": not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool,
+            "number": not t.is_complex() and t.dtype != torch.bool,
+        }[kind]
+        if not dtype_ok:
+            hint = " (convert with .bool() once you know it holds only 0/1)" if kind == "bool" else ""
+            noun = {"number": "a real (int or float)", "int": "an int"}.get(kind, f"a {kind}")
+            self.fail(name, f"must be {noun} tensor, got {t.dtype}{hint}")
+            ok = False
+        if ndim is not None and t.ndim not in ndim:
+            want = " or ".join(f"{n}-d" for n in ndim)
+            self.fail(name, f"must be {want}, got shape {list(t.shape)}")
+            ok = False
+        elif shape is not None and tuple(t.shape) != tuple(shape):
+            self.fail(name, f"shape must match {like or 'the batch'} {list(shape)}, got {list(t.shape)}")
+            ok = False
+        if self._device is None:
+            self._device, self._device_of = t.device, name
+        elif t.device != self._device:
+            self.fail(name, f"must be on {self._device_of}'s device {self._device}, got {t.device}")
+            ok = False
+        return ok
+
+    def number(self, name: str, value, *, ge: Optional[float] = None, gt: Optional[float] = None,
+               allow_inf: bool = False, integer: bool = False) -> bool:
+        """Rules of a scalar parameter: a real number, finite (unless ``allow_inf``), and bounded below."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+            self.fail(name, f"must be {'an int' if integer else 'a number'}, got {type(value).__name__} {value!r}")
+            return False
+        if math.isnan(value) or (math.isinf(value) and not allow_inf):
+            self.fail(name, f"must be finite, got {value}")
+            return False
+        if ge is not None and value < ge:
+            self.fail(name, f"must be >= {ge}, got {value}")
+            return False
+        if gt is not None and value <= gt:
+            self.fail(name, f"must be > {gt}, got {value}")
+            return False
+        return True
+
+    def raise_if_any(self) -> None:
+        if self._pending:
+            flags = torch.stack([flag for flag, _ in self._pending]).tolist()
+            self.violations.extend(make() for flag, (_, make) in zip(flags, self._pending) if flag)
+            self._pending.clear()
+        if self.violations:
+            raise BatchValidationError(self.contract, self.violations)
+
+
+def _clean(x: Tensor, mask: Tensor) -> Tensor:
+    """Zero off the mask through ``torch.where``: NaN/inf there reach neither the result nor the gradient."""
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ValueLossOutput:
+    """The clipped value loss of one micro-batch.
+
+    ``loss`` is the scalar to minimise (carries the gradient to ``values``); ``clip_frac`` is detached;
+    ``per_token`` is ``ℓ_t`` (zero off actions, carries the gradient); ``clipped`` marks the action tokens where the
+    clipped branch is strictly larger (zero gradient there); ``metrics`` are detached 0-d tensors.
+    """
+
+    loss: Tensor
+    clip_frac: Tensor
+    per_token: Tensor
+    clipped: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor, *,
+               clip_eps: Optional[float] = 0.2, reduction: Literal["token", "response"] = "token",
+               normalizer: Optional[Normalizer] = None, action_tokens: Optional[int] = None,
+               validate: bool = True) -> ValueLossOutput:
+    """PPO clipped value loss ``½·max((V−R)², (clip(V, V_old±ε)−R)²)`` reduced over action tokens.
+
+    ``values`` ``[B, T]`` are the current predictions ``V`` (gradient), ``old_values`` the rollout critic's ``V_old``,
+    ``returns`` ``R = A_GAE + V_old``, ``action_mask`` ``[B, T]`` bool. ``clip_eps=None`` disables clipping
+    (plain ``½(V−R)²``). The population: ``normalizer`` (the step's :class:`~lossplug.Normalizer`) or
+    ``action_tokens`` (only the global token count, e.g. verl's ``batch_num_tokens``; token reduction only); neither:
+    this micro-batch. ``validate=False`` skips every check (and its one host sync).
+    """
+    if validate:
+        _check_value_args(values, old_values, returns, action_mask, clip_eps, reduction, normalizer, action_tokens)
+    mask = action_mask
+    v = _clean(values, mask)
+    v_old = _clean(old_values, mask).detach()
+    ret = _clean(returns, mask).detach()
+    raw = (v - ret) ** 2
+    if clip_eps is None:
+        per_token = 0.5 * raw
+        clipped = torch.zeros_like(mask)
+    else:
+        v_clip = torch.clamp(v, v_old - clip_eps, v_old + clip_eps)
+        cl = (v_clip - ret) ** 2
+        clipped = (cl > raw) & mask
+        per_token = 0.5 * torch.where(clipped, cl, raw)
+    per_token = _clean(per_token, mask)
+
+    n_local = mask.sum()
+    if reduction == "token":
+        if normalizer is not None:
+            denom = normalizer.action_tokens
+        elif action_tokens is not None:
+            denom = action_tokens
+        else:
+            denom = n_local.clamp(min=1)
+        loss = per_token.sum() / denom
+    else:
+        lengths = mask.sum(-1).clamp(min=1).to(per_token.dtype)
+        denom = normalizer.sequences if normalizer is not None else mask.shape[0]
+        loss = (per_token.sum(-1) / lengths).sum() / denom
+
+    with torch.no_grad():
+        n = n_local.clamp(min=1)
+        clip_frac = clipped.sum().to(per_token.dtype) / n
+        metrics = {
+            "value/loss": loss.detach(),
+            "value/clip_frac": clip_frac,
+            "value/vpred_mean": v.detach().sum() / n,
+            "value/error": raw.detach().sum() / n,
+        }
+    return ValueLossOutput(loss=loss, clip_frac=clip_frac, per_token=per_token, clipped=clipped, metrics=metrics)
+
+
+def value_clip_fraction(values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor, *,
+                        clip_eps: float, validate: bool = True) -> Tensor:
+    """Fraction of this micro-batch's action tokens where ``(clip(V, V_old±ε) − R)² > (V − R)²`` (detached)."""
+    with torch.no_grad():
+        return value_loss(values.detach(), old_values, returns, action_mask, clip_eps=clip_eps,
+                          validate=validate).clip_frac
+
+
+def _check_value_args(values, old_values, returns, action_mask, clip_eps, reduction, normalizer, action_tokens,
+                      contract: str = "value_loss") -> None:
+    c = _Checks(contract)
+    aligned = c.tensor("values", values, ndim=(2,))
+    shape = tuple(values.shape) if aligned else None
+    like = "values"
+    for name, t in (("old_values", old_values), ("returns", returns)):
+        aligned &= c.tensor(name, t, shape=shape, like=like)
+    aligned &= c.tensor("action_mask", action_mask, kind="bool", shape=shape, like=like)
+    if clip_eps is not None:
+        c.number("clip_eps", clip_eps, ge=0.0, allow_inf=True)
+    if reduction not in ("token", "response"):
+        c.fail("reduction", f"must be 'token' or 'response', got {reduction!r}")
+    if normalizer is not None and not isinstance(normalizer, Normalizer):
+        c.fail("normalizer", f"must be a lossplug.Normalizer, got {type(normalizer).__name__}")
+        normalizer = None
+    if action_tokens is not None:
+        if normalizer is not None:
+            c.fail("action_tokens", "give either normalizer or action_tokens, not both")
+        elif reduction != "token":
+            c.fail("action_tokens", "is a token count: it only fits reduction 'token' (use a Normalizer)")
+        else:
+            c.number("action_tokens", action_tokens, gt=0, integer=True)
+    if not aligned:
+        c.raise_if_any()
+        return
+    mask = action_mask
+    c.when_any(~mask.any(-1), "action_mask", "every response needs at least one action token")
+    for name, t in (("values", values), ("old_values", old_values), ("returns", returns)):
+        c.when_any(mask & ~torch.isfinite(t.detach()), name, "must be finite on action positions", noun="positions")
+    population = normalizer.action_tokens if normalizer is not None else action_tokens
+    if isinstance(population, int) and population > 0:
+        c.when(mask.sum() > population, "normalizer" if normalizer is not None else "action_tokens",
+               f"the global population ({population} action tokens) is smaller than this micro-batch alone; "
+               "it must count the whole optimizer step (all micro-batches and ranks)")
+    if normalizer is not None and mask.shape[0] > normalizer.sequences:
+        c.fail("normalizer", f"the global population ({normalizer.sequences} sequences) is smaller than this "
+                             f"micro-batch ({mask.shape[0]} sequences)")
+    c.raise_if_any()
