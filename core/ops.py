@@ -34,12 +34,12 @@ class Groups:
         return self.sum(x) / self.counts.to(x.dtype)
 
     def amax(self, x: Tensor) -> Tensor:
-        out = torch.full((self.num_groups,), float("-inf"), dtype=x.dtype, device=x.device)
-        return out.scatter_reduce(0, self.inverse, x, reduce="amax")
+        out = torch.empty(self.num_groups, dtype=x.dtype, device=x.device)  # every group has ≥ 1 row: all overwritten
+        return out.scatter_reduce(0, self.inverse, x, reduce="amax", include_self=False)
 
     def amin(self, x: Tensor) -> Tensor:
-        out = torch.full((self.num_groups,), float("inf"), dtype=x.dtype, device=x.device)
-        return out.scatter_reduce(0, self.inverse, x, reduce="amin")
+        out = torch.empty(self.num_groups, dtype=x.dtype, device=x.device)
+        return out.scatter_reduce(0, self.inverse, x, reduce="amin", include_self=False)
 
     def std(self, x: Tensor, *, unbiased: bool) -> Tensor:
         """Per-group standard deviation (two-pass, for accuracy); NaN for singleton groups when ``unbiased``."""
