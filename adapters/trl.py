@@ -1,0 +1,737 @@
+"""Run any lossplug recipe inside TRL's ``GRPOTrainer`` — no fork of TRL.
+
+Two ways in::
+
+    from lossplug.adapters.trl import LossplugGRPOTrainer, attach
+
+    trainer = LossplugGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
+                                  processing_class=tok, recipe="dapo")            # a GRPOTrainer subclass
+    trainer = attach(GRPOTrainer(...), "dapo")                                    # a trainer you already built
+
+Both give the same object: a ``GRPOTrainer`` (subclass) whose
+
+* **advantage** comes from the recipe's advantage plugin, computed in ``_generate_and_score_completions`` on the
+  rewards TRL gathered over all processes — where every prompt group is still complete — and then sliced to this
+  process's rows, exactly where TRL computes its own (a recipe without an advantage stage keeps TRL's);
+* **loss** (``_compute_loss``) is the recipe's gates and reduction, plus TRL's ``beta`` KL term reduced with
+  :func:`lossplug.reduce` (same denominators as the policy term).
+
+``import lossplug`` never imports TRL, and neither does ``import lossplug.adapters.trl``: TRL is imported the first
+time ``LossplugGRPOTrainer`` is looked up or ``attach`` is called.
+
+What travels with the rows
+--------------------------
+``_generate_and_score_completions`` adds two per-row tensors to TRL's batch dict — ``lossplug_group_id`` (the prompt
+group, unique over the run) and ``lossplug_reward`` (the weighted raw reward TRL summed, NaN where every reward
+function returned ``None``) — so that they survive TRL's shuffle and split into micro-batches.
+
+The micro-batch TRL hands to ``_compute_loss`` becomes a :class:`lossplug.PolicyBatch`:
+
+=================  ====================================================================================
+``logp``           ``_get_per_token_logps_and_entropies`` of the model (carries the gradient)
+``action_mask``    ``completion_mask`` × ``tool_mask`` (tool / environment tokens are not actions); rows
+                   with no action at all (e.g. ``mask_truncated_completions``) are left out of the batch but
+                   still counted in the population, exactly as TRL's denominators count them
+``old_logp``       ``old_per_token_logps`` (``num_iterations > 1``, misaligned accumulation), else
+                   ``logp.detach()`` — TRL's own rule
+``behavior_logp``  ``sampling_per_token_logps`` (vLLM, ``rollout_func``); tokens the engine could not
+                   score (NaN) get ``old_logp`` — engine ratio exactly 1, TRL's convention
+``ref_logp``       ``ref_per_token_logps`` (``beta != 0``)
+``advantage``      ``advantages`` (the recipe's, see above)
+``group_id``       ``lossplug_group_id``;   ``reward``: ``lossplug_reward`` when every row has one
+=================  ====================================================================================
+
+Reduction and TRL's gradient-accumulation convention
+----------------------------------------------------
+TRL expects ``_compute_loss`` to return a loss already scaled for gradient accumulation, and DDP averages gradients
+over processes. The adapter hands :func:`lossplug.policy_loss` a :class:`~lossplug.Normalizer` for a population and
+multiplies its micro-batch share by ``num_processes × steps_per_generation / gradient_accumulation_steps`` (1 and 1
+in eval). Two populations (``population=``):
+
+* ``"generation"`` (default) — the whole generation batch on all processes: ``num_items_in_batch`` action tokens,
+  ``per_device_batch × steps_per_generation × num_processes`` responses, ``max_completion_length`` as the ``fixed``
+  budget. When ``steps_per_generation == gradient_accumulation_steps`` (TRL's default) that *is* the optimizer
+  step, and summing the losses of all micro-batches and processes gives exactly the full-step reduction. Otherwise
+  each accumulation window gets its share of the generation batch's reduction — TRL's own convention for ``dapo``.
+* ``"micro_batch"`` — every micro-batch is its own population, extrapolated to the step: what TRL's ``bnpo`` does
+  (a mean of per-micro-batch token means). Only the ``token`` reduction differs between the two (every micro-batch
+  has the same number of rows, so response-based reductions agree).
+
+TRL ``loss_type`` → lossplug (:func:`trl_equivalent` builds these from a ``GRPOConfig``; each reproduces TRL's loss
+and gradients to float32 rounding, see ``tests/adapters/test_trl_equivalence.py``):
+
+=========  =====================================================================  ===============
+loss_type  recipe (gate · reduction)                                              population
+=========  =====================================================================  ===============
+grpo       ppo_clip(eps_low=epsilon, eps_high=epsilon_high) · response            generation
+bnpo       ppo_clip · token                                                       **micro_batch**
+dr_grpo    ppo_clip · fixed(budget=max_completion_length)                         generation
+dapo       ppo_clip · token                                                       generation
+cispo      cispo(eps_low=None, ratio_max=epsilon_high, log_ratio_clamp=None) · token  generation
+sapo       sapo(tau_pos=sapo_temperature_pos, tau_neg=sapo_temperature_neg) · response  generation
+luspo      ppo_clip (gspo when importance_sampling_level="sequence") · sequence_sum  generation
+=========  =====================================================================  ===============
+
+with advantage ``grpo(scale=scale_rewards, std=sample, eps=1e-4)``; ``delta`` maps to ``ppo_clip.dual_clip_c`` (the
+same function: ``min(clamp(r, max=δ)·A, clip(r)·A) = max(min(r·A, clip(r)·A), δ·A)`` for ``A < 0``, unchanged for
+``A > 0``) and ``importance_sampling_level="sequence"`` to the ``gspo`` gate (log-ratio clamp 80: TRL has none).
+The gates clamp the update log-ratio at ±20 where TRL does not clamp at all — a difference only where TRL's
+ratio is already ``exp(20)``. lossplug's advantage is exactly 0 for a group of identical rewards, where TRL's is
+``(r − mean)/(0 + 1e-4)``: rounding noise of the mean, amplified 10⁴ times (0 too whenever the mean is exact).
+
+KL (``beta != 0``): TRL's k3 ``exp(ref − logp) − (ref − logp) − 1``, times the update ratio when
+``use_bias_correction_kl`` (the sequence ratio when the recipe's update gate is sequence-level), reduced with
+:func:`lossplug.reduce` — so it shares the recipe's reduction and population — and added as ``+ beta · KL``. It is
+not multiplied by the recipe's engine corrections (as in TRL, where the vLLM correction does not touch the KL).
+
+Refused (with a message, at construction / ``attach``), never silently changed
+------------------------------------------------------------------------------
+* TRL versions other than those tested (:data:`TESTED_TRL`; ``LOSSPLUG_TRL_ALLOW_UNTESTED=1`` turns the refusal into
+  a warning), and ``use_liger_kernel`` on TRL < 1.14 (it bypasses ``_compute_loss`` there);
+* ``RLOOTrainer`` (its batches carry per-sequence summed old log-probs and a KL folded into the reward — token-level
+  gates cannot run on them; use ``LossplugGRPOTrainer`` with recipe ``rloo``) and anything not a ``GRPOTrainer``;
+* a trainer class that overrides ``_compute_loss`` itself (lossplug would replace it);
+* ``use_vllm`` with ``vllm_importance_sampling_correction=True`` (engine corrections are recipe gates — ``tis``,
+  ``icepop`` … — reading ``sampling_per_token_logps``; set the TRL option to False), ``off_policy_mask_threshold``,
+  ``top_entropy_quantile < 1`` and ``use_adaptive_entropy`` (TRL-side weights lossplug would not apply);
+* a recipe whose plugins read fields TRL does not provide (``value``, ``trajectory_id``, ``terminated``…, ``ref_logp``
+  without ``beta``, ``behavior_logp`` without vLLM or a ``rollout_func``), and a recipe advantage together with
+  ``multi_objective_aggregation="normalize_then_sum"``;
+* behaviour log-probs of a different convention than the training log-probs (``Provenance.check``) when the
+  recipe reads them.
+
+Kept from TRL unchanged: the static entropy bonus (``entropy_coef``), the MoE auxiliary loss, eval mode, the
+``entropy`` and ``kl`` metrics. lossplug's own metrics are logged as ``lossplug/<name>`` in ``self._metrics[mode]``
+(averaged over processes), so they appear in TRL's logs. At ``train()`` the recipe, the provenance and the versions
+are written to ``args.output_dir`` (``recipe.yaml``, ``provenance.json``, ``versions.json``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as _md
+import json
+import os
+import platform
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import torch
+
+import lossplug
+from lossplug.contracts import LogProbSource, LossplugError, Normalizer, PolicyBatch, Provenance, Recipe
+
+__all__ = ["LossplugGRPOTrainer", "TESTED_TRL", "attach", "trl_equivalent", "trl_provenance", "write_record",
+           "check_trl_version"]
+
+#: TRL minor versions this adapter is tested against
+TESTED_TRL: tuple[str, ...] = ("1.16",)
+ALLOW_UNTESTED_ENV = "LOSSPLUG_TRL_ALLOW_UNTESTED"
+Population = Literal["generation", "micro_batch"]
+POPULATIONS = ("generation", "micro_batch")
+VALIDATE = ("full", "off")
+
+#: fields of PolicyBatch the adapter can fill from TRL's batch (ref_logp / behavior_logp conditionally)
+_PROVIDED = {"logp", "action_mask", "old_logp", "advantage", "group_id", "reward"}
+#: fields the advantage stage sees (it runs on rewards gathered over processes, before any log-prob exists)
+_ADVANTAGE_PROVIDED = {"reward", "group_id"}
+#: multimodal / model keyword inputs TRL forwards to ``_get_per_token_logps_and_entropies``
+_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+                 "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# TRL import and version gate
+
+
+def _trl():
+    try:
+        import trl
+    except ImportError as err:  # pragma: no cover - trl is installed wherever the adapter is tested
+        raise LossplugError("lossplug.adapters.trl needs TRL: pip install 'lossplug[trl]'") from err
+    check_trl_version(trl.__version__)
+    return trl
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    from packaging.version import Version
+
+    return Version(version).release
+
+
+def check_trl_version(version: str) -> None:
+    """Refuse a TRL version the adapter was not tested against (``LOSSPLUG_TRL_ALLOW_UNTESTED=1``: warn instead)."""
+    release = _version_tuple(version)
+    if ".".join(map(str, release[:2])) in TESTED_TRL:
+        return
+    message = (f"lossplug.adapters.trl is tested with TRL {', '.join(TESTED_TRL)}.x, found TRL {version}: the private "
+               f"seams it uses (_generate_and_score_completions, _calculate_rewards, _compute_loss) may differ")
+    if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        warnings.warn(message + f" ({ALLOW_UNTESTED_ENV}=1: continuing)", stacklevel=3)
+        return
+    raise LossplugError(message + f"; set {ALLOW_UNTESTED_ENV}=1 to try anyway")
+
+
+def _versions() -> dict[str, str]:
+    out = {"lossplug": lossplug.__version__, "python": platform.python_version()}
+    for dist in ("trl", "transformers", "torch", "accelerate", "vllm", "peft"):
+        try:
+            out[dist] = _md.version(dist)
+        except _md.PackageNotFoundError:
+            pass
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# TRL settings → lossplug recipe
+
+
+def trl_equivalent(args) -> tuple[Recipe, Population]:
+    """The lossplug recipe and population that reproduce TRL's native loss for ``args`` (a ``GRPOConfig``).
+
+    Raises :class:`~lossplug.LossplugError` for a ``loss_type`` / setting without an exact equivalent.
+    """
+    loss_type = args.loss_type
+    eps_low = args.epsilon
+    eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    sequence = args.importance_sampling_level == "sequence"
+    if args.multi_objective_aggregation != "sum_then_normalize":
+        raise LossplugError(f"trl_equivalent: multi_objective_aggregation={args.multi_objective_aggregation!r} has no "
+                            "lossplug advantage (normalise each reward function, then sum); use 'sum_then_normalize'")
+    advantage = {"name": "grpo", "scale": args.scale_rewards, "std": "sample", "eps": 1e-4, "eps_mode": "add"}
+    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        if sequence:
+            if args.delta is not None:
+                raise LossplugError("trl_equivalent: delta with importance_sampling_level='sequence' has no "
+                                    "lossplug gate (gspo has no dual clip)")
+            gate = {"name": "gspo", "eps_low": eps_low, "eps_high": eps_high, "log_ratio_clamp": 80.0}
+        else:
+            gate = {"name": "ppo_clip", "eps_low": eps_low, "eps_high": eps_high}
+            if args.delta is not None:
+                gate["dual_clip_c"] = args.delta  # min(clamp(r, max=δ)·A, clip(r)·A) ≡ dual clip at δ
+    elif loss_type == "cispo":
+        if sequence:
+            raise LossplugError("trl_equivalent: cispo with importance_sampling_level='sequence' has no lossplug gate")
+        gate = {"name": "cispo", "eps_low": None, "eps_high": None, "ratio_max": eps_high, "log_ratio_clamp": None}
+    elif loss_type == "sapo":
+        if sequence:
+            raise LossplugError("trl_equivalent: sapo with importance_sampling_level='sequence' has no lossplug gate")
+        gate = {"name": "sapo", "tau_pos": args.sapo_temperature_pos, "tau_neg": args.sapo_temperature_neg}
+    else:
+        raise LossplugError(f"trl_equivalent: loss_type={loss_type!r} has no lossplug equivalent (supported: grpo, "
+                            "bnpo, dr_grpo, dapo, cispo, sapo, luspo)")
+    reduction = {"grpo": {"name": "response"}, "sapo": {"name": "response"}, "bnpo": {"name": "token"},
+                 "dr_grpo": {"name": "fixed", "budget": float(args.max_completion_length)},
+                 "dapo": {"name": "token"}, "cispo": {"name": "token"}, "luspo": {"name": "sequence_sum"}}[loss_type]
+    population: Population = "micro_batch" if loss_type == "bnpo" else "generation"
+    recipe = Recipe.load({"name": f"trl-{loss_type}", "advantage": advantage, "gates": [gate], "reduction": reduction})
+    return recipe, population
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Provenance and run record
+
+
+def trl_provenance(trainer) -> Provenance:
+    """Which engine produced each kind of log-prob in this trainer, and under which convention.
+
+    Training log-probs (current, old, reference) are TRL's: ``log_softmax(logits / temperature)`` of the sampled
+    token, nothing else processed. Behaviour log-probs exist with vLLM (``processed_logprobs``: after temperature,
+    top-p/top-k/min-p and repetition penalty — so ``processed`` is set when any of those is active) or a
+    ``rollout_func`` (assumed to follow the training convention, as TRL assumes). Plain ``transformers`` generation
+    gives none.
+    """
+    args = trainer.args
+    temperature = float(getattr(trainer, "temperature", args.temperature))
+    model = trainer.model
+    try:
+        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    except StopIteration:  # pragma: no cover
+        dtype = None
+    tf = _versions().get("transformers", "?")
+    name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    training = dict(engine=f"transformers {tf} (TRL fused LM head)", temperature=temperature, dtype=dtype)
+    current = LogProbSource(checkpoint=name, **training)
+    old = LogProbSource(checkpoint=f"{name or 'policy'} before the update", **training)
+    reference = None
+    if trainer.beta != 0.0:
+        ref = getattr(trainer, "ref_model", None)
+        ref_name = getattr(getattr(ref, "config", None), "_name_or_path", None) if ref is not None else None
+        reference = LogProbSource(checkpoint=ref_name or f"{name} (initial weights / adapters disabled)", **training)
+    behavior = None
+    if args.use_vllm:
+        top_k = args.top_k if args.top_k and args.top_k > 0 else None
+        processed = (args.top_p < 1.0 or top_k is not None or (args.min_p or 0) > 0
+                     or args.repetition_penalty != 1.0)
+        behavior = LogProbSource(checkpoint=f"{name or 'policy'} (synced to vLLM)", engine=f"vllm ({args.vllm_mode})",
+                                 temperature=temperature, top_p=args.top_p, top_k=top_k, processed=processed)
+    elif getattr(trainer, "rollout_func", None) is not None:
+        fn = trainer.rollout_func
+        behavior = LogProbSource(engine=f"rollout_func {getattr(fn, '__qualname__', type(fn).__name__)}",
+                                 temperature=temperature)
+    return Provenance(behavior=behavior, old=old, current=current, reference=reference)
+
+
+def write_record(trainer, directory: Optional[Union[str, Path]] = None) -> Path:
+    """Write ``recipe.yaml``, ``provenance.json`` and ``versions.json`` into ``directory`` (default: the trainer's
+    ``args.output_dir``). Returns the directory."""
+    st = _state(trainer)
+    path = Path(directory if directory is not None else trainer.args.output_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "recipe.yaml").write_text(st.recipe.to_yaml())
+    (path / "provenance.json").write_text(st.provenance.model_dump_json(indent=2) + "\n")
+    args = trainer.args
+    record = {
+        "versions": _versions(),
+        "adapter": {
+            "module": __name__, "trainer": type(trainer).__mro__[1].__name__ if isinstance(trainer, _Mixin) else
+            type(trainer).__name__,
+            "population": st.population, "validate": st.validate, "recipe_advantage": st.compiled.advantage is not None,
+        },
+        # TRL settings the recipe replaces (recorded so that a reader of the run knows they did not apply)
+        "trl_settings_replaced": {k: getattr(args, k, None) for k in (
+            "loss_type", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "scale_rewards",
+            "sapo_temperature_pos", "sapo_temperature_neg")},
+        "trl_settings_kept": {k: getattr(args, k, None) for k in (
+            "beta", "use_bias_correction_kl", "num_iterations", "gradient_accumulation_steps", "steps_per_generation",
+            "num_generations", "max_completion_length", "mask_truncated_completions", "temperature", "entropy_coef",
+            "use_vllm")},
+    }
+    (path / "versions.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# State and checks
+
+
+@dataclass
+class _State:
+    recipe: Recipe
+    compiled: Any
+    validate: str
+    population: str
+    provenance: Provenance
+    kl_sequence_level: bool
+    rewards_per_func: Optional[torch.Tensor] = None
+    rounds: int = 0
+    record_written: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def _state(trainer) -> _State:
+    st = getattr(trainer, "_lossplug", None)
+    if st is None:
+        raise LossplugError("this trainer has no lossplug recipe: build a LossplugGRPOTrainer or call attach()")
+    return st
+
+
+def _check_options(validate: str, population: str) -> None:
+    if validate not in VALIDATE:
+        raise LossplugError(f"validate must be one of {VALIDATE}, got {validate!r}")
+    if population not in POPULATIONS:
+        raise LossplugError(f"population must be one of {POPULATIONS}, got {population!r}")
+
+
+def _required(stage) -> tuple[str, ...]:
+    """The batch fields a recipe stage reads (``requires`` may be a function of the plugin's parameters)."""
+    fields = getattr(stage.plugin, "required_fields", None)
+    if fields is not None:
+        return tuple(fields(stage.params))
+    requires = stage.plugin.requires
+    return tuple(requires(stage.params) if callable(requires) else requires)
+
+
+def _refusals(trainer, compiled, provenance: Provenance) -> list[str]:
+    trl = _trl()
+    args = trainer.args
+    out = []
+    if args.use_liger_kernel and _version_tuple(trl.__version__) < (1, 14):
+        out.append("use_liger_kernel=True: on TRL < 1.14 Liger's GRPO loss bypasses _compute_loss, so the recipe "
+                   "would never run")
+    if args.use_vllm and args.vllm_importance_sampling_correction:
+        out.append("use_vllm with vllm_importance_sampling_correction=True: lossplug expresses engine-ratio "
+                   "corrections as recipe gates reading sampling_per_token_logps (e.g. gates: [..., {name: tis, "
+                   "cap: 2.0}] or icepop); set vllm_importance_sampling_correction=False so they are not applied twice")
+    if args.off_policy_mask_threshold is not None:
+        out.append("off_policy_mask_threshold: TRL's off-policy sequence mask is not applied by lossplug; express it "
+                   "as a correction gate in the recipe")
+    if args.top_entropy_quantile < 1.0:
+        out.append("top_entropy_quantile < 1: TRL's high-entropy token mask is not applied by lossplug")
+    if args.use_adaptive_entropy:
+        out.append("use_adaptive_entropy=True: the adaptive entropy controller is not supported (a static "
+                   "entropy_coef is)")
+    has_behavior = args.use_vllm or getattr(trainer, "rollout_func", None) is not None
+    provided = set(_PROVIDED)
+    if trainer.beta != 0.0:
+        provided.add("ref_logp")
+    if has_behavior:
+        provided.add("behavior_logp")
+    reads_behavior = False
+    for stage in compiled.gates:
+        missing = [f for f in _required(stage) if f not in provided]
+        reads_behavior |= "behavior_logp" in _required(stage)
+        for name in missing:
+            why = {"ref_logp": "TRL computes reference log-probs only when beta != 0",
+                   "behavior_logp": "TRL has rollout log-probs only with use_vllm=True or a rollout_func"}.get(
+                name, "GRPOTrainer has no such field")
+            out.append(f"{stage.where} ({stage.plugin.name}) reads {name}: {why}")
+    stage = compiled.advantage
+    if stage is not None:
+        missing = [f for f in _required(stage) if f not in _ADVANTAGE_PROVIDED]
+        if missing:
+            out.append(f"recipe.advantage ({stage.plugin.name}) reads {', '.join(missing)}: in TRL the advantage "
+                       "stage sees only the rewards and prompt groups (no critic, no token rewards)")
+        if "padded" not in stage.plugin.layouts:
+            out.append(f"recipe.advantage ({stage.plugin.name}) works on the packed layout only")
+        if args.multi_objective_aggregation != "sum_then_normalize":
+            out.append(f"multi_objective_aggregation={args.multi_objective_aggregation!r}: the recipe's advantage "
+                       "replaces TRL's, and is computed from the weighted sum of the raw rewards; use "
+                       "'sum_then_normalize' or a recipe without an advantage stage")
+    if reads_behavior and not any("behavior_logp" in m for m in out):
+        try:
+            provenance.check()
+        except LossplugError as err:
+            out.append(f"the recipe reads behavior_logp, but {err}")
+    return out
+
+
+def _setup(trainer, recipe, validate: str, population: str, provenance: Optional[Provenance]) -> None:
+    trl = _trl()
+    _check_options(validate, population)
+    if isinstance(trainer, trl.RLOOTrainer):
+        raise LossplugError(
+            "RLOOTrainer is not supported: its batches carry per-sequence summed old log-probs (old_logps [B]) and a "
+            "KL folded into the reward, so lossplug's token-level gates cannot run on them without forking it. Use "
+            "LossplugGRPOTrainer (or attach to a GRPOTrainer) with recipe 'rloo' for a leave-one-out baseline.")
+    if not isinstance(trainer, trl.GRPOTrainer):
+        raise LossplugError(f"lossplug.adapters.trl supports GRPOTrainer (and its subclasses), got "
+                            f"{type(trainer).__name__}")
+    owner = next(c for c in type(trainer).__mro__ if "_compute_loss" in c.__dict__ and c is not _Mixin)
+    if owner is not trl.GRPOTrainer and not issubclass(owner, _Mixin):  # a user class between us and GRPOTrainer
+        raise LossplugError(f"{owner.__name__} overrides _compute_loss: lossplug replaces _compute_loss and would "
+                            "silently discard that code; attach to a class that does not override it")
+    recipe = Recipe.load(recipe)
+    compiled = lossplug.compile_recipe(recipe)
+    provenance = provenance if provenance is not None else trl_provenance(trainer)
+    problems = _refusals(trainer, compiled, provenance)
+    if problems:
+        raise LossplugError("lossplug cannot run this recipe in this TRL trainer without changing its meaning:\n  - "
+                            + "\n  - ".join(problems))
+    trainer._lossplug = _State(recipe=recipe, compiled=compiled, validate=validate, population=population,
+                               provenance=provenance, kl_sequence_level=compiled.update.plugin.level == "sequence")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Advantages from the gathered rewards
+
+
+def group_advantages(trainer, rewards_per_func: torch.Tensor, num_generations: int):
+    """``(advantages, rewards, group_ids, metrics)`` for the rows TRL gathered over all processes.
+
+    ``rewards``: TRL's weighted sum of the reward functions (NaN where every function returned ``None``); groups are
+    consecutive runs of ``num_generations`` rows (TRL's sampler). Unscorable rows are left out of the advantage
+    batch (TRL's nan-mean/nan-std ignore them) and get advantage 0. Without a recipe advantage stage ``advantages``
+    is ``None``.
+    """
+    st = _state(trainer)
+    device = rewards_per_func.device
+    weights = trainer.reward_weights.to(device).unsqueeze(0)
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights).nansum(dim=1)
+    rewards = torch.where(unscorable, torch.full_like(rewards, float("nan")), rewards)
+    n = rewards.shape[0]
+    groups_per_round = (n + num_generations - 1) // num_generations
+    group_ids = st.rounds * groups_per_round + torch.arange(n, device=device) // num_generations
+    st.rounds += 1
+    metrics: dict[str, torch.Tensor] = {}
+    if st.compiled.advantage is None:
+        return None, rewards, group_ids, metrics
+    valid = ~unscorable
+    advantages = torch.zeros_like(rewards)
+    if bool(valid.any()):
+        r = rewards[valid]
+        batch = PolicyBatch.unchecked(logp=torch.zeros(r.shape[0], 1, dtype=r.dtype, device=device),
+                                      action_mask=torch.ones(r.shape[0], 1, dtype=torch.bool, device=device),
+                                      reward=r, group_id=group_ids[valid])
+        result = lossplug.estimate_advantages(batch, st.recipe, validate=st.validate)
+        adv = result.advantage
+        if adv.ndim == 2:  # a token-level estimator over the single placeholder position
+            adv = adv[:, 0]
+        advantages[valid] = adv.to(advantages.dtype)
+        metrics.update({f"advantage/{k}": v for k, v in result.metric_tensors.items()})
+    with torch.no_grad():
+        metrics["advantage/mean"] = advantages.mean()
+        metrics["advantage/std"] = advantages.std() if n > 1 else torch.zeros((), device=device)
+        metrics["advantage/zero_frac"] = (advantages == 0).float().mean()
+        metrics["reward/unscorable_frac"] = unscorable.float().mean()
+    return advantages, rewards, group_ids, metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The trainer mixin
+
+
+def _log_metrics(trainer, mode: str, metrics: dict[str, torch.Tensor]) -> None:
+    """Append ``lossplug/<name>`` to TRL's metric lists, averaged over processes.
+
+    Processes may hold different metric names (a micro-batch whose rows were all masked out computes no policy
+    metrics), so with several processes the names are agreed on first and a missing value is NaN (ignored by the
+    nan-mean here and by TRL's ``log``).
+    """
+    accelerator = trainer.accelerator
+    names = sorted(metrics)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        names = sorted({n for names_r in gather_object([names]) for n in names_r})
+    if not names:
+        return
+    device = accelerator.device
+    nan = torch.tensor(float("nan"), device=device)
+    values = torch.stack([metrics[k].detach().float().reshape(()).to(device) if k in metrics else nan
+                          for k in names])
+    if accelerator.num_processes > 1:
+        values = accelerator.gather(values.unsqueeze(0)).nanmean(0)
+    for name, value in zip(names, values.tolist()):
+        trainer._metrics[mode][f"lossplug/{name}"].append(value)
+
+
+class _Mixin:
+    """The overrides; combined with ``GRPOTrainer`` (or a user's subclass of it) by :func:`attach`."""
+
+    _lossplug: _State
+
+    # -- records --------------------------------------------------------------------------------------------------
+    def train(self, *args, **kwargs):
+        st = _state(self)
+        if not st.record_written and self.accelerator.is_main_process:
+            write_record(self)
+            st.record_written = True
+        return super().train(*args, **kwargs)
+
+    # -- advantages -----------------------------------------------------------------------------------------------
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        _state(self).rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        st = _state(self)
+        st.rewards_per_func = None
+        output = super()._generate_and_score_completions(inputs)
+        rewards_per_func, st.rewards_per_func = st.rewards_per_func, None
+        if rewards_per_func is None:
+            raise LossplugError("TRL's _generate_and_score_completions did not call _calculate_rewards: this TRL "
+                                "version is not supported by lossplug.adapters.trl")
+        mode = "train" if self.model.training else "eval"
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        advantages, rewards, group_ids, metrics = group_advantages(self, rewards_per_func, num_generations)
+        n_local = output["completion_ids"].shape[0]
+        local = slice(self.accelerator.process_index * n_local, (self.accelerator.process_index + 1) * n_local)
+        if advantages is not None:
+            trl_adv = output["advantages"]
+            output["advantages"] = advantages[local].to(device=trl_adv.device, dtype=trl_adv.dtype)
+            logged = self._logs["advantages"]  # TRL's completions table: show the advantages actually used
+            values = advantages.tolist()[-len(logged):] if len(logged) else []
+            for i, v in enumerate(values):
+                logged[len(logged) - len(values) + i] = v
+        output["lossplug_group_id"] = group_ids[local]
+        output["lossplug_reward"] = rewards[local]
+        _log_metrics(self, mode, metrics)
+        return output
+
+    # -- loss -----------------------------------------------------------------------------------------------------
+    def _compute_loss(self, model, inputs):
+        st = _state(self)
+        mode = "train" if self.model.training else "eval"
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        out = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled, **{k: inputs.get(k) for k in _FORWARD_KEYS})
+        logps, entropies = out[0], out[1]
+        aux_loss = out[2] if len(out) > 2 else None
+
+        action = mask.bool()
+        B = action.shape[0]
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+        metrics: dict[str, torch.Tensor] = {}
+
+        # population and TRL's scaling (see the module docstring)
+        processes = self.accelerator.num_processes
+        if mode == "train":
+            steps, accumulation = self.args.steps_per_generation, self.current_gradient_accumulation_steps
+        else:
+            steps, accumulation = 1, 1
+        scale = processes * steps / accumulation
+        sequences = B * steps * processes
+        if st.population == "generation":
+            tokens = int(inputs["num_items_in_batch"])
+        else:
+            tokens = int(action.sum()) * steps * processes
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        normalizer = Normalizer(action_tokens=max(tokens, 1), sequences=sequences,
+                                groups=sequences // num_generations if sequences % num_generations == 0 else None,
+                                budget=float(self.max_completion_length))
+
+        keep = action.any(-1)
+        rows = keep.nonzero().squeeze(-1) if not bool(keep.all()) else None
+
+        def take(t):
+            return t if (t is None or rows is None) else t[rows]
+
+        if rows is not None and rows.numel() == 0:  # nothing to learn from in this micro-batch
+            loss = torch.where(action, logps, 0).sum() * 0.0
+        else:
+            behavior = inputs.get("sampling_per_token_logps")
+            if behavior is not None:
+                unscored = torch.isnan(behavior)
+                metrics["behavior_logp/unscored_frac"] = (unscored & action).sum() / action.sum().clamp(min=1)
+                behavior = torch.where(unscored, old, behavior)
+            advantages = inputs["advantages"]
+            reward = inputs.get("lossplug_reward")
+            if reward is not None and not bool(torch.isfinite(take(reward)).all()):
+                reward = None
+            batch = PolicyBatch.unchecked(
+                logp=take(logps), action_mask=take(action), old_logp=take(old), behavior_logp=take(behavior),
+                ref_logp=take(inputs.get("ref_per_token_logps")) if self.beta != 0.0 else None,
+                advantage=take(advantages), group_id=take(inputs.get("lossplug_group_id")), reward=take(reward))
+            result = lossplug.policy_loss(batch, st.recipe, normalizer, validate=st.validate, metrics=True)
+            loss = result.loss * scale
+            metrics.update(result.metric_tensors)
+            # this micro-batch's share × the number of micro-batches: averaged over the micro-batches (and processes)
+            # at log time, the recipe's loss over the whole population
+            metrics["loss"] = result.loss.detach() * steps * processes
+
+        per_token_kl = None
+        if self.beta != 0.0:
+            ref = inputs["ref_per_token_logps"]
+            delta = torch.where(action, ref - logps, 0)
+            per_token_kl = torch.exp(delta) - delta - 1
+            if self.args.use_bias_correction_kl:
+                log_ratio = torch.where(action, logps - old, 0)
+                if st.kl_sequence_level:
+                    log_ratio = (log_ratio.sum(-1) / action.sum(-1).clamp(min=1)).unsqueeze(-1)
+                per_token_kl = per_token_kl * log_ratio.clamp(-20, 20).exp()
+            if rows is None or rows.numel() > 0:
+                kl_term = lossplug.reduce(take(per_token_kl), take(action), st.recipe, normalizer)
+                loss = loss + self.beta * kl_term * scale
+                metrics["kl"] = kl_term.detach() * steps * processes  # reduced like the loss (not × beta)
+
+        if self._entropy_bonus_enabled:  # TRL's static entropy bonus, unchanged (adaptive mode is refused)
+            entropy_loss = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+            policy_loss = loss.detach()
+            loss = loss - self.entropy_coef * entropy_loss
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        if self.aux_loss_enabled and aux_loss is not None:
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+
+        # TRL's metrics, same names and definitions
+        def global_masked_mean(x):
+            totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        with torch.no_grad():
+            if per_token_kl is not None:
+                self._metrics[mode]["kl"].append(global_masked_mean(per_token_kl.detach()))
+            self._metrics[mode]["entropy"].append(global_masked_mean(entropies.detach()))
+        _log_metrics(self, mode, metrics)
+        return loss
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Public entry points
+
+_CLASSES: dict[type, type] = {}
+_GRPO_CLASS: Optional[type] = None
+
+
+def _class_for(base: type) -> type:
+    """The lossplug subclass of ``base`` (cached): ``LossplugGRPOTrainer`` for ``GRPOTrainer`` itself."""
+    if issubclass(base, _Mixin):
+        return base
+    cls = _CLASSES.get(base)
+    if cls is None:
+        trl = _trl()
+        if base is trl.GRPOTrainer:
+            cls = _grpo_class()
+        else:
+            namespace = {"__module__": __name__, "__doc__": f"{base.__name__} with a lossplug recipe"}
+            cls = type(f"Lossplug{base.__name__}", (_Mixin, base), namespace)
+        _CLASSES[base] = cls
+    return cls
+
+
+def _grpo_class() -> type:
+    global _GRPO_CLASS
+    if _GRPO_CLASS is not None:
+        return _GRPO_CLASS
+    trl = _trl()
+
+    class LossplugGRPOTrainer(_Mixin, trl.GRPOTrainer):
+        """TRL's ``GRPOTrainer`` whose advantage and loss come from a lossplug recipe.
+
+        ``LossplugGRPOTrainer(model, reward_funcs, args, ..., recipe="dapo", validate="full",
+        population="generation", provenance=None)`` — every ``GRPOTrainer`` argument, plus:
+
+        * ``recipe``: a :class:`lossplug.Recipe`, a preset name, a mapping or a YAML/JSON path;
+        * ``validate``: ``"full"`` (every batch checked against the contracts) or ``"off"``;
+        * ``population``: ``"generation"`` or ``"micro_batch"`` (see :mod:`lossplug.adapters.trl`);
+        * ``provenance``: a :class:`lossplug.Provenance` to record instead of the one derived from the config.
+        """
+
+        def __init__(self, *args, recipe, validate: str = "full", population: str = "generation",
+                     provenance: Optional[Provenance] = None, **kwargs):
+            _check_options(validate, population)
+            recipe = Recipe.load(recipe)  # a bad recipe fails before any model is loaded
+            lossplug.compile_recipe(recipe)
+            super().__init__(*args, **kwargs)
+            _setup(self, recipe, validate, population, provenance)
+
+    LossplugGRPOTrainer.__module__ = __name__
+    LossplugGRPOTrainer.__qualname__ = "LossplugGRPOTrainer"
+    _GRPO_CLASS = LossplugGRPOTrainer
+    return LossplugGRPOTrainer
+
+
+def attach(trainer, recipe, *, validate: str = "full", population: str = "generation",
+           provenance: Optional[Provenance] = None):
+    """Make an already-built ``GRPOTrainer`` (or subclass) run ``recipe``; returns the same object.
+
+    Its class is swapped for a lossplug subclass of its own class (``LossplugGRPOTrainer`` for a plain
+    ``GRPOTrainer``); nothing else about it changes, except that completions TRL already buffered (attaching during
+    training) are dropped so that every batch the recipe sees was scored by it. Attaching again replaces the
+    recipe.
+    """
+    trl = _trl()
+    if isinstance(trainer, trl.RLOOTrainer) or not isinstance(trainer, trl.GRPOTrainer):
+        _setup(trainer, recipe, validate, population, provenance)  # raises the explanatory error
+    cls = _class_for(type(trainer))
+    previous = trainer.__class__
+    trainer.__class__ = cls
+    try:
+        _setup(trainer, recipe, validate, population, provenance)
+    except Exception:
+        trainer.__class__ = previous
+        raise
+    # completions already buffered (attach during training) carry advantages the recipe did not compute and no
+    # group ids: have TRL generate afresh at its next step
+    if getattr(trainer, "_buffered_inputs", None) is not None:
+        trainer._buffered_inputs = None
+    return trainer
+
+
+def __getattr__(name: str):
+    if name == "LossplugGRPOTrainer":
+        return _grpo_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,69 @@
+"""End to end: real ``train()`` runs of a few CPU steps on the tiny model, through both ways in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+import trl  # noqa: E402
+
+from lossplug import Provenance, Recipe  # noqa: E402
+from lossplug.adapters import _tiny  # noqa: E402
+from lossplug.adapters.trl import LossplugGRPOTrainer, attach  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def lossplug_keys(trainer):
+    return {k for entry in trainer.state.log_history for k in entry if k.startswith("lossplug/")}
+
+
+def test_lossplug_trainer_trains_dapo_and_records_the_run(tmp_path):
+    model, tok = _tiny.tiny_model_and_tokenizer(tmp_path / "model")  # saved: beta > 0 rebuilds the reference
+    args = _tiny.tiny_grpo_config(tmp_path / "out", max_steps=3, gradient_accumulation_steps=2, num_iterations=2,
+                                  beta=0.02)
+    trainer = LossplugGRPOTrainer(model=model, reward_funcs=[_tiny.length_reward], args=args,
+                                  train_dataset=_tiny.tiny_dataset(), processing_class=tok, recipe="dapo")
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert trainer.state.global_step == 3
+    keys = lossplug_keys(trainer)
+    for key in ("lossplug/loss", "lossplug/kl", "lossplug/ppo_clip/clip_frac_high", "lossplug/ratio/update/mean",
+                "lossplug/effective/token_frac", "lossplug/advantage/mean"):
+        assert key in keys, (key, sorted(keys))
+    history = [e for e in trainer.state.log_history if "loss" in e]
+    assert all("entropy" in e and "kl" in e for e in history)  # TRL's own metrics are still there
+    assert all(torch.isfinite(torch.tensor(e["loss"])) for e in history)
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    out = tmp_path / "out"
+    assert Recipe.from_file(out / "recipe.yaml").to_dict() == Recipe.preset("dapo").to_dict()
+    provenance = Provenance.model_validate_json((out / "provenance.json").read_text())
+    assert provenance.reference is not None and provenance.behavior is None
+    assert '"trl"' in (out / "versions.json").read_text()
+
+
+def test_attach_to_an_already_built_grpo_trainer_and_train(tmp_path):
+    tok = _tiny.tiny_tokenizer()
+    args = _tiny.tiny_grpo_config(tmp_path / "out", max_steps=2, loss_type="bnpo")
+    trainer = trl.GRPOTrainer(model=_tiny.tiny_model(tok), reward_funcs=[_tiny.length_reward, _tiny.digit_reward],
+                              args=args, train_dataset=_tiny.tiny_dataset(), processing_class=tok)
+    assert attach(trainer, "grpo") is trainer
+    trainer.train()
+    assert isinstance(trainer, trl.GRPOTrainer) and trainer.state.global_step == 2
+    assert {"lossplug/loss", "lossplug/advantage/mean"} <= lossplug_keys(trainer)
+    assert (tmp_path / "out" / "recipe.yaml").is_file()
+
+
+def test_rollout_func_with_an_engine_correction_trains(tmp_path):
+    tok = _tiny.tiny_tokenizer()
+    args = _tiny.tiny_grpo_config(tmp_path / "out", max_steps=2, mask_truncated_completions=True)
+    recipe = {"preset": "dapo", "gates": ["ppo_clip", {"name": "icepop", "low": 0.5, "high": 5.0}]}
+    trainer = LossplugGRPOTrainer(model=_tiny.tiny_model(tok), reward_funcs=[_tiny.length_reward], args=args,
+                                  train_dataset=_tiny.tiny_dataset(), processing_class=tok, recipe=recipe,
+                                  rollout_func=_tiny.TinyRollout(tok))
+    trainer.train()
+    keys = lossplug_keys(trainer)
+    assert {"lossplug/ratio/engine/mean", "lossplug/icepop/reject_frac_low",
+            "lossplug/behavior_logp/unscored_frac"} <= keys
