@@ -1,0 +1,97 @@
+"""lossplug.testing — the conformance kit for plugin authors.
+
+Run lossplug's invariant suite against any registered plugin (or a plugin object you have not registered yet):
+
+* identical log-probs give ratio 1 (an update gate reduces to the policy gradient ``A``, a correction to weight 1);
+* masked positions never influence the loss or the gradient (they are poisoned with NaN, ±inf and 1e30), and
+  adding masked columns (a prompt, padding) changes nothing;
+* gradient flows only through ``logp``: corrections' weights, metrics and ``active`` are detached, and nothing
+  reaches ``old_logp``, ``behavior_logp``, ``ref_logp`` or the advantage;
+* zero advantage gives exactly zero gradient;
+* log-ratios of ±50…±1000 keep the loss, the gradient and the metrics finite, in fp32 and bf16;
+* the loss and the gradient are invariant to how the batch is split into micro-batches under a Normalizer;
+* parameters are a :class:`lossplug.Params` model with a JSON schema, defaults and descriptions;
+* the plugin has a docstring, returns what its kind promises, and runs with only the fields it ``requires``;
+* reductions weigh every action token positively; advantages ignore masked positions and follow row shuffles.
+
+Three ways to run it::
+
+    # 1. in your test suite (one test per check):
+    from lossplug.testing import conformance_tests
+    test_my_gate = conformance_tests("my_gate")
+
+    # 2. from pytest, without writing a test (the pytest plugin ships with lossplug; opt-in by this option):
+    #    pytest --lossplug-conformance my_gate
+
+    # 3. from Python or the shell:
+    lossplug.testing.assert_conforms("my_gate", params={"eps": 0.1})      # raises ConformanceError
+    #    lossplug check my_gate
+
+A check that does not hold for your plugin *by design* (e.g. a gate that deliberately changes the on-policy
+gradient) is skipped with a reason: ``conformance_tests("my_gate", skip={"ratio_one": "why"})``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import importlib
+
+_LAZY = {  # imported on first use, so that loading the pytest plugin costs nothing
+    "CHECKS": "kit", "CheckResult": "kit", "ConformanceError": "kit", "ConformanceReport": "kit",
+    "assert_conforms": "kit", "check_plugin": "kit", "checks_for": "kit", "run_check": "kit",
+    "install_isolated": "install", "batches": None,
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'lossplug.testing' has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_LAZY[name] or name}")
+    value = module if _LAZY[name] is None else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def conformance_tests(plugin, *, kind: Optional[str] = None, params: Optional[Mapping[str, Any]] = None,
+                      skip: Union[Iterable[str], Mapping[str, str]] = ()):
+    """A pytest test function, parametrized over every check that applies to ``plugin`` (one test item per check).
+
+    Bind it to a module-level name starting with ``test``::
+
+        test_my_gate = conformance_tests("my_gate")
+
+    If the plugin is not registered (e.g. its distribution is not installed) the returned test fails with the
+    reason instead of breaking collection.
+    """
+    import pytest
+
+    from .kit import ConformanceError, check_plugin, checks_for
+
+    reasons = dict(skip) if isinstance(skip, Mapping) else {n: "skipped by the caller" for n in skip}
+    try:
+        names = checks_for(plugin, kind=kind)
+    except (LookupError, TypeError) as err:
+        message = str(err)
+
+        def test_lossplug_conformance_unavailable():
+            pytest.fail(message, pytrace=False)
+
+        return test_lossplug_conformance_unavailable
+
+    @pytest.mark.parametrize("check", names)
+    def test_lossplug_conformance(check):
+        if check in reasons:
+            pytest.skip(reasons[check])
+        report = check_plugin(plugin, kind=kind, params=params, checks=[check])
+        result = report.results[0]
+        if result.status == "skipped":
+            pytest.skip(result.message)
+        if result.status == "failed":
+            raise ConformanceError(report)
+
+    return test_lossplug_conformance
+
+
+__all__ = ["CHECKS", "batches", "CheckResult", "ConformanceError", "ConformanceReport", "assert_conforms", "check_plugin",
+           "checks_for", "conformance_tests", "install_isolated", "run_check"]

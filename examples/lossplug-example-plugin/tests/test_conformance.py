@@ -1,0 +1,3 @@
+from lossplug.testing import conformance_tests
+
+test_tanh_clip = conformance_tests("tanh_clip")  # one test per invariant: ratio 1, masking, detach, splits, ...

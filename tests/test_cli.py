@@ -1,0 +1,334 @@
+"""The `lossplug` command line: list, show, validate, recipe explain, check, plot gates."""
+
+import json
+import pickle
+import struct
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import lossplug
+from lossplug.cli import app
+
+WIDE = {"COLUMNS": "200", "NO_COLOR": "1"}
+
+
+def run(*args, env=None):
+    result = CliRunner().invoke(app, list(args), env={**WIDE, **(env or {})})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"lossplug {' '.join(args)} raised instead of reporting") from result.exception
+    assert "Traceback" not in result.output
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# help, list, show
+
+
+def test_help_lists_every_command_with_a_one_line_summary():
+    out = run("--help")
+    assert out.exit_code == 0
+    for command in ("list", "show", "validate", "check", "recipe", "plot"):
+        assert f"│ {command} " in out.output
+    assert "explain" in run("recipe", "--help").output
+    assert "gates" in run("plot", "--help").output
+    assert run().exit_code in (0, 2)  # no arguments: the help, not a traceback
+
+
+def test_list_shows_every_kind_with_parameters_defaults_and_source():
+    out = run("list")
+    assert out.exit_code == 0
+    for header in ("advantages (", "gates (", "reductions (", "presets ("):
+        assert header in out.output
+    assert "ppo_clip" in out.output and "eps_low=0.2" in out.output and "dual_clip_c=None" in out.output
+    assert "update · token · needs old_logp" in out.output
+    assert "from lossplug (built-in)" in out.output
+
+
+def test_list_json_is_machine_readable_and_filters_by_kind():
+    data = json.loads(run("list", "--kind", "gate", "--json").output)
+    rows = {r["name"]: r for r in data["plugins"]}
+    assert {r["kind"] for r in data["plugins"]} == {"gate"}
+    assert rows["ppo_clip"]["distribution"] == "lossplug (built-in)"
+    assert rows["ppo_clip"]["params"]["eps_high"]["default"] == 0.2
+    assert rows["tis"]["role"] == "correction"
+    assert data["broken"] == [] and data["duplicates"] == []
+
+
+class Broken:
+    @staticmethod
+    @lossplug.hookimpl
+    def lossplug_register_gates(register):
+        raise RuntimeError("boom: cannot reach the tokenizer")
+
+
+def test_broken_plugins_are_listed_in_red(fresh_registry):
+    lossplug.register_plugin(Broken, name="broken_pkg")
+    try:
+        with pytest.warns(lossplug.LossplugPluginWarning):
+            lossplug.registry()
+        out = CliRunner().invoke(app, ["list", "--kind", "gate"], env={"COLUMNS": "200", "FORCE_COLOR": "1",
+                                                                        "TERM": "xterm-256color"})
+        assert out.exit_code == 0
+        text = out.output
+        assert "plugins that cannot be used" in text and "boom: cannot reach the tokenizer" in text
+        line = next(l for l in text.splitlines() if "broken_pkg" in l)
+        assert "\x1b[31m" in line or "\x1b[1;31m" in line or "\x1b[91m" in line, repr(line)
+        data = json.loads(run("list", "--json").output)
+        assert data["broken"][0]["origin"] == "in-process plugin 'broken_pkg'"
+    finally:
+        lossplug.unregister_plugin(Broken)
+
+
+def test_show_prints_the_formula_the_schema_and_the_needs():
+    out = run("show", "ppo_clip")
+    assert out.exit_code == 0
+    text = out.output
+    assert "J = min(r·A, clip(r, 1 − eps_low, 1 + eps_high)·A)" in text  # the module's formula, unwrapped
+    assert "role: update gate, token level" in text
+    assert "batch fields: logp, action_mask, advantage, old_logp" in text
+    assert "dual_clip_c" in text and "> 1" in text and "dual-clip bound" in text
+
+
+def test_show_keeps_brackets_and_covers_name_clashes_with_presets():
+    text = run("show", "grpo").output
+    assert "advantage grpo" in text and "recipe grpo" in text  # the advantage plugin and the preset
+    assert "[B, T]" in text  # plugin text is never parsed as rich markup
+
+
+def test_show_unknown_name_suggests_and_exits_1():
+    out = run("show", "ppo_clp")
+    assert out.exit_code == 1
+    assert "did you mean 'ppo_clip'" in out.output
+
+
+def test_show_json_has_the_json_schema():
+    data = json.loads(run("show", "cispo", "--json").output)
+    (info,) = data["plugins"]
+    assert info["params_schema"]["properties"]["ratio_max"]["anyOf"]
+    assert info["needs"] == ["logp", "action_mask", "advantage", "old_logp"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# validate
+
+
+def batch_tensors(**overrides):
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    mask[1, 3:] = False
+    logp = -torch.rand(4, 5, generator=g) - 0.1
+    tensors = dict(logp=logp, old_logp=logp - 0.05, action_mask=mask, advantage=torch.tensor([1.0, -1.0, 0.5, 0.0]),
+                   reward=torch.tensor([1.0, 0.0, 1.0, 0.0]), group_id=torch.tensor([0, 0, 1, 1]))
+    tensors.update(overrides)
+    return {k: v for k, v in tensors.items() if v is not None}
+
+
+def save(path, tensors):
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    return path
+
+
+def test_validate_a_good_safetensors_batch(tmp_path):
+    out = run("validate", str(save(tmp_path / "b.safetensors", batch_tensors())), "--recipe", "dapo")
+    assert out.exit_code == 0, out.output
+    assert "valid against PolicyBatch and recipe 'dapo'" in out.output and "(B=4, 18 action tokens)" in out.output
+
+
+def test_validate_names_every_violation_with_field_rule_and_rows(tmp_path):
+    logp = batch_tensors()["logp"].clone()
+    logp[2, 1] = float("nan")
+    bad = batch_tensors(logp=logp, action_mask=torch.ones(4, 5, dtype=torch.int64), advantage=torch.zeros(3))
+    out = run("validate", str(save(tmp_path / "bad.safetensors", bad)), "--json")
+    assert out.exit_code == 1
+    data = json.loads(out.output)
+    assert data["contract"] == "PolicyBatch" and not data["valid"]
+    fields = {v["field"] for v in data["violations"]}
+    assert {"action_mask", "advantage"} <= fields
+    assert any("bool" in v["rule"] for v in data["violations"] if v["field"] == "action_mask")
+
+
+def test_validate_reports_positions_in_the_table(tmp_path):
+    logp = batch_tensors()["logp"].clone()
+    logp[2, 1] = float("nan")
+    out = run("validate", str(save(tmp_path / "nan.safetensors", batch_tensors(logp=logp))))
+    assert out.exit_code == 1
+    assert "1 violation of PolicyBatch" in out.output
+    assert "must be finite on action positions" in out.output and "(row 2, pos 1)" in out.output
+    # a 0/1 integer mask stops the contract before its value rules; validate still names both problems
+    int_mask = batch_tensors()["action_mask"].to(torch.int8)
+    out = run("validate", str(save(tmp_path / "both.safetensors", batch_tensors(logp=logp, action_mask=int_mask))))
+    assert "2 violations of PolicyBatch" in out.output
+    assert "must be a bool tensor, got torch.int8" in out.output and "(row 2, pos 1)" in out.output
+
+
+def test_validate_with_a_recipe_names_the_fields_it_needs(tmp_path):
+    path = save(tmp_path / "b.safetensors", batch_tensors(reward=None, group_id=None, old_logp=None))
+    out = run("validate", str(path), "--recipe", "dapo", "--json")
+    assert out.exit_code == 1
+    data = json.loads(out.output)
+    missing = {v["field"]: v["rule"] for v in data["violations"]}
+    assert set(missing) == {"reward", "group_id", "old_logp"}
+    assert "advantage 'grpo'" in missing["reward"] and "gates[0] 'ppo_clip'" in missing["old_logp"]
+
+
+def test_validate_small_json_and_packed_transitions(tmp_path):
+    policy = tmp_path / "small.json"
+    policy.write_text(json.dumps({"logp": [[-0.5, -1.0]], "action_mask": [[True, False]], "advantage": [1.0]}))
+    assert run("validate", str(policy)).exit_code == 0
+    packed = tmp_path / "packed.json"
+    packed.write_text(json.dumps({"reward": [1.0, 0.0, 2.0], "value": [0.1, 0.2, 0.3],
+                                  "next_value": [0.2, 0.0, 0.0], "terminated": [False, False, True],
+                                  "boundary": [False, True, True]}))
+    out = run("validate", str(packed), "--recipe", "ppo")
+    assert out.exit_code == 0, out.output
+    assert "PackedTransitions" in out.output
+    packed.write_text(json.dumps({"reward": [1.0, 0.0], "value": [0.1, 0.2], "next_value": [0.2, 0.1],
+                                  "terminated": [True, False], "boundary": [False, False]}))
+    out = run("validate", str(packed), "--json")
+    assert out.exit_code == 1
+    rules = " ".join(v["rule"] for v in json.loads(out.output)["violations"])
+    assert "terminated ⇒ boundary" in rules and "must be closed" in rules
+
+
+@pytest.mark.parametrize("content,phrase", [
+    (b"", "too short to be a safetensors file"),
+    (b"hello, this is not a tensor file at all", "not a safetensors file"),
+    (struct.pack("<Q", 20) + b"[1, 2, 3]           ", "header is not a JSON object"),
+])
+def test_validate_unreadable_files_give_a_clear_error(tmp_path, content, phrase):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(content)
+    out = run("validate", str(path))
+    assert out.exit_code == 2
+    assert phrase in out.output
+
+
+def test_validate_truncated_safetensors(tmp_path):
+    path = save(tmp_path / "b.safetensors", batch_tensors())
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 40])
+    out = run("validate", str(path))
+    assert out.exit_code == 2
+    assert "truncated" in out.output
+    path.write_bytes(data[:30])
+    out = run("validate", str(path))
+    assert out.exit_code == 2 and "truncated" in out.output
+
+
+def test_validate_never_unpickles(tmp_path, monkeypatch):
+    def forbidden(*a, **k):
+        raise AssertionError("unpickling was attempted")
+
+    monkeypatch.setattr(pickle, "load", forbidden)
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    monkeypatch.setattr(torch, "load", forbidden)
+    for name in ("batch.pt", "batch.safetensors", "batch.data"):
+        path = tmp_path / name
+        torch.save(batch_tensors(), path)  # a zip of pickles, whatever its name
+        out = run("validate", str(path))
+        assert out.exit_code == 2, out.output
+        assert "never unpickles" in out.output
+    raw = tmp_path / "raw.bin"
+    raw.write_bytes(pickle.dumps({"logp": [1.0]}))
+    out = run("validate", str(raw))
+    assert out.exit_code == 2 and "never unpickles" in out.output
+
+
+def test_validate_missing_file_bad_json_and_unknown_contract(tmp_path):
+    assert "no such file" in run("validate", str(tmp_path / "nope.safetensors")).output
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"logp": [[-1.0, -2.0], [-1.0]]}')
+    out = run("validate", str(bad))
+    assert out.exit_code == 2 and "field 'logp' is not a rectangular array" in out.output
+    odd = tmp_path / "odd.json"
+    odd.write_text('{"score": [1.0]}')
+    out = run("validate", str(odd))
+    assert out.exit_code == 2 and "--contract policy|packed" in out.output
+    out = run("validate", str(odd), "--contract", "policy", "--json")
+    assert out.exit_code == 1
+    fields = {v["field"] for v in json.loads(out.output)["violations"]}
+    assert fields == {"score", "logp", "action_mask"}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# recipe explain, check, plot
+
+
+def test_recipe_explain_a_preset():
+    out = run("recipe", "explain", "dapo")
+    assert out.exit_code == 0
+    text = out.output
+    assert "DAPO (Yu et al., 2025" in text and "eps_high: 0.28" in text and "dual_clip_c: null" in text
+    for field in ("logp", "action_mask", "reward", "group_id", "old_logp"):
+        assert field in text
+    assert "Normalizer(action_tokens=" in text
+
+
+def test_recipe_explain_a_file_and_json(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("gates:\n  - {name: ppo_clip}\n  - {name: icepop}\nreduction: {name: fixed}\n")
+    data = json.loads(run("recipe", "explain", str(path), "--json").output)
+    needs = {n["field"]: n["needed_by"] for n in data["needs"]}
+    assert set(needs) == {"logp", "action_mask", "advantage", "old_logp", "behavior_logp"}
+    assert "no advantage stage" in needs["advantage"]
+    assert "gates[1] 'icepop'" in needs["behavior_logp"]
+    assert "budget=" in data["normalizer"]
+    assert [s["stage"] for s in data["stages"]] == ["gates[0]", "gates[1]", "reduction"]
+
+
+def test_recipe_explain_errors_are_messages(tmp_path):
+    out = run("recipe", "explain", "dapoo")
+    assert out.exit_code == 2 and "unknown preset 'dapoo'" in out.output and "did you mean 'dapo'" in out.output
+    path = tmp_path / "r.yaml"
+    path.write_text("gates: [{name: ppo_clip, eps_hgh: 0.3}]\nreduction: token\n")
+    out = run("recipe", "explain", str(path))
+    assert out.exit_code == 2 and "did you mean 'eps_high'" in out.output
+
+
+def test_check_runs_the_conformance_kit():
+    out = run("check", "sapo", "--param", "tau_neg=2.0")
+    assert out.exit_code == 0, out.output
+    assert "masked_poison" in out.output and "✓ sapo conforms" in out.output
+    out = run("check", "ppo_clip")
+    assert out.exit_code == 1
+    assert "gradient reached old_logp" in out.output
+    assert run("check", "no_such_gate").exit_code == 1
+
+
+def test_plot_gates_writes_a_png_through_the_real_plugins(tmp_path):
+    gates = ["ppo_clip", "ppo_clip:dual_clip_c=3", "sapo", "icepop:low=0.8,high=2"]
+    out = run("plot", "gates", "--out", str(tmp_path / "gates.png"), *[a for g in gates for a in ("--gate", g)])
+    assert out.exit_code == 0, out.output
+    assert "wrote" in out.output and "(4 gates)" in out.output
+    png = (tmp_path / "gates.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    width, height = struct.unpack(">II", png[16:24])
+    assert width > 1000 and height > 300
+
+
+def test_plot_default_covers_every_gate_and_dual_clip():
+    from lossplug.cli import _gate_specs, gate_coefficients
+
+    specs = _gate_specs(None)
+    names = [s["name"] for s in specs]
+    assert set(names) == set(lossplug.registry().plugins["gate"]) and {"dual_clip_c": 3.0, "name": "ppo_clip"} in specs
+    for spec in specs:
+        for adv in (1.0, -1.0):
+            coef = gate_coefficients(spec, [0.3, 1.0, 3.5], adv)
+            assert coef[1] == pytest.approx(adv, rel=1e-6), spec  # every gate is the policy gradient at ratio 1
+
+
+def test_plot_gate_coefficients_are_the_gradients():
+    from lossplug.cli import gate_coefficients
+
+    r = [0.5, 0.9, 1.0, 1.1, 1.5]
+    assert gate_coefficients({"name": "ppo_clip"}, r, 1.0).tolist() == pytest.approx([0.5, 0.9, 1.0, 1.1, 0.0])
+    assert gate_coefficients({"name": "ppo_clip"}, r, -1.0).tolist() == pytest.approx([0.0, -0.9, -1.0, -1.1, -1.5])
+    assert gate_coefficients({"name": "cispo"}, r, 1.0).tolist() == pytest.approx([0.8, 0.9, 1.0, 1.1, 1.2])
+    assert gate_coefficients({"name": "tis", "cap": 1.2}, r, 1.0).tolist() == pytest.approx([0.5, 0.9, 1.0, 1.1, 1.2])
+    out = run("plot", "gates", "--gate", "no_such_gate", "--out", "/dev/null")
+    assert out.exit_code == 2 and "unknown gate plugin 'no_such_gate'" in out.output
