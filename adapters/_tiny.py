@@ -60,7 +60,7 @@ def tiny_model(tok, *, hidden_size: int = 32, layers: int = 2, seed: int = 0):
     config = Qwen2Config(
         vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
         attention_dropout=0.0, use_cache=True,
     )
     state = torch.random.get_rng_state()
@@ -69,8 +69,7 @@ def tiny_model(tok, *, hidden_size: int = 32, layers: int = 2, seed: int = 0):
         model = Qwen2ForCausalLM(config)
     finally:
         torch.random.set_rng_state(state)
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                               bos_token_id=tok.eos_token_id)
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return model.float()
 
 
