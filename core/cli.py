@@ -17,6 +17,8 @@ from typing import Any, List, Optional
 
 import typer
 
+from lossplug.contracts.errors import LossplugError
+
 app = typer.Typer(
     help="lossplug — a pluggable, validated loss layer for LLM RL inside TRL and verl.\n\n"
          "Plugins (advantages, gates, reductions) are selected by name in a recipe; batches are checked against "
@@ -430,8 +432,8 @@ def recipe_explain_cmd(
 # validate
 
 
-class UnreadableFile(Exception):
-    pass
+class UnreadableFile(LossplugError):
+    """A batch file that cannot be read (missing, truncated, not safetensors/JSON, a pickle)."""
 
 
 _PICKLE_HINT = ("lossplug never unpickles a file (unpickling runs arbitrary code); save the tensors with "
