@@ -122,8 +122,8 @@ import torch
 import lossplug
 from lossplug.contracts import LogProbSource, LossplugError, Normalizer, PolicyBatch, Provenance, Recipe
 
-__all__ = ["LossplugGRPOTrainer", "TESTED_TRL", "attach", "trl_equivalent", "trl_provenance", "write_record",
-           "check_trl_version"]
+__all__ = ["LossplugGRPOTrainer", "TESTED_TRL", "attach", "check_trl_version", "group_advantages", "trl_equivalent",
+           "trl_provenance", "write_record"]
 
 #: TRL minor versions this adapter is tested against
 TESTED_TRL: tuple[str, ...] = ("1.16",)
@@ -285,8 +285,8 @@ def write_record(trainer, directory: Optional[Union[str, Path]] = None) -> Path:
     record = {
         "versions": _versions(),
         "adapter": {
-            "module": __name__, "trainer": type(trainer).__mro__[1].__name__ if isinstance(trainer, _Mixin) else
-            type(trainer).__name__,
+            "module": __name__, "trainer": type(trainer).__name__,
+            "trl_trainer": next(c for c in type(trainer).__mro__ if not issubclass(c, _Mixin)).__name__,
             "population": st.population, "validate": st.validate, "recipe_advantage": st.compiled.advantage is not None,
         },
         # TRL settings the recipe replaces (recorded so that a reader of the run knows they did not apply)

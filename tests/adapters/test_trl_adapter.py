@@ -316,4 +316,6 @@ def test_write_record(plain, tmp_path):
     assert versions["versions"]["trl"] == trl.__version__
     assert versions["versions"]["lossplug"] == lossplug.__version__
     assert versions["adapter"]["population"] == "generation"
+    assert (versions["adapter"]["trainer"], versions["adapter"]["trl_trainer"]) == ("LossplugGRPOTrainer",
+                                                                                   "GRPOTrainer")
     assert versions["trl_settings_replaced"]["loss_type"] == trainer.args.loss_type
