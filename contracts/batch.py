@@ -75,16 +75,26 @@ class _TensorModel(BaseModel):
             raise BatchValidationError(cls.__name__, [Violation("<batch>", f"expected keyword fields, got {type(data).__name__}")])
         checks = _Checks(cls.__name__)
         fields = cls.model_fields
-        for key, value in data.items():
+        for key in data:
             if key not in fields:
                 checks.fail(key, "unknown field" + did_you_mean(key, fields), f"fields are: {', '.join(fields)}")
-            elif value is not None and not isinstance(value, torch.Tensor):
-                checks.fail(key, f"must be a torch.Tensor, got {type(value).__name__}")
-        for key, info in fields.items():
-            if info.is_required() and data.get(key) is None:
-                checks.fail(key, "is required")
+        cls._field_types({k: v for k, v in data.items() if k in fields}, checks)
         checks.raise_if_any()
         return data
+
+    @classmethod
+    def _field_types(cls, values: dict[str, Any], checks: _Checks) -> None:
+        """Every field a dense tensor (or None), every required field present."""
+        for key, value in values.items():
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor):
+                checks.fail(key, f"must be a torch.Tensor, got {type(value).__name__}")
+            elif value.layout != torch.strided:
+                checks.fail(key, f"must be a dense tensor, got layout {value.layout} (convert with .to_dense())")
+        for key, info in cls.model_fields.items():
+            if info.is_required() and values.get(key) is None:
+                checks.fail(key, "is required")
 
     @model_validator(mode="after")
     def _run_contract(self):
@@ -103,6 +113,8 @@ class _TensorModel(BaseModel):
     def check(self) -> None:
         """Run every contract rule; raise :class:`BatchValidationError` listing all violations."""
         checks = _Checks(type(self).__name__)
+        self._field_types({k: getattr(self, k, None) for k in type(self).model_fields}, checks)
+        checks.raise_if_any()  # (an unchecked batch may hold anything) the rules below assume tensors
         self._rules(checks)
         checks.raise_if_any()
         self._validated = True
@@ -169,6 +181,9 @@ class PolicyBatch(_TensorModel):
             checks.fail("logp", f"must be [B, T], got shape {tuple(logp.shape)}")
             return
         B, T = logp.shape
+        if B == 0:
+            checks.fail("logp", f"a batch needs at least one response, got shape {list(logp.shape)}")
+            return
         ok = _dtype_rule("logp", logp, "float", checks)
         shape_ok = True
         expected = {

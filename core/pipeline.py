@@ -16,11 +16,11 @@ import torch
 
 from lossplug.contracts import (AdvantageResult, BatchValidationError, LossResult, Normalizer, PackedTransitions,
                                 PolicyBatch, Recipe, Violation)
-from lossplug.contracts.errors import LossplugError, describe_positions
+from lossplug.contracts.errors import LossplugError, PluginError, describe_positions
 
 from . import plugin_registry as _registry
 from .ops import Groups, masked_quantiles
-from .plugin import AdvantagePlugin, GateInput, GatePlugin, Params, Population, ReductionPlugin
+from .plugin import AdvantagePlugin, GateInput, GateOutput, GatePlugin, Params, Population, ReductionPlugin
 
 Tensor = torch.Tensor
 Validate = Literal["full", "off"]
@@ -136,10 +136,82 @@ def _check(batch, compiled: CompiledRecipe, violations: list[Violation]) -> None
     if not batch.validated:
         batch.check()
     if compiled.has_validators:
-        for found in _registry.plugin_manager().hook.lossplug_validate_batch(batch=batch, recipe=compiled.recipe):
-            violations.extend(found or ())
+        for plugin, found in _call_hook("lossplug_validate_batch", batch=batch, recipe=compiled.recipe):
+            if not isinstance(found, (list, tuple)) or not all(isinstance(v, Violation) for v in found):
+                raise PluginError(f"{_hook_origin(plugin)}: lossplug_validate_batch must return a list of "
+                                  f"lossplug.Violation or None, got {_describe_value(found)}")
+            violations.extend(found)
     if violations:
         raise BatchValidationError(type(batch).__name__, violations)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running plugin code: a bug inside a plugin is reported as a PluginError naming the plugin and where it came from
+
+#: exceptions that pass through unchanged: trainers handle them themselves (e.g. skip a batch on out-of-memory)
+_PASS_THROUGH = tuple(t for t in (LossplugError, MemoryError, getattr(torch, "OutOfMemoryError", None)) if t)
+
+
+def _describe_value(value) -> str:
+    inner = ""
+    if isinstance(value, (list, tuple)) and value:
+        inner = f" of {', '.join(sorted({type(v).__name__ for v in value}))}"
+    return f"a {type(value).__name__}{inner}"
+
+
+def _plugin_failed(stage: Stage, err: Exception, validate: str) -> PluginError:
+    plugin = stage.plugin
+    origin = _registry.registry().origin(plugin.kind, plugin.name)
+    hint = (" (the batch was not validated: run once with validate='full' to rule out bad input)"
+            if validate == "off" else "")
+    return PluginError(f"{stage.where} ({plugin.name}, from {origin}) raised {type(err).__name__}: {err}{hint}")
+
+
+def _run(stage: Stage, validate: str, *args):
+    """Call a stage's plugin with its parameters."""
+    try:
+        return stage.plugin(*args, stage.params)
+    except _PASS_THROUGH:
+        raise
+    except Exception as err:
+        raise _plugin_failed(stage, err, validate) from err
+
+
+def _hook_origin(plugin_name: str) -> str:
+    """Where the plugin behind a hook implementation came from: the entry point and its distribution, or the name
+    given to ``register_plugin`` (only computed on the error path)."""
+    if plugin_name.startswith("entrypoint:"):
+        import importlib.metadata as md
+
+        ep_name = plugin_name.split(":", 1)[1]
+        for ep in md.entry_points(group=_registry.ENTRY_POINT_GROUP):
+            if ep.name == ep_name:
+                return (f"{_registry._describe(ep)} (leave it out with the {_registry.ALLOW_ENV} allow-list, or "
+                        f"uninstall it)")
+    if plugin_name == "lossplug.builtin":
+        return _registry.BUILTIN_SOURCE
+    return f"in-process plugin '{plugin_name}'"
+
+
+def _call_hook(name: str, **kwargs) -> list[tuple[str, object]]:
+    """``(origin, result)`` of every non-None result of a per-batch hook, in pluggy's call order.
+
+    The implementations are called one by one (like pluggy's own loop) so that an exception or a malformed result
+    is blamed on the plugin that produced it.
+    """
+    results = []
+    for impl in reversed(getattr(_registry.plugin_manager().hook, name).get_hookimpls()):
+        if impl.hookwrapper or getattr(impl, "wrapper", False):
+            raise PluginError(f"{_hook_origin(impl.plugin_name)}: {name} does not support hook wrappers")
+        try:
+            result = impl.function(*[kwargs[arg] for arg in impl.argnames])
+        except _PASS_THROUGH:
+            raise
+        except Exception as err:
+            raise PluginError(f"{_hook_origin(impl.plugin_name)}: {name} raised {type(err).__name__}: {err}") from err
+        if result is not None:
+            results.append((impl.plugin_name, result))
+    return results
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -153,6 +225,9 @@ def estimate_advantages(batch: Union[PolicyBatch, PackedTransitions], recipe: Un
     stage = compiled.advantage
     if stage is None:
         raise LossplugError("recipe has no advantage stage: advantages must come with the batch")
+    if validate == "full" and not isinstance(batch, (PolicyBatch, PackedTransitions)):
+        raise LossplugError(f"compute_advantages: batch must be a lossplug.PolicyBatch or PackedTransitions, got "
+                            f"{type(batch).__name__}")
     plugin: AdvantagePlugin = stage.plugin
     layout = "packed" if isinstance(batch, PackedTransitions) else "padded"
     if layout not in plugin.layouts:
@@ -165,7 +240,7 @@ def estimate_advantages(batch: Union[PolicyBatch, PackedTransitions], recipe: Un
     elif validate != "off":
         raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
     with torch.no_grad():
-        result = plugin(batch, stage.params)
+        result = _run(stage, validate, batch)
     if validate == "full":
         _check_advantage_output(result.advantage, batch, stage, "advantages")
         if result.returns is not None:
@@ -230,6 +305,11 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
     """
     compiled = compile_recipe(as_recipe(recipe))
     if validate == "full":
+        if not isinstance(batch, PolicyBatch):
+            raise LossplugError(f"policy_loss: batch must be a lossplug.PolicyBatch, got {type(batch).__name__}")
+        if normalizer is not None and not isinstance(normalizer, Normalizer):
+            raise LossplugError(f"policy_loss: normalizer must be a lossplug.Normalizer (or None), got "
+                                f"{type(normalizer).__name__}")
         violations = _missing(batch, ("advantage",), "policy_loss (compute it with lossplug.compute_advantages)")
         for stage in compiled.gates:
             violations += _missing(batch, stage.plugin.required_fields(stage.params), _who(stage))
@@ -243,32 +323,63 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
 
     inp = _prepare(batch)
     update = compiled.update
-    out = update.plugin(inp, update.params)
+    out = _run(update, validate, inp)
+    if validate == "full":
+        _check_gate_output(update, out, inp)
     objective = out.objective
     if weight is not None:  # the trainer's own detached coefficient, applied like a correction gate's weight
         external = weight.detach().to(objective.dtype)
         objective = objective * (external if external.ndim == 2 else external.unsqueeze(-1))
     outputs = [(update, out)]
     for stage in compiled.corrections:
-        corr = stage.plugin(inp, stage.params)
+        corr = _run(stage, validate, inp)
+        if validate == "full":
+            _check_gate_output(stage, corr, inp)
         weight = corr.weight if corr.weight.ndim == 2 else corr.weight.unsqueeze(-1)
         objective = objective * weight
         outputs.append((stage, corr))
     objective = torch.where(inp.mask, objective, 0)
 
     red = compiled.reduction
-    value = red.plugin(objective, inp.mask, inp.lengths, population_of(inp.mask, normalizer), red.params)
-    loss = (-value).to(batch.logp.dtype) if batch.logp.dtype != value.dtype else -value
+    value = _run(red, validate, objective, inp.mask, inp.lengths, population_of(inp.mask, normalizer))
+    # float16 cannot hold a loss above 65504 (a sequence_sum of long responses reaches it) even when every gradient
+    # is small: its loss stays in float32; bfloat16 has float32's range and gets its own dtype back
+    out_dtype = torch.float32 if batch.logp.dtype == torch.float16 else batch.logp.dtype
+    loss = (-value).to(out_dtype) if out_dtype != value.dtype else -value
 
     metric_tensors: dict[str, Tensor] = {}
     if metrics:
         with torch.no_grad():
             metric_tensors = _metrics(inp, outputs, objective, loss)
             if compiled.has_metric_hooks:
-                for extra in _registry.plugin_manager().hook.lossplug_extra_metrics(
-                        batch=batch, objective=objective.detach(), recipe=compiled.recipe):
-                    metric_tensors.update(extra or {})
+                for plugin, extra in _call_hook("lossplug_extra_metrics", batch=batch, objective=objective.detach(),
+                                                recipe=compiled.recipe):
+                    if not isinstance(extra, dict):
+                        raise PluginError(f"{_hook_origin(plugin)}: lossplug_extra_metrics must return a dict of metric "
+                                          f"name → 0-d tensor or None, got {_describe_value(extra)}")
+                    metric_tensors.update(extra)
     return LossResult.model_construct(loss=loss, metric_tensors=metric_tensors)
+
+
+def _check_gate_output(stage: Stage, out, inp: GateInput) -> None:
+    """What a gate returned, before it is used: an update gate's objective ``[B, T]``, a correction's weight ``[B, T]``
+    or ``[B]`` (a ``[B]`` objective would broadcast against ``[B, T]`` silently wrong when B == T)."""
+    where = f"{stage.where} ({stage.plugin.name}, from {_registry.registry().origin('gate', stage.plugin.name)})"
+    if not isinstance(out, GateOutput):
+        raise PluginError(f"{where} must return a lossplug.GateOutput, got {type(out).__name__}")
+    shape = list(inp.logp.shape)
+    if stage.plugin.role == "update":
+        got = out.objective
+        if not isinstance(got, Tensor) or list(got.shape) != shape:
+            what = f"shape {list(got.shape)}" if isinstance(got, Tensor) else repr(got)
+            raise PluginError(f"{where}: an update gate's objective must be a tensor of shape {shape} like logp, "
+                              f"got {what}")
+    else:
+        got = out.weight
+        if not isinstance(got, Tensor) or list(got.shape) not in (shape, shape[:1]):
+            what = f"shape {list(got.shape)}" if isinstance(got, Tensor) else repr(got)
+            raise PluginError(f"{where}: a correction's weight must be a tensor of shape {shape[:1]} or {shape}, "
+                              f"got {what}")
 
 
 def _weight_violations(weight: Tensor, batch: PolicyBatch) -> list[Violation]:
@@ -298,8 +409,15 @@ def reduce(values: Tensor, action_mask: Tensor, recipe: Union[Recipe, str],
     ``policy_loss(...).loss + β · reduce(kl, ...)`` equals reducing ``objective − β·kl`` in one go."""
     compiled = compile_recipe(as_recipe(recipe))
     red = compiled.reduction
+    if not isinstance(action_mask, Tensor) or action_mask.dtype != torch.bool or action_mask.ndim != 2:
+        what = f"{action_mask.dtype} tensor of shape {list(action_mask.shape)}" if isinstance(action_mask, Tensor) \
+            else type(action_mask).__name__
+        raise LossplugError(f"reduce: action_mask must be a [B, T] bool tensor, got a {what}")
+    if not isinstance(values, Tensor) or values.shape != action_mask.shape:
+        what = f"shape {list(values.shape)}" if isinstance(values, Tensor) else type(values).__name__
+        raise LossplugError(f"reduce: values must have action_mask's shape {list(action_mask.shape)}, got {what}")
     values = torch.where(action_mask, values, 0)
-    return red.plugin(values, action_mask, action_mask.sum(-1), population_of(action_mask, normalizer), red.params)
+    return _run(red, "full", values, action_mask, action_mask.sum(-1), population_of(action_mask, normalizer))
 
 
 def _ratio_metrics(prefix: str, log_ratio: Tensor, mask: Tensor, out: dict[str, Tensor]) -> None:

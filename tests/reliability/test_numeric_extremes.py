@@ -1,0 +1,243 @@
+"""Numeric extremes: no inf or NaN in the loss or the gradient, for every registered gate × every reduction and every
+advantage estimator; ratios in log space; bitwise determinism on CPU.
+
+The plugin lists are read from the registry at collection time, so plugins added later are covered automatically.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pytest
+import torch
+
+import lossplug
+from lossplug import LossplugError, PackedTransitions, PolicyBatch, Recipe, RecipeError
+
+_REG = lossplug.registry()
+UPDATE_GATES = sorted(n for n, g in _REG.plugins["gate"].items() if g.role == "update")
+CORRECTIONS = sorted(n for n, g in _REG.plugins["gate"].items() if g.role == "correction")
+REDUCTIONS = sorted(_REG.plugins["reduction"])
+ADVANTAGES = sorted(_REG.plugins["advantage"])
+BUDGET = 8
+
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def make_recipe(gates: list[str], reduction: str, advantage: Optional[str] = None) -> Recipe:
+    red = {"name": reduction, "budget": BUDGET} if reduction == "fixed" else reduction
+    try:
+        return Recipe.model_validate({"advantage": advantage, "gates": gates, "reduction": red})
+    except RecipeError as err:  # a plugin whose parameters have no defaults cannot be exercised generically
+        pytest.skip(f"{gates}/{reduction}/{advantage} has no default parameters: {err}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gates × reductions
+
+
+def extreme_fields(*, log_ratio: float, adv: float, single_token: bool, dtype: torch.dtype) -> dict:
+    """4 responses × 5 positions with padding; update log-ratios ``±log_ratio`` (row-wise alternating) and engine
+    log-ratios of the opposite sign; advantages ``±adv``."""
+    B, T = 4, 5
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 3:] = False
+    mask[3, 1:] = False  # a single-token response in every batch
+    if single_token:
+        mask[:] = False
+        mask[:, 0] = True
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) - 2 * max(log_ratio, 1.0)
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64).unsqueeze(-1)
+    logp = old + sign * log_ratio
+    behavior = old - sign * log_ratio
+    return dict(
+        logp=logp.to(dtype).requires_grad_(), old_logp=old.to(dtype), behavior_logp=behavior.to(dtype),
+        ref_logp=(old - 0.5).to(dtype), action_mask=mask,
+        advantage=torch.tensor([adv, -adv, adv, -adv], dtype=torch.float64).to(torch.float32),
+    )
+
+
+def scenarios(dtype: torch.dtype):
+    huge = 1e4 if dtype == torch.float16 else 1e6  # a float16 gradient cannot exceed 65504: A·r/N must fit
+    yield "log-ratio ±100", dict(log_ratio=100.0, adv=1.0, single_token=False)
+    yield "log-ratio ±100, single-token responses", dict(log_ratio=100.0, adv=1.0, single_token=True)
+    yield "ratio 1, single-token responses", dict(log_ratio=0.0, adv=1.0, single_token=True)
+    yield "huge advantages", dict(log_ratio=0.3, adv=huge, single_token=False)
+    yield "huge advantages, log-ratio ±100", dict(log_ratio=100.0, adv=huge, single_token=False)
+    yield "tiny advantages", dict(log_ratio=0.3, adv=1e-30, single_token=False)
+    yield "denormal advantages", dict(log_ratio=0.3, adv=1e-45, single_token=False)
+    yield "zero advantages", dict(log_ratio=0.3, adv=0.0, single_token=False)
+
+
+def _run_case(gates, reduction, dtype, **kw):
+    f = extreme_fields(dtype=dtype, **kw)
+    result = lossplug.policy_loss(PolicyBatch(**f), make_recipe(gates, reduction))
+    result.loss.backward()
+    return result, f["logp"].grad
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("gate", UPDATE_GATES)
+def test_no_inf_or_nan_in_loss_or_gradient(gate, reduction):
+    failures = []
+    for dtype in DTYPES:
+        for name, kw in scenarios(dtype):
+            # corrections act on the engine ratio: they are exercised where it is extreme (log-ratio ±100)
+            for correction in [None, *(CORRECTIONS if kw["log_ratio"] >= 100 else ())]:
+                gates = [gate] + ([correction] if correction else [])
+                result, grad = _run_case(gates, reduction, dtype, **kw)
+                where = f"{'+'.join(gates)} · {reduction} · {dtype} · {name}"
+                if not torch.isfinite(result.loss).all():
+                    failures.append(f"{where}: loss {result.loss.item()}")
+                if grad is None or not torch.isfinite(grad.float()).all():
+                    failures.append(f"{where}: gradient {grad}")
+                bad_metrics = {k: v for k, v in result.metrics.items() if not math.isfinite(v)}
+                if bad_metrics:
+                    failures.append(f"{where}: metrics {bad_metrics}")
+    assert not failures, f"{len(failures)} non-finite results:\n" + "\n".join(failures[:30])
+
+
+def test_float16_loss_does_not_overflow_when_every_gradient_is_small():
+    # a realistic sequence_sum: 2 responses of 2048 tokens, log-probs −20, advantage 2 → |loss| = 81920 > 65504,
+    # while each token's gradient is A/S = 1. float16 cannot hold the loss; it comes back in float32.
+    T = 2048
+    logp = torch.full((2, T), -20.0, dtype=torch.float16, requires_grad=True)
+    batch = PolicyBatch(logp=logp, action_mask=torch.ones(2, T, dtype=torch.bool), advantage=torch.tensor([2.0, 2.0]))
+    result = lossplug.policy_loss(batch, make_recipe(["reinforce"], "sequence_sum"))
+    assert result.loss.dtype == torch.float32
+    assert result.loss.item() == pytest.approx(2.0 * 20 * T)
+    result.loss.backward()
+    assert logp.grad.dtype == torch.float16 and torch.isfinite(logp.grad).all()
+    assert torch.all(logp.grad == -1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Ratios in log space: every gate's gradient depends only on log-prob differences, so shifting every log-prob by
+# −1000 (exp underflows to 0 even in float64) must not change it. A gate computing exp(logp) / exp(old_logp) gives
+# 0/0 = NaN there.
+
+
+@pytest.mark.parametrize("correction", [None, *CORRECTIONS])
+@pytest.mark.parametrize("gate", UPDATE_GATES)
+def test_ratios_are_computed_in_log_space(gate, correction):
+    gates = [gate] + ([correction] if correction else [])
+    recipe = make_recipe(gates, "token")
+    grads = []
+    for shift in (0.0, -1000.0):
+        f = extreme_fields(log_ratio=0.15, adv=1.0, single_token=False, dtype=torch.float64)
+        f = {k: (v.detach() + shift if k.endswith("logp") else v) for k, v in f.items()}
+        f["logp"].requires_grad_()
+        result = lossplug.policy_loss(PolicyBatch(**f), recipe)
+        result.loss.backward()
+        assert torch.isfinite(result.loss) and torch.isfinite(f["logp"].grad).all(), f"shift {shift}"
+        grads.append(f["logp"].grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Advantages on all-equal and extreme rewards
+
+
+REWARDS = {
+    "all equal 0": [0.0] * 6,
+    "all equal 1": [1.0] * 6,
+    "all equal 1e6": [1e6] * 6,
+    "all equal -3.7": [-3.7] * 6,
+    "extreme ±1e6": [1e6, -1e6, 0.0, 1e6, 1e6, -1e6],
+    "tiny differences": [1.0, 1.0, 1.0 + 1e-7, 3.0, 3.0, 3.0 - 1e-6],
+    "tiny rewards": [1e-30, 0.0, -1e-30, 1e-38, 0.0, 1e-45],
+}
+
+
+def advantage_batch(rewards: list[float], single_token: bool) -> PolicyBatch:
+    B, T = 6, 4
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 2:] = False
+    if single_token:
+        mask[:] = False
+        mask[:, -1] = True
+    return PolicyBatch(
+        logp=torch.full((B, T), -1.0), old_logp=torch.full((B, T), -1.0), ref_logp=torch.full((B, T), -1.2),
+        action_mask=mask, reward=torch.tensor(rewards), value=torch.full((B, T), 0.5),
+        group_id=torch.tensor([3, 7, 3, 7, 3, 7]), trajectory_id=torch.arange(B),
+        terminated=torch.tensor([True, True, True, False, True, False]), final_value=torch.full((B,), 0.25))
+
+
+@pytest.mark.parametrize("advantage", ADVANTAGES)
+def test_advantages_are_finite_on_equal_and_extreme_rewards(advantage):
+    recipe = make_recipe(["reinforce"], "token", advantage)
+    failures = []
+    for name, rewards in REWARDS.items():
+        for single_token in (False, True):
+            batch = advantage_batch(rewards, single_token)
+            try:
+                result = lossplug.estimate_advantages(batch, recipe)
+            except LossplugError as err:
+                failures.append(f"{name}, single_token={single_token}: refused: {err}")
+                continue
+            for what, t in (("advantage", result.advantage), ("returns", result.returns)):
+                if t is not None and not torch.isfinite(t).all():
+                    failures.append(f"{name}, single_token={single_token}: {what} {t.tolist()}")
+    assert not failures, "\n".join(failures)
+
+
+def _default_needs(name: str) -> set[str]:
+    plugin = _REG.plugins["advantage"][name]
+    try:
+        return set(plugin.required_fields(plugin.params()))
+    except Exception:  # parameters without defaults
+        return {"?"}
+
+
+GROUP_ADVANTAGES = [a for a in ADVANTAGES if "group_id" in _default_needs(a) and _default_needs(a) <= {"reward", "group_id"}]
+
+
+@pytest.mark.parametrize("advantage", GROUP_ADVANTAGES)
+def test_group_advantages_are_exactly_zero_for_groups_of_equal_rewards(advantage):
+    # no signal may be manufactured from rounding noise: all-equal groups give exactly 0, whatever the magnitude
+    recipe = make_recipe(["reinforce"], "token", advantage)
+    for value in (0.0, 1.0, 1e6, -3.7, 0.1 + 0.2, 1e-30):
+        adv = lossplug.compute_advantages(advantage_batch([value] * 6, False), recipe)
+        assert torch.count_nonzero(adv) == 0, (value, adv.tolist())
+
+
+@pytest.mark.parametrize("advantage", [a for a in ADVANTAGES if "packed" in _REG.plugins["advantage"][a].layouts])
+def test_packed_advantages_are_finite_on_extreme_rewards(advantage):
+    recipe = make_recipe(["reinforce"], "token", advantage)
+    for rewards in ([0.0] * 5, [1e6, -1e6, 0.0, 1e6, -1e6], [1e-30] * 5):
+        batch = PackedTransitions(reward=torch.tensor(rewards), value=torch.zeros(5), next_value=torch.zeros(5),
+                                  terminated=torch.tensor([False, False, True, False, False]),
+                                  boundary=torch.tensor([False, False, True, True, True]))
+        result = lossplug.estimate_advantages(batch, recipe)
+        assert torch.isfinite(result.advantage).all(), (rewards, result.advantage)
+        assert result.returns is None or torch.isfinite(result.returns).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Determinism: the same inputs give a bitwise-identical loss and gradient on CPU
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_loss_and_gradient_are_bitwise_deterministic(reduction):
+    for gate in UPDATE_GATES:
+        for correction in [None, *CORRECTIONS]:
+            gates = [gate] + ([correction] if correction else [])
+            runs = [_run_case(gates, reduction, torch.float32, log_ratio=0.3, adv=1.3, single_token=False)
+                    for _ in range(2)]
+            (r1, g1), (r2, g2) = runs
+            assert torch.equal(r1.loss, r2.loss), gates
+            assert torch.equal(g1, g2), gates
+            assert r1.metrics == r2.metrics, gates
+
+
+@pytest.mark.parametrize("advantage", ADVANTAGES)
+def test_advantages_are_bitwise_deterministic(advantage):
+    recipe = make_recipe(["reinforce"], "token", advantage)
+    rewards = [0.3, -1.2, 2.5, 0.0, 1.7, -0.4]
+    a, b = (lossplug.estimate_advantages(advantage_batch(rewards, False), recipe) for _ in range(2))
+    assert torch.equal(a.advantage, b.advantage)
+    assert (a.returns is None) == (b.returns is None)
+    if a.returns is not None:
+        assert torch.equal(a.returns, b.returns)
