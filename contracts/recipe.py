@@ -52,8 +52,12 @@ def set_catalog(catalog: Catalog) -> None:
 
 
 def _get_catalog() -> Catalog:
-    if _catalog is None:  # only reachable if someone imports lossplug.contracts without lossplug (impossible)
-        raise RecipeError("no plugin catalogue installed; import lossplug first")
+    if _catalog is None:
+        # The registry installs itself on import. It is looked up by name, not imported statically: contracts must
+        # not depend on core, and `import lossplug` resolves its names lazily.
+        import importlib
+
+        importlib.import_module("lossplug.plugin_registry")
     return _catalog
 
 
@@ -222,6 +226,13 @@ class Recipe(BaseModel):
         if isinstance(source, str):
             return cls.from_yaml(source)
         raise RecipeError(f"recipe: cannot load a recipe from {type(source).__name__}")
+
+    # ---- identity: what the recipe says, never the compiled cache riding on it ----------------------------------
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Recipe) and self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_dict(), sort_keys=True, default=str))
 
     # ---- serialisation ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -7,33 +7,64 @@ Public API::
     lossplug.policy_loss(batch, recipe, normalizer=None) -> LossResult   (.loss, .metrics)
     lossplug.hookimpl, lossplug.plugin_manager(), lossplug.list_plugins()
 
-``import lossplug`` imports neither trl nor verl, and builds no plugin registry: that happens on first use.
+``import lossplug`` is nearly free: the names above are resolved on first access (PEP 562), so merely having
+lossplug installed — its pytest plugin is loaded by every pytest run — costs no torch import. It imports neither trl
+nor verl, and builds no plugin registry: that happens on first use.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 import pluggy
-
-from lossplug.contracts import (AdvantageResult, BatchValidationError, LogProbSource, LossplugError, LossResult,
-                                Normalizer, PackedTransitions, PluginError, PluginSpec, PolicyBatch, Provenance,
-                                Recipe, RecipeError, Violation)
-
-from .pipeline import compile_recipe, compute_advantages, estimate_advantages, policy_loss, reduce
-from .plugin import (AdvantagePlugin, GateInput, GateOutput, GatePlugin, NoParams, Params, Population,
-                     ReductionPlugin, advantage, gate, reduction)
-from .plugin_registry import (LossplugPluginWarning, list_plugins, plugin_manager, register_plugin, registry,
-                              unregister_plugin)
 
 __version__ = "0.1.0"
 
 #: marker for hook implementations: ``@lossplug.hookimpl def lossplug_register_gates(register): ...``
 hookimpl = pluggy.HookimplMarker("lossplug")
 
-__all__ = [
-    "AdvantagePlugin", "AdvantageResult", "BatchValidationError", "GateInput", "GateOutput", "GatePlugin",
-    "LogProbSource", "LossResult", "LossplugError", "LossplugPluginWarning", "NoParams", "Normalizer",
-    "PackedTransitions", "Params", "PluginError", "PluginSpec", "PolicyBatch", "Population", "Provenance", "Recipe",
-    "RecipeError", "ReductionPlugin", "Violation", "advantage", "compile_recipe", "compute_advantages",
-    "estimate_advantages", "gate", "hookimpl", "list_plugins", "plugin_manager", "policy_loss", "reduction",
-    "reduce", "register_plugin", "registry", "unregister_plugin",
-]
+_EXPORTS = {
+    "lossplug.contracts": (
+        "AdvantageResult", "BatchValidationError", "LogProbSource", "LossResult", "LossplugError", "Normalizer",
+        "PackedTransitions", "PluginError", "PluginSpec", "PolicyBatch", "Provenance", "Recipe", "RecipeError",
+        "Violation",
+    ),
+    "lossplug.pipeline": ("compile_recipe", "compute_advantages", "estimate_advantages", "policy_loss", "reduce"),
+    "lossplug.plugin": (
+        "AdvantagePlugin", "GateInput", "GateOutput", "GatePlugin", "NoParams", "Params", "Population",
+        "ReductionPlugin", "advantage", "gate", "reduction",
+    ),
+    "lossplug.plugin_registry": (
+        "LossplugPluginWarning", "list_plugins", "plugin_manager", "register_plugin", "registry", "unregister_plugin",
+    ),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = ["hookimpl", *sorted(_WHERE)]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lossplug' has no attribute {name!r}")
+    importlib.import_module("lossplug.plugin_registry")  # installs the plugin catalogue recipes validate against
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({"__version__", *__all__})
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are resolved lazily
+    from lossplug.contracts import (AdvantageResult, BatchValidationError, LogProbSource, LossplugError,
+                                    LossResult, Normalizer, PackedTransitions, PluginError, PluginSpec, PolicyBatch,
+                                    Provenance, Recipe, RecipeError, Violation)
+
+    from .pipeline import compile_recipe, compute_advantages, estimate_advantages, policy_loss, reduce
+    from .plugin import (AdvantagePlugin, GateInput, GateOutput, GatePlugin, NoParams, Params, Population,
+                         ReductionPlugin, advantage, gate, reduction)
+    from .plugin_registry import (LossplugPluginWarning, list_plugins, plugin_manager, register_plugin, registry,
+                                  unregister_plugin)

@@ -66,8 +66,8 @@ class GateInput:
     batch: PolicyBatch
 
     def update_log_ratio(self) -> Tensor:
-        """log(π_θ / π_old) per token; zero off actions."""
-        return self.logp - self.old_logp
+        """log(π_θ / π_old) per token; zero off actions. Gradient flows through ``logp`` only."""
+        return self.logp - self.old_logp.detach()
 
     def engine_log_ratio(self) -> Tensor:
         """log(π_old / π_behaviour) per token, detached; zero off actions."""

@@ -137,3 +137,10 @@ def test_preset_override_of_the_same_plugin_merges_parameters():
     replaced = Recipe.preset("dapo", advantage={"name": "rloo"})
     assert replaced.advantage.name == "rloo" and replaced.advantage.params == {}
     assert Recipe.model_validate({"preset": "dapo", "reduction": {"name": "fixed", "budget": 8}}).reduction.params == {"budget": 8}
+
+
+def test_equality_ignores_the_compiled_cache():
+    used = Recipe.load("grpo")
+    lossplug.compile_recipe(used)
+    assert used == Recipe.preset("grpo") and hash(used) == hash(Recipe.preset("grpo"))
+    assert used != Recipe.preset("dapo")

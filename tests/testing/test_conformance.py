@@ -11,11 +11,9 @@ from lossplug.testing import CHECKS, ConformanceError, assert_conforms, check_pl
 
 # Known findings of the kit in built-in plugins, fixed elsewhere. strict: when the fix lands, the XPASS fails this
 # suite, as a reminder to delete the entry.
-KNOWN = {
-    ("gate", "ppo_clip", "detached"): "ppo_clip does not detach old_logp and the advantage: a batch built with "
-                                      "old_logp=logp (no .detach()) gets an all-zero gradient. Fix: detach them in "
-                                      "ppo_clip, or in pipeline._prepare for every gate",
-}
+#: (kind, name, check) → why a built-in is known not to conform yet (each one is a strict xfail: fixing it fails the
+#: suite until the entry is removed)
+KNOWN: dict[tuple[str, str, str], str] = {}
 
 
 def builtin_cases():

@@ -177,12 +177,7 @@ def test_detached_coefficients_carry_no_gradient(name, case):
         assert not g.requires_grad
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(
-        n == "ppo_clip", strict=True,
-        reason="ppo_clip uses GateInput.update_log_ratio(), which does not detach old_logp (core/plugin.py); "
-               "harmless while old_logp never requires grad, but the contract is not enforced"))
-    for n in GATES])
+@pytest.mark.parametrize("name", GATES)
 @given(case=cases())
 def test_gradient_flows_only_through_logp(name, case):
     p = plugin(name)
