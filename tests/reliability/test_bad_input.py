@@ -22,7 +22,7 @@ import numpy as np
 import pydantic
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import lossplug
 from lossplug import (BatchValidationError, LossplugError, Normalizer, PackedTransitions, PluginError, PolicyBatch,
@@ -635,27 +635,9 @@ def test_the_validate_command_refuses_pickles_and_never_unpickles(tmp_path):
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.bool, torch.complex64]
-VALUES = [0.0, -0.5, -1.0, -3.0, 1.0, 2.5, -100.0, NAN, INF, -INF]
-
-
-@st.composite
-def tensors(draw, shape_hint):
-    if draw(st.integers(0, 9)) == 0:  # not a tensor at all
-        return draw(st.sampled_from([None, 3, [1.0, 2.0], "logp", np.zeros(2)]))
-    if draw(st.booleans()):
-        shape = shape_hint
-    else:
-        shape = tuple(draw(st.lists(st.integers(0, 3), min_size=0, max_size=3)))
-    dtype = draw(st.sampled_from(DTYPES))
-    n = math.prod(shape)
-    vals = draw(st.lists(st.sampled_from(VALUES), min_size=n, max_size=n))
-    t = torch.tensor(vals, dtype=torch.float64).reshape(shape)
-    if dtype == torch.bool:
-        return t > 0
-    if not dtype.is_floating_point and not dtype.is_complex:
-        return torch.nan_to_num(t, nan=0.0, posinf=7, neginf=-7).abs().to(dtype)
-    return t.to(dtype)
-
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+SPECIAL = [NAN, INF, -INF, 5.0, 1e6, -1e6]
+ALIENS = [3, [1.0, 2.0], "logp", np.zeros(2)]
 
 SHAPES = {
     "logp": "BT", "action_mask": "BT", "old_logp": "BT", "behavior_logp": "BT", "ref_logp": "BT", "value": "BT",
@@ -663,26 +645,100 @@ SHAPES = {
 }
 
 
+def _floats(draw, shape, lo, hi):
+    n = math.prod(shape)
+    return torch.tensor(draw(st.lists(st.floats(lo, hi, allow_nan=False), min_size=n, max_size=n)),
+                        dtype=torch.float64).reshape(shape)
+
+
+@st.composite
+def random_tensor(draw, shape=None):
+    """Any shape, any dtype, any value."""
+    if shape is None:
+        shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
+    dtype = draw(st.sampled_from(DTYPES))
+    n = math.prod(shape)
+    t = torch.tensor(draw(st.lists(st.sampled_from([0.0, -1.0, 2.5, *SPECIAL]), min_size=n, max_size=n)),
+                     dtype=torch.float64).reshape(shape)
+    if dtype == torch.bool:
+        return t > 0
+    if not dtype.is_floating_point and not dtype.is_complex:
+        return torch.nan_to_num(t, nan=0.0, posinf=7, neginf=-7).abs().clamp(max=100).to(dtype)
+    return t.to(dtype)
+
+
+def _mutate(draw, out: dict, shapes: dict[str, str], dims: dict[str, tuple]) -> None:
+    """One random corruption: a dtype, a shape, a special value at a random position, an empty row, a missing or
+    alien field."""
+    name = draw(st.sampled_from(sorted(shapes)))
+    kind = draw(st.sampled_from(["dtype", "shape", "value", "value", "empty_row", "drop", "alien"]))
+    t = out.get(name)
+    if kind == "drop":
+        out.pop(name, None)
+    elif kind == "alien":
+        out[name] = draw(st.sampled_from(ALIENS))
+    elif kind == "shape":
+        out[name] = draw(random_tensor())
+    elif kind == "dtype":
+        out[name] = draw(random_tensor(dims[shapes[name]]))
+    elif isinstance(t, torch.Tensor) and t.numel() and kind == "value":
+        flat = t.clone().reshape(-1)
+        i = draw(st.integers(0, flat.numel() - 1))
+        flat[i] = draw(st.sampled_from(SPECIAL)) if t.is_floating_point() else (not bool(flat[i])
+                                                                               if t.dtype == torch.bool else -1)
+        out[name] = flat.reshape(t.shape)
+    elif isinstance(t, torch.Tensor) and t.ndim == 2 and t.dtype == torch.bool and kind == "empty_row":
+        t = t.clone()
+        t[draw(st.integers(0, t.shape[0] - 1))] = False
+        out[name] = t
+
+
 @st.composite
 def policy_batches(draw):
-    b, t = draw(st.integers(0, 3)), draw(st.integers(0, 3))
-    out = {}
-    for name, kind in SHAPES.items():
-        if name in ("logp", "action_mask") or draw(st.booleans()):
-            out[name] = draw(tensors((b, t) if kind == "BT" else (b,)))
-    if draw(st.integers(0, 2)) == 0:  # a well-typed core, so the value rules get exercised too
-        out["logp"] = -torch.tensor(draw(st.lists(st.sampled_from([0.0, 0.5, 2.0, NAN]), min_size=b * t,
-                                                  max_size=b * t))).reshape(b, t)
-        out["action_mask"] = torch.tensor(draw(st.lists(st.booleans(), min_size=b * t, max_size=b * t)),
-                                          dtype=torch.bool).reshape(b, t)
+    """A valid PolicyBatch's fields (random dtype, sizes, optional fields), then 0-3 random corruptions."""
+    b, t = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    dtype = draw(st.sampled_from(FLOATS))
+    mask = torch.tensor(draw(st.lists(st.booleans(), min_size=b * t, max_size=b * t))).reshape(b, t)
+    mask[torch.arange(b), torch.tensor(draw(st.lists(st.integers(0, t - 1), min_size=b, max_size=b)))] = True
+    out = {"logp": _floats(draw, (b, t), -8, 0).to(dtype), "action_mask": mask}
+    for name in ("old_logp", "behavior_logp", "ref_logp"):
+        if draw(st.integers(0, 3)):
+            out[name] = _floats(draw, (b, t), -8, 0).to(dtype)
+    if draw(st.booleans()):
+        out["value"] = _floats(draw, (b, t), -100, 100)
+    if draw(st.integers(0, 3)):
+        out["advantage"] = _floats(draw, draw(st.sampled_from([(b,), (b, t)])), -100, 100)
+    if draw(st.booleans()):
+        out["reward"] = _floats(draw, draw(st.sampled_from([(b,), (b, t)])), -100, 100)
+    if draw(st.booleans()):
+        out["group_id"] = torch.tensor(draw(st.lists(st.integers(0, 2), min_size=b, max_size=b)))
+    if draw(st.booleans()):
+        out["trajectory_id"] = torch.arange(b)
+    if draw(st.booleans()):
+        out["terminated"] = torch.tensor(draw(st.lists(st.booleans(), min_size=b, max_size=b)))
+        if draw(st.booleans()):
+            out["final_value"] = _floats(draw, (b,), -100, 100)
+    for _ in range(draw(st.integers(0, 3))):
+        _mutate(draw, out, SHAPES, {"BT": (b, t), "B": (b,)})
     return out
 
 
 @st.composite
 def packed_batches(draw):
-    n = draw(st.integers(0, 4))
-    return {name: draw(tensors((n,))) if name != "trajectory_id" or draw(st.booleans()) else None
-            for name in ("reward", "value", "next_value", "terminated", "boundary", "trajectory_id")}
+    """Valid packed transitions (random fragments), then 0-3 random corruptions."""
+    n = draw(st.integers(1, 6))
+    boundary = torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    boundary[-1] = True
+    terminated = boundary & torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    out = {"reward": _floats(draw, (n,), -100, 100), "value": _floats(draw, (n,), -100, 100),
+           "next_value": torch.where(terminated, NAN, _floats(draw, (n,), -100, 100)),
+           "terminated": terminated, "boundary": boundary}
+    if draw(st.booleans()):
+        out["trajectory_id"] = torch.cat([torch.zeros(1, dtype=torch.long), boundary[:-1].long()]).cumsum(0)
+    shapes = {k: "N" for k in ("reward", "value", "next_value", "terminated", "boundary", "trajectory_id")}
+    for _ in range(draw(st.integers(0, 3))):
+        _mutate(draw, out, shapes, {"N": (n,)})
+    return out
 
 
 def _expect_clean(action: Callable[[], Any]) -> Any:
@@ -708,6 +764,7 @@ def test_fuzz_policy_batch_validation_never_escapes(raw, recipe_):
     unchecked = PolicyBatch.unchecked(**{k: v for k, v in raw.items() if v is not None})
     # the same fields through the hot path's deferred check must be refused identically (or accepted)
     result = _expect_clean(lambda: policy_loss(unchecked, recipe_))
+    event(f"contract {'accepted' if built is not None else 'refused'}, loss {'computed' if result else 'refused'}")
     if built is None:
         assert result is None, "policy_loss accepted a batch the contract refuses"
         return
@@ -720,6 +777,7 @@ def test_fuzz_policy_batch_validation_never_escapes(raw, recipe_):
 @given(packed_batches())
 def test_fuzz_packed_validation_never_escapes(raw):
     built = _expect_clean(lambda: PackedTransitions(**raw))
+    event(f"contract {'accepted' if built is not None else 'refused'}")
     if built is not None:
         adv = _expect_clean(lambda: compute_advantages(built, "ppo"))
         if adv is not None:
