@@ -278,17 +278,34 @@ def _prepare(batch: PolicyBatch) -> GateInput:
     logp = batch.logp
     compute = torch.float32 if logp.dtype in (torch.float16, torch.bfloat16) else logp.dtype
 
+    clean_logp = torch.where(mask, logp.to(compute), 0)
+    # A field that is a view of the same memory as an earlier one (TRL's on-policy step passes old_logp =
+    # logp.detach()) reuses its cleaned copy: one torch.where pass and one [B, T] allocation fewer.
+    seen = {_layout(logp): clean_logp}
+
     def clean(t: Optional[Tensor]) -> Optional[Tensor]:
-        return None if t is None else torch.where(mask, t.to(compute), 0)
+        # every input but logp is a constant of the update: detached here, once, so that a caller who passes
+        # old_logp=logp (without .detach()) cannot silently turn every gate's gradient into something else
+        if t is None:
+            return None
+        key = _layout(t)
+        if key not in seen:
+            seen[key] = torch.where(mask, t.detach().to(compute), 0)
+        return seen[key].detach()
 
     adv = batch.advantage
     if adv is not None and adv.ndim == 1:
         adv = adv.unsqueeze(-1).expand_as(logp)
     return GateInput(
-        logp=clean(logp), mask=mask, advantage=clean(adv), lengths=mask.sum(-1),
+        logp=clean_logp, mask=mask, advantage=clean(adv), lengths=mask.sum(-1),
         old_logp=clean(batch.old_logp), behavior_logp=clean(batch.behavior_logp), ref_logp=clean(batch.ref_logp),
         batch=batch,
     )
+
+
+def _layout(t: Tensor) -> tuple:
+    """Same key ⇔ same elements: same memory, shape, strides and dtype (a detached view of a tensor included)."""
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device
 
 
 def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Optional[Normalizer] = None, *,

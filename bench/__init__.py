@@ -1,0 +1,1 @@
+"""lossplug's benchmarks against the trainers' own code (not part of the distribution): ``python -m bench``."""

@@ -1,0 +1,157 @@
+"""The benchmark runner: ``python -m bench`` (or ``python bench/run.py``) from the repository root.
+
+Measures lossplug and the trainers' own code **in the same run**, prints a table of ratios and writes everything
+(sizes, medians, minima, quartiles, peaks, agreement checks, environment) to ``bench/results.json``.
+
+    python -m bench                      # the full sizes of the issue (several minutes on 2 CPU cores)
+    python -m bench --quick              # toy sizes, seconds (what tests/bench/test_bench_smoke.py runs)
+    python -m bench --items 1,2 --repeats 15 --threads 2
+
+Items: 1 packed GAE vs the seed's loop · 2 padded GAE vs verl · 3 gate + reduction forward/backward vs TRL and verl ·
+4 contract validation vs the loss step · 5 a tiny TRL training run, native vs lossplug.
+
+Threads default to 1: the reference machine has 2 cores shared with other jobs, and a second intra-op thread made
+timings bimodal. Both sides always run on the same thread count. Nothing here needs a GPU; none is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if __package__ in (None, ""):  # `python bench/run.py`
+    sys.path.insert(0, str(HERE.parent))
+    __package__ = "bench"
+
+import torch  # noqa: E402
+
+from .common import environment  # noqa: E402
+
+FULL = {"packed_tokens": 1 << 20, "packed_trajectories": 4096, "packed_baseline_tokens": 1 << 16,
+        "padded_B": 256, "padded_T": 4096, "loss_B": 64, "loss_T": 4096,
+        "trl_steps": 8, "trl_rounds": 4, "trl_size": None}
+QUICK = {"packed_tokens": 8192, "packed_trajectories": 32, "packed_baseline_tokens": 1024,
+         "padded_B": 8, "padded_T": 256, "loss_B": 4, "loss_T": 256,
+         "trl_steps": 2, "trl_rounds": 1,
+         "trl_size": {"hidden": 32, "layers": 1, "batch": 4, "generations": 2, "completion": 4, "prompts": 8}}
+
+
+def run(items: set[int], quick: bool, repeats: int, threads: int, log=print, cases=None) -> dict:
+    torch.set_num_threads(threads)
+    sizes = QUICK if quick else FULL
+    results: dict = {"quick": quick, "repeats": repeats, "environment": environment(threads), "results": []}
+    started = time.time()
+    if 1 in items:
+        from .gae_bench import bench_packed
+
+        log("[1] packed GAE …")
+        results["results"].append(bench_packed(sizes["packed_tokens"], sizes["packed_trajectories"], repeats,
+                                               sizes["packed_baseline_tokens"]))
+    if 2 in items:
+        from .gae_bench import bench_padded
+
+        log("[2] padded GAE …")
+        results["results"].append(bench_padded(sizes["padded_B"], sizes["padded_T"], repeats))
+    if items & {3, 4}:
+        from . import loss_bench as lb
+
+        t = lb.make_tensors(sizes["loss_B"], sizes["loss_T"])
+        all_cases = lb.verl_cases(sizes["loss_B"], int(t["mask"].sum())) + lb.trl_cases()
+        for case in all_cases:
+            if cases and case.name not in cases:
+                continue
+            if 3 in items:
+                log(f"[3] {case.name} vs {case.trainer} …")
+                results["results"].append(lb.bench_case(case, t, repeats))
+            if 4 in items:
+                log(f"[4] validation, {case.name} ({case.trainer}'s tensors) …")
+                results["results"].append(lb.bench_validation(case, t, repeats))
+    if 5 in items:
+        from .trl_bench import bench_trl_e2e
+
+        log("[5] TRL end to end …")
+        results["results"].append(bench_trl_e2e(sizes["trl_steps"], sizes["trl_rounds"], size=sizes["trl_size"]))
+    results["seconds"] = time.time() - started
+    try:
+        results["environment"]["load_avg_at_end"] = os.getloadavg()
+    except OSError:
+        pass
+    return results
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def table(results: dict) -> str:
+    """The Markdown table the README shows."""
+    rows = ["| # | benchmark | size | lossplug | baseline | ratio (median; min) | goal | met |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in results["results"]:
+        item = r["item"]
+        if item == "packed_gae":
+            base = r["seed_loop_extrapolated"]
+            rows.append(f"| 1 | packed GAE vs seed loop | {r['tokens']:,} tokens, {r['trajectories']:,} traj. | "
+                        f"{_fmt_s(r['lossplug']['median_s'])} | {_fmt_s(base['median_s'])} (extrapolated from "
+                        f"{r['seed_loop_measured']['tokens']:,}) | **{r['speedup']:.0f}× faster**; "
+                        f"{r['speedup_min']:.0f}× | ≥ 100× | {'yes' if r['met'] else 'no'} |")
+        elif item == "padded_gae":
+            rows.append(f"| 2 | padded GAE vs verl | B={r['B']}, T={r['T']} | {_fmt_s(r['lossplug']['median_s'])} "
+                        f"({_fmt_s(r['lossplug_validated']['median_s'])} validated) | {_fmt_s(r['verl']['median_s'])} "
+                        f"| **{r['speedup']:.1f}× faster**; {r['speedup_min']:.1f}× | ≥ 2× | "
+                        f"{'yes' if r['met'] else 'no'} |")
+        elif item == "loss_step":
+            rows.append(f"| 3 | {r['case']} fwd+bwd vs {r['baseline']} | B={r['B']}, T={r['T']} | "
+                        f"{_fmt_s(r['lossplug']['median_s'])} / {_fmt_s(r['lossplug_no_metrics']['median_s'])} no "
+                        f"metrics | {_fmt_s(r['native']['median_s'])} | time **{r['time_ratio']:.2f}×** / "
+                        f"**{r['time_ratio_no_metrics']:.2f}×** no metrics ({r['time_ratio_min']:.2f}× / "
+                        f"{r['time_ratio_min_no_metrics']:.2f}× min); peak mem {r['mem_ratio']:.2f}× / "
+                        f"{r['mem_ratio_no_metrics']:.2f}× | ≤ 1.10× | "
+                        f"{'yes' if r['met'] else 'no'} / {'yes' if r['met_no_metrics'] else 'no'} |")
+        elif item == "validation":
+            rows.append(f"| 4 | validation, {r['case']} ({r['baseline']} tensors) | B={r['B']}, T={r['T']} | "
+                        f"{_fmt_s(r['validate']['median_s'])} | loss step {_fmt_s(r['step_off']['median_s'])} | "
+                        f"**{100 * r['fraction_of_step']:.0f}%** of the step | ≤ 10% | "
+                        f"{'yes' if r['met'] else 'no'} |")
+        elif item == "trl_e2e":
+            rows.append(f"| 5 | TRL train step ({r['loss_type']}) | {r['size_batch']} compl. × {r['size_completion']} "
+                        f"tok, hidden {r['size_hidden']} | {_fmt_s(r['lossplug']['median_s'])} | "
+                        f"{_fmt_s(r['native']['median_s'])} | **{r['time_ratio']:.3f}×**; {r['time_ratio_min']:.3f}× "
+                        f"| ±5% | {'yes' if r['met'] else 'no'} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="toy sizes (seconds)")
+    parser.add_argument("--items", default="1,2,3,4,5", help="comma-separated items to run (default: all)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per candidate "
+                                                                   "(default 15, quick 3)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both sides (default 1)")
+    parser.add_argument("--cases", default=None, help="items 3/4: comma-separated case names (default: all of "
+                                                       "ppo_clip+token, gspo, sapo, cispo+tis)")
+    parser.add_argument("--out", default=str(HERE / "results.json"), help="where to write the JSON")
+    args = parser.parse_args(argv)
+    items = {int(i) for i in args.items.split(",") if i.strip()}
+    repeats = args.repeats or (3 if args.quick else 15)
+    cases = set(args.cases.split(",")) if args.cases else None
+    results = run(items, args.quick, repeats, args.threads, log=lambda m: print(m, file=sys.stderr, flush=True),
+                  cases=cases)
+    results["command"] = "python -m bench" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    results["table"] = table(results)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2, default=float))
+    print(results["table"])
+    print(f"\n{results['command']}: {results['seconds']:.0f} s, threads={args.threads}, load average "
+          f"{results['environment'].get('load_avg_at_start')} → {results['environment'].get('load_avg_at_end')}; "
+          f"written to {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
