@@ -9,10 +9,10 @@ micro-batch losses over all micro-batches and all ranks equals the full-batch re
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import LossplugError
 
@@ -31,6 +31,29 @@ class Normalizer(BaseModel):
     #: the fixed generation budget per response (e.g. ``max_completion_length``) used by the ``fixed`` reduction
     #: when its recipe gives none
     budget: Optional[float] = Field(default=None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _positive_counts(cls, data: Any) -> Any:
+        # our own message instead of pydantic's report: a zero or missing population is the bug this class exists
+        # to catch, and the user should read which count and why
+        if not isinstance(data, dict):
+            raise LossplugError(f"Normalizer: expected keyword counts, got {type(data).__name__}")
+        for name in ("action_tokens", "sequences", "groups", "budget"):
+            value = data.get(name)
+            if value is None:
+                if name in ("action_tokens", "sequences"):
+                    raise LossplugError(f"Normalizer.{name}: required (the count of the whole optimizer step)")
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                    name != "budget" and not float(value).is_integer()):
+                kind = "a number" if name == "budget" else "a whole number"
+                raise LossplugError(f"Normalizer.{name}: must be {kind}, got {type(value).__name__} {value!r}")
+            if not value > 0:
+                hint = (" — the step has no action tokens (every response fully masked?)" if name == "action_tokens"
+                        else "")
+                raise LossplugError(f"Normalizer.{name}: must be greater than 0, got {value!r}{hint}")
+        return data
 
     @classmethod
     def for_masks(cls, action_masks: Iterable[torch.Tensor], *, budget: Optional[float] = None,

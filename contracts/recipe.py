@@ -91,10 +91,19 @@ class PluginSpec(BaseModel):
             return cls(name=raw)
         if isinstance(raw, Mapping):
             if "name" not in raw or not isinstance(raw["name"], str):
-                raise RecipeError(f"{where}: needs a 'name' (the plugin), got {dict(raw)!r}")
-            params = dict(raw.get("params", {})) if "params" in raw else {k: v for k, v in raw.items() if k != "name"}
-            if "params" in raw and len(raw) > 2:
-                raise RecipeError(f"{where}: give parameters either flat or under 'params', not both")
+                raise RecipeError(f"{where}: needs a 'name' (the plugin, a string), got {dict(raw)!r}")
+            if "params" in raw:
+                if len(raw) > 2:
+                    raise RecipeError(f"{where}: give parameters either flat or under 'params', not both")
+                if not isinstance(raw["params"], Mapping):
+                    raise RecipeError(f"{where}: params must be a mapping of parameter name → value, got "
+                                      f"{type(raw['params']).__name__} {raw['params']!r}")
+                params = dict(raw["params"])
+            else:
+                params = {k: v for k, v in raw.items() if k != "name"}
+            bad = [k for k in params if not isinstance(k, str)]
+            if bad:
+                raise RecipeError(f"{where}: parameter names must be strings, got {bad!r}")
             return cls(name=raw["name"], params=params)
         raise RecipeError(f"{where}: expected a plugin name or a mapping with 'name', got {type(raw).__name__}")
 
@@ -144,13 +153,19 @@ class Recipe(BaseModel):
             raise RecipeError(f"recipe: expected a mapping with {', '.join(STAGES)}, got {type(data).__name__}")
         data = dict(data)
         if "preset" in data:  # a preset with overrides: {preset: dapo, reduction: token}
-            base = dict(_get_catalog().preset(data.pop("preset")))
+            preset = data.pop("preset")
+            if not isinstance(preset, str):
+                raise RecipeError(f"recipe.preset: must be a preset name (a string), got {type(preset).__name__} "
+                                  f"{preset!r}")
+            base = dict(_get_catalog().preset(preset))
             data = {**base, **{k: _merge_stage(base.get(k), v) for k, v in data.items()}}
         allowed = ("name",) + STAGES
         for key in data:
             if key not in allowed:
                 raise RecipeError(f"recipe: unknown key '{key}'{did_you_mean(key, allowed)}; keys are: "
                                   f"{', '.join(allowed)}, preset")
+        if data.get("name") is not None and not isinstance(data["name"], str):
+            raise RecipeError(f"recipe.name: must be a string, got {type(data['name']).__name__} {data['name']!r}")
         out: dict[str, Any] = {"name": data.get("name")}
         if data.get("advantage") is not None:
             out["advantage"], _ = _validate_spec(PluginSpec.parse(data["advantage"], "recipe.advantage"),
@@ -158,6 +173,9 @@ class Recipe(BaseModel):
         gates = data.get("gates")
         if isinstance(gates, (str, Mapping)):
             gates = [gates]
+        if gates is not None and not isinstance(gates, (list, tuple)):
+            raise RecipeError(f"recipe.gates: must be a list of gates (or one gate), got {type(gates).__name__} "
+                              f"{gates!r}")
         if not gates:
             raise RecipeError("recipe.gates: needs at least one gate (the update gate, e.g. ppo_clip)")
         resolved = []

@@ -152,6 +152,29 @@ def _allowed(ep: md.EntryPoint, allow: Optional[set[str]]) -> bool:
     return ep.name in allow or (dist is not None and dist.name in allow)
 
 
+def _register(pm: pluggy.PluginManager, obj: object, name: str, origin: str, registry: Registry) -> bool:
+    """Register one third-party plugin object; a bad one is recorded as broken (and left unregistered)."""
+    try:
+        pm.register(obj, name=name)
+    except (pluggy.PluginValidationError, ValueError) as err:
+        registry.broken.append(BrokenPlugin(origin, f"bad plugin: {err}"))
+        return False
+    callers = pm.get_hookcallers(obj) or []
+    unknown = [c.name for c in callers if c.spec is None]
+    problem = None
+    if unknown:  # pluggy accepts hooks without a spec; for us that is a typo that would silently do nothing
+        known = [n for n in dir(hookspecs) if n.startswith("lossplug_")]
+        problem = "implements unknown hook(s) " + ", ".join(f"'{u}'{did_you_mean(u, known)}" for u in unknown)
+    elif not callers:
+        problem = ("implements no lossplug hook (mark functions with @lossplug.hookimpl and name them after a hook "
+                   "in lossplug.hookspecs)")
+    if problem:
+        pm.unregister(obj)
+        registry.broken.append(BrokenPlugin(origin, problem))
+        return False
+    return True
+
+
 def _build() -> tuple[pluggy.PluginManager, Registry]:
     from lossplug.plugins import builtin
 
@@ -163,33 +186,31 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
     pm.register(builtin, name="lossplug.builtin")
     origins[id(builtin)] = BUILTIN_SOURCE
     for obj, name in _in_process:
-        try:
-            pm.register(obj, name=name)
-        except (pluggy.PluginValidationError, ValueError) as err:
-            registry.broken.append(BrokenPlugin(f"in-process plugin '{name}'", f"bad plugin: {err}"))
-            continue
-        origins[id(obj)] = f"in-process plugin '{name}'"
+        if _register(pm, obj, name, f"in-process plugin '{name}'", registry):
+            origins[id(obj)] = f"in-process plugin '{name}'"
 
     if os.environ.get(DISABLE_ENV, "").strip().lower() not in ("1", "true", "yes"):
         allow_text = os.environ.get(ALLOW_ENV)
         allow = {s.strip() for s in allow_text.split(",") if s.strip()} if allow_text is not None else None
+        matched: set[str] = set()
         for ep in md.entry_points(group=ENTRY_POINT_GROUP):
             if not _allowed(ep, allow):
                 continue
+            dist = getattr(ep, "dist", None)
+            matched.update({ep.name, dist.name if dist is not None else ep.name})
             origin = _describe(ep)
             try:
                 obj = ep.load()
-            except Exception as err:  # any import-time failure of third-party code
+            except (Exception, SystemExit) as err:  # any import-time failure of third-party code, sys.exit() too
                 registry.broken.append(BrokenPlugin(origin, f"failed to import: {type(err).__name__}: {err}"))
                 continue
             if pm.is_registered(obj):
                 continue  # the same module exposed under two entry-point names
-            try:
-                pm.register(obj, name=f"entrypoint:{ep.name}")
-            except (pluggy.PluginValidationError, ValueError) as err:
-                registry.broken.append(BrokenPlugin(origin, f"bad plugin: {err}"))
-                continue
-            origins[id(obj)] = origin
+            if _register(pm, obj, f"entrypoint:{ep.name}", origin, registry):
+                origins[id(obj)] = origin
+        for name in sorted((allow or set()) - matched):
+            warnings.warn(f"{ALLOW_ENV} names '{name}', but no installed distribution or entry point in the "
+                          f"'{ENTRY_POINT_GROUP}' group has that name", LossplugPluginWarning, stacklevel=3)
 
     def call(hook_name: str, make_register: Callable[[str], Callable]) -> None:
         for impl in getattr(pm.hook, hook_name).get_hookimpls():  # in registration order: built-ins first

@@ -293,10 +293,29 @@ def test_check_runs_the_conformance_kit():
     out = run("check", "sapo", "--param", "tau_neg=2.0")
     assert out.exit_code == 0, out.output
     assert "masked_poison" in out.output and "✓ sapo conforms" in out.output
-    out = run("check", "ppo_clip")
+    assert run("check", "ppo_clip").exit_code == 0
+    plugin = FlippedSignPlugin()
+    lossplug.register_plugin(plugin, "flipped")
+    try:
+        out = run("check", "flipped_pg")
+    finally:
+        lossplug.unregister_plugin(plugin)
     assert out.exit_code == 1
-    assert "gradient reached old_logp" in out.output
+    assert "ratio_one" in out.output and "sign is flipped" in out.output
     assert run("check", "no_such_gate").exit_code == 1
+
+
+class FlippedSignPlugin:
+    """A gate that returns the loss instead of the objective: the kit must catch it."""
+
+    @lossplug.hookimpl
+    def lossplug_register_gates(self, register):
+        @lossplug.gate("flipped_pg")
+        def flipped_pg(inp, p):
+            """−A·logp (wrong on purpose)."""
+            return lossplug.GateOutput(objective=-inp.advantage * inp.logp)
+
+        register(flipped_pg)
 
 
 def test_plot_gates_writes_a_png_through_the_real_plugins(tmp_path):

@@ -6,9 +6,8 @@ The catalogue is data: ``CASES`` is a list of :class:`Case` (name, a builder tha
 message must contain). A hypothesis fuzz of the validators closes the file: random shapes, dtypes and values never
 produce anything but a ``LossplugError`` (or a valid batch whose loss is finite).
 
-Cases marked ``known_bug`` document errors that still escape as raw exceptions from files this suite does not own
-(``contracts/recipe.py``, ``contracts/normalizer.py``); they are strict xfails, so fixing the bug turns them into
-failures that ask for the mark to be removed.
+A case marked ``known_bug`` documents an error that still escapes as a raw exception; it runs as a strict xfail, so
+fixing the bug turns it into a failure that asks for the mark to be removed. (None is open at the moment.)
 """
 
 from __future__ import annotations
@@ -370,9 +369,9 @@ CASES: list[Case] = [
     C("reduce with a float mask", lambda: lossplug.reduce(torch.zeros(B, T), torch.ones(B, T), "dapo"),
       ("reduce", "action_mask", "bool", "torch.float32")),
     C("a normaliser with zero tokens", lambda: Normalizer(action_tokens=0, sequences=1),
-      ("action_tokens", "greater than 0"), known_bug="contracts/normalizer.py: raw pydantic.ValidationError"),
+      ("action_tokens", "greater than 0")),
     C("a normaliser for all-masked micro-batches", lambda: Normalizer.for_masks([torch.zeros(B, T, dtype=torch.bool)]),
-      ("action_tokens", "no action"), known_bug="contracts/normalizer.py: raw pydantic.ValidationError"),
+      ("action_tokens", "no action")),
     # -- recipes ----------------------------------------------------------------------------------------------------
     C("an unknown gate", lambda: Recipe.model_validate(recipe(gates=["ppo_clp"])),
       ("recipe.gates[0]", "unknown gate plugin 'ppo_clp'", "did you mean 'ppo_clip'", "available:"), RecipeError),
@@ -428,17 +427,17 @@ CASES: list[Case] = [
       ("no such file", "/nonexistent/recipe.yaml"), RecipeError),
     C("a recipe that is a number", lambda: policy_loss(batch(), 42), ("cannot load a recipe from int",), RecipeError),
     C("a recipe name that is not a string", lambda: Recipe.model_validate(recipe(name=5)),
-      ("recipe", "name", "5"), RecipeError, known_bug="contracts/recipe.py: raw pydantic.ValidationError"),
+      ("recipe", "name", "5"), RecipeError),
     C("stage params that are a list", lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip",
                                                                                    "params": [1, 2]}])),
-      ("recipe.gates[0]", "params"), RecipeError, known_bug="contracts/recipe.py: raw TypeError from dict()"),
+      ("recipe.gates[0]", "params"), RecipeError),
     C("stage params that are a string", lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip",
                                                                                      "params": "eps_low=0.1"}])),
-      ("recipe.gates[0]", "params"), RecipeError, known_bug="contracts/recipe.py: raw pydantic.ValidationError"),
+      ("recipe.gates[0]", "params"), RecipeError),
     C("gates that are a number", lambda: Recipe.model_validate(recipe(gates=5)),
-      ("recipe.gates", "int"), RecipeError, known_bug="contracts/recipe.py: raw TypeError ('int' is not iterable)"),
+      ("recipe.gates", "int"), RecipeError),
     C("a preset name that is a number", lambda: Recipe.model_validate({"preset": 5}),
-      ("preset", "5"), RecipeError, known_bug="contracts/recipe.py: raw TypeError from the preset lookup"),
+      ("preset", "5"), RecipeError),
     # -- plugins ----------------------------------------------------------------------------------------------------
     C("a plugin name registered twice", _duplicates,
       ("gate 'lpx_twice' is registered more than once", "in-process plugin 'first-package'",
@@ -792,16 +791,9 @@ def test_fuzz_packed_validation_never_escapes(raw):
                                                  st.one_of(st.floats(), st.text(max_size=4), st.integers()),
                                                  max_size=3)),
                        max_size=4))
-def test_fuzz_recipe_validation_never_escapes_except_known_bugs(raw):
+def test_fuzz_recipe_validation_never_escapes(raw):
     try:
         Recipe.model_validate(raw)
     except LossplugError:
         pass
-    except KNOWN_RECIPE_BUGS:
-        # contracts/recipe.py (reported, see the known_bug cases above): a non-string name, non-mapping params or a
-        # non-list of gates still escape as pydantic.ValidationError / TypeError. Remove once fixed.
-        pass
 
-
-#: raw exception types contracts/recipe.py still lets escape for non-string / non-mapping values (known bug)
-KNOWN_RECIPE_BUGS = (pydantic.ValidationError, TypeError)
