@@ -449,6 +449,22 @@ def group_advantages(trainer, rewards_per_func: torch.Tensor, num_generations: i
     if st.compiled.advantage is None:
         return None, rewards, group_ids, metrics
     valid = ~unscorable
+    min_size = st.compiled.advantage.plugin.min_group_size
+    too_small = torch.zeros_like(valid)
+    if min_size > 1 and bool(unscorable.any()):
+        # Leaving unscorable rows out can shrink a group below what the estimator needs (RLOO: 2). Those rows get
+        # advantage 0 like the unscorable ones — with a metric and a warning, never silently and never a crash
+        # in the middle of a run.
+        _, inverse, counts = torch.unique(group_ids[valid], return_inverse=True, return_counts=True)
+        small = torch.zeros_like(valid)
+        small[valid] = counts[inverse] < min_size
+        too_small = small
+        valid = valid & ~small
+        if bool(small.any()):
+            warnings.warn(f"lossplug: {int(small.sum())} completions are in groups with fewer than {min_size} "
+                          f"scorable completions, which recipe.advantage ({st.compiled.advantage.plugin.name}) "
+                          "needs; they get advantage 0 (metric lossplug/reward/too_small_group_frac)",
+                          stacklevel=2)
     advantages = torch.zeros_like(rewards)
     if bool(valid.any()):
         r = rewards[valid]
@@ -466,6 +482,8 @@ def group_advantages(trainer, rewards_per_func: torch.Tensor, num_generations: i
         metrics["advantage/std"] = advantages.std() if n > 1 else torch.zeros((), device=device)
         metrics["advantage/zero_frac"] = (advantages == 0).float().mean()
         metrics["reward/unscorable_frac"] = unscorable.float().mean()
+        if min_size > 1:
+            metrics["reward/too_small_group_frac"] = too_small.float().mean()
     return advantages, rewards, group_ids, metrics
 
 
