@@ -28,19 +28,26 @@ class _Checks:
     def __init__(self, contract: str):
         self.contract = contract
         self.violations: list[Violation] = []
-        self._pending: list[tuple[Tensor, Callable[[], Violation]]] = []
+        self._pending: list[tuple[Tensor, Callable[[], list[Violation]]]] = []
 
     def fail(self, field: str, rule: str, where: str = "") -> None:
         self.violations.append(Violation(field, rule, where))
 
     def when_any(self, bad: Tensor, field: str, rule: str, noun: str = "rows") -> None:
         """Report ``rule`` for ``field`` if any element of the boolean tensor ``bad`` is set."""
-        self._pending.append((bad.any(), lambda: Violation(field, rule, describe_positions(bad, noun=noun))))
+        self._pending.append((bad.any(), lambda: [Violation(field, rule, describe_positions(bad, noun=noun))]))
+
+    def when_flag(self, flag: Tensor, find: Callable[[], list[Violation]]) -> None:
+        """If the 0-d bool tensor ``flag`` is set, report what ``find()`` finds: a cheap combined test whose
+        positions are only looked up when it fails."""
+        self._pending.append((flag, find))
 
     def raise_if_any(self) -> None:
         if self._pending:
             flags = torch.stack([flag for flag, _ in self._pending]).tolist()
-            self.violations.extend(make() for flag, (_, make) in zip(flags, self._pending) if flag)
+            for flag, (_, find) in zip(flags, self._pending):
+                if flag:
+                    self.violations.extend(find())
             self._pending.clear()
         if self.violations:
             raise BatchValidationError(self.contract, self.violations)
@@ -60,6 +67,35 @@ def _dtype_rule(name: str, t: Tensor, kind: str, checks: _Checks) -> bool:
         }[kind]
         checks.fail(name, f"must be a {kind} tensor, got {t.dtype}{hint}")
     return ok
+
+
+def _token_value_rules(checks: _Checks, name: str, t: Tensor, mask: Tensor, logprob: bool) -> None:
+    """``t`` finite on action positions (and, for log-probs, ``<= LOGP_TOLERANCE``), cheaply: one ``aminmax`` pass
+    over the whole tensor (NaN propagates into both ends). Only if that fails — non-action positions may hold
+    anything — are the action positions selected and tested, and only if that fails too are the offending
+    positions computed."""
+    if t.numel() == 0:
+        return
+
+    def passes(x: Tensor) -> Tensor:
+        low, high = torch.aminmax(x)
+        return (low > float("-inf")) & ((high <= LOGP_TOLERANCE) if logprob else (high < float("inf")))
+
+    def find() -> list[Violation]:
+        if bool(passes(torch.where(mask, t, 0))):  # the failing values are all at non-action positions
+            return []
+        found = []
+        bad = mask & ~torch.isfinite(t)
+        if bool(bad.any()):
+            found.append(Violation(name, "must be finite on action positions", describe_positions(bad, noun="rows")))
+        if logprob:
+            big = mask & (t > LOGP_TOLERANCE)
+            if bool(big.any()):
+                found.append(Violation(name, f"log-probs must be <= 0 (tolerance {LOGP_TOLERANCE}) on action "
+                                             f"positions", describe_positions(big, noun="rows")))
+        return found
+
+    checks.when_flag(~passes(t), find)
 
 
 class _TensorModel(BaseModel):
@@ -219,12 +255,9 @@ class PolicyBatch(_TensorModel):
             if t is None:
                 continue
             if t.ndim == 2:
-                checks.when_any(mask & ~torch.isfinite(t), name, "must be finite on action positions")
+                _token_value_rules(checks, name, t, mask, logprob=name in self.LOGPROBS)
             else:
                 checks.when_any(~torch.isfinite(t), name, "must be finite")
-            if name in self.LOGPROBS:
-                checks.when_any(mask & (t > LOGP_TOLERANCE), name,
-                                f"log-probs must be <= 0 (tolerance {LOGP_TOLERANCE}) on action positions")
         if self.final_value is not None:
             if self.terminated is None:
                 checks.fail("final_value", "is only read for truncated responses: give terminated [B] bool with it "
