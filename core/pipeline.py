@@ -273,7 +273,7 @@ def _check_advantage_output(adv: Tensor, batch, stage: Stage, what: str) -> None
 # Policy loss
 
 
-def _prepare(batch: PolicyBatch) -> GateInput:
+def _prepare(batch: PolicyBatch, metrics: bool = True) -> GateInput:
     mask = batch.action_mask
     logp = batch.logp
     compute = torch.float32 if logp.dtype in (torch.float16, torch.bfloat16) else logp.dtype
@@ -299,7 +299,7 @@ def _prepare(batch: PolicyBatch) -> GateInput:
     return GateInput(
         logp=clean_logp, mask=mask, advantage=clean(adv), lengths=mask.sum(-1),
         old_logp=clean(batch.old_logp), behavior_logp=clean(batch.behavior_logp), ref_logp=clean(batch.ref_logp),
-        batch=batch,
+        batch=batch, metrics=metrics,
     )
 
 
@@ -338,7 +338,7 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
     elif validate != "off":
         raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
 
-    inp = _prepare(batch)
+    inp = _prepare(batch, metrics)
     update = compiled.update
     out = _run(update, validate, inp)
     if validate == "full":

@@ -54,6 +54,10 @@ class GateInput:
     Every per-token tensor has its non-action positions replaced by 0 (``logp`` through ``torch.where``, so the
     gradient still flows on action positions): whatever the batch held there — NaN, inf — can neither leak into the
     loss nor into the gradient (0 · NaN in a backward pass is NaN, so masking only the output is not enough).
+
+    ``metrics`` is False when the caller asked for no metrics (``policy_loss(metrics=False)``, the hot loop): a gate
+    then skips its diagnostic work — ``GateOutput.metrics`` and ``active`` are not read — and computes only what
+    the objective or weight needs.
     """
 
     logp: Tensor
@@ -64,6 +68,7 @@ class GateInput:
     behavior_logp: Optional[Tensor]
     ref_logp: Optional[Tensor]
     batch: PolicyBatch
+    metrics: bool = True
 
     def update_log_ratio(self) -> Tensor:
         """log(π_θ / π_old) per token; zero off actions. Gradient flows through ``logp`` only."""

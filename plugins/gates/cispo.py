@@ -82,6 +82,9 @@ def cispo(inp: lossplug.GateInput, p: CISPOParams) -> lossplug.GateOutput:
             log_ratio = log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
         ratio = log_ratio.exp()
         coefficient = ratio.clamp(min=p.lower, max=p.upper)
+    if not inp.metrics:
+        return lossplug.GateOutput(objective=coefficient.detach() * adv * inp.logp)
+    with torch.no_grad():
         mask = inp.mask
         n = mask.sum().clamp(min=1)
         low = (ratio < p.lower) if p.lower is not None else torch.zeros_like(mask)

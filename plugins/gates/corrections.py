@@ -96,17 +96,22 @@ def _ratio_stats(ratio: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Te
     }
 
 
-def _tis(ratio: torch.Tensor, valid: torch.Tensor, cap: float) -> lossplug.GateOutput:
+def _tis(ratio: torch.Tensor, valid: torch.Tensor, cap: float, metrics: bool = True) -> lossplug.GateOutput:
     weight = ratio.clamp(max=cap)
+    if not metrics:
+        return lossplug.GateOutput(weight=weight.detach())
     n = valid.sum().clamp(min=1)
     metrics = {**_ratio_stats(ratio, valid), "trunc_frac": (valid & (ratio > cap)).sum() / n,
                "weight_mean": torch.where(valid, weight, 0).sum() / n}
     return lossplug.GateOutput(weight=weight.detach(), active=weight > 0, metrics=metrics)
 
 
-def _icepop(ratio: torch.Tensor, valid: torch.Tensor, low: float, high: float) -> lossplug.GateOutput:
+def _icepop(ratio: torch.Tensor, valid: torch.Tensor, low: float, high: float,
+            metrics: bool = True) -> lossplug.GateOutput:
     keep = (ratio >= low) & (ratio <= high)
     weight = torch.where(keep, ratio, torch.zeros_like(ratio))
+    if not metrics:
+        return lossplug.GateOutput(weight=weight.detach())
     n = valid.sum().clamp(min=1)
     metrics = {**_ratio_stats(ratio, valid), "reject_frac_low": (valid & (ratio < low)).sum() / n,
                "reject_frac_high": (valid & (ratio > high)).sum() / n,
@@ -118,25 +123,25 @@ def _icepop(ratio: torch.Tensor, valid: torch.Tensor, low: float, high: float) -
 def tis(inp: lossplug.GateInput, p: TISParams) -> lossplug.GateOutput:
     """TIS (token): detached weight min(ρ_t, cap), ρ_t = π_old/π_behaviour."""
     with torch.no_grad():
-        return _tis(_token_log_ratio(inp, p).exp(), inp.mask, p.cap)
+        return _tis(_token_log_ratio(inp, p).exp(), inp.mask, p.cap, inp.metrics)
 
 
 @lossplug.gate("tis_seq", params=TISSequenceParams, requires=REQUIRES, role="correction", level="sequence")
 def tis_seq(inp: lossplug.GateInput, p: TISSequenceParams) -> lossplug.GateOutput:
     """TIS (sequence): detached weight min(ρ_i, cap), ρ_i = Π_t ρ_t (or their geometric mean)."""
     with torch.no_grad():
-        return _tis(_sequence_log_ratio(inp, p).exp(), inp.lengths > 0, p.cap)
+        return _tis(_sequence_log_ratio(inp, p).exp(), inp.lengths > 0, p.cap, inp.metrics)
 
 
 @lossplug.gate("icepop", params=IcePopParams, requires=REQUIRES, role="correction", level="token")
 def icepop(inp: lossplug.GateInput, p: IcePopParams) -> lossplug.GateOutput:
     """IcePop (token): detached weight ρ_t where low ≤ ρ_t ≤ high, else 0."""
     with torch.no_grad():
-        return _icepop(_token_log_ratio(inp, p).exp(), inp.mask, p.low, p.high)
+        return _icepop(_token_log_ratio(inp, p).exp(), inp.mask, p.low, p.high, inp.metrics)
 
 
 @lossplug.gate("icepop_seq", params=IcePopSequenceParams, requires=REQUIRES, role="correction", level="sequence")
 def icepop_seq(inp: lossplug.GateInput, p: IcePopSequenceParams) -> lossplug.GateOutput:
     """IcePop (sequence): detached weight ρ_i where low ≤ ρ_i ≤ high, else 0 (ρ_i = Π_t ρ_t by default)."""
     with torch.no_grad():
-        return _icepop(_sequence_log_ratio(inp, p).exp(), inp.lengths > 0, p.low, p.high)
+        return _icepop(_sequence_log_ratio(inp, p).exp(), inp.lengths > 0, p.low, p.high, inp.metrics)

@@ -40,6 +40,9 @@ def dis(inp: lossplug.GateInput, p: DISParams) -> lossplug.GateOutput:
         ratio = log_ratio.exp()
         keep = (ratio > 1 - p.low) & (ratio < 1 + p.high)
         coefficient = torch.where(keep, ratio, torch.zeros_like(ratio))
+    if not inp.metrics:
+        return lossplug.GateOutput(objective=coefficient.detach() * adv * inp.logp)
+    with torch.no_grad():
         n = mask.sum().clamp(min=1)
         metrics = {
             "drop_frac_low": (mask & (ratio <= 1 - p.low)).sum() / n,

@@ -53,11 +53,14 @@ def _sequence_log_ratio(inp: lossplug.GateInput) -> torch.Tensor:
     return log_ratio.sum(-1) / inp.lengths.clamp(min=1).to(log_ratio.dtype)
 
 
-def _clip(seq_ratio_bt: torch.Tensor, adv: torch.Tensor, p: GSPOParams):
-    """min(s·A, clip(s)·A) and the token-level cut masks (ratio outside the range on the side A's sign guards)."""
+def _clip(seq_ratio_bt: torch.Tensor, adv: torch.Tensor, p: GSPOParams, masks: bool = True):
+    """min(s·A, clip(s)·A) and the token-level cut masks (ratio outside the range on the side A's sign guards;
+    None without ``masks``)."""
     raw = seq_ratio_bt * adv
     clipped = seq_ratio_bt.clamp(1 - p.eps_low, 1 + p.eps_high) * adv
     objective = torch.minimum(raw, clipped)
+    if not masks:
+        return objective, None, None
     with torch.no_grad():
         r = seq_ratio_bt.detach()
         low = (r < 1 - p.eps_low) & (adv < 0)
@@ -86,7 +89,9 @@ def gspo(inp: lossplug.GateInput, p: GSPOParams) -> lossplug.GateOutput:
     adv = inp.advantage.detach()
     seq_log_ratio = _sequence_log_ratio(inp).clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
     seq_ratio = seq_log_ratio.exp()
-    objective, low, high = _clip(seq_ratio.unsqueeze(-1), adv, p)
+    objective, low, high = _clip(seq_ratio.unsqueeze(-1), adv, p, masks=inp.metrics)
+    if not inp.metrics:
+        return lossplug.GateOutput(objective=objective)
     # a response still carries gradient if any of its action tokens is not cut (all or none for a sequence advantage)
     active = (~(low | high) & inp.mask).any(-1)
     return lossplug.GateOutput(objective=objective, active=active, metrics=_metrics(inp, seq_ratio, low, high))
@@ -99,7 +104,9 @@ def gspo_token(inp: lossplug.GateInput, p: GSPOParams) -> lossplug.GateOutput:
     seq_log_ratio = _sequence_log_ratio(inp).detach()
     log_ratio = inp.logp - inp.logp.detach() + seq_log_ratio.unsqueeze(-1)
     ratio = log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
-    objective, low, high = _clip(ratio, adv, p)
+    objective, low, high = _clip(ratio, adv, p, masks=inp.metrics)
+    if not inp.metrics:
+        return lossplug.GateOutput(objective=objective)
     seq_ratio = seq_log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
     return lossplug.GateOutput(objective=objective, active=~(low | high),
                                metrics=_metrics(inp, seq_ratio, low, high))

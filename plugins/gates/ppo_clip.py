@@ -39,6 +39,10 @@ def ppo_clip(inp: lossplug.GateInput, p: PPOClipParams) -> lossplug.GateOutput:
     raw = ratio * adv
     clipped = ratio.clamp(1 - p.eps_low, 1 + p.eps_high) * adv
     objective = torch.minimum(raw, clipped)
+    if not inp.metrics:  # the hot loop: only the objective
+        if p.dual_clip_c is not None:
+            objective = torch.where(adv < 0, torch.maximum(objective, p.dual_clip_c * adv), objective)
+        return lossplug.GateOutput(objective=objective)
     with torch.no_grad():
         r = ratio.detach()
         low = (r < 1 - p.eps_low) & (adv < 0)

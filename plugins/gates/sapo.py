@@ -45,6 +45,8 @@ def sapo(inp: lossplug.GateInput, p: SAPOParams) -> lossplug.GateOutput:
     ratio = (inp.logp - inp.old_logp.detach()).clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
     tau = torch.full_like(ratio, p.tau_neg).masked_fill(adv > 0, p.tau_pos)  # in the ratio's dtype, not float32
     objective = (4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
+    if not inp.metrics:
+        return lossplug.GateOutput(objective=objective)
     mask = inp.mask
     with torch.no_grad():
         x = tau * (ratio.detach() - 1)

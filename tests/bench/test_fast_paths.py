@@ -83,3 +83,34 @@ def test_aliased_old_logp_gets_no_gradient():
     res.loss.backward()
     # ratio = 1 at the current point: d/dlogp of -(r·A) averaged = -A / |y| per token
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, -0.5]]))
+
+
+UPDATE_GATES = [{"name": "ppo_clip", "dual_clip_c": 3.0}, "ppo_clip", "gspo", "gspo_token", "sapo", "cispo",
+                {"name": "cispo", "eps_low": None, "ratio_max": 5.0, "log_ratio_clamp": None}, "dis", "reinforce"]
+CORRECTIONS = [[], ["tis"], ["tis_seq"], ["icepop"], [{"name": "icepop_seq", "ratio": "geometric"}]]
+
+
+@pytest.mark.parametrize("update", UPDATE_GATES, ids=str)
+@pytest.mark.parametrize("corrections", CORRECTIONS, ids=str)
+def test_metrics_off_gives_the_same_loss_and_gradient(update, corrections):
+    """With metrics=False the gates skip their diagnostics (GateInput.metrics): nothing else may change."""
+    gen = torch.Generator().manual_seed(1)
+    B, T = 6, 13
+    mask = torch.rand(B, T, generator=gen) < 0.7
+    mask[:, 0] = True
+    old = -torch.rand(B, T, generator=gen) * 3
+    raw = (old + 0.3 * torch.randn(B, T, generator=gen)).clamp(max=0).masked_fill(~mask, float("nan"))
+    behavior = (old + 0.3 * torch.randn(B, T, generator=gen)).clamp(max=0)
+    adv = torch.randn(B, T, generator=gen)
+    recipe = {"gates": [update, *corrections], "reduction": "token"}
+
+    def run(metrics: bool):
+        logp = raw.clone().requires_grad_(True)
+        res = lossplug.policy_loss(_batch(logp, mask, old, adv, behavior), recipe, metrics=metrics)
+        res.loss.backward()
+        return res, logp.grad
+
+    (on, g_on), (off, g_off) = run(True), run(False)
+    assert off.metric_tensors == {} and on.metric_tensors
+    assert torch.equal(on.loss, off.loss) and torch.isfinite(on.loss)
+    assert torch.equal(g_on, g_off) and (g_off[~mask] == 0).all()
