@@ -114,3 +114,49 @@ def test_metrics_off_gives_the_same_loss_and_gradient(update, corrections):
     assert off.metric_tensors == {} and on.metric_tensors
     assert torch.equal(on.loss, off.loss) and torch.isfinite(on.loss)
     assert torch.equal(g_on, g_off) and (g_off[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fragmented", [False, True])
+def test_zero_off_is_torch_where_bit_for_bit_with_gradients(dtype, fragmented):
+    from lossplug.ops import zero_off
+
+    gen = torch.Generator().manual_seed(3)
+    B, T = 6, 33
+    if fragmented:
+        mask = torch.rand(B, T, generator=gen) < 0.6
+    else:
+        mask = torch.arange(T) < torch.randint(1, T + 1, (B, 1), generator=gen)
+    x = torch.randn(B, T, generator=gen).to(dtype)
+    x[~mask] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0]).to(dtype).repeat(B * T)[:int((~mask).sum())]
+    x[mask & (torch.rand(B, T, generator=gen) < 0.1)] = -0.0  # signed zeros on the mask survive
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = zero_off(a, mask), torch.where(mask, b, 0)
+    assert ya.dtype == yb.dtype and torch.equal(ya.view(-1).view(torch.uint8), yb.view(-1).view(torch.uint8))
+    g = torch.randn(B, T, generator=gen).to(dtype).masked_fill(~mask, float("nan"))
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(a.grad, b.grad) and (a.grad[~mask] == 0).all()
+    # double backward, as torch.where supports it
+    c, d = x.masked_fill(~mask, 1.0).requires_grad_(), x.masked_fill(~mask, 1.0).requires_grad_()
+    (gc,) = torch.autograd.grad((zero_off(c, mask) ** 3).sum(), c, create_graph=True)
+    (gd,) = torch.autograd.grad((torch.where(mask, d, 0) ** 3).sum(), d, create_graph=True)
+    gc.sum().backward()
+    gd.sum().backward()
+    assert torch.equal(c.grad, d.grad)
+
+
+def test_zero_off_on_views_and_fallbacks():
+    from lossplug.ops import action_bits, zero_off
+
+    mask = torch.tensor([[True, False, True], [False, True, True]])
+    adv = torch.tensor([2.0, -3.0])
+    expanded = adv[:, None].expand(2, 3)  # stride 0, as the pipeline passes a [B] advantage
+    assert torch.equal(zero_off(expanded, mask), torch.where(mask, expanded, 0))
+    assert torch.equal(zero_off(expanded, mask, action_bits(mask, torch.float32)), torch.where(mask, expanded, 0))
+    column = adv[:, None]  # broadcasting shape: torch.where itself
+    assert torch.equal(zero_off(column, mask), torch.where(mask, column, 0))
+    ints = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    assert torch.equal(zero_off(ints, mask), torch.where(mask, ints, 0))
+    x = torch.randn(2, 3, dtype=torch.float64)
+    assert torch.equal(zero_off(x, mask, action_bits(mask, torch.float32)), torch.where(mask, x, 0))  # wrong width
