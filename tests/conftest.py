@@ -1,4 +1,6 @@
 import os
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -34,3 +36,34 @@ def fresh_registry():
     reg.reset()
     yield reg
     reg.reset()
+
+
+class FakeSite:
+    """A folder on ``sys.path`` holding real installed distributions: a package plus its ``.dist-info`` with a
+    ``lossplug`` entry point — what ``pip install`` leaves behind, without pip."""
+
+    def __init__(self, path):
+        self.path = path
+        self.modules: list[str] = []
+
+    def add(self, dist, module, body, entry_name=None, version="0.1"):
+        pkg = self.path / module
+        pkg.mkdir()
+        (pkg / "__init__.py").write_text(textwrap.dedent(body))
+        info = self.path / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        (info / "entry_points.txt").write_text(f"[lossplug]\n{entry_name or module} = {module}\n")
+        self.modules.append(module)
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch, fresh_registry):
+    """A fake site-packages on sys.path, entry-point switches cleared, the registry rebuilt before and after."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.delenv("LOSSPLUG_PLUGINS", raising=False)
+    fake = FakeSite(tmp_path)
+    yield fake
+    for name in [m for m in sys.modules if m.split(".")[0] in fake.modules]:
+        del sys.modules[name]

@@ -1,9 +1,6 @@
 """The plugin manager: built-ins as ordinary plugins, real entry points from installed distributions, and loud but
 contained failures (import errors, bad hooks, duplicates, hooks that raise)."""
 
-import sys
-import textwrap
-import warnings
 
 import pytest
 import torch
@@ -39,26 +36,6 @@ def lossplug_register_presets(register):
 """
 
 
-def make_distribution(root, dist, module, body, entry_name=None, version="0.1"):
-    """A real installed distribution: a package and its .dist-info with entry_points.txt, on ``root``."""
-    pkg = root / module
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text(textwrap.dedent(body))
-    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    (info / "entry_points.txt").write_text(f"[lossplug]\n{entry_name or module} = {module}\n")
-
-
-@pytest.fixture
-def site(tmp_path, monkeypatch, fresh_registry):
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delenv("LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    monkeypatch.delenv("LOSSPLUG_PLUGINS", raising=False)
-    yield tmp_path
-    for name in [m for m in sys.modules if m.startswith("lpx_")]:
-        del sys.modules[name]
-
 
 def tiny_batch():
     return lossplug.PolicyBatch(
@@ -75,7 +52,7 @@ def test_builtins_register_through_the_hooks():
 
 
 def test_entry_point_plugin_is_found_by_name_with_its_distribution(site):
-    make_distribution(site, "lpx-half", "lpx_half", GATE_MODULE.format(gate="half_pg"))
+    site.add("lpx-half", "lpx_half", GATE_MODULE.format(gate="half_pg"))
     reg = lossplug.registry()
     assert reg.origin("gate", "half_pg") == "entry point 'lpx_half = lpx_half' of distribution 'lpx-half 0.1'"
     recipe = Recipe.preset("half_pg_preset")
@@ -89,8 +66,8 @@ def test_entry_point_plugin_is_found_by_name_with_its_distribution(site):
 
 
 def test_disable_autoload_and_allow_list(site, monkeypatch):
-    make_distribution(site, "lpx-half", "lpx_half", GATE_MODULE.format(gate="half_pg"))
-    make_distribution(site, "lpx-other", "lpx_other", GATE_MODULE.format(gate="other_pg"))
+    site.add("lpx-half", "lpx_half", GATE_MODULE.format(gate="half_pg"))
+    site.add("lpx-other", "lpx_other", GATE_MODULE.format(gate="other_pg"))
     monkeypatch.setenv("LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD", "1")
     lossplug.plugin_registry.reset()
     assert "half_pg" not in lossplug.registry().plugins["gate"]
@@ -107,7 +84,7 @@ def test_disable_autoload_and_allow_list(site, monkeypatch):
 
 
 def test_import_error_names_the_entry_point_and_other_recipes_still_run(site):
-    make_distribution(site, "lpx-broken", "lpx_broken", "import no_such_module_anywhere\n")
+    site.add("lpx-broken", "lpx_broken", "import no_such_module_anywhere\n")
     with pytest.warns(LossplugPluginWarning, match="entry point 'lpx_broken = lpx_broken' of distribution "
                                                    "'lpx-broken 0.1': failed to import: ModuleNotFoundError"):
         lossplug.registry()
@@ -124,7 +101,7 @@ import lossplug
 def lossplug_register_gates(register, unexpected_argument):
     pass
 """
-    make_distribution(site, "lpx-badhook", "lpx_badhook", body)
+    site.add("lpx-badhook", "lpx_badhook", body)
     with pytest.warns(LossplugPluginWarning, match="(?s)lpx-badhook 0.1': bad plugin: .*unexpected_argument"):
         lossplug.registry()
 
@@ -137,7 +114,7 @@ import lossplug
 def lossplug_register_gates(register):
     raise RuntimeError("boom")
 """
-    make_distribution(site, "lpx-raises", "lpx_raises", body)
+    site.add("lpx-raises", "lpx_raises", body)
     with pytest.warns(LossplugPluginWarning, match="lpx-raises 0.1': lossplug_register_gates raised RuntimeError: boom"):
         lossplug.registry()
 
@@ -150,13 +127,13 @@ import lossplug
 def lossplug_register_gates(register):
     register(lambda inp, p: None)
 """
-    make_distribution(site, "lpx-notaplugin", "lpx_notaplugin", body)
+    site.add("lpx-notaplugin", "lpx_notaplugin", body)
     with pytest.warns(LossplugPluginWarning, match="which is not a GatePlugin"):
         lossplug.registry()
 
 
 def test_duplicate_names_are_an_error_naming_both_sources(site):
-    make_distribution(site, "lpx-dup", "lpx_dup", GATE_MODULE.format(gate="ppo_clip"))
+    site.add("lpx-dup", "lpx_dup", GATE_MODULE.format(gate="ppo_clip"))
     with pytest.warns(LossplugPluginWarning, match="gate 'ppo_clip' is registered more than once"):
         lossplug.registry()
     with pytest.raises(PluginError) as info:

@@ -15,7 +15,6 @@ non-plugin objects, duplicates and the basic disable / allow-list switches. This
 from __future__ import annotations
 
 import sys
-import textwrap
 import warnings
 
 import pytest
@@ -59,26 +58,6 @@ def lossplug_extra_metrics(batch, objective, recipe):
 """
 
 
-def make_distribution(root, dist, module, body, version="0.1"):
-    """A real installed distribution: a package and its .dist-info with a ``lossplug`` entry point."""
-    pkg = root / module
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text(textwrap.dedent(body))
-    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    (info / "entry_points.txt").write_text(f"[lossplug]\n{module} = {module}\n")
-
-
-@pytest.fixture
-def site(tmp_path, monkeypatch, fresh_registry):
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delenv("LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    monkeypatch.delenv("LOSSPLUG_PLUGINS", raising=False)
-    yield tmp_path
-    for name in [m for m in sys.modules if m.startswith("lpy_")]:
-        del sys.modules[name]
-
 
 def rebuild(monkeypatch=None, **env):
     for key, value in env.items():
@@ -107,8 +86,8 @@ def gates():
 
 
 def test_a_validator_that_raises_names_its_entry_point_and_distribution_and_the_way_out(site, monkeypatch):
-    make_distribution(site, "lpy-strict", "lpy_strict", RAISING_VALIDATOR)
-    make_distribution(site, "lpy-gates", "lpy_gates", GATE.format(gate="lpy_gate"))
+    site.add("lpy-strict", "lpy_strict", RAISING_VALIDATOR)
+    site.add("lpy-gates", "lpy_gates", GATE.format(gate="lpy_gate"))
     rebuild()
     with pytest.raises(PluginError) as info:
         lossplug.policy_loss(batch(), "dapo")
@@ -124,7 +103,7 @@ def test_a_validator_that_raises_names_its_entry_point_and_distribution_and_the_
 
 
 def test_a_metrics_hook_that_raises_names_its_distribution_and_metrics_off_skips_it(site):
-    make_distribution(site, "lpy-metrics", "lpy_metrics", RAISING_METRICS)
+    site.add("lpy-metrics", "lpy_metrics", RAISING_METRICS)
     rebuild()
     with pytest.raises(PluginError, match="distribution 'lpy-metrics 0.1'.*lossplug_extra_metrics raised "
                                           "RuntimeError: metrics server unreachable"):
@@ -134,7 +113,7 @@ def test_a_metrics_hook_that_raises_names_its_distribution_and_metrics_off_skips
 
 
 def test_with_validate_off_no_plugin_validator_runs(site):
-    make_distribution(site, "lpy-strict", "lpy_strict", RAISING_VALIDATOR)
+    site.add("lpy-strict", "lpy_strict", RAISING_VALIDATOR)
     rebuild()
     b = PolicyBatch.unchecked(**batch().fields())
     assert torch.isfinite(lossplug.policy_loss(b, "dapo", validate="off", metrics=False).loss)
@@ -145,8 +124,8 @@ def test_with_validate_off_no_plugin_validator_runs(site):
 
 
 def test_a_broken_distribution_does_not_take_down_a_working_one(site):
-    make_distribution(site, "lpy-broken", "lpy_broken", "import a_module_that_is_not_installed\n")
-    make_distribution(site, "lpy-gates", "lpy_gates", GATE.format(gate="lpy_gate"))
+    site.add("lpy-broken", "lpy_broken", "import a_module_that_is_not_installed\n")
+    site.add("lpy-gates", "lpy_gates", GATE.format(gate="lpy_gate"))
     lossplug.plugin_registry.reset()
     with pytest.warns(LossplugPluginWarning, match="lpy-broken 0.1': failed to import: ModuleNotFoundError"):
         reg = lossplug.registry()
@@ -168,14 +147,14 @@ def test_a_broken_distribution_does_not_take_down_a_working_one(site):
 @pytest.mark.parametrize("value,disabled", [("1", True), ("true", True), ("TRUE", True), ("yes", True),
                                             (" 1 ", True), ("0", False), ("", False), ("no", False)])
 def test_disable_autoload_values(site, monkeypatch, value, disabled):
-    make_distribution(site, "lpy-gates", "lpy_gates", GATE.format(gate="lpy_gate"))
+    site.add("lpy-gates", "lpy_gates", GATE.format(gate="lpy_gate"))
     rebuild(monkeypatch, LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD=value)
     assert ("lpy_gate" not in gates()) is disabled
     assert "ppo_clip" in gates()  # built-ins are never entry points
 
 
 def test_disable_wins_over_the_allow_list_and_spares_in_process_plugins(site, monkeypatch):
-    make_distribution(site, "lpy-gates", "lpy_gates", GATE.format(gate="lpy_gate"))
+    site.add("lpy-gates", "lpy_gates", GATE.format(gate="lpy_gate"))
 
     class InProcess:
         @lossplug.hookimpl
@@ -199,8 +178,8 @@ def test_disable_wins_over_the_allow_list_and_spares_in_process_plugins(site, mo
 
 
 def test_allow_list_parsing(site, monkeypatch):
-    make_distribution(site, "lpy-a", "lpy_a", GATE.format(gate="lpy_gate_a"))
-    make_distribution(site, "lpy-b", "lpy_b", GATE.format(gate="lpy_gate_b"))
+    site.add("lpy-a", "lpy_a", GATE.format(gate="lpy_gate_a"))
+    site.add("lpy-b", "lpy_b", GATE.format(gate="lpy_gate_b"))
     rebuild(monkeypatch, LOSSPLUG_PLUGINS=" lpy-a , lpy_b ,, ")  # a distribution and an entry-point name
     assert {"lpy_gate_a", "lpy_gate_b"} <= gates()
     rebuild(monkeypatch, LOSSPLUG_PLUGINS="")  # set but empty: no entry point at all
@@ -211,8 +190,8 @@ def test_allow_list_parsing(site, monkeypatch):
 
 
 def test_an_excluded_broken_distribution_is_never_imported(site, monkeypatch):
-    make_distribution(site, "lpy-broken", "lpy_broken", "raise RuntimeError('imported!')\n")
-    make_distribution(site, "lpy-gates", "lpy_gates", GATE.format(gate="lpy_gate"))
+    site.add("lpy-broken", "lpy_broken", "raise RuntimeError('imported!')\n")
+    site.add("lpy-gates", "lpy_gates", GATE.format(gate="lpy_gate"))
     monkeypatch.setenv("LOSSPLUG_PLUGINS", "lpy-gates")
     lossplug.plugin_registry.reset()
     with warnings.catch_warnings():
@@ -226,7 +205,7 @@ def test_an_excluded_broken_distribution_is_never_imported(site, monkeypatch):
 
 
 def test_a_hook_name_typo_is_reported(site):
-    make_distribution(site, "lpy-typo", "lpy_typo", """
+    site.add("lpy-typo", "lpy_typo", """
 import lossplug
 
 @lossplug.hookimpl
@@ -240,14 +219,14 @@ def lossplug_register_gate(register):
 
 
 def test_an_entry_point_without_hooks_is_reported(site):
-    make_distribution(site, "lpy-nohooks", "lpy_nohooks", "VALUE = 1\n")
+    site.add("lpy-nohooks", "lpy_nohooks", "VALUE = 1\n")
     lossplug.plugin_registry.reset()
     with pytest.warns(LossplugPluginWarning, match="lpy-nohooks 0.1': implements no lossplug hook"):
         lossplug.registry()
 
 
 def test_a_plugin_calling_sys_exit_at_import_is_contained(site):
-    make_distribution(site, "lpy-exit", "lpy_exit", "raise SystemExit(3)\n")
+    site.add("lpy-exit", "lpy_exit", "raise SystemExit(3)\n")
     lossplug.plugin_registry.reset()
     with pytest.warns(LossplugPluginWarning, match="lpy-exit 0.1'.*SystemExit"):
         lossplug.registry()

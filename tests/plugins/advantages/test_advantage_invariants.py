@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lossplug
-from lossplug.plugins.advantages.kl_shaped_reward import kl_shaped_rewards
+from lossplug.plugins.kl import kl_shaped_rewards
 
 F64 = torch.float64
 finite = st.floats(-10, 10, allow_nan=False, allow_infinity=False, width=64)
@@ -148,10 +148,11 @@ def test_padded_nan_on_non_action_positions_changes_nothing(kw, value, advantage
 def test_kl_shaped_rewards_ignore_non_action_positions(kw, value):
     off = ~kw["action_mask"]
     score = torch.zeros(kw["value"].shape[0], dtype=F64)
-    base = kl_shaped_rewards(score, kw["old_logp"], kw["ref_logp"], kw["action_mask"], 0.2)
+    base = kl_shaped_rewards(score, kw["old_logp"], kw["ref_logp"], kw["action_mask"], kl_coef=0.2)
     other = kl_shaped_rewards(score, kw["old_logp"].masked_fill(off, value), kw["ref_logp"].masked_fill(off, value),
-                              kw["action_mask"], 0.2)
-    for a, b in zip(base, other):
+                              kw["action_mask"], kl_coef=0.2)
+    for a, b in ((base.rewards, other.rewards), (base.non_score_rewards, other.non_score_rewards),
+                 (base.kl, other.kl)):
         same(a, b)
         assert (b[off] == 0).all()
 

@@ -342,7 +342,7 @@ def test_gae_parameters_are_validated_before_any_tensor():
 
 
 def test_kl_coef_shapes_the_reward_like_seed2():
-    from lossplug.plugins.advantages.kl_shaped_reward import kl_shaped_rewards
+    from lossplug.plugins.kl import kl_shaped_rewards
 
     gen = torch.Generator().manual_seed(4)
     B, T = 3, 7
@@ -351,7 +351,8 @@ def test_kl_coef_shapes_the_reward_like_seed2():
     score = torch.randn(B, generator=gen, dtype=F64)
     old = -torch.rand(B, T, generator=gen, dtype=F64)
     ref = -torch.rand(B, T, generator=gen, dtype=F64)
-    shaped, _, kl = kl_shaped_rewards(score, old, ref, mask, 0.05)
+    out = kl_shaped_rewards(score, old, ref, mask, kl_coef=0.05)
+    shaped, kl = out.rewards, out.kl
     expect = lossplug.estimate_advantages(policy_batch(mask, value, shaped), recipe(whiten=False))
     batch = policy_batch(mask, value, score, old_logp=old.masked_fill(~mask, float("nan")),
                          ref_logp=ref.masked_fill(~mask, float("-inf")))
