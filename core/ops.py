@@ -6,16 +6,11 @@ work from ``group_id`` through ``torch.unique(..., return_inverse=True)`` and sc
 
 from __future__ import annotations
 
-import warnings
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-try:  # numpy ships with torch's usual environments; without it, quantiles fall back to torch's own
-    import numpy as _np
-except ImportError:  # pragma: no cover
-    _np = None
 
 Tensor = torch.Tensor
 
@@ -143,19 +138,63 @@ def masked_quantiles(x: Tensor, mask: Tensor, qs: tuple[float, ...]) -> Tensor:
     """Quantiles (linear interpolation, like ``torch.nanquantile``) of ``x`` over masked positions, ignoring NaN;
     NaN where nothing is selected. ``float32``, on ``x``'s device.
 
-    On an accelerator: NaN-fill + ``nanquantile``, without a host sync. On the CPU there is no device to sync with:
-    the action values are selected first and numpy's introselect partition finds the order statistics in O(n) —
-    torch's CPU quantile sorts every position, NaN-filled ones included (~10× slower at 64 × 4096).
+    On an accelerator: NaN-fill + ``nanquantile``, without a host sync. On the CPU there is no device to sync with,
+    and torch's CPU quantile sorts every position (NaN-filled ones included): the action values are selected and
+    the order statistics found by :func:`_select_quantiles` in O(n) — the same numbers, ~15× faster at 64 × 4096.
     """
-    if x.device.type == "cpu" and _np is not None:
-        values = torch.masked_select(x.detach(), mask).float()
-        if values.numel() == 0:
-            return torch.full((len(qs),), float("nan"))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN selection: NaN, like torch.nanquantile
-            return torch.from_numpy(_np.nanquantile(values.numpy(), qs)).float()
+    if x.device.type == "cpu":
+        return quantiles_of(torch.masked_select(x.detach(), mask), qs)
     flat = torch.where(mask, x.detach().float(), float("nan")).reshape(-1)
     if flat.numel() > 1 << 24:  # torch.quantile's input limit: an even stride subsample keeps it sync-free
         flat = flat[:: (flat.numel() + (1 << 24) - 1) >> 24]
     q = torch.tensor(qs, dtype=flat.dtype, device=flat.device)
     return torch.nanquantile(flat, q)
+
+
+def quantiles_of(values: Tensor, qs: tuple[float, ...]) -> Tensor:
+    """``torch.nanquantile`` of a 1-D CPU tensor (``float32``; NaN where it holds no number), by selection."""
+    values = values.float()
+    if values.numel() == 0:
+        return torch.full((len(qs),), float("nan"))
+    low, high = torch.aminmax(values)
+    if bool(torch.isnan(low) | torch.isnan(high)):  # NaN on an action position (validate="off"): ignored
+        values = torch.masked_select(values, ~torch.isnan(values))
+        if values.numel() == 0:
+            return torch.full((len(qs),), float("nan"))
+        low, high = torch.aminmax(values)
+    return _select_quantiles(values, qs, float(low), float(high))
+
+
+def _select_quantiles(values: Tensor, qs: tuple[float, ...], low: float, high: float, bins: int = 2048) -> Tensor:
+    """``torch.quantile(values, qs)`` of a 1-D NaN-free CPU tensor, bit for bit, without sorting it.
+
+    The values are bucketed by ``floor((v − min) · bins / (max − min))`` — monotone in ``v``, so every bucket holds
+    a contiguous range of the sorted order — and counted (``bincount``); only the buckets that contain the ranks
+    torch's linear interpolation reads (``⌊q·(n−1)⌋`` and ``⌈q·(n−1)⌉``, computed as torch computes them) are
+    extracted and sorted. A handful of passes over ``n`` values instead of an ``n log n`` sort.
+    """
+    n = values.numel()
+    q = torch.tensor(qs, dtype=values.dtype)
+    if n <= 4 * bins or not (math.isfinite(low) and math.isfinite(high)) or low == high:
+        return torch.quantile(values, q)
+    ranks = q * (n - 1)  # exactly torch's rank arithmetic (float32), then truncation / ceiling
+    below, above = ranks.to(torch.long), ranks.ceil().to(torch.long)
+    weights = ranks - below
+    bucket = ((values - low) * (bins / (high - low))).to(torch.int32).clamp_(max=bins - 1)
+    counts = torch.bincount(bucket, minlength=bins)
+    ends = counts.cumsum(0)
+    needed = torch.unique(torch.cat((below, above)))
+    chosen = torch.unique(torch.searchsorted(ends, needed, right=True))  # the buckets holding those ranks
+    take = torch.zeros(bins, dtype=torch.bool)
+    take[chosen] = True
+    picked = torch.masked_select(values, take[bucket]).sort().values  # the chosen buckets, in sorted order
+    # rank r lives in bucket b at r − (ranks before b); among the picked values it sits after the earlier chosen
+    # buckets' counts
+    chosen_counts = counts[chosen]
+    offset = torch.zeros(bins, dtype=torch.long)
+    offset[chosen] = (chosen_counts.cumsum(0) - chosen_counts) - (ends[chosen] - chosen_counts)
+
+    def at(r: Tensor) -> Tensor:
+        return picked[r + offset[torch.searchsorted(ends, r, right=True)]]
+
+    return torch.lerp(at(below), at(above), weights)

@@ -19,7 +19,7 @@ from lossplug.contracts import (AdvantageResult, BatchValidationError, LossResul
 from lossplug.contracts.errors import LossplugError, PluginError, describe_positions
 
 from . import plugin_registry as _registry
-from .ops import Groups, action_bits, masked_quantiles, zero_off
+from .ops import Groups, action_bits, masked_quantiles, quantiles_of, zero_off
 from .plugin import AdvantagePlugin, GateInput, GateOutput, GatePlugin, Params, Population, ReductionPlugin
 
 Tensor = torch.Tensor
@@ -300,7 +300,7 @@ def _prepare(batch: PolicyBatch, metrics: bool = True) -> GateInput:
     if adv is not None and adv.ndim == 1:
         adv = adv.unsqueeze(-1).expand_as(logp)
     return GateInput(
-        logp=clean_logp, mask=mask, advantage=clean(adv), lengths=mask.sum(-1),
+        logp=clean_logp, mask=mask, advantage=clean(adv), lengths=torch.count_nonzero(mask, -1),
         old_logp=clean(batch.old_logp), behavior_logp=clean(batch.behavior_logp), ref_logp=clean(batch.ref_logp),
         batch=batch, metrics=metrics,
     )
@@ -337,7 +337,7 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
             violations += _weight_violations(weight, batch)
         _check(batch, compiled, violations)
         if normalizer is not None:
-            normalizer.check_covers(int(batch.action_mask.sum()), batch.batch_size)
+            normalizer.check_covers(int(torch.count_nonzero(batch.action_mask)), batch.batch_size)
     elif validate != "off":
         raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
 
@@ -418,7 +418,7 @@ def _weight_violations(weight: Tensor, batch: PolicyBatch) -> list[Violation]:
 def population_of(mask: Tensor, normalizer: Optional[Normalizer]) -> Population:
     """The reduction denominators: the normaliser's global counts, else this micro-batch's own (no host sync)."""
     if normalizer is None:
-        return Population(mask.sum(), mask.shape[0], None, None)
+        return Population(torch.count_nonzero(mask), mask.shape[0], None, None)
     return Population(normalizer.action_tokens, normalizer.sequences, normalizer.groups, normalizer.budget)
 
 
@@ -437,19 +437,25 @@ def reduce(values: Tensor, action_mask: Tensor, recipe: Union[Recipe, str],
         what = f"shape {list(values.shape)}" if isinstance(values, Tensor) else type(values).__name__
         raise LossplugError(f"reduce: values must have action_mask's shape {list(action_mask.shape)}, got {what}")
     values = zero_off(values, action_mask)
-    return _run(red, "full", values, action_mask, action_mask.sum(-1), population_of(action_mask, normalizer))
+    return _run(red, "full", values, action_mask, torch.count_nonzero(action_mask, -1), population_of(action_mask, normalizer))
 
 
 def _ratio_metrics(prefix: str, log_ratio: Tensor, mask: Tensor, out: dict[str, Tensor]) -> None:
-    ratio = log_ratio.clamp(-20, 20).exp()
-    for name, q in zip(QUANTILE_NAMES, masked_quantiles(ratio, mask, QUANTILES)):
+    if mask.device.type == "cpu":  # select the action tokens first: exp and quantiles on those only (no host sync)
+        ratio = torch.masked_select(log_ratio, mask).clamp(-20, 20).exp()
+        quantiles, mean = quantiles_of(ratio, QUANTILES), ratio.sum() / max(ratio.numel(), 1)
+    else:
+        ratio = log_ratio.clamp(-20, 20).exp()
+        quantiles = masked_quantiles(ratio, mask, QUANTILES)
+        mean = zero_off(ratio, mask).sum() / torch.count_nonzero(mask).clamp(min=1)
+    for name, q in zip(QUANTILE_NAMES, quantiles):
         out[f"{prefix}/{name}"] = q
-    out[f"{prefix}/mean"] = zero_off(ratio, mask).sum() / mask.sum().clamp(min=1)
+    out[f"{prefix}/mean"] = mean
 
 
 def _metrics(inp: GateInput, outputs, objective: Tensor, loss: Tensor) -> dict[str, Tensor]:
     mask = inp.mask
-    n_tokens = mask.sum().clamp(min=1)
+    n_tokens = torch.count_nonzero(mask).clamp(min=1)  # (a bool .sum() first copies the mask to int64)
     m: dict[str, Tensor] = {"loss": loss.detach()}
     if inp.old_logp is not None:
         _ratio_metrics("ratio/update", inp.logp.detach() - inp.old_logp, mask, m)
@@ -464,13 +470,13 @@ def _metrics(inp: GateInput, outputs, objective: Tensor, loss: Tensor) -> dict[s
         if out.active is None:
             continue
         if out.active.ndim == 2:
-            m[f"{name}/active_token_frac"] = (out.active & mask).sum() / n_tokens
+            m[f"{name}/active_token_frac"] = torch.count_nonzero(out.active & mask) / n_tokens
             token_active = token_active & out.active
         else:
             m[f"{name}/active_seq_frac"] = out.active.float().mean()
             seq_active = seq_active & out.active
     token_active = token_active & seq_active.unsqueeze(-1)
-    m["effective/token_frac"] = token_active.sum() / n_tokens
+    m["effective/token_frac"] = torch.count_nonzero(token_active) / n_tokens
     m["effective/seq_frac"] = token_active.any(-1).float().mean()
     m["objective/mean"] = objective.sum() / n_tokens
     return m

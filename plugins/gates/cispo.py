@@ -86,13 +86,13 @@ def cispo(inp: lossplug.GateInput, p: CISPOParams) -> lossplug.GateOutput:
         return lossplug.GateOutput(objective=coefficient.detach() * adv * inp.logp)
     with torch.no_grad():
         mask = inp.mask
-        n = mask.sum().clamp(min=1)
+        n = torch.count_nonzero(mask).clamp(min=1)
         low = (ratio < p.lower) if p.lower is not None else torch.zeros_like(mask)
         high = ratio > p.upper
         metrics = {
-            "clip_frac": ((low | high) & mask).sum() / n,
-            "clip_frac_low": (low & mask).sum() / n,
-            "clip_frac_high": (high & mask).sum() / n,
+            "clip_frac": torch.count_nonzero((low | high) & mask) / n,
+            "clip_frac_low": torch.count_nonzero(low & mask) / n,
+            "clip_frac_high": torch.count_nonzero(high & mask) / n,
         }
     objective = coefficient.detach() * adv * inp.logp
     return lossplug.GateOutput(objective=objective, active=mask, metrics=metrics)

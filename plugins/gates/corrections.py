@@ -88,7 +88,7 @@ def _sequence_log_ratio(inp: lossplug.GateInput, p) -> torch.Tensor:
 
 
 def _ratio_stats(ratio: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
-    n = valid.sum().clamp(min=1)
+    n = torch.count_nonzero(valid).clamp(min=1)
     return {
         "ratio/mean": torch.where(valid, ratio, 0).sum() / n,
         "ratio/min": torch.where(valid, ratio, float("inf")).min(),
@@ -100,8 +100,8 @@ def _tis(ratio: torch.Tensor, valid: torch.Tensor, cap: float, metrics: bool = T
     weight = ratio.clamp(max=cap)
     if not metrics:
         return lossplug.GateOutput(weight=weight.detach())
-    n = valid.sum().clamp(min=1)
-    metrics = {**_ratio_stats(ratio, valid), "trunc_frac": (valid & (ratio > cap)).sum() / n,
+    n = torch.count_nonzero(valid).clamp(min=1)
+    metrics = {**_ratio_stats(ratio, valid), "trunc_frac": torch.count_nonzero(valid & (ratio > cap)) / n,
                "weight_mean": torch.where(valid, weight, 0).sum() / n}
     return lossplug.GateOutput(weight=weight.detach(), active=weight > 0, metrics=metrics)
 
@@ -112,9 +112,9 @@ def _icepop(ratio: torch.Tensor, valid: torch.Tensor, low: float, high: float,
     weight = torch.where(keep, ratio, torch.zeros_like(ratio))
     if not metrics:
         return lossplug.GateOutput(weight=weight.detach())
-    n = valid.sum().clamp(min=1)
-    metrics = {**_ratio_stats(ratio, valid), "reject_frac_low": (valid & (ratio < low)).sum() / n,
-               "reject_frac_high": (valid & (ratio > high)).sum() / n,
+    n = torch.count_nonzero(valid).clamp(min=1)
+    metrics = {**_ratio_stats(ratio, valid), "reject_frac_low": torch.count_nonzero(valid & (ratio < low)) / n,
+               "reject_frac_high": torch.count_nonzero(valid & (ratio > high)) / n,
                "weight_mean": torch.where(valid, weight, 0).sum() / n}
     return lossplug.GateOutput(weight=weight.detach(), active=keep, metrics=metrics)
 

@@ -43,10 +43,10 @@ def dis(inp: lossplug.GateInput, p: DISParams) -> lossplug.GateOutput:
     if not inp.metrics:
         return lossplug.GateOutput(objective=coefficient.detach() * adv * inp.logp)
     with torch.no_grad():
-        n = mask.sum().clamp(min=1)
+        n = torch.count_nonzero(mask).clamp(min=1)
         metrics = {
-            "drop_frac_low": (mask & (ratio <= 1 - p.low)).sum() / n,
-            "drop_frac_high": (mask & (ratio >= 1 + p.high)).sum() / n,
+            "drop_frac_low": torch.count_nonzero(mask & (ratio <= 1 - p.low)) / n,
+            "drop_frac_high": torch.count_nonzero(mask & (ratio >= 1 + p.high)) / n,
             "ratio/mean": torch.where(mask, ratio, 0).sum() / n,
             "ratio/min": torch.where(mask, ratio, float("inf")).min(),
             "ratio/max": torch.where(mask, ratio, float("-inf")).max(),

@@ -70,13 +70,13 @@ def _clip(seq_ratio_bt: torch.Tensor, adv: torch.Tensor, p: GSPOParams, masks: b
 
 def _metrics(inp: lossplug.GateInput, seq_ratio: torch.Tensor, low, high) -> dict[str, torch.Tensor]:
     mask = inp.mask
-    n = mask.sum().clamp(min=1)
+    n = torch.count_nonzero(mask).clamp(min=1)
     valid = inp.lengths > 0
-    n_seq = valid.sum().clamp(min=1)
+    n_seq = torch.count_nonzero(valid).clamp(min=1)
     s = seq_ratio.detach()
     return {
-        "clip_frac_low": (low & mask).sum() / n,
-        "clip_frac_high": (high & mask).sum() / n,
+        "clip_frac_low": torch.count_nonzero(low & mask) / n,
+        "clip_frac_high": torch.count_nonzero(high & mask) / n,
         "seq_ratio/mean": torch.where(valid, s, 0).sum() / n_seq,
         "seq_ratio/min": torch.where(valid, s, float("inf")).min(),
         "seq_ratio/max": torch.where(valid, s, float("-inf")).max(),

@@ -54,11 +54,11 @@ def ppo_clip(inp: lossplug.GateInput, p: PPOClipParams) -> lossplug.GateOutput:
         objective = torch.where(adv < 0, torch.maximum(objective, bound), objective)
         cut = cut | dual
     mask = inp.mask
-    n = mask.sum().clamp(min=1)
+    n = torch.count_nonzero(mask).clamp(min=1)
     metrics = {
-        "clip_frac_low": (low & mask).sum() / n,
-        "clip_frac_high": (high & mask).sum() / n,
+        "clip_frac_low": torch.count_nonzero(low & mask) / n,
+        "clip_frac_high": torch.count_nonzero(high & mask) / n,
     }
     if p.dual_clip_c is not None:
-        metrics["clip_frac_dual"] = (dual & mask).sum() / n
+        metrics["clip_frac_dual"] = torch.count_nonzero(dual & mask) / n
     return lossplug.GateOutput(objective=objective, active=~cut, metrics=metrics)

@@ -51,10 +51,10 @@ def sapo(inp: lossplug.GateInput, p: SAPOParams) -> lossplug.GateOutput:
     with torch.no_grad():
         x = tau * (ratio.detach() - 1)
         gate = 4 * torch.sigmoid(x) * torch.sigmoid(-x)  # sech²(x/2), the gradient gate
-        n = mask.sum().clamp(min=1)
+        n = torch.count_nonzero(mask).clamp(min=1)
         metrics = {
             "gate_mean": torch.where(mask, gate, 0).sum() / n,
             "gate_min": torch.where(mask, gate, float("inf")).min(),
-            "soft_frac": (mask & (gate < 0.5)).sum() / n,  # tokens whose gradient is damped by more than half
+            "soft_frac": torch.count_nonzero(mask & (gate < 0.5)) / n,  # tokens whose gradient is damped by more than half
         }
     return lossplug.GateOutput(objective=objective, active=gate > 0, metrics=metrics)

@@ -160,3 +160,24 @@ def test_zero_off_on_views_and_fallbacks():
     assert torch.equal(zero_off(ints, mask), torch.where(mask, ints, 0))
     x = torch.randn(2, 3, dtype=torch.float64)
     assert torch.equal(zero_off(x, mask, action_bits(mask, torch.float32)), torch.where(mask, x, 0))  # wrong width
+
+
+@pytest.mark.parametrize("n", [8193, 20_000, 262_144])
+@pytest.mark.parametrize("kind", ["lognormal", "ties", "two_values", "spike", "tails", "inf"])
+def test_selection_quantiles_equal_torch_quantile_bit_for_bit(n, kind):
+    from lossplug.ops import _select_quantiles
+
+    gen = torch.Generator().manual_seed(n)
+    v = {
+        "lognormal": lambda: (0.1 * torch.randn(n, generator=gen)).exp(),
+        "ties": lambda: torch.randint(0, 7, (n,), generator=gen).float() / 3,
+        "two_values": lambda: torch.where(torch.rand(n, generator=gen) < 0.97, 1.0, 2.0),
+        "spike": lambda: torch.cat((torch.ones(n - 3), torch.tensor([1e30, -1e30, 5.0]))),
+        "tails": lambda: torch.randn(n, generator=gen) ** 5,
+        "inf": lambda: torch.cat((torch.randn(n - 2, generator=gen), torch.tensor([float("inf"), -float("inf")]))),
+    }[kind]()
+    qs = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 0.999, 1.0)
+    low, high = torch.aminmax(v)
+    got = _select_quantiles(v, qs, float(low), float(high))
+    want = torch.quantile(v, torch.tensor(qs))
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # bit for bit (lerp of ±inf: NaN)
