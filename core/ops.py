@@ -55,6 +55,8 @@ class Groups:
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: below this many elements :func:`zero_off` is plain ``torch.where`` (one call beats the AND's few)
+ZERO_OFF_MIN = 1 << 14
 
 
 def action_bits(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -95,7 +97,7 @@ def zero_off(x: Tensor, mask: Tensor, bits: Optional[Tensor] = None) -> Tensor:
     int32 pattern (+1 MB). Elsewhere (accelerators, where ``torch.where`` is as cheap as any elementwise op) and
     for anything but a floating tensor of ``mask``'s shape it is ``torch.where``.
     """
-    if (x.device.type != "cpu" or not x.is_floating_point() or x.shape != mask.shape
+    if (x.device.type != "cpu" or x.numel() < ZERO_OFF_MIN or not x.is_floating_point() or x.shape != mask.shape
             or x.element_size() not in _BITS):
         return torch.where(mask, x, 0)
     if bits is None or bits.element_size() != x.element_size():

@@ -19,7 +19,7 @@ from lossplug.contracts import (AdvantageResult, BatchValidationError, LossResul
 from lossplug.contracts.errors import LossplugError, PluginError, describe_positions
 
 from . import plugin_registry as _registry
-from .ops import Groups, action_bits, masked_quantiles, quantiles_of, zero_off
+from .ops import ZERO_OFF_MIN, Groups, action_bits, masked_quantiles, quantiles_of, zero_off
 from .plugin import AdvantagePlugin, GateInput, GateOutput, GatePlugin, Params, Population, ReductionPlugin
 
 Tensor = torch.Tensor
@@ -280,7 +280,7 @@ def _prepare(batch: PolicyBatch, metrics: bool = True) -> GateInput:
 
     # zero_off is torch.where(mask, x, 0) as a bitwise AND (bit-exact, gradient included): on the CPU torch.where
     # is not vectorised and costs ~5x an elementwise op, and these are the pipeline's only passes over [B, T].
-    bits = action_bits(mask, compute) if mask.device.type == "cpu" else None
+    bits = action_bits(mask, compute) if mask.device.type == "cpu" and mask.numel() >= ZERO_OFF_MIN else None
     clean_logp = zero_off(logp.to(compute), mask, bits)
     # A field that is a view of the same memory as an earlier one (TRL's on-policy step passes old_logp =
     # logp.detach()) reuses its cleaned copy: one pass and one [B, T] allocation fewer.

@@ -118,9 +118,11 @@ def test_metrics_off_gives_the_same_loss_and_gradient(update, corrections):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("fragmented", [False, True])
-def test_zero_off_is_torch_where_bit_for_bit_with_gradients(dtype, fragmented):
+def test_zero_off_is_torch_where_bit_for_bit_with_gradients(dtype, fragmented, monkeypatch):
+    from lossplug import ops
     from lossplug.ops import zero_off
 
+    monkeypatch.setattr(ops, "ZERO_OFF_MIN", 0)  # the bitwise path at a test size
     gen = torch.Generator().manual_seed(3)
     B, T = 6, 33
     if fragmented:
@@ -146,8 +148,11 @@ def test_zero_off_is_torch_where_bit_for_bit_with_gradients(dtype, fragmented):
     assert torch.equal(c.grad, d.grad)
 
 
-def test_zero_off_on_views_and_fallbacks():
+def test_zero_off_on_views_and_fallbacks(monkeypatch):
+    from lossplug import ops
     from lossplug.ops import action_bits, zero_off
+
+    monkeypatch.setattr(ops, "ZERO_OFF_MIN", 0)
 
     mask = torch.tensor([[True, False, True], [False, True, True]])
     adv = torch.tensor([2.0, -3.0])
@@ -181,3 +186,31 @@ def test_selection_quantiles_equal_torch_quantile_bit_for_bit(n, kind):
     got = _select_quantiles(v, qs, float(low), float(high))
     want = torch.quantile(v, torch.tensor(qs))
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # bit for bit (lerp of ±inf: NaN)
+
+
+@pytest.mark.parametrize("recipe", ["dapo", "gspo", "sapo", {"preset": "cispo", "gates": ["cispo", "tis"]}])
+def test_pipeline_with_and_without_the_bitwise_masking_agree(recipe, monkeypatch):
+    from lossplug import ops, pipeline
+
+    gen = torch.Generator().manual_seed(5)
+    B, T = 8, 2100  # above ZERO_OFF_MIN: the bitwise path is the default here
+    mask = torch.rand(B, T, generator=gen) < 0.8
+    mask[:, 0] = True
+    old = (-torch.rand(B, T, generator=gen) * 3).masked_fill(~mask, float("nan"))
+    raw = (old + 0.2 * torch.randn(B, T, generator=gen)).clamp(max=0).masked_fill(~mask, float("inf"))
+    behavior = (old + 0.2 * torch.randn(B, T, generator=gen)).masked_fill(~mask, -float("inf"))
+    adv = torch.randn(B, generator=gen)
+
+    def run(minimum):
+        monkeypatch.setattr(ops, "ZERO_OFF_MIN", minimum)
+        monkeypatch.setattr(pipeline, "ZERO_OFF_MIN", minimum)
+        logp = raw.clone().requires_grad_(True)
+        res = lossplug.policy_loss(_batch(logp, mask, old, adv, behavior), recipe, validate="off")
+        res.loss.backward()
+        return res, logp.grad
+
+    (bits, g_bits), (where, g_where) = run(0), run(1 << 62)
+    assert torch.equal(bits.loss, where.loss) and torch.isfinite(bits.loss)
+    assert torch.equal(g_bits, g_where) and (g_bits[~mask] == 0).all()
+    for key, value in bits.metric_tensors.items():
+        torch.testing.assert_close(value, where.metric_tensors[key], rtol=0, atol=0, equal_nan=True, msg=key)
