@@ -347,7 +347,7 @@ class _Display:
         if "entropy" in last:
             table.add_row("entropy", fmt("entropy"), Text(f"mean length {fmt('completions/mean_length', '.2f')}",
                                                           style="dim"))
-        return Panel(Group(head, bar, table), border_style="blue")
+        return Panel(Group(head, bar, table), border_style="blue", width=min(self.console.width, 88))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
