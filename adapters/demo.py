@@ -693,6 +693,9 @@ def plot_run(rows: list[dict[str, Any]], path: Union[str, Path], title: str = "l
         color, ls = styles.get(side, ("tab:purple", "-"))
         gx, gy = _series(rows, k)
         ax_g.plot(gx, gy, color=color, ls=ls, lw=1.6, label=k.removeprefix("lossplug/"))
+    for k in sorted({k for r in rows for k in r if k.startswith("lossplug/") and k.endswith("/gate_mean")}):
+        gx, gy = _series(rows, k)  # smooth gates (SAPO): the mean gate weight instead of a clip fraction
+        ax_g.plot(gx, gy, color="tab:purple", lw=1.6, label=k.removeprefix("lossplug/") + " (mean gate weight)")
     for key, color, label in (("lossplug/effective/token_frac", "black", "effective sample rate (tokens)"),
                               ("lossplug/effective/seq_frac", "tab:orange", "effective sample rate (sequences)")):
         gx, gy = _series(rows, key)
