@@ -35,7 +35,7 @@ class _Checks:
 
     def when_any(self, bad: Tensor, field: str, rule: str, noun: str = "rows") -> None:
         """Report ``rule`` for ``field`` if any element of the boolean tensor ``bad`` is set."""
-        self._pending.append((bad.any(), lambda: [Violation(field, rule, describe_positions(bad, noun=noun))]))
+        self._pending.append((_any(bad), lambda: [Violation(field, rule, describe_positions(bad, noun=noun))]))
 
     def when_flag(self, flag: Tensor, find: Callable[[], list[Violation]]) -> None:
         """If the 0-d bool tensor ``flag`` is set, report what ``find()`` finds: a cheap combined test whose
@@ -67,6 +67,15 @@ def _dtype_rule(name: str, t: Tensor, kind: str, checks: _Checks) -> bool:
         }[kind]
         checks.fail(name, f"must be a {kind} tensor, got {t.dtype}{hint}")
     return ok
+
+
+def _any(bad: Tensor, dim: Optional[int] = None) -> Tensor:
+    """``bad.any(dim)``; for a bool tensor through a ``uint8`` max, which the CPU vectorises (its bool ``any`` is a
+    scalar loop: ~30× slower on a million elements)."""
+    if bad.dtype != torch.bool or bad.numel() == 0 or (dim is not None and bad.shape[dim] == 0):
+        return bad.any() if dim is None else bad.any(dim)
+    as_bytes = bad.view(torch.uint8)
+    return (as_bytes.amax() if dim is None else as_bytes.amax(dim)).bool()
 
 
 def _token_value_rules(checks: _Checks, name: str, t: Tensor, mask: Tensor, logprob: bool) -> None:
@@ -249,7 +258,7 @@ class PolicyBatch(_TensorModel):
         if not (ok and shape_ok):
             return  # value rules below assume aligned, well-typed tensors
 
-        checks.when_any(~mask.any(-1), "action_mask", "every response needs at least one action token")
+        checks.when_any(~_any(mask, -1), "action_mask", "every response needs at least one action token")
         for name in self.TOKEN_FLOATS + ("advantage", "reward"):
             t = getattr(self, name)
             if t is None:

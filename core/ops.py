@@ -107,6 +107,14 @@ def zero_off(x: Tensor, mask: Tensor, bits: Optional[Tensor] = None) -> Tensor:
     return _and_bits(x, bits)
 
 
+def any_rows(mask: Tensor) -> Tensor:
+    """``mask.any(-1)`` for a bool ``[B, T]`` tensor, through a ``uint8`` max (the CPU's bool ``any`` is a scalar
+    loop, ~30× slower)."""
+    if mask.dtype != torch.bool or mask.shape[-1] == 0:
+        return mask.any(-1)
+    return mask.view(torch.uint8).amax(-1).bool()
+
+
 def masked_sum(x: Tensor, mask: Tensor, dim=None) -> Tensor:
     x = torch.where(mask, x, 0)
     return x.sum() if dim is None else x.sum(dim)

@@ -19,7 +19,7 @@ from lossplug.contracts import (AdvantageResult, BatchValidationError, LossResul
 from lossplug.contracts.errors import LossplugError, PluginError, describe_positions
 
 from . import plugin_registry as _registry
-from .ops import ZERO_OFF_MIN, Groups, action_bits, masked_quantiles, quantiles_of, zero_off
+from .ops import ZERO_OFF_MIN, Groups, action_bits, any_rows, masked_quantiles, quantiles_of, zero_off
 from .plugin import AdvantagePlugin, GateInput, GateOutput, GatePlugin, Params, Population, ReductionPlugin
 
 Tensor = torch.Tensor
@@ -477,6 +477,6 @@ def _metrics(inp: GateInput, outputs, objective: Tensor, loss: Tensor) -> dict[s
             seq_active = seq_active & out.active
     token_active = token_active & seq_active.unsqueeze(-1)
     m["effective/token_frac"] = torch.count_nonzero(token_active) / n_tokens
-    m["effective/seq_frac"] = token_active.any(-1).float().mean()
+    m["effective/seq_frac"] = any_rows(token_active).float().mean()
     m["objective/mean"] = objective.sum() / n_tokens
     return m

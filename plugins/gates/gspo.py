@@ -35,6 +35,7 @@ import torch
 from pydantic import Field
 
 import lossplug
+from lossplug.ops import any_rows
 
 
 class GSPOParams(lossplug.Params):
@@ -93,7 +94,7 @@ def gspo(inp: lossplug.GateInput, p: GSPOParams) -> lossplug.GateOutput:
     if not inp.metrics:
         return lossplug.GateOutput(objective=objective)
     # a response still carries gradient if any of its action tokens is not cut (all or none for a sequence advantage)
-    active = (~(low | high) & inp.mask).any(-1)
+    active = any_rows(~(low | high) & inp.mask)
     return lossplug.GateOutput(objective=objective, active=active, metrics=_metrics(inp, seq_ratio, low, high))
 
 
