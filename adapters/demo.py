@@ -469,12 +469,8 @@ def _quiet_libraries():
 
 def _build(recipe, label: str, settings: DemoSettings, out: Path, display: "_Display"):
     """The trainer (recipe attached, provenance recorded) and its callback; nothing is trained or written yet."""
-    import transformers
     from datasets import Dataset
     from transformers import PrinterCallback, ProgressCallback
-
-    from lossplug import LogProbSource
-    from lossplug.adapters.trl import attach, trl_provenance
 
     task = SuccessorTask(seed=settings.seed)
     tok = _tiny.tiny_tokenizer()
@@ -496,16 +492,8 @@ def _build(recipe, label: str, settings: DemoSettings, out: Path, display: "_Dis
                                processing_class=tok, callbacks=[callback], recipe=recipe)
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)
-    # the four log-prob sources: TRL samples with transformers generate from the very weights that give the old
-    # log-probs, so the behaviour policy is the old policy (same engine and convention); beta = 0: no reference
-    provenance = trl_provenance(trainer)
-    old = provenance.old
-    behavior = LogProbSource(
-        checkpoint=f"{old.checkpoint}: the weights that sampled (TRL generates with the training model, so "
-                   "behaviour = old; no separate behaviour log-probs)",
-        engine=f"transformers {transformers.__version__} generate (inside TRL's GRPOTrainer)",
-        temperature=old.temperature, top_p=args.top_p, top_k=args.top_k or None, dtype=old.dtype)
-    attach(trainer, recipe, provenance=provenance.model_copy(update={"behavior": behavior}))
+    # the four log-prob sources (trl_provenance records behaviour = old: TRL samples with the training model);
+    # beta = 0: no reference policy
     callback.trainer = trainer
     return trainer, callback, task
 

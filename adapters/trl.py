@@ -240,7 +240,8 @@ def trl_provenance(trainer) -> Provenance:
     token, nothing else processed. Behaviour log-probs exist with vLLM (``processed_logprobs``: after temperature,
     top-p/top-k/min-p and repetition penalty — so ``processed`` is set when any of those is active) or a
     ``rollout_func`` (assumed to follow the training convention, as TRL assumes). Plain ``transformers`` generation
-    gives none.
+    samples with the training model itself: the behaviour policy *is* the old policy (same weights, same engine), and
+    no separate behaviour log-probs exist — recorded as such, with the sampling settings.
     """
     args = trainer.args
     temperature = float(getattr(trainer, "temperature", args.temperature))
@@ -270,6 +271,12 @@ def trl_provenance(trainer) -> Provenance:
         fn = trainer.rollout_func
         behavior = LogProbSource(engine=f"rollout_func {getattr(fn, '__qualname__', type(fn).__name__)}",
                                  temperature=temperature)
+    else:
+        top_k = args.top_k if getattr(args, "top_k", None) and args.top_k > 0 else None
+        behavior = LogProbSource(checkpoint=f"{name or 'policy'} before the update (the old policy samples)",
+                                 engine=f"transformers {tf} generate", temperature=temperature,
+                                 top_p=getattr(args, "top_p", 1.0), top_k=top_k,
+                                 processed=getattr(args, "top_p", 1.0) < 1.0 or top_k is not None)
     return Provenance(behavior=behavior, old=old, current=current, reference=reference)
 
 

@@ -311,7 +311,9 @@ def test_write_record(plain, tmp_path):
     path = adapter.write_record(trainer, tmp_path / "record")
     assert Recipe.from_file(path / "recipe.yaml").to_dict() == Recipe.preset("sapo").to_dict()
     provenance = Provenance.model_validate_json((path / "provenance.json").read_text())
-    assert provenance.current.temperature == trainer.args.temperature and provenance.behavior is None
+    assert provenance.current.temperature == trainer.args.temperature
+    # plain transformers generation: the old policy samples, recorded as the behaviour source
+    assert provenance.behavior.engine.endswith(" generate") and "old policy samples" in provenance.behavior.checkpoint
     versions = json.loads((path / "versions.json").read_text())
     assert versions["versions"]["trl"] == trl.__version__
     assert versions["versions"]["lossplug"] == lossplug.__version__

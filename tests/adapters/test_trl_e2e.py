@@ -49,7 +49,7 @@ def test_lossplug_trainer_trains_dapo_and_records_the_run(tmp_path):
     out = tmp_path / "out"
     assert Recipe.from_file(out / "recipe.yaml").to_dict() == Recipe.preset("dapo").to_dict()
     provenance = Provenance.model_validate_json((out / "provenance.json").read_text())
-    assert provenance.reference is not None and provenance.behavior is None
+    assert provenance.reference is not None and provenance.behavior.engine.endswith(" generate")
     assert '"trl"' in (out / "versions.json").read_text()
 
 
