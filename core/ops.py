@@ -166,6 +166,8 @@ def quantiles_of(values: Tensor, qs: tuple[float, ...]) -> Tensor:
     values = values.float()
     if values.numel() == 0:
         return torch.full((len(qs),), float("nan"))
+    if values.numel() <= _SELECT_MIN:  # small: sorting is cheaper than the selection's fixed cost
+        return torch.nanquantile(values, torch.tensor(qs, dtype=values.dtype))
     low, high = torch.aminmax(values)
     if bool(torch.isnan(low) | torch.isnan(high)):  # NaN on an action position (validate="off"): ignored
         values = torch.masked_select(values, ~torch.isnan(values))
@@ -175,7 +177,12 @@ def quantiles_of(values: Tensor, qs: tuple[float, ...]) -> Tensor:
     return _select_quantiles(values, qs, float(low), float(high))
 
 
-def _select_quantiles(values: Tensor, qs: tuple[float, ...], low: float, high: float, bins: int = 2048) -> Tensor:
+_SELECT_BINS = 2048
+_SELECT_MIN = 4 * _SELECT_BINS
+
+
+def _select_quantiles(values: Tensor, qs: tuple[float, ...], low: float, high: float,
+                      bins: int = _SELECT_BINS) -> Tensor:
     """``torch.quantile(values, qs)`` of a 1-D NaN-free CPU tensor, bit for bit, without sorting it.
 
     The values are bucketed by ``floor((v − min) · bins / (max − min))`` — monotone in ``v``, so every bucket holds
