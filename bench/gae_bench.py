@@ -6,33 +6,9 @@ import torch
 
 import lossplug
 from lossplug.plugins.advantages.gae import packed_gae
+from lossplug.testing.reference import seed_packed_gae
 
 from .common import interleaved, ratio
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The references, verbatim
-
-
-@torch.no_grad()
-def seed_packed_gae(reward, value, next_value, terminated, boundary, gamma=.99, lam=.95):
-    """Seed 1's ``packed_gae`` (shared/seeds/000_*.txt), verbatim: the sequential reference."""
-    if not all(x.shape == reward.shape for x in (value, next_value, terminated, boundary)):
-        raise ValueError("all transition tensors must align")
-    if reward.ndim != 1 or reward.numel() == 0 or not boundary[-1]:
-        raise ValueError("packed fragments must be non-empty, one-dimensional and closed")
-    if terminated.dtype != torch.bool or boundary.dtype != torch.bool:
-        raise ValueError("terminated and boundary must be boolean")
-    if torch.any(terminated & ~boundary):
-        raise ValueError("terminal transitions must close their trajectory")
-    bootstrap = torch.where(terminated, torch.zeros_like(next_value), next_value)
-    delta = reward + gamma * bootstrap - value
-    advantage = torch.empty_like(delta)
-    carry = delta.new_zeros(())
-    for t in range(delta.numel() - 1, -1, -1):
-        carry = delta[t] if boundary[t] else delta[t] + gamma * lam * carry
-        advantage[t] = carry
-    return advantage
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ import importlib
 _LAZY = {  # imported on first use, so that loading the pytest plugin costs nothing
     "CHECKS": "kit", "CheckResult": "kit", "ConformanceError": "kit", "ConformanceReport": "kit",
     "assert_conforms": "kit", "check_plugin": "kit", "checks_for": "kit", "run_check": "kit",
-    "install_isolated": "install", "batches": None,
+    "install_isolated": "install", "batches": None, "reference": None,
 }
 
 

@@ -133,3 +133,15 @@ def insert_masked_columns(fields: dict[str, Tensor], before: int = 2, after: int
                 pad = poison(pad, torch.ones_like(pad, dtype=torch.bool))
         out[name] = torch.cat([pad[:, :before], t.detach(), pad[:, before:]], dim=1)
     return out
+
+
+def loss_and_grad(recipe, *, logp: Tensor, action_mask: Optional[Tensor] = None, normalizer=None, **fields):
+    """Run ``policy_loss`` on these tensors (all-True mask by default) and return ``(LossResult, d loss / d logp)``:
+    the two things a plugin's own tests usually assert on."""
+    import lossplug
+
+    logp = logp.detach().clone().requires_grad_()
+    mask = torch.ones_like(logp, dtype=torch.bool) if action_mask is None else action_mask
+    result = lossplug.policy_loss(lossplug.PolicyBatch(logp=logp, action_mask=mask, **fields), recipe, normalizer)
+    result.loss.backward()
+    return result, logp.grad

@@ -22,15 +22,6 @@ from lossplug.adapters import trl as adapter  # noqa: E402
 from lossplug.adapters.trl import LossplugGRPOTrainer, attach, trl_equivalent  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and a busy 2-core CI machine makes several threads spin-wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_importing_lossplug_or_the_adapter_module_does_not_import_trl():
     code = ("import sys, lossplug, lossplug.adapters, lossplug.adapters.trl, lossplug.adapters._tiny\n"
             "bad = [m for m in ('trl', 'transformers', 'datasets', 'vllm') if m in sys.modules]\n"

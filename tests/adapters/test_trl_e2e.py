@@ -16,15 +16,6 @@ from lossplug.adapters.trl import LossplugGRPOTrainer, attach  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and a busy 2-core CI machine makes several threads spin-wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def lossplug_keys(trainer):
     return {k for entry in trainer.state.log_history for k in entry if k.startswith("lossplug/")}
 

@@ -28,13 +28,7 @@ pytestmark = pytest.mark.slow
 TOL = 1e-6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and a busy 2-core CI machine makes several threads spin-wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
 LOSS_TYPES = {
     # loss_type: GRPOConfig settings (TRL's defaults otherwise)
     "grpo": {"epsilon_high": 0.28},

@@ -5,6 +5,7 @@ import torch
 
 import lossplug
 from lossplug.plugins.advantages.gae import packed_gae, reverse_linear_scan
+from lossplug.testing.reference import seed_packed_gae
 
 F64 = torch.float64
 
@@ -112,18 +113,6 @@ def test_packed_gae_keeps_the_seeds_error_rules():
         packed_gae(**{**ex, "terminated": torch.tensor([0., 0., 1.])})
 
 
-def sequential_packed(reward, value, next_value, terminated, boundary, gamma, lam):
-    """Seed 1's loop, verbatim."""
-    bootstrap = torch.where(terminated, torch.zeros_like(next_value), next_value)
-    delta = reward + gamma * bootstrap - value
-    advantage = torch.empty_like(delta)
-    carry = delta.new_zeros(())
-    for t in range(delta.numel() - 1, -1, -1):
-        carry = delta[t] if boundary[t] else delta[t] + gamma * lam * carry
-        advantage[t] = carry
-    return advantage
-
-
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 333])
 def test_packed_matches_the_seed_loop_on_random_fragments(n):
     gen = torch.Generator().manual_seed(n)
@@ -134,7 +123,7 @@ def test_packed_matches_the_seed_loop_on_random_fragments(n):
     kw = dict(reward=torch.randn(n, generator=gen, dtype=F64), value=torch.randn(n, generator=gen, dtype=F64),
               next_value=next_value, terminated=terminated, boundary=boundary)
     ours = lossplug.compute_advantages(lossplug.PackedTransitions(**kw), recipe(gamma=.97, lam=.9, whiten=False))
-    torch.testing.assert_close(ours, sequential_packed(**kw, gamma=.97, lam=.9), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ours, seed_packed_gae(**kw, gamma=.97, lam=.9), rtol=0, atol=1e-12)
     assert ours.dtype == F64
 
 

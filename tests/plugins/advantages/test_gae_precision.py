@@ -16,6 +16,7 @@ import torch
 
 import lossplug
 from lossplug.plugins.advantages.gae import packed_gae, reverse_linear_scan
+from lossplug.testing.reference import seed_packed_gae
 
 F64, F32 = torch.float64, torch.float32
 RTOL64 = 1e-10
@@ -30,18 +31,6 @@ def loop(delta, coef):
         carry = d[t] + c[t] * carry
         out[t] = carry
     return torch.tensor(out, dtype=F64)
-
-
-def seed_packed_gae(reward, value, next_value, terminated, boundary, gamma=.99, lam=.95):
-    """Seed 1's ``packed_gae``, verbatim (its checks aside): the sequential reference."""
-    bootstrap = torch.where(terminated, torch.zeros_like(next_value), next_value)
-    delta = reward + gamma * bootstrap - value
-    advantage = torch.empty_like(delta)
-    carry = delta.new_zeros(())
-    for t in range(delta.numel() - 1, -1, -1):
-        carry = delta[t] if boundary[t] else delta[t] + gamma * lam * carry
-        advantage[t] = carry
-    return advantage
 
 
 def assert_close64(ours, ref):

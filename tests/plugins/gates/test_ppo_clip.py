@@ -4,18 +4,14 @@ import pytest
 import torch
 
 import lossplug
+from lossplug.testing.batches import loss_and_grad
 
 # the contract rejects log-probs > 0: the seed's log-probs (old = 0) are shifted by SHIFT on both sides
 SHIFT = -2.0
 
 
-def run(gate: dict, *, logp, old_logp, advantage, reduction="token", mask=None):
-    logp = logp.clone().requires_grad_()
-    mask = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask
-    batch = lossplug.PolicyBatch(logp=logp, old_logp=old_logp, advantage=advantage, action_mask=mask)
-    result = lossplug.policy_loss(batch, {"gates": [gate], "reduction": {"name": reduction}})
-    result.loss.backward()
-    return result, logp.grad
+def run(gate: dict, *, reduction="token", mask=None, **fields):
+    return loss_and_grad({"gates": [gate], "reduction": {"name": reduction}}, action_mask=mask, **fields)
 
 
 def per_token_objective(gate: dict, ratio, advantage):

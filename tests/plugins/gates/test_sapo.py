@@ -4,17 +4,13 @@ import pytest
 import torch
 
 import lossplug
+from lossplug.testing.batches import loss_and_grad
 
 SHIFT = -1.0  # the seed's log-probs (old = 0, new up to .7) shifted onto the contract's ≤ 0 side
 
 
-def run(gate: dict, *, logp, old_logp, advantage, reduction="sequence_sum", mask=None):
-    logp = logp.clone().requires_grad_()
-    mask = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask
-    batch = lossplug.PolicyBatch(logp=logp, old_logp=old_logp, advantage=advantage, action_mask=mask)
-    result = lossplug.policy_loss(batch, {"gates": [gate], "reduction": {"name": reduction}})
-    result.loss.backward()
-    return result, logp.grad
+def run(gate: dict, *, reduction="sequence_sum", mask=None, **fields):
+    return loss_and_grad({"gates": [gate], "reduction": {"name": reduction}}, action_mask=mask, **fields)
 
 
 def test_seed_smooth_gate():
