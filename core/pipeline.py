@@ -355,8 +355,7 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
         corr = _run(stage, validate, inp)
         if validate == "full":
             _check_gate_output(stage, corr, inp)
-        weight = corr.weight if corr.weight.ndim == 2 else corr.weight.unsqueeze(-1)
-        objective = objective * weight
+        objective = objective * (corr.weight if corr.weight.ndim == 2 else corr.weight.unsqueeze(-1))
         outputs.append((stage, corr))
     objective = zero_off(objective, inp.mask)
 
@@ -400,6 +399,9 @@ def _check_gate_output(stage: Stage, out, inp: GateInput) -> None:
             what = f"shape {list(got.shape)}" if isinstance(got, Tensor) else repr(got)
             raise PluginError(f"{where}: a correction's weight must be a tensor of shape {shape[:1]} or {shape}, "
                               f"got {what}")
+        if got.requires_grad:
+            raise PluginError(f"{where}: a correction's weight must be detached (.detach()): gradient flows through "
+                              "logp only, via the update gate")
 
 
 def _weight_violations(weight: Tensor, batch: PolicyBatch) -> list[Violation]:

@@ -229,3 +229,28 @@ def test_validator_and_metric_hooks():
     finally:
         lossplug.unregister_plugin(plugin)
     assert "checking/objective_abs_max" not in policy_loss(PolicyBatch(**seed_reduction_batch()), "dapo").metrics
+
+
+class UndetachedWeightPlugin:
+    @lossplug.hookimpl
+    def lossplug_register_gates(self, register):
+        @lossplug.gate("grad_weight", role="correction")
+        def grad_weight(inp, p):
+            """exp(logp − logp) — numerically 1, but it carries gradient (wrong on purpose)."""
+            return lossplug.GateOutput(weight=(inp.logp - inp.logp.detach()).exp())
+
+        register(grad_weight)
+
+
+def test_a_correction_weight_that_carries_gradient_is_refused():
+    plugin = UndetachedWeightPlugin()
+    lossplug.register_plugin(plugin, "grad-weight")
+    try:
+        fields = seed_reduction_batch()
+        fields["logp"] = fields["logp"].clone().requires_grad_()
+        recipe = Recipe.model_validate({"gates": ["ppo_clip", "grad_weight"], "reduction": "token"})
+        with pytest.raises(lossplug.PluginError, match=r"recipe.gates\[1\] \(grad_weight, from in-process plugin "
+                                                       r"'grad-weight'\): a correction's weight must be detached"):
+            policy_loss(PolicyBatch(**fields), recipe)
+    finally:
+        lossplug.unregister_plugin(plugin)
