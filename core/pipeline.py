@@ -297,13 +297,30 @@ def _prepare(batch: PolicyBatch, metrics: bool = True) -> GateInput:
         return seen[key].detach()
 
     adv = batch.advantage
-    if adv is not None and adv.ndim == 1:
-        adv = adv.unsqueeze(-1).expand_as(logp)
-    return GateInput(
-        logp=clean_logp, mask=mask, advantage=clean(adv), lengths=torch.count_nonzero(mask, -1),
-        old_logp=clean(batch.old_logp), behavior_logp=clean(batch.behavior_logp), ref_logp=clean(batch.ref_logp),
-        batch=batch, metrics=metrics,
-    )
+    fields = dict(logp=clean_logp, mask=mask, lengths=torch.count_nonzero(mask, -1), old_logp=clean(batch.old_logp),
+                  behavior_logp=clean(batch.behavior_logp), ref_logp=clean(batch.ref_logp), batch=batch,
+                  metrics=metrics)
+    if adv is None or adv.ndim != 1:
+        return GateInput(advantage=clean(adv), **fields)
+    # a [B] advantage (finite by the contract): per-response gates read it as is; the [B, T] one, broadcast and
+    # zeroed off the actions, is built only if a gate reads it (one pass and one [B, T] allocation fewer otherwise)
+    seq_adv = adv.detach().to(compute)
+    inp = _LazyAdvantageInput(advantage=None, seq_advantage=seq_adv, **fields)
+    object.__delattr__(inp, "advantage")
+    object.__setattr__(inp, "_make_advantage", lambda: zero_off(seq_adv.unsqueeze(-1).expand_as(logp), mask))
+    return inp
+
+
+class _LazyAdvantageInput(GateInput):
+    """A :class:`GateInput` whose ``advantage`` field is computed on first read (then stored like any field)."""
+
+    def __getattr__(self, name: str):
+        make = self.__dict__.get("_make_advantage") if name == "advantage" else None
+        if make is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        value = make()
+        object.__setattr__(self, "advantage", value)
+        return value
 
 
 def _layout(t: Tensor) -> tuple:

@@ -58,6 +58,12 @@ class GateInput:
     ``metrics`` is False when the caller asked for no metrics (``policy_loss(metrics=False)``, the hot loop): a gate
     then skips its diagnostic work — ``GateOutput.metrics`` and ``active`` are not read — and computes only what
     the objective or weight needs.
+
+    ``seq_advantage`` is the per-response advantage ``[B]`` (detached, in the compute dtype) when the batch holds
+    one, else None. ``advantage`` is always there (the ``[B]`` one broadcast over ``[B, T]`` and zeroed off the
+    actions); a gate whose advantage enters only through per-response terms may compute those on ``[B]`` and
+    broadcast once. Its objective off the actions may then be nonzero (finite): the pipeline zeroes the objective
+    off the actions, value and gradient, before any reduction.
     """
 
     logp: Tensor
@@ -69,6 +75,7 @@ class GateInput:
     ref_logp: Optional[Tensor]
     batch: PolicyBatch
     metrics: bool = True
+    seq_advantage: Optional[Tensor] = None
 
     def update_log_ratio(self) -> Tensor:
         """log(π_θ / π_old) per token; zero off actions. Gradient flows through ``logp`` only."""

@@ -49,8 +49,11 @@ class GSPOParams(lossplug.Params):
 
 
 def _sequence_log_ratio(inp: lossplug.GateInput) -> torch.Tensor:
-    """mean_t(logp − old_logp) over each response's action tokens, ``[B]`` (carries the gradient of ``logp``)."""
-    log_ratio = torch.where(inp.mask, inp.logp - inp.old_logp.detach(), 0)
+    """mean_t(logp − old_logp) over each response's action tokens, ``[B]`` (carries the gradient of ``logp``).
+
+    Both are zero off the actions in a GateInput (the pipeline's cleaning; value and gradient), so their difference
+    is too: no mask pass is needed."""
+    log_ratio = inp.update_log_ratio()
     return log_ratio.sum(-1) / inp.lengths.clamp(min=1).to(log_ratio.dtype)
 
 
@@ -87,10 +90,16 @@ def _metrics(inp: lossplug.GateInput, seq_ratio: torch.Tensor, low, high) -> dic
 @lossplug.gate("gspo", params=GSPOParams, requires=("old_logp",), level="sequence")
 def gspo(inp: lossplug.GateInput, p: GSPOParams) -> lossplug.GateOutput:
     """GSPO: min(s·A, clip(s, 1−eps_low, 1+eps_high)·A) with s = exp(mean_t log r_t), clipped per response."""
-    adv = inp.advantage.detach()
     seq_log_ratio = _sequence_log_ratio(inp).clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
     seq_ratio = seq_log_ratio.exp()
-    objective, low, high = _clip(seq_ratio.unsqueeze(-1), adv, p, masks=inp.metrics)
+    if inp.seq_advantage is not None:
+        # a [B] advantage: the objective is one value per response, computed on [B] and broadcast once (the same
+        # values on the actions; the pipeline zeroes it off them)
+        objective, low, high = _clip(seq_ratio.unsqueeze(-1), inp.seq_advantage.detach().unsqueeze(-1), p,
+                                     masks=inp.metrics)
+        objective = objective.expand_as(inp.logp)
+    else:
+        objective, low, high = _clip(seq_ratio.unsqueeze(-1), inp.advantage.detach(), p, masks=inp.metrics)
     if not inp.metrics:
         return lossplug.GateOutput(objective=objective)
     # a response still carries gradient if any of its action tokens is not cut (all or none for a sequence advantage)

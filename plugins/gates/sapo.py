@@ -41,9 +41,12 @@ class SAPOParams(lossplug.Params):
 @lossplug.gate("sapo", params=SAPOParams, requires=("old_logp",))
 def sapo(inp: lossplug.GateInput, p: SAPOParams) -> lossplug.GateOutput:
     """SAPO: (4/τ)·σ(τ(r−1))·A with τ = tau_pos for A > 0, tau_neg otherwise; gradient r·sech²(τ(r−1)/2)·A."""
-    adv = inp.advantage.detach()
+    # a [B] advantage: τ and A are per-response [B, 1] columns (the same values on the actions; the pipeline
+    # zeroes the objective off them), else the [B, T] advantage
+    adv = (inp.seq_advantage.unsqueeze(-1) if inp.seq_advantage is not None else inp.advantage).detach()
     ratio = (inp.logp - inp.old_logp.detach()).clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
-    tau = torch.full_like(ratio, p.tau_neg).masked_fill(adv > 0, p.tau_pos)  # in the ratio's dtype, not float32
+    # in the ratio's dtype, not float32
+    tau = torch.full(adv.shape, p.tau_neg, dtype=ratio.dtype, device=ratio.device).masked_fill(adv > 0, p.tau_pos)
     objective = (4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
     if not inp.metrics:
         return lossplug.GateOutput(objective=objective)
