@@ -539,13 +539,10 @@ def test_lossplug_errors_pass_through_plugins_unchanged():
 
 
 def _batch_loader():
-    """``lossplug validate``'s batch-file loader, if it exists yet (core/cli.py is written concurrently)."""
-    import lossplug.cli as cli
+    """``lossplug validate``'s batch-file loader."""
+    from lossplug.cli import load_batch_file
 
-    fn = getattr(cli, "load_batch_file", None)
-    if fn is None:
-        pytest.skip("no batch-file loader (lossplug.cli.load_batch_file) yet")
-    return fn
+    return load_batch_file
 
 
 class _Payload:
