@@ -9,11 +9,12 @@ Masked (non-action) positions may hold anything, NaN and inf included: nothing d
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
 
+from .checks import Checks, any_of
 from .errors import BatchValidationError, Violation, describe_positions, did_you_mean
 
 #: log-probs may exceed 0 by this much (rounding in low-precision log-softmax) before they are rejected.
@@ -22,63 +23,7 @@ LOGP_TOLERANCE = 1e-3
 Tensor = torch.Tensor
 
 
-class _Checks:
-    """Collects rule checks; tensor-valued checks are resolved with a single device→host sync."""
-
-    def __init__(self, contract: str):
-        self.contract = contract
-        self.violations: list[Violation] = []
-        self._pending: list[tuple[Tensor, Callable[[], list[Violation]]]] = []
-
-    def fail(self, field: str, rule: str, where: str = "") -> None:
-        self.violations.append(Violation(field, rule, where))
-
-    def when_any(self, bad: Tensor, field: str, rule: str, noun: str = "rows") -> None:
-        """Report ``rule`` for ``field`` if any element of the boolean tensor ``bad`` is set."""
-        self._pending.append((_any(bad), lambda: [Violation(field, rule, describe_positions(bad, noun=noun))]))
-
-    def when_flag(self, flag: Tensor, find: Callable[[], list[Violation]]) -> None:
-        """If the 0-d bool tensor ``flag`` is set, report what ``find()`` finds: a cheap combined test whose
-        positions are only looked up when it fails."""
-        self._pending.append((flag, find))
-
-    def raise_if_any(self) -> None:
-        if self._pending:
-            flags = torch.stack([flag for flag, _ in self._pending]).tolist()
-            for flag, (_, find) in zip(flags, self._pending):
-                if flag:
-                    self.violations.extend(find())
-            self._pending.clear()
-        if self.violations:
-            raise BatchValidationError(self.contract, self.violations)
-
-
-def _dtype_rule(name: str, t: Tensor, kind: str, checks: _Checks) -> bool:
-    ok = {
-        "float": t.is_floating_point(),
-        "bool": t.dtype == torch.bool,
-        "int": not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool,
-    }[kind]
-    if not ok:
-        hint = {
-            "bool": " (convert with .bool() once you know it holds only 0/1)",
-            "int": "",
-            "float": "",
-        }[kind]
-        checks.fail(name, f"must be a {kind} tensor, got {t.dtype}{hint}")
-    return ok
-
-
-def _any(bad: Tensor, dim: Optional[int] = None) -> Tensor:
-    """``bad.any(dim)``; for a bool tensor through a ``uint8`` max, which the CPU vectorises (its bool ``any`` is a
-    scalar loop: ~30× slower on a million elements)."""
-    if bad.dtype != torch.bool or bad.numel() == 0 or (dim is not None and bad.shape[dim] == 0):
-        return bad.any() if dim is None else bad.any(dim)
-    as_bytes = bad.view(torch.uint8)
-    return (as_bytes.amax() if dim is None else as_bytes.amax(dim)).bool()
-
-
-def _token_value_rules(checks: _Checks, name: str, t: Tensor, mask: Tensor, logprob: bool) -> None:
+def _token_value_rules(checks: Checks, name: str, t: Tensor, mask: Tensor, logprob: bool) -> None:
     """``t`` finite on action positions (and, for log-probs, ``<= LOGP_TOLERANCE``), cheaply: one ``aminmax`` pass
     over the whole tensor (NaN propagates into both ends). Only if that fails — non-action positions may hold
     anything — are the action positions selected and tested, and only if that fails too are the offending
@@ -118,7 +63,7 @@ class _TensorModel(BaseModel):
     def _tensors_only(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             raise BatchValidationError(cls.__name__, [Violation("<batch>", f"expected keyword fields, got {type(data).__name__}")])
-        checks = _Checks(cls.__name__)
+        checks = Checks(cls.__name__)
         fields = cls.model_fields
         for key in data:
             if key not in fields:
@@ -128,7 +73,7 @@ class _TensorModel(BaseModel):
         return data
 
     @classmethod
-    def _field_types(cls, values: dict[str, Any], checks: _Checks) -> None:
+    def _field_types(cls, values: dict[str, Any], checks: Checks) -> None:
         """Every field a dense tensor (or None), every required field present."""
         for key, value in values.items():
             if value is None:
@@ -157,14 +102,14 @@ class _TensorModel(BaseModel):
 
     def check(self) -> None:
         """Run every contract rule; raise :class:`BatchValidationError` listing all violations."""
-        checks = _Checks(type(self).__name__)
+        checks = Checks(type(self).__name__)
         self._field_types({k: getattr(self, k, None) for k in type(self).model_fields}, checks)
         checks.raise_if_any()  # (an unchecked batch may hold anything) the rules below assume tensors
         self._rules(checks)
         checks.raise_if_any()
         self._validated = True
 
-    def _rules(self, checks: _Checks) -> None:  # pragma: no cover - abstract
+    def _rules(self, checks: Checks) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def replace(self, **fields: Optional[Tensor]):
@@ -220,7 +165,7 @@ class PolicyBatch(_TensorModel):
         """Number of action tokens of each response, ``[B]``."""
         return self.action_mask.sum(-1)
 
-    def _rules(self, checks: _Checks) -> None:
+    def _rules(self, checks: Checks) -> None:
         logp, mask = self.logp, self.action_mask
         if logp.ndim != 2:
             checks.fail("logp", f"must be [B, T], got shape {tuple(logp.shape)}")
@@ -229,7 +174,7 @@ class PolicyBatch(_TensorModel):
         if B == 0:
             checks.fail("logp", f"a batch needs at least one response, got shape {list(logp.shape)}")
             return
-        ok = _dtype_rule("logp", logp, "float", checks)
+        ok = checks.dtype("logp", logp, "float")
         shape_ok = True
         expected = {
             **{k: ((B, T),) for k in self.TOKEN_FLOATS if k != "logp"},
@@ -250,7 +195,7 @@ class PolicyBatch(_TensorModel):
                 want = " or ".join(str(list(s)) for s in shapes)
                 checks.fail(name, f"shape must align with logp [B={B}, T={T}]: expected {want}, got {list(t.shape)}")
                 shape_ok = False
-            if not _dtype_rule(name, t, kinds.get(name, "float"), checks):
+            if not checks.dtype(name, t, kinds.get(name, "float")):
                 shape_ok = False
             if t.device != logp.device:
                 checks.fail(name, f"must be on logp's device {logp.device}, got {t.device}")
@@ -258,7 +203,7 @@ class PolicyBatch(_TensorModel):
         if not (ok and shape_ok):
             return  # value rules below assume aligned, well-typed tensors
 
-        checks.when_any(~_any(mask, -1), "action_mask", "every response needs at least one action token")
+        checks.when_any(~any_of(mask, -1), "action_mask", "every response needs at least one action token")
         for name in self.TOKEN_FLOATS + ("advantage", "reward"):
             t = getattr(self, name)
             if t is None:
@@ -292,7 +237,7 @@ class PackedTransitions(_TensorModel):
     boundary: Tensor
     trajectory_id: Optional[Tensor] = None
 
-    def _rules(self, checks: _Checks) -> None:
+    def _rules(self, checks: Checks) -> None:
         reward = self.reward
         if reward.ndim != 1 or reward.numel() == 0:
             checks.fail("reward", f"packed fragments must be non-empty and one-dimensional, got shape {list(reward.shape)}")
@@ -308,7 +253,7 @@ class PackedTransitions(_TensorModel):
             if tuple(t.shape) != (N,):
                 checks.fail(name, f"all transition tensors must align with reward [N={N}], got {list(t.shape)}")
                 aligned = False
-            if not _dtype_rule(name, t, kind, checks):
+            if not checks.dtype(name, t, kind):
                 aligned = False
         if not aligned:
             return

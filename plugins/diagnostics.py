@@ -34,7 +34,9 @@ import torch
 
 from lossplug.contracts import LossplugError
 
-from .value_loss import _Checks, _clean, value_loss
+from lossplug.contracts.checks import Checks
+
+from .value_loss import _clean, value_loss
 
 Tensor = torch.Tensor
 
@@ -44,7 +46,7 @@ __all__ = ["RatioGuard", "RatioGuardWarning", "approx_kl", "entropy_from_logits"
 LOG_RATIO_CLAMP = 20.0
 
 
-def _check_token_args(c: _Checks, named: Mapping[str, Optional[Tensor]], action_mask) -> bool:
+def _check_token_args(c: Checks, named: Mapping[str, Optional[Tensor]], action_mask) -> bool:
     """Every given tensor in ``named`` is a float [B, T] aligned with the first; ``action_mask`` bool [B, T]."""
     shape, first, ok = None, "", True
     for name, t in named.items():
@@ -78,7 +80,7 @@ def _mean(x: Tensor, mask: Tensor) -> Tensor:
 def approx_kl(logp: Tensor, old_logp: Tensor, action_mask: Tensor, *, validate: bool = True) -> Tensor:
     """``½ · mean((logp − old_logp)²)`` over action tokens (the seed's ``approxkl``), detached."""
     if validate:
-        c = _Checks("approx_kl")
+        c = Checks("approx_kl")
         _check_token_args(c, {"logp": logp, "old_logp": old_logp}, action_mask)
         c.raise_if_any()
     with torch.no_grad():
@@ -88,14 +90,14 @@ def approx_kl(logp: Tensor, old_logp: Tensor, action_mask: Tensor, *, validate: 
 def policy_kl(logp: Tensor, old_logp: Tensor, action_mask: Tensor, *, validate: bool = True) -> Tensor:
     """``mean(old_logp − logp)`` over action tokens (the seed's ``policykl``, verl's ``ppo_kl``), detached."""
     if validate:
-        c = _Checks("policy_kl")
+        c = Checks("policy_kl")
         _check_token_args(c, {"logp": logp, "old_logp": old_logp}, action_mask)
         c.raise_if_any()
     with torch.no_grad():
         return _mean(-_log_ratio(logp, old_logp, action_mask), action_mask)
 
 
-def _check_eps(c: _Checks, eps_low, eps_high) -> None:
+def _check_eps(c: Checks, eps_low, eps_high) -> None:
     if c.number("eps_low", eps_low, ge=0.0) and eps_low >= 1:
         c.fail("eps_low", f"must be < 1 (the lower clip bound 1 − eps_low must stay positive), got {eps_low}")
     if eps_high is not None:
@@ -119,7 +121,7 @@ def policy_clip_fraction(logp: Tensor, old_logp: Tensor, advantages: Tensor, act
     if advantages is not None and isinstance(advantages, Tensor) and advantages.ndim == 1 and logp.ndim == 2:
         advantages = advantages.unsqueeze(-1).expand_as(logp)
     if validate:
-        c = _Checks("policy_clip_fraction")
+        c = Checks("policy_clip_fraction")
         _check_token_args(c, {"logp": logp, "old_logp": old_logp, "advantages": advantages},
                           action_mask)
         _check_eps(c, eps_low, eps_high)
@@ -136,7 +138,7 @@ def entropy_from_logits(logits: Tensor, action_mask: Optional[Tensor] = None, *,
     Only action positions are visited, ``chunk_tokens`` at a time: peak extra memory is ``O(chunk_tokens · V)``,
     never ``O(B · T · V)``."""
     if validate:
-        c = _Checks("entropy_from_logits")
+        c = Checks("entropy_from_logits")
         ok = c.tensor("logits", logits, ndim=(3,))
         if action_mask is not None:
             c.tensor("action_mask", action_mask, kind="bool", shape=tuple(logits.shape[:2]) if ok else None,
@@ -161,7 +163,7 @@ def entropy_from_logits(logits: Tensor, action_mask: Optional[Tensor] = None, *,
             out[rows, cols] = h
             bad.append(~torch.isfinite(h))
         if validate and bad:
-            c = _Checks("entropy_from_logits")
+            c = Checks("entropy_from_logits")
             nonfinite = torch.zeros(B, T, dtype=torch.bool, device=logits.device)
             nonfinite[index[:, 0], index[:, 1]] = torch.cat(bad)
             c.when_any(nonfinite, "logits", "must give a finite entropy on action positions (no NaN or +inf logits, "
@@ -175,7 +177,7 @@ def masked_mean_var(x: Tensor, action_mask: Tensor, *, name: str = "x") -> tuple
     """Masked mean and unbiased masked variance ``Σ(x − x̄)²/(n − 1)`` (the seed's ``masked_var``), detached.
 
     Fewer than two action tokens raise (the unbiased variance is undefined there; the seed raises too)."""
-    c = _Checks("masked_mean_var")
+    c = Checks("masked_mean_var")
     _check_token_args(c, {name: x}, action_mask)
     c.raise_if_any()
     n = int(action_mask.sum())
@@ -205,7 +207,7 @@ def ppo_diagnostics(logp: Tensor, old_logp: Tensor, action_mask: Tensor, *, adva
     if advantages is not None and isinstance(advantages, Tensor) and advantages.ndim == 1 \
             and isinstance(logp, Tensor) and logp.ndim == 2:
         advantages = advantages.unsqueeze(-1).expand_as(logp)
-    c = _Checks("ppo_diagnostics")
+    c = Checks("ppo_diagnostics")
     named = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "entropy": entropy, "values": values,
              "old_values": old_values, "returns": returns}
     ok = _check_token_args(c, named, action_mask)
@@ -280,7 +282,7 @@ def ratio_guard(loss: LossLike, logp: Tensor, old_logp: Tensor, action_mask: Ten
     """Skip the batch (loss × 0, warning, ``skipped=1``) when ``mean(exp(logp − old_logp))`` over action tokens
     exceeds ``threshold`` (the seed's ``ratio_threshold``; TRL's PPO default is 10)."""
     if validate:
-        c = _Checks("ratio_guard")
+        c = Checks("ratio_guard")
         _check_token_args(c, {"logp": logp, "old_logp": old_logp}, action_mask)
         c.number("threshold", threshold, gt=0.0)
         losses = loss.items() if isinstance(loss, Mapping) else [("loss", loss)]

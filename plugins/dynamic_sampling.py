@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validat
 from lossplug.contracts import LossplugError
 from lossplug.ops import Groups
 
-from .value_loss import _Checks
+from lossplug.contracts.checks import Checks
 
 Tensor = torch.Tensor
 
@@ -260,7 +260,7 @@ def keep_mixed_groups(reward: Tensor, group_id: Optional[Tensor] = None, *, acti
 
 
 def _check(reward, group_id, action_mask, lengths, pass_threshold, bins, generation_seconds) -> None:
-    c = _Checks("keep_mixed_groups")
+    c = Checks("keep_mixed_groups")
     ok = c.tensor("reward", reward, kind="number", ndim=(1, 2))
     if ok:
         if group_id is None and reward.ndim == 1:

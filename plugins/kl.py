@@ -60,7 +60,9 @@ import torch
 from lossplug.contracts import LossplugError
 from lossplug.contracts.errors import did_you_mean
 
-from .value_loss import _Checks, _clean
+from lossplug.contracts.checks import Checks
+
+from .value_loss import _clean
 
 Tensor = torch.Tensor
 
@@ -73,7 +75,7 @@ KL_PENALTY_MODES: tuple[str, ...] = _BASE_MODES + tuple(m + "+" for m in _BASE_M
 
 
 def _check(contract: str, logp, ref_logp, action_mask) -> None:
-    c = _Checks(contract)
+    c = Checks(contract)
     ok = c.tensor("logp", logp)
     shape = tuple(logp.shape) if ok else None
     ok &= c.tensor("ref_logp", ref_logp, shape=shape, like="logp")
@@ -119,7 +121,7 @@ def k3(logp: Tensor, ref_logp: Tensor, action_mask: Optional[Tensor] = None, *, 
     """``exp(δ) − δ − 1`` with ``δ = min(ref − logp, max_log_ratio)`` per token; ≥ 0 and finite for any finite input."""
     if validate:
         _check("k3", logp, ref_logp, action_mask)
-        c = _Checks("k3")
+        c = Checks("k3")
         c.number("max_log_ratio", max_log_ratio, gt=0.0)
         c.raise_if_any()
     lp, ref = _prepare(logp, ref_logp, action_mask)
@@ -183,7 +185,7 @@ def kl_shaped_rewards(scores: Tensor, logp: Tensor, ref_logp: Tensor, action_mas
     (token-level scores, added as they are). ``logp`` is the rollout policy's log-prob (verl: ``old_log_probs``),
     ``mode`` any of :data:`KL_PENALTY_MODES` (``"kl"`` = k1, the seed's). Detached.
     """
-    c = _Checks("kl_shaped_rewards")
+    c = Checks("kl_shaped_rewards")
     ok = c.tensor("scores", scores, ndim=(1, 2))
     c.number("kl_coef", kl_coef, ge=0.0)
     if ok and isinstance(logp, Tensor) and logp.ndim == 2:
@@ -227,7 +229,7 @@ def _as_kl(current_kl, who: str) -> float:
         current_kl = current_kl.item()
     if isinstance(current_kl, np.generic):
         current_kl = current_kl.item()
-    c = _Checks(who)
+    c = Checks(who)
     c.number("current_kl", current_kl)
     c.raise_if_any()
     return float(current_kl)
@@ -240,7 +242,7 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target_kl: float, *, tolerance: float = 1.5, factor: float = 2.0,
                  min_kl_coef: float = 0.0, max_kl_coef: float = float("inf")):
-        c = _Checks("AdaptiveKLController")
+        c = Checks("AdaptiveKLController")
         c.number("init_kl_coef", init_kl_coef, gt=0.0)
         c.number("target_kl", target_kl, gt=0.0)
         c.number("tolerance", tolerance, gt=1.0)
@@ -281,7 +283,7 @@ class ProportionalKLController:
     5 · horizon`` with the KL far below target) verl silently turns β non-positive; this raises instead."""
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
-        c = _Checks("ProportionalKLController")
+        c = Checks("ProportionalKLController")
         c.number("init_kl_coef", init_kl_coef, gt=0.0)
         c.number("target_kl", target_kl, gt=0.0)
         c.number("horizon", horizon, gt=0.0)
@@ -292,7 +294,7 @@ class ProportionalKLController:
 
     def update(self, current_kl, n_steps: int) -> float:
         d = _as_kl(current_kl, "ProportionalKLController.update")
-        c = _Checks("ProportionalKLController.update")
+        c = Checks("ProportionalKLController.update")
         c.number("n_steps", n_steps, ge=0)
         c.raise_if_any()
         proportional_error = np.clip(d / self.target - 1, -0.2, 0.2)
@@ -316,7 +318,7 @@ class FixedKLController:
     """A constant β (verl's ``FixedKLController``)."""
 
     def __init__(self, kl_coef: float):
-        c = _Checks("FixedKLController")
+        c = Checks("FixedKLController")
         c.number("kl_coef", kl_coef, ge=0.0)
         c.raise_if_any()
         self.value = float(kl_coef)

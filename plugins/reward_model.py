@@ -29,14 +29,14 @@ import torch.nn.functional as F
 
 from lossplug.contracts import LossplugError
 
-from .value_loss import _Checks
+from lossplug.contracts.checks import Checks
 
 Tensor = torch.Tensor
 
 __all__ = ["RewardModelOutput", "last_token_index", "last_token_scores", "pairwise_reward_loss"]
 
 
-def _check_scores_args(c: _Checks, values, mask, vname: str, mname: str) -> bool:
+def _check_scores_args(c: Checks, values, mask, vname: str, mname: str) -> bool:
     ok = c.tensor(vname, values, ndim=(2, 3))
     if ok and values.ndim == 3 and values.shape[-1] != 1:
         c.fail(vname, f"must be [N, T] or [N, T, 1] (one score per position), got shape {list(values.shape)}")
@@ -63,7 +63,7 @@ def _scores(values: Tensor, mask: Tensor) -> Tensor:
 def last_token_scores(values: Tensor, attention_mask: Tensor, *, validate: bool = True) -> Tensor:
     """``[N]`` the score of each sequence: ``values[i, t*_i]`` at its last non-padding token (carries the gradient)."""
     if validate:
-        c = _Checks("last_token_scores")
+        c = Checks("last_token_scores")
         if _check_scores_args(c, values, attention_mask, "values", "attention_mask"):
             c.raise_if_any()
             scores = _scores(values, attention_mask)
@@ -100,7 +100,7 @@ def pairwise_reward_loss(values: Optional[Tensor] = None, attention_mask: Option
     if combined == separate:
         raise LossplugError("pairwise_reward_loss: give either values + attention_mask (chosen rows first, then "
                             "rejected rows) or chosen_values, chosen_mask, rejected_values and rejected_mask")
-    c = _Checks("pairwise_reward_loss")
+    c = Checks("pairwise_reward_loss")
     if combined:
         if validate:
             missing = [n for n, t in (("values", values), ("attention_mask", attention_mask)) if t is None]

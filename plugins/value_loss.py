@@ -32,21 +32,20 @@ the band's edges ``V = V_old ± ε`` the clip is ``torch.clamp`` (edges inside t
 1), where verl's ``max(min(·))`` and ``torch.max`` split tied gradients (``0.75·(V − R)`` there). Non-action positions may hold anything (NaN, inf): they are
 replaced by 0 before any arithmetic, so they reach neither the loss nor the gradient.
 
-This module also hosts ``_Checks``, the argument checker the other seed-tool modules (kl, reward_model,
-dynamic_sampling, diagnostics) share: every bad input raises a :class:`~lossplug.BatchValidationError` (a
-:class:`~lossplug.LossplugError`) naming the field, the rule and the rows/positions.
+Arguments are checked with :class:`lossplug.contracts.checks.Checks`, like every contract: every bad input raises a
+:class:`~lossplug.BatchValidationError` (a :class:`~lossplug.LossplugError`) naming the field, the rule and the
+rows/positions.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 
-from lossplug.contracts import BatchValidationError, Normalizer, Violation
-from lossplug.contracts.errors import describe_positions
+from lossplug.contracts import Normalizer
+from lossplug.contracts.checks import Checks
 
 Tensor = torch.Tensor
 
@@ -55,85 +54,6 @@ __all__ = ["ValueLossOutput", "value_loss", "value_clip_fraction"]
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Argument checks shared by the seed-tool modules (kept here: core/ and contracts/ belong to others).
-
-
-class _Checks:
-    """Collects rule violations of one call; tensor-valued rules are resolved with a single device→host sync."""
-
-    def __init__(self, contract: str):
-        self.contract = contract
-        self.violations: list[Violation] = []
-        self._pending: list[tuple[Tensor, Callable[[], Violation]]] = []
-        self._device: Optional[torch.device] = None
-        self._device_of: str = ""
-
-    def fail(self, field_: str, rule: str, where: str = "") -> None:
-        self.violations.append(Violation(field_, rule, where))
-
-    def when_any(self, bad: Tensor, field_: str, rule: str, noun: str = "rows") -> None:
-        """Report ``rule`` for ``field_`` (with the offending places) if any element of ``bad`` is set."""
-        self._pending.append((bad.any(), lambda: Violation(field_, rule, describe_positions(bad, noun=noun))))
-
-    def when(self, flag: Tensor, field_: str, rule: str, where: str = "") -> None:
-        """Report ``rule`` for ``field_`` if the 0-d boolean tensor ``flag`` is set (resolved with the same sync)."""
-        self._pending.append((flag.reshape(()), lambda: Violation(field_, rule, where)))
-
-    def tensor(self, name: str, t, *, kind: str = "float", ndim: Optional[tuple[int, ...]] = None,
-               shape: Optional[tuple[int, ...]] = None, like: str = "") -> bool:
-        """Type, dtype, rank, shape and device rules of one tensor argument; False if any failed."""
-        if not isinstance(t, torch.Tensor):
-            self.fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
-            return False
-        ok = True
-        dtype_ok = {
-            "float": t.is_floating_point(),
-            "bool": t.dtype == torch.bool,
-            "int": not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool,
-            "number": not t.is_complex() and t.dtype != torch.bool,
-        }[kind]
-        if not dtype_ok:
-            hint = " (convert with .bool() once you know it holds only 0/1)" if kind == "bool" else ""
-            noun = {"number": "a real (int or float)", "int": "an int"}.get(kind, f"a {kind}")
-            self.fail(name, f"must be {noun} tensor, got {t.dtype}{hint}")
-            ok = False
-        if ndim is not None and t.ndim not in ndim:
-            want = " or ".join(f"{n}-d" for n in ndim)
-            self.fail(name, f"must be {want}, got shape {list(t.shape)}")
-            ok = False
-        elif shape is not None and tuple(t.shape) != tuple(shape):
-            self.fail(name, f"shape must match {like or 'the batch'} {list(shape)}, got {list(t.shape)}")
-            ok = False
-        if self._device is None:
-            self._device, self._device_of = t.device, name
-        elif t.device != self._device:
-            self.fail(name, f"must be on {self._device_of}'s device {self._device}, got {t.device}")
-            ok = False
-        return ok
-
-    def number(self, name: str, value, *, ge: Optional[float] = None, gt: Optional[float] = None,
-               allow_inf: bool = False, integer: bool = False) -> bool:
-        """Rules of a scalar parameter: a real number, finite (unless ``allow_inf``), and bounded below."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-            self.fail(name, f"must be {'an int' if integer else 'a number'}, got {type(value).__name__} {value!r}")
-            return False
-        if math.isnan(value) or (math.isinf(value) and not allow_inf):
-            self.fail(name, f"must be finite, got {value}")
-            return False
-        if ge is not None and value < ge:
-            self.fail(name, f"must be >= {ge}, got {value}")
-            return False
-        if gt is not None and value <= gt:
-            self.fail(name, f"must be > {gt}, got {value}")
-            return False
-        return True
-
-    def raise_if_any(self) -> None:
-        if self._pending:
-            flags = torch.stack([flag for flag, _ in self._pending]).tolist()
-            self.violations.extend(make() for flag, (_, make) in zip(flags, self._pending) if flag)
-            self._pending.clear()
-        if self.violations:
-            raise BatchValidationError(self.contract, self.violations)
 
 
 def _clean(x: Tensor, mask: Tensor) -> Tensor:
@@ -225,7 +145,7 @@ def value_clip_fraction(values: Tensor, old_values: Tensor, returns: Tensor, act
 
 def _check_value_args(values, old_values, returns, action_mask, clip_eps, reduction, normalizer, action_tokens,
                       contract: str = "value_loss") -> None:
-    c = _Checks(contract)
+    c = Checks(contract)
     aligned = c.tensor("values", values, ndim=(2,))
     shape = tuple(values.shape) if aligned else None
     like = "values"

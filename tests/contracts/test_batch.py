@@ -98,7 +98,7 @@ def test_all_violations_are_reported_together():
 
 def test_id_fields_must_be_integer():
     err, msg = violations(**good(group_id=torch.tensor([0.0, 0.0, 1.0])))
-    assert "group_id: must be a int tensor, got torch.float32" in msg
+    assert "group_id: must be an int tensor, got torch.float32" in msg
 
 
 def test_unknown_field_suggests_the_right_name():

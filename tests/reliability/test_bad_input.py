@@ -263,7 +263,7 @@ CASES: list[Case] = [
     C("group_id is per token", lambda: batch(group_id=torch.zeros(B, T, dtype=torch.long)),
       ("group_id", "expected [2]", "got [2, 3]"), BatchValidationError),
     C("group_id is float", lambda: batch(group_id=torch.zeros(B)),
-      ("group_id", "must be a int tensor", "torch.float32"), BatchValidationError),
+      ("group_id", "must be an int tensor", "torch.float32"), BatchValidationError),
     C("terminated is int", lambda: batch(terminated=torch.zeros(B, dtype=torch.long)),
       ("terminated", "must be a bool tensor", "torch.int64"), BatchValidationError),
     C("a field is a Python list", lambda: batch(advantage=[1.0, -1.0]),
