@@ -66,7 +66,7 @@ def conformance_tests(plugin, *, kind: Optional[str] = None, params: Optional[Ma
     """
     import pytest
 
-    from .kit import ConformanceError, check_plugin, checks_for
+    from .kit import checks_for
 
     reasons = dict(skip) if isinstance(skip, Mapping) else {n: "skipped by the caller" for n in skip}
     try:
@@ -81,17 +81,29 @@ def conformance_tests(plugin, *, kind: Optional[str] = None, params: Optional[Ma
 
     @pytest.mark.parametrize("check", names)
     def test_lossplug_conformance(check):
-        if check in reasons:
-            pytest.skip(reasons[check])
-        report = check_plugin(plugin, kind=kind, params=params, checks=[check])
-        result = report.results[0]
-        if result.status == "skipped":
-            pytest.skip(result.message)
-        if result.status == "failed":
-            raise ConformanceError(report)
+        run_as_test(plugin, check, kind=kind, params=params, skip_reason=reasons.get(check))
 
     return test_lossplug_conformance
 
 
+def run_as_test(plugin, check: str, *, kind: Optional[str] = None, params: Optional[Mapping[str, Any]] = None,
+                skip_reason: Optional[str] = None):
+    """Run one check as the body of a pytest test: skipped with a reason, or raising
+    :class:`ConformanceError` with the whole report when it fails. Returns the :class:`CheckResult`."""
+    import pytest
+
+    from .kit import ConformanceError, check_plugin
+
+    if skip_reason:
+        pytest.skip(skip_reason)
+    report = check_plugin(plugin, kind=kind, params=params, checks=[check])
+    result = report.results[0]
+    if result.status == "skipped":
+        pytest.skip(result.message)
+    if result.status == "failed":
+        raise ConformanceError(report)
+    return result
+
+
 __all__ = ["CHECKS", "batches", "CheckResult", "ConformanceError", "ConformanceReport", "assert_conforms", "check_plugin",
-           "checks_for", "conformance_tests", "install_isolated", "run_check"]
+           "checks_for", "conformance_tests", "install_isolated", "reference", "run_as_test", "run_check"]

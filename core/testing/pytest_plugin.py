@@ -141,17 +141,9 @@ class _Runner:
         self.plugin, self.kind, self.params, self.check, self.skip_reason = plugin, kind, params, check, skip_reason
 
     def __call__(self):
-        from lossplug.testing import ConformanceError, check_plugin
+        from lossplug.testing import run_as_test
 
-        if self.skip_reason:
-            pytest.skip(self.skip_reason)
-        report = check_plugin(self.plugin, kind=self.kind, params=self.params, checks=[self.check])
-        result = report.results[0]
-        if result.status == "skipped":
-            pytest.skip(result.message)
-        if result.status == "failed":
-            raise ConformanceError(report)
-        return result
+        return run_as_test(self.plugin, self.check, kind=self.kind, params=self.params, skip_reason=self.skip_reason)
 
     def __repr__(self):
         return f"lossplug_check({self.check!r})"
