@@ -708,17 +708,7 @@ def plot_run(rows: list[dict[str, Any]], path: Union[str, Path], title: str = "l
     ax_h.set_ylim(-0.02, 1.02)
     ax_h.set_ylabel("score")
 
-    for ax in axes.flat:
-        ax.set_xlabel("optimizer step")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc="best")
-    fig.suptitle(title, fontsize=12)
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, axes.flat, title, path, legend_size=8, top=0.96)
 
 
 def plot_compare(runs: dict[str, list[dict[str, Any]]], path: Union[str, Path],
@@ -749,13 +739,18 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], path: Union[str, Path],
         ax.set_ylim(-0.02, 1.02)
     ax_g.set_ylim(bottom=-0.01)
     ax_t.set_ylim(bottom=0)
+    return _save(plt, fig, axes, title, path, legend_size=7, top=0.93)
+
+
+def _save(plt, fig, axes, title: str, path: Union[str, Path], *, legend_size: int, top: float) -> Path:
+    """The finish every demo figure shares: step axes, grids, legends where there is something to label, title."""
     for ax in axes:
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="best")
+            ax.legend(fontsize=legend_size, loc="best")
     fig.suptitle(title, fontsize=12)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.tight_layout(rect=(0, 0, 1, top))
     path = Path(path)
     fig.savefig(path, dpi=100)
     plt.close(fig)
