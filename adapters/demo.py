@@ -489,7 +489,8 @@ def _build(recipe, label: str, settings: DemoSettings, out: Path, display: "_Dis
         logging_steps=settings.logging_steps, disable_tqdm=True, log_completions=False)
     callback = _callback_class()(task, tok, heldout, settings, out / "metrics.jsonl", display)
     trainer = _trainer_class()(model=model, reward_funcs=[successor_reward], args=args, train_dataset=dataset,
-                               processing_class=tok, callbacks=[callback], recipe=recipe)
+                               processing_class=tok, callbacks=[callback], recipe=recipe,
+                               metrics="full")  # the panels show ratio quantiles and effective rates
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)
     # the four log-prob sources (trl_provenance records behaviour = old: TRL samples with the training model);

@@ -102,7 +102,9 @@ Refused (with a message, at construction / ``attach``), never silently changed
 
 Kept from TRL unchanged: the static entropy bonus (``entropy_coef``), the MoE auxiliary loss, eval mode, the
 ``entropy`` and ``kl`` metrics. lossplug's own metrics are logged as ``lossplug/<name>`` in ``self._metrics[mode]``
-(averaged over processes), so they appear in TRL's logs. At ``train()`` the recipe, the provenance and the versions
+(averaged over processes), so they appear in TRL's logs; ``metrics="basic"`` (the default) keeps them to what costs
+about as much as TRL's own clip-ratio metrics, ``metrics="full"`` adds ratio quantiles and effective-sample
+fractions. At ``train()`` the recipe, the provenance and the versions
 are written to ``args.output_dir`` (``recipe.yaml``, ``provenance.json``, ``versions.json``).
 """
 
@@ -294,7 +296,8 @@ def write_record(trainer, directory: Optional[Union[str, Path]] = None) -> Path:
         "adapter": {
             "module": __name__, "trainer": type(trainer).__name__,
             "trl_trainer": next(c for c in type(trainer).__mro__ if not issubclass(c, _Mixin)).__name__,
-            "population": st.population, "validate": st.validate, "recipe_advantage": st.compiled.advantage is not None,
+            "population": st.population, "validate": st.validate, "metrics": st.metrics,
+            "recipe_advantage": st.compiled.advantage is not None,
         },
         # TRL settings the recipe replaces (recorded so that a reader of the run knows they did not apply)
         "trl_settings_replaced": {k: getattr(args, k, None) for k in (
@@ -321,6 +324,7 @@ class _State:
     population: str
     provenance: Provenance
     kl_sequence_level: bool
+    metrics: str = "basic"
     rewards_per_func: Optional[torch.Tensor] = None
     rounds: int = 0
     record_written: bool = False
@@ -334,11 +338,15 @@ def _state(trainer) -> _State:
     return st
 
 
-def _check_options(validate: str, population: str) -> None:
+def _check_options(validate: str, population: str, metrics="basic") -> str:
+    """Checks the adapter's options; returns the metric level."""
     if validate not in VALIDATE:
         raise LossplugError(f"validate must be one of {VALIDATE}, got {validate!r}")
     if population not in POPULATIONS:
         raise LossplugError(f"population must be one of {POPULATIONS}, got {population!r}")
+    from lossplug.pipeline import metric_level
+
+    return metric_level(metrics)
 
 
 def _required(stage) -> tuple[str, ...]:
@@ -404,9 +412,10 @@ def _refusals(trainer, compiled, provenance: Provenance) -> list[str]:
     return out
 
 
-def _setup(trainer, recipe, validate: str, population: str, provenance: Optional[Provenance]) -> None:
+def _setup(trainer, recipe, validate: str, population: str, provenance: Optional[Provenance],
+           metrics="basic") -> None:
     trl = _trl()
-    _check_options(validate, population)
+    metrics = _check_options(validate, population, metrics)
     if isinstance(trainer, trl.RLOOTrainer):
         raise LossplugError(
             "RLOOTrainer is not supported: its batches carry per-sequence summed old log-probs (old_logps [B]) and a "
@@ -427,7 +436,7 @@ def _setup(trainer, recipe, validate: str, population: str, provenance: Optional
         raise LossplugError("lossplug cannot run this recipe in this TRL trainer without changing its meaning:\n  - "
                             + "\n  - ".join(problems))
     trainer._lossplug = _State(recipe=recipe, compiled=compiled, validate=validate, population=population,
-                               provenance=provenance, kl_sequence_level=compiled.update.plugin.level == "sequence")
+                               provenance=provenance, metrics=metrics, kl_sequence_level=compiled.update.plugin.level == "sequence")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -628,7 +637,7 @@ class _Mixin:
                 logp=take(logps), action_mask=take(action), old_logp=take(old), behavior_logp=take(behavior),
                 ref_logp=take(inputs.get("ref_per_token_logps")) if self.beta != 0.0 else None,
                 advantage=take(advantages), group_id=take(inputs.get("lossplug_group_id")), reward=take(reward))
-            result = lossplug.policy_loss(batch, st.recipe, normalizer, validate=st.validate, metrics=True)
+            result = lossplug.policy_loss(batch, st.recipe, normalizer, validate=st.validate, metrics=st.metrics)
             loss = result.loss * scale
             metrics.update(result.metric_tensors)
             # this micro-batch's share × the number of micro-batches: averaged over the micro-batches (and processes)
@@ -707,21 +716,24 @@ def _grpo_class() -> type:
         """TRL's ``GRPOTrainer`` whose advantage and loss come from a lossplug recipe.
 
         ``LossplugGRPOTrainer(model, reward_funcs, args, ..., recipe="dapo", validate="full",
-        population="generation", provenance=None)`` — every ``GRPOTrainer`` argument, plus:
+        population="generation", metrics="basic", provenance=None)`` — every ``GRPOTrainer`` argument, plus:
 
         * ``recipe``: a :class:`lossplug.Recipe`, a preset name, a mapping or a YAML/JSON path;
         * ``validate``: ``"full"`` (every batch checked against the contracts) or ``"off"``;
         * ``population``: ``"generation"`` or ``"micro_batch"`` (see :mod:`lossplug.adapters.trl`);
+        * ``metrics``: ``"basic"`` (every micro-batch: the loss, ``update/approx_kl`` and each gate's cut fractions,
+          at about the cost of TRL's own clip-ratio metrics), ``"full"`` (also ratio quantiles and effective-sample
+          fractions: a few ms per micro-batch at 64 × 4096 on a CPU) or ``"off"``; logged as ``lossplug/<name>``;
         * ``provenance``: a :class:`lossplug.Provenance` to record instead of the one derived from the config.
         """
 
         def __init__(self, *args, recipe, validate: str = "full", population: str = "generation",
-                     provenance: Optional[Provenance] = None, **kwargs):
-            _check_options(validate, population)
+                     metrics: str = "basic", provenance: Optional[Provenance] = None, **kwargs):
+            _check_options(validate, population, metrics)
             recipe = Recipe.load(recipe)  # a bad recipe fails before any model is loaded
             lossplug.compile_recipe(recipe)
             super().__init__(*args, **kwargs)
-            _setup(self, recipe, validate, population, provenance)
+            _setup(self, recipe, validate, population, provenance, metrics)
 
     LossplugGRPOTrainer.__module__ = __name__
     LossplugGRPOTrainer.__qualname__ = "LossplugGRPOTrainer"
@@ -729,7 +741,7 @@ def _grpo_class() -> type:
     return LossplugGRPOTrainer
 
 
-def attach(trainer, recipe, *, validate: str = "full", population: str = "generation",
+def attach(trainer, recipe, *, validate: str = "full", population: str = "generation", metrics: str = "basic",
            provenance: Optional[Provenance] = None):
     """Make an already-built ``GRPOTrainer`` (or subclass) run ``recipe``; returns the same object.
 
@@ -740,12 +752,12 @@ def attach(trainer, recipe, *, validate: str = "full", population: str = "genera
     """
     trl = _trl()
     if isinstance(trainer, trl.RLOOTrainer) or not isinstance(trainer, trl.GRPOTrainer):
-        _setup(trainer, recipe, validate, population, provenance)  # raises the explanatory error
+        _setup(trainer, recipe, validate, population, provenance, metrics)  # raises the explanatory error
     cls = _class_for(type(trainer))
     previous = trainer.__class__
     trainer.__class__ = cls
     try:
-        _setup(trainer, recipe, validate, population, provenance)
+        _setup(trainer, recipe, validate, population, provenance, metrics)
     except Exception:
         trainer.__class__ = previous
         raise

@@ -58,6 +58,7 @@ import torch
 
 import lossplug
 from lossplug.contracts import LossplugError, Normalizer, PolicyBatch, Recipe, RecipeError
+from lossplug.pipeline import metric_level
 
 from verl.trainer.ppo import core_algos
 from verl.workers.config import PolicyLossConfig
@@ -166,7 +167,9 @@ class LossplugPolicyLossConfig(PolicyLossConfig):
 
     ``recipe``: preset name, recipe YAML/JSON path (absolute: Ray workers may run in another directory) or an inline
     mapping. ``validation``: ``full`` checks every micro-batch against the batch contract (one host sync), ``off``
-    skips it. ``metrics``: lossplug's per-gate metrics (ratio quantiles, clip fractions…) under ``actor/lossplug/``.
+    skips it. ``metrics``: lossplug's metrics under ``actor/lossplug/`` — ``basic`` (default: each gate's cut fractions,
+    at about the cost of verl's own ``pg_clipfrac``), ``full`` (also ratio quantiles and effective-sample fractions)
+    or ``off`` (``true``/``false`` mean ``full``/``off``); ``actor/ppo_kl`` is reported unless ``off``.
     Under ``loss_mode=lossplug`` verl's ``clip_ratio*``, ``clip_ratio_c`` and ``tau_*`` are not read: the recipe's
     parameters are the only ones.
     """
@@ -174,9 +177,13 @@ class LossplugPolicyLossConfig(PolicyLossConfig):
     loss_mode: str = NAME
     recipe: Any = None
     validation: str = "full"
-    metrics: bool = True
+    metrics: Any = "basic"
 
     def __post_init__(self) -> None:
+        try:
+            metric_level(self.metrics)
+        except LossplugError as err:
+            raise LossplugError(f"actor_rollout_ref.actor.policy_loss.{err}") from None
         if self.validation not in ("full", "off"):
             raise LossplugError(f"actor_rollout_ref.actor.policy_loss.validation must be 'full' or 'off', got "
                                 f"{self.validation!r}")
@@ -358,7 +365,7 @@ def compute_policy_loss_lossplug(
     compiled = lossplug.compile_recipe(recipe)
     policy_cfg = getattr(config, "policy_loss", None)
     validate = getattr(policy_cfg, "validation", "full") if policy_cfg is not None else "full"
-    want_metrics = bool(getattr(policy_cfg, "metrics", True)) if policy_cfg is not None else True
+    level = metric_level(getattr(policy_cfg, "metrics", "basic") if policy_cfg is not None else "basic")
 
     reduction = compiled.reduction.plugin.name
     matching = LOSS_AGG_MODES.get(loss_agg_mode)
@@ -403,17 +410,20 @@ def compute_policy_loss_lossplug(
 
     batch = PolicyBatch.unchecked(logp=log_prob, action_mask=mask, old_logp=old_log_prob, advantage=advantages,
                                   behavior_logp=rollout_log_probs)
-    result = lossplug.policy_loss(batch, recipe, normalizer, validate=validate, metrics=want_metrics,
+    result = lossplug.policy_loss(batch, recipe, normalizer, validate=validate, metrics=level,
                                   weight=rollout_is_weights)
     loss = result.loss * dp_size
 
     metrics: dict[str, Any] = {}
-    if want_metrics:  # verl wants floats: one device→host transfer for all of them
+    if level != "off":  # verl wants floats: one device→host transfer for all of them
         with torch.no_grad():
-            tensors = {f"actor/lossplug/{k}": v for k, v in result.metric_tensors.items() if k != "loss"}
-            tensors["actor/ppo_kl"] = (torch.where(mask, old_log_prob - log_prob.detach(), 0).sum()
-                                       / mask.sum().clamp(min=1))
-            values = torch.stack([t.detach().float().reshape(()) for t in tensors.values()]).tolist()
+            found = dict(result.metric_tensors)
+            found.pop("loss", None)
+            # verl's ppo_kl is lossplug's update/approx_kl: mean over the actions of old_log_prob − log_prob
+            approx_kl = found.pop("update/approx_kl", None)
+            tensors = {} if approx_kl is None else {"actor/ppo_kl": approx_kl}
+            tensors.update({f"actor/lossplug/{k}": v for k, v in found.items()})
+            values = torch.stack([t.detach().double().reshape(()) for t in tensors.values()]).tolist()
         metrics = dict(zip(tensors, values))
     return loss, metrics
 

@@ -70,7 +70,7 @@ def lossplug_validate_batch(batch, recipe):
 def lossplug_extra_metrics(batch, objective, recipe):
     """Extra metrics for a policy-loss call.
 
-    Called once per ``policy_loss(..., metrics=True)`` after the gates ran, with the batch, the per-token objective
+    Called once per ``policy_loss`` call with metrics on (``"basic"`` or ``"full"``) after the gates ran, with the batch, the per-token objective
     ``[B, T]`` (after every gate, before the reduction) and the recipe. Return a dict of metric name → 0-d tensor
     (computed without gradient) or ``None``. Names are used as given; prefix them with your plugin's name.
     """

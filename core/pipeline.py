@@ -24,6 +24,10 @@ from .plugin import AdvantagePlugin, GateInput, GateOutput, GatePlugin, Params, 
 
 Tensor = torch.Tensor
 Validate = Literal["full", "off"]
+#: ``off``: none · ``basic``: the loss, the update's approximate KL and each gate's cut fractions (what the trainers
+#: log themselves, at their cost) · ``full``: also ratio distributions and effective-sample fractions
+MetricLevel = Literal["off", "basic", "full"]
+METRIC_LEVELS = ("off", "basic", "full")
 QUANTILES = (0.0, 0.05, 0.5, 0.95, 1.0)
 QUANTILE_NAMES = ("min", "p05", "p50", "p95", "max")
 
@@ -273,7 +277,17 @@ def _check_advantage_output(adv: Tensor, batch, stage: Stage, what: str) -> None
 # Policy loss
 
 
-def _prepare(batch: PolicyBatch, metrics: bool = True) -> GateInput:
+def metric_level(metrics: Union[bool, str]) -> str:
+    """``"off"``, ``"basic"`` or ``"full"`` from a level or a bool (``True`` is ``"full"``, ``False`` ``"off"``)."""
+    if metrics is True or metrics is False:
+        return "full" if metrics else "off"
+    if isinstance(metrics, str) and metrics in METRIC_LEVELS:
+        return metrics
+    raise LossplugError(f"metrics must be one of {', '.join(repr(m) for m in METRIC_LEVELS)} (or True = 'full', "
+                        f"False = 'off'), got {metrics!r}")
+
+
+def _prepare(batch: PolicyBatch, metrics: Union[bool, str] = True) -> GateInput:
     mask = batch.action_mask
     logp = batch.logp
     compute = torch.float32 if logp.dtype in (torch.float16, torch.bfloat16) else logp.dtype
@@ -297,17 +311,21 @@ def _prepare(batch: PolicyBatch, metrics: bool = True) -> GateInput:
         return seen[key].detach()
 
     adv = batch.advantage
+    level = metric_level(metrics)
     fields = dict(logp=clean_logp, mask=mask, lengths=torch.count_nonzero(mask, -1), old_logp=clean(batch.old_logp),
                   behavior_logp=clean(batch.behavior_logp), ref_logp=clean(batch.ref_logp), batch=batch,
-                  metrics=metrics)
+                  metrics=level != "off", full_metrics=level == "full")
     if adv is None or adv.ndim != 1:
-        return GateInput(advantage=clean(adv), **fields)
+        inp = GateInput(advantage=clean(adv), **fields)
+        object.__setattr__(inp, "_bits", bits)  # the objective's zero-off reuses the pattern (forward and backward)
+        return inp
     # a [B] advantage (finite by the contract): per-response gates read it as is; the [B, T] one, broadcast and
     # zeroed off the actions, is built only if a gate reads it (one pass and one [B, T] allocation fewer otherwise)
     seq_adv = adv.detach().to(compute)
     inp = _LazyAdvantageInput(advantage=None, seq_advantage=seq_adv, **fields)
     object.__delattr__(inp, "advantage")
-    object.__setattr__(inp, "_make_advantage", lambda: zero_off(seq_adv.unsqueeze(-1).expand_as(logp), mask))
+    object.__setattr__(inp, "_make_advantage", lambda: zero_off(seq_adv.unsqueeze(-1).expand_as(logp), mask, bits))
+    object.__setattr__(inp, "_bits", bits)
     return inp
 
 
@@ -329,18 +347,26 @@ def _layout(t: Tensor) -> tuple:
 
 
 def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Optional[Normalizer] = None, *,
-                validate: Validate = "full", metrics: bool = True, weight: Optional[Tensor] = None) -> LossResult:
+                validate: Validate = "full", metrics: Union[bool, MetricLevel] = True,
+                weight: Optional[Tensor] = None) -> LossResult:
     """The recipe's policy loss for one micro-batch.
 
     Without a ``normalizer`` the micro-batch is the whole population. With one, the returned loss is this
     micro-batch's share of the full-step reduction: summed over every micro-batch and rank it equals the full-batch
-    loss exactly. ``metrics=False`` skips every metric (no quantile sorts).
+    loss exactly.
+
+    ``metrics``: ``"off"`` (or False) computes none; ``"basic"`` the loss, ``update/approx_kl`` (the mean of
+    ``old_logp − logp`` over the actions, verl's ``ppo_kl``) and each gate's cut fractions — what TRL and verl log
+    themselves, at about their cost (the adapters' default); ``"full"`` (or True) adds the update and engine ratio
+    distributions (min, p05, p50, p95, max, mean), the gates' costlier diagnostics and the effective token and
+    response fractions.
 
     ``weight`` (``[B, T]`` or ``[B]``, ≥ 0): a coefficient computed by the trainer itself (e.g. verl's
     ``rollout_is_weights``), multiplied into the objective after the gates exactly like a correction gate's weight;
     it is detached — no gradient flows through it.
     """
     compiled = compile_recipe(as_recipe(recipe))
+    level = metric_level(metrics)
     if validate == "full":
         if not isinstance(batch, PolicyBatch):
             raise LossplugError(f"policy_loss: batch must be a lossplug.PolicyBatch, got {type(batch).__name__}")
@@ -358,7 +384,7 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
     elif validate != "off":
         raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
 
-    inp = _prepare(batch, metrics)
+    inp = _prepare(batch, level)
     update = compiled.update
     out = _run(update, validate, inp)
     if validate == "full":
@@ -374,7 +400,7 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
             _check_gate_output(stage, corr, inp)
         objective = objective * (corr.weight if corr.weight.ndim == 2 else corr.weight.unsqueeze(-1))
         outputs.append((stage, corr))
-    objective = zero_off(objective, inp.mask)
+    objective = zero_off(objective, inp.mask, inp.__dict__.get("_bits"))
 
     red = compiled.reduction
     value = _run(red, validate, objective, inp.mask, inp.lengths, population_of(inp.mask, normalizer))
@@ -384,9 +410,10 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
     loss = (-value).to(out_dtype) if out_dtype != value.dtype else -value
 
     metric_tensors: dict[str, Tensor] = {}
-    if metrics:
+    if level != "off":
         with torch.no_grad():
-            metric_tensors = _metrics(inp, outputs, objective, loss)
+            metric_tensors = _metrics(inp, outputs, objective, loss) if level == "full" else \
+                _basic_metrics(inp, outputs, loss)
             if compiled.has_metric_hooks:
                 for plugin, extra in _call_hook("lossplug_extra_metrics", batch=batch, objective=objective.detach(),
                                                 recipe=compiled.recipe):
@@ -472,12 +499,28 @@ def _ratio_metrics(prefix: str, log_ratio: Tensor, mask: Tensor, out: dict[str, 
     out[f"{prefix}/mean"] = mean
 
 
+def _approx_kl(inp: GateInput, n_tokens: Tensor) -> Tensor:
+    """mean over the actions of old_logp − logp: both are zero off the actions (cleaned), so no mask pass."""
+    return -inp.update_log_ratio().detach().sum() / n_tokens
+
+
+def _basic_metrics(inp: GateInput, outputs, loss: Tensor) -> dict[str, Tensor]:
+    m: dict[str, Tensor] = {"loss": loss.detach()}
+    if inp.old_logp is not None:
+        m["update/approx_kl"] = _approx_kl(inp, inp.lengths.sum().clamp(min=1))
+    for stage, out in outputs:
+        for key, value in out.metrics.items():
+            m[f"{stage.plugin.name}/{key}"] = value
+    return m
+
+
 def _metrics(inp: GateInput, outputs, objective: Tensor, loss: Tensor) -> dict[str, Tensor]:
     mask = inp.mask
     n_tokens = torch.count_nonzero(mask).clamp(min=1)  # (a bool .sum() first copies the mask to int64)
     m: dict[str, Tensor] = {"loss": loss.detach()}
     if inp.old_logp is not None:
-        _ratio_metrics("ratio/update", inp.logp.detach() - inp.old_logp, mask, m)
+        m["update/approx_kl"] = _approx_kl(inp, n_tokens)
+        _ratio_metrics("ratio/update", inp.update_log_ratio().detach(), mask, m)
     if inp.old_logp is not None and inp.behavior_logp is not None:
         _ratio_metrics("ratio/engine", inp.old_logp - inp.behavior_logp, mask, m)
     token_active = mask

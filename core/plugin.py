@@ -55,9 +55,13 @@ class GateInput:
     gradient still flows on action positions): whatever the batch held there — NaN, inf — can neither leak into the
     loss nor into the gradient (0 · NaN in a backward pass is NaN, so masking only the output is not enough).
 
-    ``metrics`` is False when the caller asked for no metrics (``policy_loss(metrics=False)``, the hot loop): a gate
-    then skips its diagnostic work — ``GateOutput.metrics`` and ``active`` are not read — and computes only what
-    the objective or weight needs.
+    ``metrics`` is False when the caller asked for no metrics (``policy_loss(metrics="off")``): a gate then skips its
+    diagnostic work — ``GateOutput.metrics`` and ``active`` are not read — and computes only what the objective or
+    weight needs. With ``metrics`` True a gate reports its cheap diagnostics: counts and fractions of what it cut,
+    each a comparison and a count over ``[B, T]`` (``policy_loss(metrics="basic")``, what the adapters run on every
+    micro-batch by default, comparable to the trainers' own clip fractions). ``full_metrics`` is True only for
+    ``metrics="full"``: then a gate may add anything costlier (distributions, ratio extremes) and returns
+    ``active``, which feeds the pipeline's effective-sample metrics.
 
     ``seq_advantage`` is the per-response advantage ``[B]`` (detached, in the compute dtype) when the batch holds
     one, else None. ``advantage`` is always there (the ``[B]`` one broadcast over ``[B, T]`` and zeroed off the
@@ -76,10 +80,26 @@ class GateInput:
     batch: PolicyBatch
     metrics: bool = True
     seq_advantage: Optional[Tensor] = None
+    full_metrics: bool = True
+
+    def broadcast_advantage(self) -> Tensor:
+        """The advantage in the cheapest form that broadcasts against ``[B, T]``: a ``[B, 1]`` column for a ``[B]``
+        advantage (its value off the actions is the response's — the pipeline zeroes the objective there), else the
+        ``[B, T]`` tensor. Detached."""
+        if self.seq_advantage is not None:
+            return self.seq_advantage.unsqueeze(-1)
+        return self.advantage.detach()
 
     def update_log_ratio(self) -> Tensor:
-        """log(π_θ / π_old) per token; zero off actions. Gradient flows through ``logp`` only."""
-        return self.logp - self.old_logp.detach()
+        """log(π_θ / π_old) per token; zero off actions. Gradient flows through ``logp`` only.
+
+        Computed once per micro-batch and shared (the update gate and the metrics read the same tensor): do not
+        modify it in place."""
+        cached = self.__dict__.get("_update_log_ratio")
+        if cached is None:
+            cached = self.logp - self.old_logp.detach()
+            self.__dict__["_update_log_ratio"] = cached  # a frozen dataclass: its fields stay immutable
+        return cached
 
     def engine_log_ratio(self) -> Tensor:
         """log(π_old / π_behaviour) per token, detached; zero off actions."""

@@ -9,6 +9,8 @@ Run lossplug's invariant suite against any registered plugin (or a plugin object
   reaches ``old_logp``, ``behavior_logp``, ``ref_logp`` or the advantage;
 * zero advantage gives exactly zero gradient;
 * log-ratios of ±50…±1000 keep the loss, the gradient and the metrics finite, in fp32 and bf16;
+* metrics ``"off"``, ``"basic"`` and ``"full"`` give the same loss and gradient, and ``"basic"``'s metrics are a
+  subset of ``"full"``'s with the same values;
 * the loss and the gradient are invariant to how the batch is split into micro-batches under a Normalizer;
 * parameters are a :class:`lossplug.Params` model with a JSON schema, defaults and descriptions;
 * the plugin has a docstring, returns what its kind promises, and runs with only the fields it ``requires``;

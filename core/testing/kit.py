@@ -197,14 +197,14 @@ class Run:
 
 
 def _run(subject: Subject, fields: Mapping[str, Optional[Tensor]], *, reduction="token",
-         normalizer: Optional[Normalizer] = None, grad: Iterable[str] = ("logp",)) -> Run:
+         normalizer: Optional[Normalizer] = None, grad: Iterable[str] = ("logp",), metrics="full") -> Run:
     """``policy_loss`` of the subject's recipe on ``fields``; backward; the gradients of the ``grad`` fields."""
     leaves = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in fields.items() if v is not None}
     for name in grad:
         if name in leaves:
             leaves[name].requires_grad_(True)
     batch = PolicyBatch(**leaves)
-    result = lossplug.policy_loss(batch, subject.recipe(reduction), normalizer)
+    result = lossplug.policy_loss(batch, subject.recipe(reduction), normalizer, metrics=metrics)
     loss = result.loss
     if loss.requires_grad:
         loss.backward()
@@ -585,6 +585,33 @@ EXTREME_ROWS = (  # (logp, old_logp, behavior_logp): update and engine log-ratio
     (-1e-6, -100.0, -100.0), (-100.0, -1e-6, -1e-6), (-1e-6, -1000.0, -1e-6), (-1000.0, -1e-6, -1000.0),
     (-30.0, -1e-6, -80.0), (-1e-6, -50.0, -1e-6), (-1e-8, -1e-8, -700.0), (-700.0, -700.0, -1e-8),
 )
+
+
+@_check("metric_levels", ("gate",),
+        "metrics 'off', 'basic' and 'full' give the same loss and gradient; 'basic' reports a subset of 'full' with "
+        "the same values")
+def _metric_levels(s: Subject) -> None:
+    f = _fields()
+    runs = {level: _run(s, f, normalizer=_normalizer(f), metrics=level) for level in ("off", "basic", "full")}
+    for level in ("basic", "full"):
+        if not torch.equal(runs[level].loss, runs["off"].loss):
+            raise CheckFailed(f"the loss with metrics='{level}' ({float(runs[level].loss):.10g}) differs from "
+                              f"metrics='off' ({float(runs['off'].loss):.10g}): the objective must not depend on "
+                              "inp.metrics / inp.full_metrics, only the diagnostics may")
+        if not torch.equal(runs[level].grads["logp"], runs["off"].grads["logp"]):
+            raise CheckFailed(f"the gradient with metrics='{level}' differs from metrics='off' "
+                              f"{_first_diff(runs[level].grads['logp'], runs['off'].grads['logp'], rtol=0, atol=0)}")
+    if runs["off"].metrics:
+        raise CheckFailed(f"metrics='off' still reported {sorted(runs['off'].metrics)}")
+    basic, full = runs["basic"].metrics, runs["full"].metrics
+    missing = sorted(set(basic) - set(full))
+    if missing:
+        raise CheckFailed(f"metric(s) {', '.join(missing)} appear with metrics='basic' but not with 'full': 'full' "
+                          "must report everything 'basic' does")
+    differ = [k for k in basic if _first_diff(basic[k], full[k], rtol=1e-6, atol=1e-9) is not None]
+    if differ:
+        raise CheckFailed("metric(s) differ between metrics='basic' and 'full': " + ", ".join(
+            f"{k} {float(basic[k]):.6g} vs {float(full[k]):.6g}" for k in differ))
 
 
 @_check("extreme_ratios", ("gate",),

@@ -31,6 +31,7 @@ import torch
 from pydantic import Field, model_validator
 
 import lossplug
+from lossplug.ops import clamp_exact
 
 
 class CISPOParams(lossplug.Params):
@@ -75,24 +76,25 @@ class CISPOParams(lossplug.Params):
 @lossplug.gate("cispo", params=CISPOParams, requires=("old_logp",))
 def cispo(inp: lossplug.GateInput, p: CISPOParams) -> lossplug.GateOutput:
     """CISPO: sg(clip(r, 1−eps_low, 1+eps_high or ratio_max))·A·logp; every token keeps its gradient."""
-    adv = inp.advantage.detach()
+    adv = inp.broadcast_advantage()  # × logp, which is 0 off the actions
     with torch.no_grad():
-        log_ratio = inp.logp.detach() - inp.old_logp.detach()
+        log_ratio = inp.update_log_ratio().detach()
         if p.log_ratio_clamp is not None:
-            log_ratio = log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
+            log_ratio = clamp_exact(log_ratio, -p.log_ratio_clamp, p.log_ratio_clamp)
         ratio = log_ratio.exp()
         coefficient = ratio.clamp(min=p.lower, max=p.upper)
     if not inp.metrics:
         return lossplug.GateOutput(objective=coefficient.detach() * adv * inp.logp)
     with torch.no_grad():
         mask = inp.mask
-        n = torch.count_nonzero(mask).clamp(min=1)
-        low = (ratio < p.lower) if p.lower is not None else torch.zeros_like(mask)
+        n = inp.lengths.sum().clamp(min=1)
+        # off the actions r = exp(0) = 1: never below lower (< 1); above upper only for a cap below 1
+        low = torch.count_nonzero(ratio < p.lower) if p.lower is not None else n.new_zeros(())
         high = ratio > p.upper
-        metrics = {
-            "clip_frac": torch.count_nonzero((low | high) & mask) / n,
-            "clip_frac_low": torch.count_nonzero(low & mask) / n,
-            "clip_frac_high": torch.count_nonzero(high & mask) / n,
-        }
+        high = torch.count_nonzero(high if p.upper >= 1 else high & mask)
+        # the two sides are disjoint (lower < 1 ≤ upper, or no lower bound): their sum is the clipped count
+        clip = low + high if p.lower is None or p.lower < p.upper else torch.count_nonzero(
+            ((ratio < p.lower) | (ratio > p.upper)) & mask)
+        metrics = {"clip_frac": clip / n, "clip_frac_low": low / n, "clip_frac_high": high / n}
     objective = coefficient.detach() * adv * inp.logp
     return lossplug.GateOutput(objective=objective, active=mask, metrics=metrics)

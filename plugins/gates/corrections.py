@@ -30,6 +30,7 @@ import torch
 from pydantic import Field, model_validator
 
 import lossplug
+from lossplug.ops import clamp_exact
 
 REQUIRES = ("old_logp", "behavior_logp")
 
@@ -76,15 +77,15 @@ class IcePopSequenceParams(_IcePopBounds):
 
 
 def _token_log_ratio(inp: lossplug.GateInput, p) -> torch.Tensor:
-    log_ratio = torch.where(inp.mask, inp.old_logp.detach() - inp.behavior_logp.detach(), 0)
-    return log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
+    """log(π_old/π_behaviour) per token: 0 off the actions, where both are cleaned to 0 (so ρ = 1 there)."""
+    return clamp_exact(inp.engine_log_ratio(), -p.log_ratio_clamp, p.log_ratio_clamp)
 
 
 def _sequence_log_ratio(inp: lossplug.GateInput, p) -> torch.Tensor:
-    log_ratio = torch.where(inp.mask, inp.old_logp.detach() - inp.behavior_logp.detach(), 0).sum(-1)
+    log_ratio = inp.engine_log_ratio().sum(-1)
     if p.ratio == "geometric":
         log_ratio = log_ratio / inp.lengths.clamp(min=1).to(log_ratio.dtype)
-    return log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
+    return clamp_exact(log_ratio, -p.log_ratio_clamp, p.log_ratio_clamp)
 
 
 def _ratio_stats(ratio: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -96,26 +97,35 @@ def _ratio_stats(ratio: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Te
     }
 
 
-def _tis(ratio: torch.Tensor, valid: torch.Tensor, cap: float, metrics: bool = True) -> lossplug.GateOutput:
+def _hits(hit: torch.Tensor, valid: torch.Tensor, clear_off_actions: bool) -> torch.Tensor:
+    """Count of ``hit`` on valid positions; ``clear_off_actions``: ρ = 1 off the actions cannot hit (no mask pass)."""
+    return torch.count_nonzero(hit if clear_off_actions or hit.ndim == 1 else hit & valid)
+
+
+def _tis(ratio: torch.Tensor, valid: torch.Tensor, cap: float, inp: lossplug.GateInput) -> lossplug.GateOutput:
     weight = ratio.clamp(max=cap)
-    if not metrics:
+    if not inp.metrics:
         return lossplug.GateOutput(weight=weight.detach())
-    n = torch.count_nonzero(valid).clamp(min=1)
-    metrics = {**_ratio_stats(ratio, valid), "trunc_frac": torch.count_nonzero(valid & (ratio > cap)) / n,
-               "weight_mean": torch.where(valid, weight, 0).sum() / n}
+    n = torch.count_nonzero(valid).clamp(min=1) if ratio.ndim == 1 else inp.lengths.sum().clamp(min=1)
+    metrics = {"trunc_frac": _hits(ratio > cap, valid, cap >= 1) / n}
+    if not inp.full_metrics:
+        return lossplug.GateOutput(weight=weight.detach(), metrics=metrics)
+    metrics.update(_ratio_stats(ratio, valid), weight_mean=torch.where(valid, weight, 0).sum() / n)
     return lossplug.GateOutput(weight=weight.detach(), active=weight > 0, metrics=metrics)
 
 
 def _icepop(ratio: torch.Tensor, valid: torch.Tensor, low: float, high: float,
-            metrics: bool = True) -> lossplug.GateOutput:
+            inp: lossplug.GateInput) -> lossplug.GateOutput:
     keep = (ratio >= low) & (ratio <= high)
     weight = torch.where(keep, ratio, torch.zeros_like(ratio))
-    if not metrics:
+    if not inp.metrics:
         return lossplug.GateOutput(weight=weight.detach())
-    n = torch.count_nonzero(valid).clamp(min=1)
-    metrics = {**_ratio_stats(ratio, valid), "reject_frac_low": torch.count_nonzero(valid & (ratio < low)) / n,
-               "reject_frac_high": torch.count_nonzero(valid & (ratio > high)) / n,
-               "weight_mean": torch.where(valid, weight, 0).sum() / n}
+    n = torch.count_nonzero(valid).clamp(min=1) if ratio.ndim == 1 else inp.lengths.sum().clamp(min=1)
+    metrics = {"reject_frac_low": _hits(ratio < low, valid, low <= 1) / n,
+               "reject_frac_high": _hits(ratio > high, valid, high >= 1) / n}
+    if not inp.full_metrics:
+        return lossplug.GateOutput(weight=weight.detach(), metrics=metrics)
+    metrics.update(_ratio_stats(ratio, valid), weight_mean=torch.where(valid, weight, 0).sum() / n)
     return lossplug.GateOutput(weight=weight.detach(), active=keep, metrics=metrics)
 
 
@@ -123,25 +133,25 @@ def _icepop(ratio: torch.Tensor, valid: torch.Tensor, low: float, high: float,
 def tis(inp: lossplug.GateInput, p: TISParams) -> lossplug.GateOutput:
     """TIS (token): detached weight min(ρ_t, cap), ρ_t = π_old/π_behaviour."""
     with torch.no_grad():
-        return _tis(_token_log_ratio(inp, p).exp(), inp.mask, p.cap, inp.metrics)
+        return _tis(_token_log_ratio(inp, p).exp(), inp.mask, p.cap, inp)
 
 
 @lossplug.gate("tis_seq", params=TISSequenceParams, requires=REQUIRES, role="correction", level="sequence")
 def tis_seq(inp: lossplug.GateInput, p: TISSequenceParams) -> lossplug.GateOutput:
     """TIS (sequence): detached weight min(ρ_i, cap), ρ_i = Π_t ρ_t (or their geometric mean)."""
     with torch.no_grad():
-        return _tis(_sequence_log_ratio(inp, p).exp(), inp.lengths > 0, p.cap, inp.metrics)
+        return _tis(_sequence_log_ratio(inp, p).exp(), inp.lengths > 0, p.cap, inp)
 
 
 @lossplug.gate("icepop", params=IcePopParams, requires=REQUIRES, role="correction", level="token")
 def icepop(inp: lossplug.GateInput, p: IcePopParams) -> lossplug.GateOutput:
     """IcePop (token): detached weight ρ_t where low ≤ ρ_t ≤ high, else 0."""
     with torch.no_grad():
-        return _icepop(_token_log_ratio(inp, p).exp(), inp.mask, p.low, p.high, inp.metrics)
+        return _icepop(_token_log_ratio(inp, p).exp(), inp.mask, p.low, p.high, inp)
 
 
 @lossplug.gate("icepop_seq", params=IcePopSequenceParams, requires=REQUIRES, role="correction", level="sequence")
 def icepop_seq(inp: lossplug.GateInput, p: IcePopSequenceParams) -> lossplug.GateOutput:
     """IcePop (sequence): detached weight ρ_i where low ≤ ρ_i ≤ high, else 0 (ρ_i = Π_t ρ_t by default)."""
     with torch.no_grad():
-        return _icepop(_sequence_log_ratio(inp, p).exp(), inp.lengths > 0, p.low, p.high, inp.metrics)
+        return _icepop(_sequence_log_ratio(inp, p).exp(), inp.lengths > 0, p.low, p.high, inp)

@@ -35,7 +35,7 @@ import torch
 from pydantic import Field
 
 import lossplug
-from lossplug.ops import any_rows
+from lossplug.ops import any_rows, clamp_exact
 
 
 class GSPOParams(lossplug.Params):
@@ -73,14 +73,22 @@ def _clip(seq_ratio_bt: torch.Tensor, adv: torch.Tensor, p: GSPOParams, masks: b
 
 
 def _metrics(inp: lossplug.GateInput, seq_ratio: torch.Tensor, low, high) -> dict[str, torch.Tensor]:
-    mask = inp.mask
-    n = torch.count_nonzero(mask).clamp(min=1)
-    valid = inp.lengths > 0
+    """Cut fractions over the action tokens and the sequence ratio's mean and range over the responses.
+
+    ``low``/``high`` are ``[B, 1]`` per response (a ``[B]`` advantage: counted once per action token through the
+    lengths) or ``[B, T]`` with the advantage zero off the actions (never counted there: ``A < 0``/``A > 0`` fail)."""
+    lengths = inp.lengths
+    n = lengths.sum().clamp(min=1)
+
+    def count(cut):
+        return (cut.squeeze(-1) * lengths).sum() if cut.shape[-1] == 1 else torch.count_nonzero(cut)
+
+    valid = lengths > 0
     n_seq = torch.count_nonzero(valid).clamp(min=1)
     s = seq_ratio.detach()
     return {
-        "clip_frac_low": torch.count_nonzero(low & mask) / n,
-        "clip_frac_high": torch.count_nonzero(high & mask) / n,
+        "clip_frac_low": count(low) / n,
+        "clip_frac_high": count(high) / n,
         "seq_ratio/mean": torch.where(valid, s, 0).sum() / n_seq,
         "seq_ratio/min": torch.where(valid, s, float("inf")).min(),
         "seq_ratio/max": torch.where(valid, s, float("-inf")).max(),
@@ -102,9 +110,12 @@ def gspo(inp: lossplug.GateInput, p: GSPOParams) -> lossplug.GateOutput:
         objective, low, high = _clip(seq_ratio.unsqueeze(-1), inp.advantage.detach(), p, masks=inp.metrics)
     if not inp.metrics:
         return lossplug.GateOutput(objective=objective)
+    metrics = _metrics(inp, seq_ratio, low, high)
+    if not inp.full_metrics:
+        return lossplug.GateOutput(objective=objective, metrics=metrics)
     # a response still carries gradient if any of its action tokens is not cut (all or none for a sequence advantage)
     active = any_rows(~(low | high) & inp.mask)
-    return lossplug.GateOutput(objective=objective, active=active, metrics=_metrics(inp, seq_ratio, low, high))
+    return lossplug.GateOutput(objective=objective, active=active, metrics=metrics)
 
 
 @lossplug.gate("gspo_token", params=GSPOParams, requires=("old_logp",), level="token")
@@ -113,10 +124,12 @@ def gspo_token(inp: lossplug.GateInput, p: GSPOParams) -> lossplug.GateOutput:
     adv = inp.advantage.detach()
     seq_log_ratio = _sequence_log_ratio(inp).detach()
     log_ratio = inp.logp - inp.logp.detach() + seq_log_ratio.unsqueeze(-1)
-    ratio = log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
+    ratio = clamp_exact(log_ratio, -p.log_ratio_clamp, p.log_ratio_clamp).exp()
     objective, low, high = _clip(ratio, adv, p, masks=inp.metrics)
     if not inp.metrics:
         return lossplug.GateOutput(objective=objective)
     seq_ratio = seq_log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
-    return lossplug.GateOutput(objective=objective, active=~(low | high),
-                               metrics=_metrics(inp, seq_ratio, low, high))
+    metrics = _metrics(inp, seq_ratio, low, high)
+    if not inp.full_metrics:
+        return lossplug.GateOutput(objective=objective, metrics=metrics)
+    return lossplug.GateOutput(objective=objective, active=~(low | high), metrics=metrics)

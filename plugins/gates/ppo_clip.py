@@ -19,9 +19,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 
 import lossplug
+from lossplug.ops import clamp_exact
 
 
 class PPOClipParams(lossplug.Params):
@@ -31,34 +32,41 @@ class PPOClipParams(lossplug.Params):
     log_ratio_clamp: float = Field(20.0, gt=0, description="the log-ratio is clamped to ± this before exp")
 
 
+def _count(hit: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
+    """Tokens where ``hit`` ``[B, T]`` and ``side`` (``[B, T]``, or ``[B, 1]`` per response) both hold."""
+    if side.shape[-1] == 1 and hit.shape[-1] != 1:  # per-row counts, then the rows on that side: one pass fewer
+        return (torch.count_nonzero(hit, -1) * side.squeeze(-1)).sum()
+    return torch.count_nonzero(hit & side)
+
+
 @lossplug.gate("ppo_clip", params=PPOClipParams, requires=("old_logp",))
 def ppo_clip(inp: lossplug.GateInput, p: PPOClipParams) -> lossplug.GateOutput:
     """PPO clip: min(r·A, clip(r, 1−eps_low, 1+eps_high)·A), optional dual-clip max(·, c·A) for A < 0."""
-    adv = inp.advantage
-    ratio = inp.update_log_ratio().clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
+    adv = inp.broadcast_advantage()
+    ratio = clamp_exact(inp.update_log_ratio(), -p.log_ratio_clamp, p.log_ratio_clamp).exp()
     raw = ratio * adv
     clipped = ratio.clamp(1 - p.eps_low, 1 + p.eps_high) * adv
-    objective = torch.minimum(raw, clipped)
-    if not inp.metrics:  # the hot loop: only the objective
-        if p.dual_clip_c is not None:
-            objective = torch.where(adv < 0, torch.maximum(objective, p.dual_clip_c * adv), objective)
-        return lossplug.GateOutput(objective=objective)
-    with torch.no_grad():
-        r = ratio.detach()
-        low = (r < 1 - p.eps_low) & (adv < 0)
-        high = (r > 1 + p.eps_high) & (adv > 0)
-        cut = low | high
+    surrogate = objective = torch.minimum(raw, clipped)
     if p.dual_clip_c is not None:
         bound = p.dual_clip_c * adv
-        dual = (adv < 0) & (objective.detach() < bound)
-        objective = torch.where(adv < 0, torch.maximum(objective, bound), objective)
-        cut = cut | dual
-    mask = inp.mask
-    n = torch.count_nonzero(mask).clamp(min=1)
-    metrics = {
-        "clip_frac_low": torch.count_nonzero(low & mask) / n,
-        "clip_frac_high": torch.count_nonzero(high & mask) / n,
-    }
-    if p.dual_clip_c is not None:
-        metrics["clip_frac_dual"] = torch.count_nonzero(dual & mask) / n
+        objective = torch.where(adv < 0, torch.maximum(surrogate, bound), surrogate)
+    if not inp.metrics:  # the hot loop: only the objective
+        return lossplug.GateOutput(objective=objective)
+    # Off the actions the inputs are cleaned to 0, so r = exp(0) = 1 exactly: never below 1 − eps_low nor above
+    # 1 + eps_high, and never past the dual bound (min(A, A) = A > c·A for A < 0) — no token there is counted, and
+    # no mask pass is needed.
+    with torch.no_grad():
+        r = ratio.detach()
+        below, above = r < 1 - p.eps_low, r > 1 + p.eps_high
+        negative, positive = adv < 0, adv > 0
+        n = inp.lengths.sum().clamp(min=1)
+        metrics = {"clip_frac_low": _count(below, negative) / n, "clip_frac_high": _count(above, positive) / n}
+        if p.dual_clip_c is not None:
+            dual_hit = surrogate.detach() < bound
+            metrics["clip_frac_dual"] = _count(dual_hit, negative) / n
+        if not inp.full_metrics:
+            return lossplug.GateOutput(objective=objective, metrics=metrics)
+        cut = (below & negative) | (above & positive)
+        if p.dual_clip_c is not None:
+            cut = cut | (dual_hit & negative)
     return lossplug.GateOutput(objective=objective, active=~cut, metrics=metrics)

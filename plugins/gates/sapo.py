@@ -30,6 +30,7 @@ import torch
 from pydantic import Field
 
 import lossplug
+from lossplug.ops import clamp_exact
 
 
 class SAPOParams(lossplug.Params):
@@ -41,14 +42,13 @@ class SAPOParams(lossplug.Params):
 @lossplug.gate("sapo", params=SAPOParams, requires=("old_logp",))
 def sapo(inp: lossplug.GateInput, p: SAPOParams) -> lossplug.GateOutput:
     """SAPO: (4/τ)·σ(τ(r−1))·A with τ = tau_pos for A > 0, tau_neg otherwise; gradient r·sech²(τ(r−1)/2)·A."""
-    # a [B] advantage: τ and A are per-response [B, 1] columns (the same values on the actions; the pipeline
-    # zeroes the objective off them), else the [B, T] advantage
-    adv = (inp.seq_advantage.unsqueeze(-1) if inp.seq_advantage is not None else inp.advantage).detach()
-    ratio = (inp.logp - inp.old_logp.detach()).clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
+    adv = inp.broadcast_advantage()  # a [B] advantage: τ and A are [B, 1] columns
+    ratio = clamp_exact(inp.update_log_ratio(), -p.log_ratio_clamp, p.log_ratio_clamp).exp()
     # in the ratio's dtype, not float32
     tau = torch.full(adv.shape, p.tau_neg, dtype=ratio.dtype, device=ratio.device).masked_fill(adv > 0, p.tau_pos)
-    objective = (4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
-    if not inp.metrics:
+    # (4/τ)·A is a constant of the update: one [B, 1] (or [B, T]) coefficient, one multiplication carrying gradient
+    objective = torch.sigmoid((ratio - 1).mul_(tau)) * ((4 / tau) * adv)  # (in place: one [B, T] buffer fewer)
+    if not inp.full_metrics:  # nothing is cut: the gate's diagnostics are distributions, computed at "full" only
         return lossplug.GateOutput(objective=objective)
     mask = inp.mask
     with torch.no_grad():

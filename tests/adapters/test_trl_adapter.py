@@ -200,7 +200,7 @@ def rollout_trainer(tmp_module):
     args = config(tmp_module, gradient_accumulation_steps=2, mask_truncated_completions=True)
     trainer = LossplugGRPOTrainer(model=_tiny.tiny_model(tok), reward_funcs=[_tiny.length_reward], args=args,
                                   train_dataset=_tiny.tiny_dataset(), processing_class=tok,
-                                  rollout_func=_tiny.TinyRollout(tok, seed=5),
+                                  rollout_func=_tiny.TinyRollout(tok, seed=5), metrics="full",
                                   recipe={"preset": "dapo", "gates": ["ppo_clip", {"name": "tis", "cap": 2.0}]})
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2

@@ -30,9 +30,11 @@ def test_lossplug_trainer_trains_dapo_and_records_the_run(tmp_path):
     trainer.train()
     assert trainer.state.global_step == 3
     keys = lossplug_keys(trainer)
-    for key in ("lossplug/loss", "lossplug/kl", "lossplug/ppo_clip/clip_frac_high", "lossplug/ratio/update/mean",
-                "lossplug/effective/token_frac", "lossplug/advantage/mean"):
+    for key in ("lossplug/loss", "lossplug/kl", "lossplug/ppo_clip/clip_frac_high", "lossplug/ppo_clip/clip_frac_low",
+                "lossplug/update/approx_kl", "lossplug/advantage/mean"):
         assert key in keys, (key, sorted(keys))
+    # metrics="basic" (the default): no ratio quantiles or effective-sample fractions on every micro-batch
+    assert not {k for k in keys if k.startswith(("lossplug/ratio/", "lossplug/effective/"))}, sorted(keys)
     history = [e for e in trainer.state.log_history if "loss" in e]
     assert all("entropy" in e and "kl" in e for e in history)  # TRL's own metrics are still there
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in history)
@@ -62,8 +64,8 @@ def test_rollout_func_with_an_engine_correction_trains(tmp_path):
     recipe = {"preset": "dapo", "gates": ["ppo_clip", {"name": "icepop", "low": 0.5, "high": 5.0}]}
     trainer = LossplugGRPOTrainer(model=_tiny.tiny_model(tok), reward_funcs=[_tiny.length_reward], args=args,
                                   train_dataset=_tiny.tiny_dataset(), processing_class=tok, recipe=recipe,
-                                  rollout_func=_tiny.TinyRollout(tok))
+                                  rollout_func=_tiny.TinyRollout(tok), metrics="full")
     trainer.train()
     keys = lossplug_keys(trainer)
-    assert {"lossplug/ratio/engine/mean", "lossplug/icepop/reject_frac_low",
-            "lossplug/behavior_logp/unscored_frac"} <= keys
+    assert {"lossplug/ratio/engine/mean", "lossplug/ratio/update/p95", "lossplug/effective/token_frac",
+            "lossplug/icepop/reject_frac_low", "lossplug/icepop/ratio/max", "lossplug/behavior_logp/unscored_frac"} <= keys

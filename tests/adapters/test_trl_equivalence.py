@@ -176,7 +176,7 @@ def test_steps_per_generation_other_than_accumulation(setup, case):
 def test_the_comparison_exercises_clipping_and_kl(setup):
     trainer, micro_batches, _ = setup
     with configured(trainer, "dapo", LOSS_TYPES["dapo"]) as args:
-        attach(trainer, trl_equivalent(args)[0])
+        attach(trainer, trl_equivalent(args)[0], metrics="full")
         trainer._metrics["train"].clear()
         for mb in micro_batches:
             with torch.no_grad():

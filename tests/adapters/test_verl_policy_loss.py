@@ -134,6 +134,39 @@ def test_the_cases_exercise_every_clip_branch():
     assert all(v > 0 for v in totals.values()), totals
 
 
+@pytest.mark.parametrize("level", ["basic", "full", "off", True, False])
+def test_metric_levels_and_verls_ppo_kl(level):
+    """``metrics`` picks lossplug's level; verl's ``actor/ppo_kl`` comes from lossplug's approx_kl, equal to verl's."""
+    inputs = make_inputs(1)
+    gates = [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0}]
+    config = actor_config(LossplugPolicyLossConfig(loss_mode="lossplug", recipe={"gates": gates, "reduction": "token"},
+                                                   metrics=level), "token-mean")
+    cfg = with_info(config, inputs, None)
+    ref = with_info(actor_config(PolicyLossConfig(loss_mode="vanilla"), "token-mean", clip_ratio_low=0.2,
+                                 clip_ratio_high=0.2, clip_ratio_c=3.0), inputs, None)
+    mb = next(micro_batches(inputs))
+    _, _, ours = run("lossplug", cfg, mb, "token-mean")
+    _, _, theirs = run("vanilla", ref, mb, "token-mean")
+    if level in ("off", False):
+        assert ours == {}
+        return
+    assert ours["actor/ppo_kl"] == pytest.approx(theirs["actor/ppo_kl"], rel=1e-12, abs=1e-15)
+    assert "actor/lossplug/update/approx_kl" not in ours and "actor/lossplug/loss" not in ours
+    # verl's pg_clipfrac counts both sides (a token is on one side only): lossplug splits them
+    assert ours["actor/lossplug/ppo_clip/clip_frac_low"] + ours["actor/lossplug/ppo_clip/clip_frac_high"] == \
+        pytest.approx(theirs["actor/pg_clipfrac"], abs=1e-12)
+    full = level in ("full", True)
+    assert ("actor/lossplug/ratio/update/p95" in ours) is full
+    assert ("actor/lossplug/effective/token_frac" in ours) is full
+
+
+@pytest.mark.parametrize("bad", ["verbose", 2])
+def test_an_unknown_metric_level_is_refused_at_config_time(bad):
+    with pytest.raises(LossplugError, match=r"actor_rollout_ref\.actor\.policy_loss\.metrics must be one of "
+                                            r"'off', 'basic', 'full'"):
+        LossplugPolicyLossConfig(loss_mode="lossplug", recipe="dapo", metrics=bad)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_gspo_token_matches_verl_gspo(mode):
     inputs = make_inputs(2, noise=0.15)

@@ -188,8 +188,37 @@ def test_selection_quantiles_equal_torch_quantile_bit_for_bit(n, kind):
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # bit for bit (lerp of ±inf: NaN)
 
 
-@pytest.mark.parametrize("recipe", ["dapo", "gspo", "sapo", {"preset": "cispo", "gates": ["cispo", "tis"]}])
-def test_pipeline_with_and_without_the_bitwise_masking_agree(recipe, monkeypatch):
+@pytest.mark.parametrize("case", ["inside", "below", "above", "on_bounds", "nan"])
+@pytest.mark.parametrize("size", [(3, 5), (8, 2100)])
+def test_clamp_exact_is_clamp_in_value_and_gradient(case, size):
+    from lossplug.ops import clamp_exact
+
+    gen = torch.Generator().manual_seed(size[1])
+    x = torch.randn(*size, generator=gen, dtype=torch.float64) * 3
+    if case == "below":
+        x[0, 1] = -25.0
+    elif case == "above":
+        x[-1, -1] = 31.0
+    elif case == "on_bounds":  # inclusive bounds: the gradient passes there, in clamp and in the shortcut
+        x[0, 0], x[-1, 0] = -20.0, 20.0
+    elif case == "nan":
+        x[1, 2] = float("nan")
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = clamp_exact(a, -20.0, 20.0), b.clamp(-20.0, 20.0)
+    torch.testing.assert_close(ya, yb, rtol=0, atol=0, equal_nan=True)
+    weights = torch.randn(*size, generator=gen, dtype=torch.float64)
+    (ya * weights).nansum().backward()
+    (yb * weights).nansum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, equal_nan=True)
+    if case in ("inside", "on_bounds") and size[1] > 1000:
+        assert ya is a  # nothing to clamp: no clamp node, no three-pass backward
+
+
+@pytest.mark.parametrize("metrics", ["basic", "full"])
+@pytest.mark.parametrize("recipe", ["dapo", "gspo", "sapo", {"preset": "cispo", "gates": ["cispo", "tis"]},
+                                    {"preset": "dapo", "gates": [{"name": "ppo_clip", "dual_clip_c": 3.0}, "icepop"]},
+                                    {"preset": "dapo", "gates": ["dis"]}], ids=str)
+def test_pipeline_with_and_without_the_bitwise_masking_agree(recipe, metrics, monkeypatch):
     from lossplug import ops, pipeline
 
     gen = torch.Generator().manual_seed(5)
@@ -199,13 +228,15 @@ def test_pipeline_with_and_without_the_bitwise_masking_agree(recipe, monkeypatch
     old = (-torch.rand(B, T, generator=gen) * 3).masked_fill(~mask, float("nan"))
     raw = (old + 0.2 * torch.randn(B, T, generator=gen)).clamp(max=0).masked_fill(~mask, float("inf"))
     behavior = (old + 0.2 * torch.randn(B, T, generator=gen)).masked_fill(~mask, -float("inf"))
+    raw[0, :5] = old[0, :5] + 30  # log-ratios the safety clamps cut (the shortcut must not skip them)
+    raw[1, :5] = old[1, :5] - 30
     adv = torch.randn(B, generator=gen)
 
     def run(minimum):
         monkeypatch.setattr(ops, "ZERO_OFF_MIN", minimum)
         monkeypatch.setattr(pipeline, "ZERO_OFF_MIN", minimum)
         logp = raw.clone().requires_grad_(True)
-        res = lossplug.policy_loss(_batch(logp, mask, old, adv, behavior), recipe, validate="off")
+        res = lossplug.policy_loss(_batch(logp, mask, old, adv, behavior), recipe, validate="off", metrics=metrics)
         res.loss.backward()
         return res, logp.grad
 

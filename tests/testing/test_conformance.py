@@ -121,6 +121,18 @@ def no_docs(inp, p):
     return lossplug.GateOutput(objective=inp.advantage.detach() * inp.logp)
 
 
+@lossplug.gate("metric_dependent", requires=("old_logp",))
+def metric_dependent(inp, p):
+    """Scales its objective by the clip fraction it only computes when metrics are on."""
+    ratio = (inp.logp - inp.old_logp.detach()).exp()
+    objective = ratio * inp.advantage.detach()
+    if not inp.metrics:
+        return lossplug.GateOutput(objective=objective)
+    with torch.no_grad():
+        frac = torch.count_nonzero((ratio > 1.2) & inp.mask) / inp.mask.sum()
+    return lossplug.GateOutput(objective=objective * (1 - frac), metrics={"clip_frac": frac})
+
+
 @lossplug.reduction("local_token_mean")
 def local_token_mean(objective, mask, lengths, population, p):
     """Token mean over this micro-batch only (ignores the Normalizer)."""
@@ -155,6 +167,7 @@ BROKEN = [
     (undeclared_field, {}, {"requires_declared": "declare every optional"}),
     (graph_metric, {}, {"detached": "objective_mean carry gradient"}),
     (no_docs, {"eps": 0.1}, {"docstring": "no docstring", "params_schema": "eps have no default"}),
+    (metric_dependent, {}, {"metric_levels": "must not depend on inp.metrics"}),
     (local_token_mean, {}, {"microbatch_split": "add up to"}),
     (negated_token_mean, {}, {"positive_weights": "sign is flipped"}),
     (adjacent_groups, {}, {"row_permutation": "group_id, never from row order"}),

@@ -115,7 +115,10 @@ def test_a_fresh_process_finds_it_through_pytest_and_the_entry_point(installed, 
     out = proc.stdout + proc.stderr
     assert "unrecognized arguments: --lossplug-conformance" not in out, (
         "lossplug's pytest11 entry point is not installed: reinstall lossplug (pip install -e .)\n" + out)
-    n = 11  # checks that apply to a gate
+    from lossplug.testing.kit import CHECKS
+
+    n = sum("gate" in c.kinds for c in CHECKS.values())  # checks that apply to a gate
+    assert n == 12
     assert f"1 failed, {3 * n - 1} passed, 1 skipped" in out, out
     assert "lossplug-conformance[no_such_gate]" in out and "unknown gate plugin 'no_such_gate'" in out
     assert proc.returncode == 1
