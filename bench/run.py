@@ -107,12 +107,13 @@ def table(results: dict) -> str:
                         f"{'yes' if r['met'] else 'no'} |")
         elif item == "loss_step":
             rows.append(f"| 3 | {r['case']} fwd+bwd vs {r['baseline']} | B={r['B']}, T={r['T']} | "
-                        f"{_fmt_s(r['lossplug']['median_s'])} / {_fmt_s(r['lossplug_no_metrics']['median_s'])} no "
-                        f"metrics | {_fmt_s(r['native']['median_s'])} | time **{r['time_ratio']:.2f}×** / "
-                        f"**{r['time_ratio_no_metrics']:.2f}×** no metrics ({r['time_ratio_min']:.2f}× / "
-                        f"{r['time_ratio_min_no_metrics']:.2f}× min); peak mem {r['mem_ratio']:.2f}× / "
-                        f"{r['mem_ratio_no_metrics']:.2f}× | ≤ 1.10× | "
-                        f"{'yes' if r['met'] else 'no'} / {'yes' if r['met_no_metrics'] else 'no'} |")
+                        f"{_fmt_s(r['lossplug']['median_s'])} basic / {_fmt_s(r['lossplug_no_metrics']['median_s'])} "
+                        f"off / {_fmt_s(r['lossplug_full_metrics']['median_s'])} full | "
+                        f"{_fmt_s(r['native']['median_s'])} | time **{r['time_ratio']:.2f}×** / "
+                        f"**{r['time_ratio_no_metrics']:.2f}×** / {r['time_ratio_full_metrics']:.2f}× "
+                        f"({r['time_ratio_min']:.2f}× / {r['time_ratio_min_no_metrics']:.2f}× min); peak mem "
+                        f"{r['mem_ratio']:.2f}× / {r['mem_ratio_no_metrics']:.2f}× / {r['mem_ratio_full_metrics']:.2f}× "
+                        f"| ≤ 1.10× | {'yes' if r['met'] else 'no'} / {'yes' if r['met_no_metrics'] else 'no'} |")
         elif item == "validation":
             rows.append(f"| 4 | validation, {r['case']} ({r['baseline']} tensors) | B={r['B']}, T={r['T']} | "
                         f"{_fmt_s(r['validate']['median_s'])} | loss step {_fmt_s(r['step_off']['median_s'])} | "

@@ -73,7 +73,7 @@ def _clip(seq_ratio_bt: torch.Tensor, adv: torch.Tensor, p: GSPOParams, masks: b
 
 
 def _metrics(inp: lossplug.GateInput, seq_ratio: torch.Tensor, low, high) -> dict[str, torch.Tensor]:
-    """Cut fractions over the action tokens and the sequence ratio's mean and range over the responses.
+    """Cut fractions over the action tokens; at ``full`` also the sequence ratio's mean and range over responses.
 
     ``low``/``high`` are ``[B, 1]`` per response (a ``[B]`` advantage: counted once per action token through the
     lengths) or ``[B, T]`` with the advantage zero off the actions (never counted there: ``A < 0``/``A > 0`` fail)."""
@@ -83,16 +83,17 @@ def _metrics(inp: lossplug.GateInput, seq_ratio: torch.Tensor, low, high) -> dic
     def count(cut):
         return (cut.squeeze(-1) * lengths).sum() if cut.shape[-1] == 1 else torch.count_nonzero(cut)
 
-    valid = lengths > 0
-    n_seq = torch.count_nonzero(valid).clamp(min=1)
-    s = seq_ratio.detach()
-    return {
-        "clip_frac_low": count(low) / n,
-        "clip_frac_high": count(high) / n,
-        "seq_ratio/mean": torch.where(valid, s, 0).sum() / n_seq,
-        "seq_ratio/min": torch.where(valid, s, float("inf")).min(),
-        "seq_ratio/max": torch.where(valid, s, float("-inf")).max(),
-    }
+    metrics = {"clip_frac_low": count(low) / n, "clip_frac_high": count(high) / n}
+    if inp.full_metrics:
+        valid = lengths > 0
+        n_seq = torch.count_nonzero(valid).clamp(min=1)
+        s = seq_ratio.detach()
+        metrics.update({
+            "seq_ratio/mean": torch.where(valid, s, 0).sum() / n_seq,
+            "seq_ratio/min": torch.where(valid, s, float("inf")).min(),
+            "seq_ratio/max": torch.where(valid, s, float("-inf")).max(),
+        })
+    return metrics
 
 
 @lossplug.gate("gspo", params=GSPOParams, requires=("old_logp",), level="sequence")

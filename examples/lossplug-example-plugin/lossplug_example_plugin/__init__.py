@@ -31,6 +31,8 @@ def tanh_clip(inp: lossplug.GateInput, p: TanhClipParams) -> lossplug.GateOutput
     high = 1 + p.eps_high * torch.tanh((ratio - 1) / p.eps_high)
     low = 1 - p.eps_low * torch.tanh((1 - ratio) / p.eps_low)
     objective = adv * torch.where(adv >= 0, torch.minimum(ratio, high), torch.maximum(ratio, low))
+    if not inp.metrics:
+        return lossplug.GateOutput(objective=objective)
     with torch.no_grad():
         saturating = torch.where(adv >= 0, ratio > 1 + p.eps_high, ratio < 1 - p.eps_low) & inp.mask
         metrics = {"saturated_frac": saturating.sum() / inp.mask.sum().clamp(min=1)}
