@@ -1,8 +1,10 @@
 """Timing and allocation measurement shared by the benchmarks.
 
-Timing: the candidates of one comparison run **interleaved** (A B A B …, the order rotating every round) after a
-warm-up, so a load spike on a shared machine hits both sides; each side reports its median, min and interquartile
-range, and ratios are formed from medians (``ratio_min`` from the minima is reported too, as a noise check).
+Timing: the candidates of one comparison run **interleaved** (A B A B …, in a fresh random order every round,
+seeded) after a warm-up, so a load spike on a shared machine hits both sides, and no candidate always follows the
+same one (a fixed or merely rotated order would always run a light candidate right after the same heavy one, with
+its caches evicted); each side reports its median, min and interquartile range, and ratios are formed from medians
+(``ratio_min`` from the minima is reported too, as a noise check).
 
 Peak memory (CPU): ``torch.profiler`` with ``profile_memory=True`` records every allocation and free of torch's CPU
 allocator (``[memory]`` events with the running ``Total Allocated`` since profiling started). The peak of that
@@ -17,6 +19,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -43,9 +46,10 @@ def interleaved(candidates: dict[str, Callable[[], object]], repeats: int, warmu
     times: dict[str, list[float]] = {n: [] for n in names}
     gc.collect()
     gc.disable()  # no collector pause inside a timed call (tensors are freed by reference counting anyway)
+    order_rng = random.Random(0)
     try:
-        for r in range(repeats):
-            order = names[r % len(names):] + names[:r % len(names)]
+        for _ in range(repeats):
+            order = order_rng.sample(names, len(names))
             for name in order:
                 if setup:
                     setup()

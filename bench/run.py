@@ -116,9 +116,11 @@ def table(results: dict) -> str:
                         f"| ≤ 1.10× | {'yes' if r['met'] else 'no'} / {'yes' if r['met_no_metrics'] else 'no'} |")
         elif item == "validation":
             rows.append(f"| 4 | validation, {r['case']} ({r['baseline']} tensors) | B={r['B']}, T={r['T']} | "
-                        f"{_fmt_s(r['validate']['median_s'])} | loss step {_fmt_s(r['step_off']['median_s'])} | "
+                        f"{_fmt_s(r['validate']['median_s'])} ({_fmt_s(r['validate_first']['median_s'])} first) | "
+                        f"loss step {_fmt_s(r['step_off']['median_s'])} | "
                         f"**{100 * r['fraction_of_step']:.0f}%** of the step ({100 * r['fraction_of_step_no_metrics']:.0f}% "
-                        f"without metrics, {100 * r['fraction_of_native_step']:.0f}% of native) | ≤ 10% | "
+                        f"without metrics, {100 * r['fraction_of_native_step']:.0f}% of native; first check "
+                        f"{100 * r['first_fraction_of_step']:.0f}%) | ≤ 10% | "
                         f"{'yes' if r['met'] else 'no'} |")
         elif item == "trl_e2e":
             rows.append(f"| 5 | TRL train step ({r['loss_type']}) | {r['size_batch']} compl. × {r['size_completion']} "

@@ -9,6 +9,7 @@ Masked (non-action) positions may hold anything, NaN and inf included: nothing d
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -23,20 +24,83 @@ LOGP_TOLERANCE = 1e-3
 Tensor = torch.Tensor
 
 
+class _CheckedTensors:
+    """Tensors whose *every* element passed the value rules, remembered weakly by object and version.
+
+    A training step validates the same constant tensors over and over: every micro-batch of every epoch slices its
+    ``old_logp``, advantages, reference log-probs out of the step's batch (TRL's buffered generation batch, verl's
+    ``DataProto``). The first check of such a slice checks its whole base tensor once (one pass) and remembers the
+    outcome here; later slices of it — still views of the same base at the same version — skip the pass. Only
+    ``logp``, new on every forward, is read again. Rules:
+
+    * an entry holds the base's ``_version``: any in-place write (through it or any view of it) bumps the version
+      and voids the entry; writes that bypass autograd's version counter (``.data``, numpy or DLPack aliases) are
+      not seen — validate such tensors again with :func:`forget_checked`;
+    * an entry dies with its tensor (weak reference), so a later tensor at the same address is never mistaken for it;
+    * a base that fails the whole-tensor check (garbage off the actions) is remembered too: its slices are then
+      checked on their own, on the action positions, without reading the base again;
+    * bases much larger than the slice (above ``BASE_READ_LIMIT`` times its size) are not read; the slice is.
+    """
+
+    BASE_READ_LIMIT = 256
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, int, bool, bool]] = {}
+
+    def get(self, t: Tensor) -> Optional[tuple[bool, bool]]:
+        """``(finite, at_most_tolerance)`` of every element of ``t``, or None if ``t`` was not checked as it is now."""
+        entry = self._entries.get(id(t))
+        if entry is None or entry[0]() is not t or entry[1] != t._version:
+            return None
+        return entry[2], entry[3]
+
+    def put(self, t: Tensor, finite: bool, below: bool) -> None:
+        key = id(t)
+        self._entries[key] = (weakref.ref(t, lambda _, key=key: self._entries.pop(key, None)), t._version, finite,
+                              below)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+_CHECKED = _CheckedTensors()
+
+
+def forget_checked() -> None:
+    """Forget every remembered whole-tensor check: the next validation reads every field again."""
+    _CHECKED.clear()
+
+
+def _base_of(t: Tensor) -> Tensor:
+    """The tensor whose whole-tensor check covers ``t``: its view base when that is not much larger, else ``t``."""
+    base = t._base
+    if (base is None or base.dtype != t.dtype or base.device != t.device or base.layout != torch.strided
+            or base.numel() > _CheckedTensors.BASE_READ_LIMIT * max(t.numel(), 1)):
+        return t
+    return base
+
+
 def _token_value_rules(checks: Checks, name: str, t: Tensor, mask: Tensor, logprob: bool) -> None:
     """``t`` finite on action positions (and, for log-probs, ``<= LOGP_TOLERANCE``), cheaply: one ``aminmax`` pass
-    over the whole tensor (NaN propagates into both ends). Only if that fails — non-action positions may hold
-    anything — are the action positions selected and tested, and only if that fails too are the offending
-    positions computed."""
+    over the whole tensor — or over its base, once per version (see :class:`_CheckedTensors`); NaN propagates into
+    both ends. Only if that fails — non-action positions may hold anything — are the action positions selected and
+    tested, and only if that fails too are the offending positions computed."""
     if t.numel() == 0:
         return
+    whole = _base_of(t)
+    known = _CHECKED.get(whole)
+    if known is not None and known[0] and (known[1] or not logprob):
+        return  # every element of the base passed: so does every slice, whatever its mask
 
-    def passes(x: Tensor) -> Tensor:
+    def extremes(x: Tensor) -> tuple[Tensor, Tensor]:
+        if not logprob and x.element_size() >= 4:  # finiteness alone: the sum (any NaN or inf reaches it)
+            return torch.isfinite(x.sum()), torch.ones((), dtype=torch.bool, device=x.device)
         low, high = torch.aminmax(x)
-        return (low > float("-inf")) & ((high <= LOGP_TOLERANCE) if logprob else (high < float("inf")))
+        return low > float("-inf"), (high <= LOGP_TOLERANCE) if logprob else (high < float("inf"))
 
     def find() -> list[Violation]:
-        if bool(passes(torch.where(mask, t, 0))):  # the failing values are all at non-action positions
+        finite, below = extremes(torch.where(mask, t, 0))
+        if bool(finite & below):  # the failing values are all at non-action positions
             return []
         found = []
         bad = mask & ~torch.isfinite(t)
@@ -49,7 +113,12 @@ def _token_value_rules(checks: Checks, name: str, t: Tensor, mask: Tensor, logpr
                                              f"positions", describe_positions(big, noun="rows")))
         return found
 
-    checks.when_flag(~passes(t), find)
+    if known is not None:  # the base failed as a whole (garbage off the actions): check this slice on its own
+        whole = t
+    finite, below = extremes(whole)
+    # the outcome is remembered for `whole` once the contract's single host sync has resolved it
+    checks.when_flag(~(finite & below), find,
+                     resolved=lambda failed, whole=whole: _CHECKED.put(whole, not failed, not failed and logprob))
 
 
 class _TensorModel(BaseModel):
@@ -88,7 +157,7 @@ class _TensorModel(BaseModel):
 
     @model_validator(mode="after")
     def _run_contract(self):
-        self.check()
+        self.check(types_checked=True)
         return self
 
     @classmethod
@@ -100,11 +169,12 @@ class _TensorModel(BaseModel):
     def validated(self) -> bool:
         return self._validated
 
-    def check(self) -> None:
+    def check(self, types_checked: bool = False) -> None:
         """Run every contract rule; raise :class:`BatchValidationError` listing all violations."""
         checks = Checks(type(self).__name__)
-        self._field_types({k: getattr(self, k, None) for k in type(self).model_fields}, checks)
-        checks.raise_if_any()  # (an unchecked batch may hold anything) the rules below assume tensors
+        if not types_checked:  # (an unchecked batch may hold anything) the rules below assume tensors
+            self._field_types({k: getattr(self, k, None) for k in type(self).model_fields}, checks)
+            checks.raise_if_any()
         self._rules(checks)
         checks.raise_if_any()
         self._validated = True
@@ -203,15 +273,29 @@ class PolicyBatch(_TensorModel):
         if not (ok and shape_ok):
             return  # value rules below assume aligned, well-typed tensors
 
-        checks.when_any(~any_of(mask, -1), "action_mask", "every response needs at least one action token")
+        if T > 0:  # the least number of actions of any row, > 0 (the uint8 view: the CPU vectorises its max)
+            def empty_rows() -> list[Violation]:
+                return [Violation("action_mask", "every response needs at least one action token",
+                                  describe_positions(~any_of(mask, -1), noun="rows"))]
+            checks.when_flag(mask.view(torch.uint8).amax(-1).amin() == 0, empty_rows)
+        else:
+            checks.when_any(~any_of(mask, -1), "action_mask", "every response needs at least one action token")
+        seen: set[tuple] = set()
         for name in self.TOKEN_FLOATS + ("advantage", "reward"):
             t = getattr(self, name)
             if t is None:
                 continue
             if t.ndim == 2:
-                _token_value_rules(checks, name, t, mask, logprob=name in self.LOGPROBS)
+                logprob = name in self.LOGPROBS
+                # a field that is the same elements as one checked under the same rule (TRL's on-policy
+                # old_logp = logp.detach()) is not read twice
+                key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, logprob)
+                if key in seen:
+                    continue
+                seen.add(key)
+                _token_value_rules(checks, name, t, mask, logprob=logprob)
             else:
-                checks.when_any(~torch.isfinite(t), name, "must be finite")
+                checks.when_not_finite(t, name)
         if self.final_value is not None:
             if self.terminated is None:
                 checks.fail("final_value", "is only read for truncated responses: give terminated [B] bool with it "

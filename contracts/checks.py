@@ -41,6 +41,7 @@ class Checks:
         self.contract = contract
         self.violations: list[Violation] = []
         self._pending: list[tuple[Tensor, Callable[[], list[Violation]]]] = []
+        self._resolved: dict[int, Callable[[bool], None]] = {}
         self._device: Optional[torch.device] = None
         self._device_of = ""
 
@@ -51,13 +52,32 @@ class Checks:
         """Report ``rule`` for ``field`` (with the offending places) if any element of ``bad`` is set."""
         self._pending.append((any_of(bad), lambda: [Violation(field, rule, describe_positions(bad, noun=noun))]))
 
+    def when_not_finite(self, t: Tensor, field: str, rule: str = "must be finite", noun: str = "rows") -> None:
+        """Report ``rule`` for ``field`` if any element of the float tensor ``t`` is NaN or ±inf.
+
+        The test is the sum's finiteness (one reduction, no temporary; any NaN or inf reaches the sum): only if the
+        sum is not finite are the elements tested — finite values whose sum overflows then report nothing."""
+        if not t.is_floating_point() or t.numel() == 0:
+            self.when_any(~torch.isfinite(t), field, rule, noun)
+            return
+
+        def find() -> list[Violation]:
+            bad = ~torch.isfinite(t)
+            return [Violation(field, rule, describe_positions(bad, noun=noun))] if bool(any_of(bad)) else []
+
+        self._pending.append((~torch.isfinite(t.sum(dtype=torch.float64 if t.element_size() < 4 else t.dtype)), find))
+
     def when(self, flag: Tensor, field: str, rule: str, where: str = "") -> None:
         """Report ``rule`` for ``field`` if the 0-d boolean tensor ``flag`` is set (resolved with the same sync)."""
         self._pending.append((flag.reshape(()), lambda: [Violation(field, rule, where)]))
 
-    def when_flag(self, flag: Tensor, find: Callable[[], list[Violation]]) -> None:
+    def when_flag(self, flag: Tensor, find: Callable[[], list[Violation]],
+                  resolved: Optional[Callable[[bool], None]] = None) -> None:
         """If the 0-d bool tensor ``flag`` is set, report what ``find()`` finds: a cheap combined test whose
-        positions are only looked up when it fails."""
+        positions are only looked up when it fails. ``resolved(flag)`` is called with the flag's value once it is
+        known (with the single synchronisation)."""
+        if resolved is not None:
+            self._resolved[len(self._pending)] = resolved
         self._pending.append((flag, find))
 
     def dtype(self, name: str, t: Tensor, kind: str) -> bool:
@@ -110,9 +130,12 @@ class Checks:
     def raise_if_any(self) -> None:
         if self._pending:
             flags = torch.stack([flag for flag, _ in self._pending]).tolist()
-            for flag, (_, find) in zip(flags, self._pending):
+            for i, (flag, (_, find)) in enumerate(zip(flags, self._pending)):
+                if i in self._resolved:
+                    self._resolved[i](bool(flag))
                 if flag:
                     self.violations.extend(find())
             self._pending.clear()
+            self._resolved.clear()
         if self.violations:
             raise BatchValidationError(self.contract, self.violations)
