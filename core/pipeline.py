@@ -288,57 +288,93 @@ def metric_level(metrics: Union[bool, str]) -> str:
 
 
 def _prepare(batch: PolicyBatch, metrics: Union[bool, str] = True) -> GateInput:
-    mask = batch.action_mask
-    logp = batch.logp
-    compute = torch.float32 if logp.dtype in (torch.float16, torch.bfloat16) else logp.dtype
-
-    # zero_off is torch.where(mask, x, 0) as a bitwise AND (bit-exact, gradient included): on the CPU torch.where
-    # is not vectorised and costs ~5x an elementwise op, and these are the pipeline's only passes over [B, T].
-    bits = action_bits(mask, compute) if mask.device.type == "cpu" and mask.numel() >= ZERO_OFF_MIN else None
-    clean_logp = zero_off(logp.to(compute), mask, bits)
-    # A field that is a view of the same memory as an earlier one (TRL's on-policy step passes old_logp =
-    # logp.detach()) reuses its cleaned copy: one pass and one [B, T] allocation fewer.
-    seen = {_layout(logp): clean_logp}
-
-    def clean(t: Optional[Tensor]) -> Optional[Tensor]:
-        # every input but logp is a constant of the update: detached here, once, so that a caller who passes
-        # old_logp=logp (without .detach()) cannot silently turn every gate's gradient into something else
-        if t is None:
-            return None
-        key = _layout(t)
-        if key not in seen:
-            seen[key] = zero_off(t.detach().to(compute), mask, bits)
-        return seen[key].detach()
-
-    adv = batch.advantage
     level = metric_level(metrics)
-    fields = dict(logp=clean_logp, mask=mask, lengths=torch.count_nonzero(mask, -1), old_logp=clean(batch.old_logp),
-                  behavior_logp=clean(batch.behavior_logp), ref_logp=clean(batch.ref_logp), batch=batch,
-                  metrics=level != "off", full_metrics=level == "full")
-    if adv is None or adv.ndim != 1:
-        inp = GateInput(advantage=clean(adv), **fields)
-        object.__setattr__(inp, "_bits", bits)  # the objective's zero-off reuses the pattern (forward and backward)
-        return inp
-    # a [B] advantage (finite by the contract): per-response gates read it as is; the [B, T] one, broadcast and
-    # zeroed off the actions, is built only if a gate reads it (one pass and one [B, T] allocation fewer otherwise)
-    seq_adv = adv.detach().to(compute)
-    inp = _LazyAdvantageInput(advantage=None, seq_advantage=seq_adv, **fields)
-    object.__delattr__(inp, "advantage")
-    object.__setattr__(inp, "_make_advantage", lambda: zero_off(seq_adv.unsqueeze(-1).expand_as(logp), mask, bits))
+    mask = batch.action_mask
+    compute = torch.float32 if batch.logp.dtype in (torch.float16, torch.bfloat16) else batch.logp.dtype
+    # zero_off is torch.where(mask, x, 0) as a bitwise AND (bit-exact, gradient included): on the CPU torch.where
+    # is not vectorised and costs ~5x an elementwise op. One bit pattern serves every zero-off of the micro-batch.
+    bits = action_bits(mask, compute) if mask.device.type == "cpu" and mask.numel() >= ZERO_OFF_MIN else None
+    adv = batch.advantage
+    seq_adv = adv.detach().to(compute) if adv is not None and adv.ndim == 1 else None
+    inp = _PreparedInput.__new__(_PreparedInput)
+    for name, value in dict(mask=mask, lengths=torch.count_nonzero(mask, -1), batch=batch, metrics=level != "off",
+                            full_metrics=level == "full", seq_advantage=seq_adv).items():
+        object.__setattr__(inp, name, value)
+    object.__setattr__(inp, "_compute", compute)
+    # fields are cleaned when first read, possibly inside a gate's torch.no_grad() block: they are built under the
+    # grad mode of the policy_loss call, so that logp's cleaned copy carries the graph wherever it is first read
+    object.__setattr__(inp, "_grad_mode", torch.is_grad_enabled())
     object.__setattr__(inp, "_bits", bits)
+    object.__setattr__(inp, "_cleaned", {})
     return inp
 
 
-class _LazyAdvantageInput(GateInput):
-    """A :class:`GateInput` whose ``advantage`` field is computed on first read (then stored like any field)."""
+class _PreparedInput(GateInput):
+    """The pipeline's :class:`GateInput`: each per-token field is cleaned (zeroed off the actions) on first read,
+    then kept — a gate pays only for what it reads.
+
+    * every field but ``logp`` is detached, so that a caller who passes ``old_logp=logp`` (without ``.detach()``)
+      cannot silently turn a gate's gradient into something else;
+    * a field with the same elements as one already cleaned (TRL's on-policy ``old_logp = logp.detach()``) reuses
+      its cleaned copy;
+    * ``update_log_ratio()`` of a gate that reads neither ``logp`` nor ``old_logp`` itself is one subtraction of
+      the raw fields and one zero-off — not two zero-offs and a subtraction (values and gradient are identical: the
+      zero-off's gradient is a bitwise AND, so whatever the padding held never reaches ``logp``'s gradient);
+      ``engine_log_ratio()`` likewise;
+    * a ``[B]`` advantage is read by per-response gates as ``seq_advantage``; the ``[B, T]`` one is built only if
+      a gate reads ``advantage``.
+    """
+
+    _FIELDS = ("logp", "old_logp", "behavior_logp", "ref_logp", "advantage")
 
     def __getattr__(self, name: str):
-        make = self.__dict__.get("_make_advantage") if name == "advantage" else None
-        if make is None:
+        if name not in _PreparedInput._FIELDS:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        value = make()
-        object.__setattr__(self, "advantage", value)
+        with torch.set_grad_enabled(self._grad_mode):
+            value = self._clean_field(name)
+        object.__setattr__(self, name, value)
         return value
+
+    def _clean_field(self, name: str) -> Optional[Tensor]:
+        batch, mask, bits = self.batch, self.mask, self._bits
+        if name == "advantage" and self.seq_advantage is not None:
+            return zero_off(self.seq_advantage.unsqueeze(-1).expand(mask.shape), mask, bits)
+        raw = getattr(batch, name)
+        if raw is None:
+            return None
+        key = _layout(raw)
+        cleaned = self._cleaned.get(key)
+        if cleaned is None:
+            cleaned = zero_off((raw if name == "logp" else raw.detach()).to(self._compute), mask, bits)
+            self._cleaned[key] = cleaned
+        return cleaned if name == "logp" else cleaned.detach()
+
+    def update_log_ratio(self) -> Tensor:
+        cached = self.__dict__.get("_update_log_ratio")
+        if cached is not None:
+            return cached
+        with torch.set_grad_enabled(self._grad_mode):
+            if "logp" in self.__dict__ or "old_logp" in self.__dict__ or self.batch.old_logp is None:
+                cached = self.logp - self.old_logp.detach()
+            else:
+                raw = self.batch.logp.to(self._compute) - self.batch.old_logp.detach().to(self._compute)
+                cached = zero_off(raw, self.mask, self._bits)
+        self.__dict__["_update_log_ratio"] = cached
+        return cached
+
+    def engine_log_ratio(self) -> Tensor:
+        cached = self.__dict__.get("_engine_log_ratio")
+        if cached is not None:
+            return cached
+        batch = self.batch
+        if "old_logp" in self.__dict__ or "behavior_logp" in self.__dict__ or batch.behavior_logp is None \
+                or batch.old_logp is None:
+            cached = (self.old_logp - self.behavior_logp).detach()
+        else:
+            raw = batch.old_logp.detach().to(self._compute) - batch.behavior_logp.detach().to(self._compute)
+            cached = zero_off(raw, self.mask, self._bits)
+        self.__dict__["_engine_log_ratio"] = cached
+        return cached
 
 
 def _layout(t: Tensor) -> tuple:
@@ -400,7 +436,7 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
             _check_gate_output(stage, corr, inp)
         objective = objective * (corr.weight if corr.weight.ndim == 2 else corr.weight.unsqueeze(-1))
         outputs.append((stage, corr))
-    objective = zero_off(objective, inp.mask, inp.__dict__.get("_bits"))
+    objective = zero_off(objective, inp.mask, inp._bits)
 
     red = compiled.reduction
     value = _run(red, validate, objective, inp.mask, inp.lengths, population_of(inp.mask, normalizer))
@@ -506,7 +542,7 @@ def _approx_kl(inp: GateInput, n_tokens: Tensor) -> Tensor:
 
 def _basic_metrics(inp: GateInput, outputs, loss: Tensor) -> dict[str, Tensor]:
     m: dict[str, Tensor] = {"loss": loss.detach()}
-    if inp.old_logp is not None:
+    if inp.batch.old_logp is not None:  # (the batch's field: reading inp.old_logp would clean it)
         m["update/approx_kl"] = _approx_kl(inp, inp.lengths.sum().clamp(min=1))
     for stage, out in outputs:
         for key, value in out.metrics.items():

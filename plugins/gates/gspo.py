@@ -106,7 +106,7 @@ def gspo(inp: lossplug.GateInput, p: GSPOParams) -> lossplug.GateOutput:
         # values on the actions; the pipeline zeroes it off them)
         objective, low, high = _clip(seq_ratio.unsqueeze(-1), inp.seq_advantage.detach().unsqueeze(-1), p,
                                      masks=inp.metrics)
-        objective = objective.expand_as(inp.logp)
+        objective = objective.expand(inp.mask.shape)
     else:
         objective, low, high = _clip(seq_ratio.unsqueeze(-1), inp.advantage.detach(), p, masks=inp.metrics)
     if not inp.metrics:
