@@ -467,7 +467,8 @@ def group_advantages(trainer, rewards_per_func: torch.Tensor, num_generations: i
     valid = ~unscorable
     min_size = st.compiled.advantage.plugin.min_group_size
     too_small = torch.zeros_like(valid)
-    if min_size > 1 and bool(unscorable.any()):
+    some_unscorable = bool(unscorable.any())
+    if min_size > 1 and some_unscorable:
         # Leaving unscorable rows out can shrink a group below what the estimator needs (RLOO: 2). Those rows get
         # advantage 0 like the unscorable ones — with a metric and a warning, never silently and never a crash
         # in the middle of a run.
@@ -481,17 +482,21 @@ def group_advantages(trainer, rewards_per_func: torch.Tensor, num_generations: i
                           f"scorable completions, which recipe.advantage ({st.compiled.advantage.plugin.name}) "
                           "needs; they get advantage 0 (metric lossplug/reward/too_small_group_frac)",
                           stacklevel=2)
+    everything = not some_unscorable and not bool(too_small.any())  # the usual case: no row left out
     advantages = torch.zeros_like(rewards)
-    if bool(valid.any()):
-        r = rewards[valid]
+    if everything or bool(valid.any()):
+        r, ids = (rewards, group_ids) if everything else (rewards[valid], group_ids[valid])
         batch = PolicyBatch.unchecked(logp=torch.zeros(r.shape[0], 1, dtype=r.dtype, device=device),
                                       action_mask=torch.ones(r.shape[0], 1, dtype=torch.bool, device=device),
-                                      reward=r, group_id=group_ids[valid])
+                                      reward=r, group_id=ids)
         result = lossplug.estimate_advantages(batch, st.recipe, validate=st.validate)
         adv = result.advantage
         if adv.ndim == 2:  # a token-level estimator over the single placeholder position
             adv = adv[:, 0]
-        advantages[valid] = adv.to(advantages.dtype)
+        if everything:
+            advantages = adv.to(advantages.dtype)
+        else:
+            advantages[valid] = adv.to(advantages.dtype)
         metrics.update({f"advantage/{k}": v for k, v in result.metric_tensors.items()})
     with torch.no_grad():
         metrics["advantage/mean"] = advantages.mean()

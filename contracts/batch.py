@@ -9,6 +9,7 @@ Masked (non-action) positions may hold anything, NaN and inf included: nothing d
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, ClassVar, Optional
 
@@ -92,15 +93,23 @@ def _token_value_rules(checks: Checks, name: str, t: Tensor, mask: Tensor, logpr
     if known is not None and known[0] and (known[1] or not logprob):
         return  # every element of the base passed: so does every slice, whatever its mask
 
-    def extremes(x: Tensor) -> tuple[Tensor, Tensor]:
+    on_host = t.device.type == "cpu"  # the reductions' values are on the host already: Python tests, no kernels
+
+    def extremes(x: Tensor):
         if not logprob and x.element_size() >= 4:  # finiteness alone: the sum (any NaN or inf reaches it)
-            return torch.isfinite(x.sum()), torch.ones((), dtype=torch.bool, device=x.device)
+            total = x.sum()
+            if on_host:
+                return math.isfinite(total.item()), True
+            return torch.isfinite(total), torch.ones((), dtype=torch.bool, device=x.device)
         low, high = torch.aminmax(x)
+        if on_host:
+            low, high = low.item(), high.item()  # NaN fails both comparisons
+            return low > -math.inf, (high <= LOGP_TOLERANCE) if logprob else (high < math.inf)
         return low > float("-inf"), (high <= LOGP_TOLERANCE) if logprob else (high < float("inf"))
 
     def find() -> list[Violation]:
         finite, below = extremes(torch.where(mask, t, 0))
-        if bool(finite & below):  # the failing values are all at non-action positions
+        if bool(finite) and bool(below):  # the failing values are all at non-action positions
             return []
         found = []
         bad = mask & ~torch.isfinite(t)
@@ -117,7 +126,7 @@ def _token_value_rules(checks: Checks, name: str, t: Tensor, mask: Tensor, logpr
         whole = t
     finite, below = extremes(whole)
     # the outcome is remembered for `whole` once the contract's single host sync has resolved it
-    checks.when_flag(~(finite & below), find,
+    checks.when_flag(not (finite and below) if on_host else ~(finite & below), find,
                      resolved=lambda failed, whole=whole: _CHECKED.put(whole, not failed, not failed and logprob))
 
 
@@ -235,8 +244,17 @@ class PolicyBatch(_TensorModel):
         """Number of action tokens of each response, ``[B]``."""
         return self.action_mask.sum(-1)
 
+    #: every field but logp: the shapes it may have ("BT": [B, T], "B": [B]) and its dtype kind
+    _LAYOUT: ClassVar[dict[str, tuple[tuple[str, ...], str]]] = {
+        "old_logp": (("BT",), "float"), "behavior_logp": (("BT",), "float"), "ref_logp": (("BT",), "float"),
+        "value": (("BT",), "float"), "action_mask": (("BT",), "bool"), "advantage": (("B", "BT"), "float"),
+        "reward": (("B", "BT"), "float"), "group_id": (("B",), "int"), "trajectory_id": (("B",), "int"),
+        "terminated": (("B",), "bool"), "final_value": (("B",), "float"),
+    }
+
     def _rules(self, checks: Checks) -> None:
-        logp, mask = self.logp, self.action_mask
+        fields = self.__dict__
+        logp, mask = fields["logp"], fields["action_mask"]
         if logp.ndim != 2:
             checks.fail("logp", f"must be [B, T], got shape {tuple(logp.shape)}")
             return
@@ -246,29 +264,20 @@ class PolicyBatch(_TensorModel):
             return
         ok = checks.dtype("logp", logp, "float")
         shape_ok = True
-        expected = {
-            **{k: ((B, T),) for k in self.TOKEN_FLOATS if k != "logp"},
-            "action_mask": ((B, T),),
-            "advantage": ((B,), (B, T)),
-            "reward": ((B,), (B, T)),
-            "group_id": ((B,),),
-            "trajectory_id": ((B,),),
-            "terminated": ((B,),),
-            "final_value": ((B,),),
-        }
-        kinds = {"action_mask": "bool", "terminated": "bool", "group_id": "int", "trajectory_id": "int"}
-        for name, shapes in expected.items():
-            t = getattr(self, name)
+        sizes = {"BT": (B, T), "B": (B,)}
+        device = logp.device
+        for name, (shapes, kind) in self._LAYOUT.items():
+            t = fields.get(name)
             if t is None:
                 continue
-            if tuple(t.shape) not in shapes:
-                want = " or ".join(str(list(s)) for s in shapes)
+            if not any(t.shape == sizes[s] for s in shapes):
+                want = " or ".join(str(list(sizes[s])) for s in shapes)
                 checks.fail(name, f"shape must align with logp [B={B}, T={T}]: expected {want}, got {list(t.shape)}")
                 shape_ok = False
-            if not checks.dtype(name, t, kinds.get(name, "float")):
+            if not checks.dtype(name, t, kind):
                 shape_ok = False
-            if t.device != logp.device:
-                checks.fail(name, f"must be on logp's device {logp.device}, got {t.device}")
+            if t.device != device:
+                checks.fail(name, f"must be on logp's device {device}, got {t.device}")
                 shape_ok = False
         if not (ok and shape_ok):
             return  # value rules below assume aligned, well-typed tensors
@@ -277,12 +286,13 @@ class PolicyBatch(_TensorModel):
             def empty_rows() -> list[Violation]:
                 return [Violation("action_mask", "every response needs at least one action token",
                                   describe_positions(~any_of(mask, -1), noun="rows"))]
-            checks.when_flag(mask.view(torch.uint8).amax(-1).amin() == 0, empty_rows)
+            fewest = mask.view(torch.uint8).amax(-1).amin()
+            checks.when_flag(fewest.item() == 0 if mask.device.type == "cpu" else fewest == 0, empty_rows)
         else:
             checks.when_any(~any_of(mask, -1), "action_mask", "every response needs at least one action token")
         seen: set[tuple] = set()
         for name in self.TOKEN_FLOATS + ("advantage", "reward"):
-            t = getattr(self, name)
+            t = fields.get(name)
             if t is None:
                 continue
             if t.ndim == 2:

@@ -8,7 +8,7 @@ with a single device→host synchronisation; the offending positions are only lo
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -65,17 +65,20 @@ class Checks:
             bad = ~torch.isfinite(t)
             return [Violation(field, rule, describe_positions(bad, noun=noun))] if bool(any_of(bad)) else []
 
-        self._pending.append((~torch.isfinite(t.sum(dtype=torch.float64 if t.element_size() < 4 else t.dtype)), find))
+        total = t.sum(dtype=torch.float64 if t.element_size() < 4 else t.dtype)
+        # on the CPU the value is on the host already: a Python test, no flag kernels
+        self._pending.append((not math.isfinite(total.item()) if t.device.type == "cpu" else ~torch.isfinite(total),
+                              find))
 
     def when(self, flag: Tensor, field: str, rule: str, where: str = "") -> None:
         """Report ``rule`` for ``field`` if the 0-d boolean tensor ``flag`` is set (resolved with the same sync)."""
         self._pending.append((flag.reshape(()), lambda: [Violation(field, rule, where)]))
 
-    def when_flag(self, flag: Tensor, find: Callable[[], list[Violation]],
+    def when_flag(self, flag: Union[Tensor, bool], find: Callable[[], list[Violation]],
                   resolved: Optional[Callable[[bool], None]] = None) -> None:
-        """If the 0-d bool tensor ``flag`` is set, report what ``find()`` finds: a cheap combined test whose
-        positions are only looked up when it fails. ``resolved(flag)`` is called with the flag's value once it is
-        known (with the single synchronisation)."""
+        """If ``flag`` (a 0-d bool tensor, or a bool already known on the host) is set, report what ``find()``
+        finds: a cheap combined test whose positions are only looked up when it fails. ``resolved(flag)`` is called
+        with the flag's value once it is known (with the single synchronisation)."""
         if resolved is not None:
             self._resolved[len(self._pending)] = resolved
         self._pending.append((flag, find))
@@ -129,7 +132,9 @@ class Checks:
 
     def raise_if_any(self) -> None:
         if self._pending:
-            flags = torch.stack([flag for flag, _ in self._pending]).tolist()
+            tensors = [flag for flag, _ in self._pending if isinstance(flag, Tensor)]
+            synced = iter(torch.stack(tensors).tolist() if tensors else ())
+            flags = [next(synced) if isinstance(flag, Tensor) else flag for flag, _ in self._pending]
             for i, (flag, (_, find)) in enumerate(zip(flags, self._pending)):
                 if i in self._resolved:
                     self._resolved[i](bool(flag))
