@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
 
+from . import checks as checks_module
 from .checks import Checks, any_of
 from .errors import BatchValidationError, Violation, describe_positions, did_you_mean
 
@@ -93,16 +94,16 @@ def _token_value_rules(checks: Checks, name: str, t: Tensor, mask: Tensor, logpr
     if known is not None and known[0] and (known[1] or not logprob):
         return  # every element of the base passed: so does every slice, whatever its mask
 
-    on_host = t.device.type == "cpu"  # the reductions' values are on the host already: Python tests, no kernels
+    host = checks_module.on_host(t)  # the reductions' values are on the host already: Python tests, no kernels
 
     def extremes(x: Tensor):
         if not logprob and x.element_size() >= 4:  # finiteness alone: the sum (any NaN or inf reaches it)
             total = x.sum()
-            if on_host:
+            if host:
                 return math.isfinite(total.item()), True
             return torch.isfinite(total), torch.ones((), dtype=torch.bool, device=x.device)
         low, high = torch.aminmax(x)
-        if on_host:
+        if host:
             low, high = low.item(), high.item()  # NaN fails both comparisons
             return low > -math.inf, (high <= LOGP_TOLERANCE) if logprob else (high < math.inf)
         return low > float("-inf"), (high <= LOGP_TOLERANCE) if logprob else (high < float("inf"))
@@ -126,7 +127,7 @@ def _token_value_rules(checks: Checks, name: str, t: Tensor, mask: Tensor, logpr
         whole = t
     finite, below = extremes(whole)
     # the outcome is remembered for `whole` once the contract's single host sync has resolved it
-    checks.when_flag(not (finite and below) if on_host else ~(finite & below), find,
+    checks.when_flag(not (finite and below) if host else ~(finite & below), find,
                      resolved=lambda failed, whole=whole: _CHECKED.put(whole, not failed, not failed and logprob))
 
 
@@ -287,7 +288,7 @@ class PolicyBatch(_TensorModel):
                 return [Violation("action_mask", "every response needs at least one action token",
                                   describe_positions(~any_of(mask, -1), noun="rows"))]
             fewest = mask.view(torch.uint8).amax(-1).amin()
-            checks.when_flag(fewest.item() == 0 if mask.device.type == "cpu" else fewest == 0, empty_rows)
+            checks.when_flag(fewest.item() == 0 if checks_module.on_host(mask) else fewest == 0, empty_rows)
         else:
             checks.when_any(~any_of(mask, -1), "action_mask", "every response needs at least one action token")
         seen: set[tuple] = set()

@@ -25,6 +25,12 @@ _KINDS: dict[str, tuple[Callable[[Tensor], bool], str]] = {
 }
 
 
+def on_host(t: Tensor) -> bool:
+    """Whether ``t``'s values can be read without a device synchronisation (a CPU tensor): rules then test
+    reductions in Python right away instead of queueing flag tensors for the single synchronisation."""
+    return t.device.type == "cpu"
+
+
 def any_of(bad: Tensor, dim: Optional[int] = None) -> Tensor:
     """``bad.any(dim)``; for a bool tensor through a ``uint8`` max, which the CPU vectorises (its bool ``any`` is a
     scalar loop: ~30× slower on a million elements)."""
@@ -67,7 +73,7 @@ class Checks:
 
         total = t.sum(dtype=torch.float64 if t.element_size() < 4 else t.dtype)
         # on the CPU the value is on the host already: a Python test, no flag kernels
-        self._pending.append((not math.isfinite(total.item()) if t.device.type == "cpu" else ~torch.isfinite(total),
+        self._pending.append((not math.isfinite(total.item()) if on_host(t) else ~torch.isfinite(total),
                               find))
 
     def when(self, flag: Tensor, field: str, rule: str, where: str = "") -> None:
