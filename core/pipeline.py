@@ -350,30 +350,25 @@ class _PreparedInput(GateInput):
         return cleaned if name == "logp" else cleaned.detach()
 
     def update_log_ratio(self) -> Tensor:
-        cached = self.__dict__.get("_update_log_ratio")
-        if cached is not None:
-            return cached
-        with torch.set_grad_enabled(self._grad_mode):
-            if "logp" in self.__dict__ or "old_logp" in self.__dict__ or self.batch.old_logp is None:
-                cached = self.logp - self.old_logp.detach()
-            else:
-                raw = self.batch.logp.to(self._compute) - self.batch.old_logp.detach().to(self._compute)
-                cached = zero_off(raw, self.mask, self._bits)
-        self.__dict__["_update_log_ratio"] = cached
-        return cached
+        return self._log_ratio("logp", "old_logp")
 
     def engine_log_ratio(self) -> Tensor:
-        cached = self.__dict__.get("_engine_log_ratio")
-        if cached is not None:
-            return cached
-        batch = self.batch
-        if "old_logp" in self.__dict__ or "behavior_logp" in self.__dict__ or batch.behavior_logp is None \
-                or batch.old_logp is None:
-            cached = (self.old_logp - self.behavior_logp).detach()
-        else:
-            raw = batch.old_logp.detach().to(self._compute) - batch.behavior_logp.detach().to(self._compute)
-            cached = zero_off(raw, self.mask, self._bits)
-        self.__dict__["_engine_log_ratio"] = cached
+        return self._log_ratio("old_logp", "behavior_logp").detach()
+
+    def _log_ratio(self, top: str, bottom: str) -> Tensor:
+        """``top − bottom`` (the second detached), zero off the actions, computed once: from the cleaned fields
+        if a gate already read one of them, else as one subtraction of the raw fields and one zero-off."""
+        key = f"_log_ratio:{top}/{bottom}"
+        cached = self.__dict__.get(key)
+        if cached is None:
+            batch = self.batch
+            with torch.set_grad_enabled(self._grad_mode):
+                if top in self.__dict__ or bottom in self.__dict__ or getattr(batch, bottom) is None:
+                    cached = getattr(self, top) - getattr(self, bottom).detach()
+                else:
+                    raw = getattr(batch, top).to(self._compute) - getattr(batch, bottom).detach().to(self._compute)
+                    cached = zero_off(raw if top == "logp" else raw.detach(), self.mask, self._bits)
+            self.__dict__[key] = cached
         return cached
 
 
@@ -535,15 +530,12 @@ def _ratio_metrics(prefix: str, log_ratio: Tensor, mask: Tensor, out: dict[str, 
     out[f"{prefix}/mean"] = mean
 
 
-def _approx_kl(inp: GateInput, n_tokens: Tensor) -> Tensor:
-    """mean over the actions of old_logp − logp: both are zero off the actions (cleaned), so no mask pass."""
-    return -inp.update_log_ratio().detach().sum() / n_tokens
-
-
 def _basic_metrics(inp: GateInput, outputs, loss: Tensor) -> dict[str, Tensor]:
+    """The loss, ``update/approx_kl`` and every gate's own metrics (``metrics="basic"``; part of ``"full"``)."""
     m: dict[str, Tensor] = {"loss": loss.detach()}
     if inp.batch.old_logp is not None:  # (the batch's field: reading inp.old_logp would clean it)
-        m["update/approx_kl"] = _approx_kl(inp, inp.lengths.sum().clamp(min=1))
+        # mean over the actions of old_logp − logp; the log-ratio is zero off the actions: no mask pass
+        m["update/approx_kl"] = -inp.update_log_ratio().detach().sum() / inp.lengths.sum().clamp(min=1)
     for stage, out in outputs:
         for key, value in out.metrics.items():
             m[f"{stage.plugin.name}/{key}"] = value
@@ -551,22 +543,21 @@ def _basic_metrics(inp: GateInput, outputs, loss: Tensor) -> dict[str, Tensor]:
 
 
 def _metrics(inp: GateInput, outputs, objective: Tensor, loss: Tensor) -> dict[str, Tensor]:
+    """``metrics="full"``: the basic ones, the ratio distributions and the effective-sample fractions."""
+    m = _basic_metrics(inp, outputs, loss)
     mask = inp.mask
     n_tokens = torch.count_nonzero(mask).clamp(min=1)  # (a bool .sum() first copies the mask to int64)
-    m: dict[str, Tensor] = {"loss": loss.detach()}
-    if inp.old_logp is not None:
-        m["update/approx_kl"] = _approx_kl(inp, n_tokens)
+    batch = inp.batch
+    if batch.old_logp is not None:
         _ratio_metrics("ratio/update", inp.update_log_ratio().detach(), mask, m)
-    if inp.old_logp is not None and inp.behavior_logp is not None:
-        _ratio_metrics("ratio/engine", inp.old_logp - inp.behavior_logp, mask, m)
+        if batch.behavior_logp is not None:
+            _ratio_metrics("ratio/engine", inp.engine_log_ratio(), mask, m)
     token_active = mask
     seq_active = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
     for stage, out in outputs:
-        name = stage.plugin.name
-        for key, value in out.metrics.items():
-            m[f"{name}/{key}"] = value
         if out.active is None:
             continue
+        name = stage.plugin.name
         if out.active.ndim == 2:
             m[f"{name}/active_token_frac"] = torch.count_nonzero(out.active & mask) / n_tokens
             token_active = token_active & out.active
