@@ -46,7 +46,7 @@ class Checks:
     def __init__(self, contract: str):
         self.contract = contract
         self.violations: list[Violation] = []
-        self._pending: list[tuple[Tensor, Callable[[], list[Violation]]]] = []
+        self._pending: list[tuple[Union[Tensor, bool], Callable[[], list[Violation]]]] = []
         self._resolved: dict[int, Callable[[bool], None]] = {}
         self._device: Optional[torch.device] = None
         self._device_of = ""
