@@ -128,6 +128,12 @@ def clamp_exact(x: Tensor, low: float, high: float) -> Tensor:
     return x.clamp(low, high)
 
 
+def count_on_actions(hit: Tensor, mask: Tensor, clear_off_actions: bool) -> Tensor:
+    """How many action positions ``hit`` marks. ``clear_off_actions``: the caller knows ``hit`` is False off the
+    actions (a gate input is cleaned to 0 there, so e.g. a ratio is exactly 1), and the mask pass is skipped."""
+    return torch.count_nonzero(hit if clear_off_actions or hit.shape != mask.shape else hit & mask)
+
+
 def any_rows(mask: Tensor) -> Tensor:
     """``mask.any(-1)`` for a bool ``[B, T]`` tensor, through a ``uint8`` max (the CPU's bool ``any`` is a scalar
     loop, ~30× slower)."""

@@ -38,6 +38,21 @@ def fresh_registry():
     reg.reset()
 
 
+@pytest.fixture(params=["host", "device"])
+def contract_flag_path(request, monkeypatch):
+    """Runs a test twice: with the contract's value rules resolved on the host (CPU tensors) and as queued flag
+    tensors resolved by one synchronisation (the accelerator path, forced on CPU tensors); the memo of checked
+    tensors starts and ends empty."""
+    from lossplug.contracts import checks
+    from lossplug.contracts.batch import forget_checked
+
+    if request.param == "device":
+        monkeypatch.setattr(checks, "on_host", lambda t: False)
+    forget_checked()
+    yield request.param
+    forget_checked()
+
+
 class FakeSite:
     """A folder on ``sys.path`` holding real installed distributions: a package plus its ``.dist-info`` with a
     ``lossplug`` entry point — what ``pip install`` leaves behind, without pip."""

@@ -31,7 +31,7 @@ import torch
 from pydantic import Field, model_validator
 
 import lossplug
-from lossplug.ops import clamp_exact
+from lossplug.ops import clamp_exact, count_on_actions
 
 
 class CISPOParams(lossplug.Params):
@@ -90,8 +90,7 @@ def cispo(inp: lossplug.GateInput, p: CISPOParams) -> lossplug.GateOutput:
         n = inp.lengths.sum().clamp(min=1)
         # off the actions r = exp(0) = 1: never below lower (< 1); above upper only for a cap below 1
         low = torch.count_nonzero(ratio < p.lower) if p.lower is not None else n.new_zeros(())
-        high = ratio > p.upper
-        high = torch.count_nonzero(high if p.upper >= 1 else high & mask)
+        high = count_on_actions(ratio > p.upper, mask, p.upper >= 1)
         # the two sides are disjoint (lower < 1 ≤ upper, or no lower bound): their sum is the clipped count
         clip = low + high if p.lower is None or p.lower < p.upper else torch.count_nonzero(
             ((ratio < p.lower) | (ratio > p.upper)) & mask)

@@ -30,7 +30,7 @@ import torch
 from pydantic import Field, model_validator
 
 import lossplug
-from lossplug.ops import clamp_exact
+from lossplug.ops import clamp_exact, count_on_actions
 
 REQUIRES = ("old_logp", "behavior_logp")
 
@@ -97,17 +97,12 @@ def _ratio_stats(ratio: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Te
     }
 
 
-def _hits(hit: torch.Tensor, valid: torch.Tensor, clear_off_actions: bool) -> torch.Tensor:
-    """Count of ``hit`` on valid positions; ``clear_off_actions``: ρ = 1 off the actions cannot hit (no mask pass)."""
-    return torch.count_nonzero(hit if clear_off_actions or hit.ndim == 1 else hit & valid)
-
-
 def _tis(ratio: torch.Tensor, valid: torch.Tensor, cap: float, inp: lossplug.GateInput) -> lossplug.GateOutput:
     weight = ratio.clamp(max=cap)
     if not inp.metrics:
         return lossplug.GateOutput(weight=weight.detach())
     n = torch.count_nonzero(valid).clamp(min=1) if ratio.ndim == 1 else inp.lengths.sum().clamp(min=1)
-    metrics = {"trunc_frac": _hits(ratio > cap, valid, cap >= 1) / n}
+    metrics = {"trunc_frac": count_on_actions(ratio > cap, valid, cap >= 1) / n}
     if not inp.full_metrics:
         return lossplug.GateOutput(weight=weight.detach(), metrics=metrics)
     metrics.update(_ratio_stats(ratio, valid), weight_mean=torch.where(valid, weight, 0).sum() / n)
@@ -121,8 +116,8 @@ def _icepop(ratio: torch.Tensor, valid: torch.Tensor, low: float, high: float,
     if not inp.metrics:
         return lossplug.GateOutput(weight=weight.detach())
     n = torch.count_nonzero(valid).clamp(min=1) if ratio.ndim == 1 else inp.lengths.sum().clamp(min=1)
-    metrics = {"reject_frac_low": _hits(ratio < low, valid, low <= 1) / n,
-               "reject_frac_high": _hits(ratio > high, valid, high >= 1) / n}
+    metrics = {"reject_frac_low": count_on_actions(ratio < low, valid, low <= 1) / n,
+               "reject_frac_high": count_on_actions(ratio > high, valid, high >= 1) / n}
     if not inp.full_metrics:
         return lossplug.GateOutput(weight=weight.detach(), metrics=metrics)
     metrics.update(_ratio_stats(ratio, valid), weight_mean=torch.where(valid, weight, 0).sum() / n)

@@ -1,7 +1,5 @@
 """PolicyBatch / PackedTransitions: every rule, with its message (field, rule, position)."""
 
-import math
-
 import pytest
 import torch
 
@@ -11,17 +9,8 @@ from lossplug import BatchValidationError, PackedTransitions, PolicyBatch
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.fixture(autouse=True, params=["host", "device"])
-def flag_path(request, monkeypatch):
-    """Every rule twice: resolved on the host (CPU tensors) and as queued flag tensors with one synchronisation
-    (the accelerator path, forced here on CPU tensors)."""
-    from lossplug.contracts import batch as batch_module, checks as checks_module
-
-    if request.param == "device":
-        monkeypatch.setattr(checks_module, "on_host", lambda t: False)
-    batch_module.forget_checked()
-    yield request.param
-    batch_module.forget_checked()
+# every rule twice: resolved on the host and as flag tensors with one synchronisation
+pytestmark = pytest.mark.usefixtures("contract_flag_path")
 
 
 def good(**over):

@@ -17,16 +17,7 @@ from lossplug.contracts.batch import forget_checked
 B, T, MICRO = 8, 32, 2
 
 
-@pytest.fixture(autouse=True, params=["host", "device"])
-def fresh_memo(request, monkeypatch):
-    """Both flag paths: resolved on the host, and queued tensors with one synchronisation (accelerators)."""
-    from lossplug.contracts import checks as checks_module
-
-    if request.param == "device":
-        monkeypatch.setattr(checks_module, "on_host", lambda t: False)
-    forget_checked()
-    yield
-    forget_checked()
+pytestmark = pytest.mark.usefixtures("contract_flag_path")
 
 
 @pytest.fixture

@@ -500,16 +500,9 @@ def test_the_catalogue_is_large_and_named_uniquely():
     assert len([c for c in CASES if not c.known_bug]) >= 40
 
 
-@pytest.mark.parametrize("flags", ["host", "device"])
 @pytest.mark.parametrize("case", [_param(c) for c in CASES])
-def test_bad_input_is_a_clear_lossplug_error(case: Case, flags, monkeypatch):
-    """Each case twice: the contract's value rules resolved on the host (CPU tensors) and as flag tensors with one
-    synchronisation (the accelerator path, forced on CPU tensors)."""
-    from lossplug.contracts import batch as batch_module, checks as checks_module
-
-    if flags == "device":
-        monkeypatch.setattr(checks_module, "on_host", lambda t: False)
-    batch_module.forget_checked()
+def test_bad_input_is_a_clear_lossplug_error(case: Case, contract_flag_path):
+    """Each case twice: the contract's value rules resolved on the host and as flag tensors (conftest)."""
     with pytest.raises(BaseException) as info:
         case.build()
     err = info.value

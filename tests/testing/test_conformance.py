@@ -49,8 +49,7 @@ def test_every_kind_is_covered_and_each_check_applies_somewhere():
     ("icepop_seq", {"ratio": "geometric"}),
 ])
 def test_non_default_parameters_conform_too(name, params):
-    skip = {"detached": "known, see KNOWN"} if name == "ppo_clip" else ()
-    assert_conforms(name, kind="gate", params=params, skip=skip)
+    assert_conforms(name, kind="gate", params=params)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
