@@ -12,64 +12,62 @@ The stages:
   gradient); the rest are **detached corrections** (weights on the engine ratio old/behaviour).
 * ``reduction`` — turns the per-token objective into the scalar, over the step's global population.
 
-``contracts`` does not import the plugin registry (dependencies point one way); the registry installs itself as the
-catalogue recipes consult, through :func:`set_catalog`.
+The seam with the plugins. ``contracts`` holds the structure — stage shapes, gate positions, which errors belong to
+which stage — and the :class:`Catalog` protocol; it imports nothing of ``lossplug``'s core, not even by name
+(dependencies point one way). Whether a plugin exists, whether its parameters validate and what a preset says are
+the catalogue's checks, performed by whatever :func:`install_catalog` installed: the package ``lossplug`` installs
+its plugin registry (``lossplug.recipe_catalog``) the moment ``lossplug.contracts`` is imported, lazily, so the
+registry is built only when the first recipe is checked. Without a catalogue, checking a recipe is a
+:class:`LossplugError` saying so.
+
+Every stage is checked even when an earlier one failed: one :class:`RecipeError` reports them all, each line naming
+its stage.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping, Optional, Protocol, Union
+from typing import Any, Iterator, Mapping, Optional, Protocol, Union
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
 
-from .errors import RecipeError, did_you_mean
+from .errors import LossplugError, PluginError, RecipeError, did_you_mean
 
 STAGES = ("advantage", "gates", "reduction")
 
 
-class PluginInfo(Protocol):
-    name: str
-    kind: str
-    params: type[BaseModel]
-    role: Optional[str]
-
-
 class Catalog(Protocol):
-    def lookup(self, kind: str, name: str, where: str) -> PluginInfo: ...
+    """What a recipe's stages are checked against: the plugins and presets of an installed package."""
 
-    def preset(self, name: str) -> Mapping[str, Any]: ...
+    def check_stage(self, kind: str, spec: "PluginSpec", where: str, role: Optional[str] = None) -> "PluginSpec":
+        """``spec`` with its parameters validated and their defaults filled in. Raises a :class:`RecipeError`
+        starting with ``where`` when no ``kind`` plugin has that name, a parameter is refused, or — with ``role`` —
+        the gate has another role (``"update"`` / ``"correction"``)."""
+        ...
+
+    def preset(self, name: str) -> Mapping[str, Any]:
+        """The recipe mapping of a named preset (with its ``name``); a :class:`RecipeError` when there is none."""
+        ...
 
 
 _catalog: Optional[Catalog] = None
 
 
-def set_catalog(catalog: Catalog) -> None:
-    """Install the plugin catalogue recipes are validated against (done by ``import lossplug``)."""
+def install_catalog(catalog: Optional[Catalog]) -> Optional[Catalog]:
+    """Install the catalogue recipes are checked against and return the previous one (``None`` uninstalls)."""
     global _catalog
-    _catalog = catalog
+    previous, _catalog = _catalog, catalog
+    return previous
 
 
-def _get_catalog() -> Catalog:
+def installed_catalog() -> Catalog:
     if _catalog is None:
-        # The registry installs itself on import. It is looked up by name, not imported statically: contracts must
-        # not depend on core, and `import lossplug` resolves its names lazily.
-        import importlib
-
-        importlib.import_module("lossplug.plugin_registry")
+        raise LossplugError("recipe: no plugin catalogue is installed, so plugin names and parameters cannot be "
+                            "checked (the lossplug package installs its plugin registry when lossplug.contracts is "
+                            "imported; install_catalog(None) removed it)")
     return _catalog
-
-
-def format_param_errors(err: ValidationError, where: str, plugin: str, allowed: list[str]) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<params>"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"unknown parameter '{loc}'{did_you_mean(loc, allowed)}; allowed: {', '.join(allowed) or 'none'}")
-        else:
-            lines.append(f"parameter '{loc}': {e['msg']} (got {e.get('input')!r})")
-    return f"{where} ({plugin}): " + "; ".join(lines)
 
 
 class PluginSpec(BaseModel):
@@ -120,14 +118,48 @@ def _merge_stage(base: Any, override: Any) -> Any:
     return {"name": base_spec.name, **base_spec.params, **extra}
 
 
-def _validate_spec(spec: PluginSpec, kind: str, where: str) -> tuple[PluginSpec, PluginInfo]:
-    info = _get_catalog().lookup(kind, spec.name, where)
-    allowed = list(info.params.model_fields)
-    try:
-        model = info.params.model_validate(spec.params)
-    except ValidationError as err:
-        raise RecipeError(format_param_errors(err, where, spec.name, allowed)) from None
-    return PluginSpec(name=spec.name, params=model.model_dump()), info
+class _StageErrors:
+    """The errors of a recipe's stages, collected so that one error reports every stage at once."""
+
+    def __init__(self) -> None:
+        self.found: list[LossplugError] = []
+
+    @contextmanager
+    def stage(self) -> Iterator[None]:
+        try:
+            yield
+        except (RecipeError, PluginError) as err:
+            self.found.append(err)
+
+    def raise_any(self) -> None:
+        if len(self.found) == 1:
+            raise self.found[0]
+        if self.found:
+            # a PluginError (a name registered twice) is about the installation, not the recipe: it keeps its type
+            # only when it is all there is to report
+            kind = PluginError if all(isinstance(e, PluginError) for e in self.found) else RecipeError
+            lines = "\n".join(f"  {e}" for e in self.found)
+            raise kind(f"recipe: {len(self.found)} stages have errors:\n{lines}")
+
+
+def _check_stage(raw: Any, kind: str, where: str, role: Optional[str] = None) -> PluginSpec:
+    return installed_catalog().check_stage(kind, PluginSpec.parse(raw, where), where, role)
+
+
+def _check_gates(gates: Any, errors: _StageErrors) -> tuple[PluginSpec, ...]:
+    if isinstance(gates, (str, Mapping)):
+        gates = [gates]
+    if gates is not None and not isinstance(gates, (list, tuple)):
+        raise RecipeError(f"recipe.gates: must be a list of gates (or one gate), got {type(gates).__name__} "
+                          f"{gates!r}")
+    if not gates:
+        raise RecipeError("recipe.gates: needs at least one gate (the update gate, e.g. ppo_clip)")
+    resolved = []
+    for i, raw in enumerate(gates):
+        with errors.stage():
+            # the first gate carries the gradient; every later one is a detached correction on the engine ratio
+            resolved.append(_check_stage(raw, "gate", f"recipe.gates[{i}]", "update" if i == 0 else "correction"))
+    return tuple(resolved)
 
 
 class Recipe(BaseModel):
@@ -157,7 +189,7 @@ class Recipe(BaseModel):
             if not isinstance(preset, str):
                 raise RecipeError(f"recipe.preset: must be a preset name (a string), got {type(preset).__name__} "
                                   f"{preset!r}")
-            base = dict(_get_catalog().preset(preset))
+            base = dict(installed_catalog().preset(preset))
             data = {**base, **{k: _merge_stage(base.get(k), v) for k, v in data.items()}}
         allowed = ("name",) + STAGES
         for key in data:
@@ -167,32 +199,17 @@ class Recipe(BaseModel):
         if data.get("name") is not None and not isinstance(data["name"], str):
             raise RecipeError(f"recipe.name: must be a string, got {type(data['name']).__name__} {data['name']!r}")
         out: dict[str, Any] = {"name": data.get("name")}
+        errors = _StageErrors()
         if data.get("advantage") is not None:
-            out["advantage"], _ = _validate_spec(PluginSpec.parse(data["advantage"], "recipe.advantage"),
-                                                 "advantage", "recipe.advantage")
-        gates = data.get("gates")
-        if isinstance(gates, (str, Mapping)):
-            gates = [gates]
-        if gates is not None and not isinstance(gates, (list, tuple)):
-            raise RecipeError(f"recipe.gates: must be a list of gates (or one gate), got {type(gates).__name__} "
-                              f"{gates!r}")
-        if not gates:
-            raise RecipeError("recipe.gates: needs at least one gate (the update gate, e.g. ppo_clip)")
-        resolved = []
-        for i, raw in enumerate(gates):
-            where = f"recipe.gates[{i}]"
-            spec, info = _validate_spec(PluginSpec.parse(raw, where), "gate", where)
-            want = "update" if i == 0 else "correction"
-            if info.role != want:
-                rule = ("the first gate must be an update gate" if i == 0
-                        else "gates after the first must be detached corrections")
-                raise RecipeError(f"{where} ({spec.name}): {rule}, but '{spec.name}' is a {info.role} gate")
-            resolved.append(spec)
-        out["gates"] = tuple(resolved)
-        if data.get("reduction") is None:
-            raise RecipeError("recipe.reduction: required (e.g. token, response, fixed, sequence_sum)")
-        out["reduction"], _ = _validate_spec(PluginSpec.parse(data["reduction"], "recipe.reduction"),
-                                             "reduction", "recipe.reduction")
+            with errors.stage():
+                out["advantage"] = _check_stage(data["advantage"], "advantage", "recipe.advantage")
+        with errors.stage():
+            out["gates"] = _check_gates(data.get("gates"), errors)
+        with errors.stage():
+            if data.get("reduction") is None:
+                raise RecipeError("recipe.reduction: required (e.g. token, response, fixed, sequence_sum)")
+            out["reduction"] = _check_stage(data["reduction"], "reduction", "recipe.reduction")
+        errors.raise_any()
         return out
 
     # ---- construction -------------------------------------------------------------------------------------------

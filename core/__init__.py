@@ -15,6 +15,8 @@ nor verl, and builds no plugin registry: that happens on first use.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -48,7 +50,6 @@ def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'lossplug' has no attribute {name!r}")
-    importlib.import_module("lossplug.plugin_registry")  # installs the plugin catalogue recipes validate against
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
@@ -56,6 +57,31 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({"__version__", *__all__})
+
+
+class _LazyCatalog:
+    """Stands in for ``lossplug.recipe_catalog.CATALOG``: the plugin registry is imported with the first recipe."""
+
+    def check_stage(self, *args: Any, **kwargs: Any) -> Any:
+        return importlib.import_module("lossplug.recipe_catalog").CATALOG.check_stage(*args, **kwargs)
+
+    def preset(self, name: str) -> Any:
+        return importlib.import_module("lossplug.recipe_catalog").CATALOG.preset(name)
+
+
+class _Package(types.ModuleType):
+    """``lossplug`` itself. Python binds a submodule on its parent once the submodule is loaded (the language
+    reference, "Submodules"); binding ``lossplug.contracts`` is when its recipes get their catalogue. This is the one
+    moment core can reach contracts without contracts naming core and without ``import lossplug`` importing
+    pydantic or torch."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "contracts" and isinstance(value, types.ModuleType) and hasattr(value, "recipe"):
+            value.recipe.install_catalog(_LazyCatalog())
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are resolved lazily

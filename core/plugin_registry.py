@@ -26,7 +26,6 @@ import pluggy
 
 from lossplug.contracts import PluginError, RecipeError
 from lossplug.contracts.errors import did_you_mean
-from lossplug.contracts.recipe import set_catalog
 
 from . import hookspecs
 from .plugin import AdvantagePlugin, AnyPlugin, GatePlugin, ReductionPlugin
@@ -101,7 +100,7 @@ class Registry:
         else:
             self.presets[name] = Preset(name, dict(recipe), source, origin)
 
-    # -- the Catalog protocol recipes consult -----------------------------------------------------------------------
+    # -- lookups: the recipe catalogue (lossplug.recipe_catalog) and compiled recipes ------------------------------
     def lookup(self, kind: str, name: str, where: str = "") -> AnyPlugin:
         prefix = f"{where}: " if where else ""
         if (kind, name) in self.duplicates:
@@ -277,19 +276,6 @@ def unregister_plugin(plugin: object) -> None:
     with _lock:
         _in_process[:] = [(obj, n) for obj, n in _in_process if obj is not plugin]
         reset()
-
-
-class _LazyCatalog:
-    """What recipes consult; building the registry is deferred to the first recipe."""
-
-    def lookup(self, kind: str, name: str, where: str):
-        return registry().lookup(kind, name, where)
-
-    def preset(self, name: str):
-        return registry().preset(name)
-
-
-set_catalog(_LazyCatalog())
 
 
 def _default_requires(plugin) -> list[str]:

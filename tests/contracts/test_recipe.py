@@ -144,3 +144,114 @@ def test_equality_ignores_the_compiled_cache():
     lossplug.compile_recipe(used)
     assert used == Recipe.preset("grpo") and hash(used) == hash(Recipe.preset("grpo"))
     assert used != Recipe.preset("dapo")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every stage's errors at once
+
+TWO_BAD = {"advantage": {"name": "grpo", "scale": "grp"}, "gates": ["ppo_clip", "lpx_nope"], "reduction": "token"}
+THREE_BAD = {**TWO_BAD, "reduction": {"name": "fixed", "budget": -4}}
+TWO_BAD_LINES = ("recipe.advantage (grpo): parameter 'scale': Input should be 'group', 'batch' or 'none' (got 'grp')",
+                 "recipe.gates[1]: unknown gate plugin 'lpx_nope'")
+THREE_BAD_LINES = TWO_BAD_LINES + ("recipe.reduction (fixed): parameter 'budget': Input should be greater than 0",)
+
+
+def assert_reports(err: RecipeError, lines: tuple[str, ...]):
+    msg = str(err)
+    assert f"recipe: {len(lines)} stages have errors:" in msg
+    reported = [line.strip() for line in msg.splitlines()[1:]]
+    assert len(reported) == len(lines), msg
+    for got, want in zip(reported, lines):  # in recipe order, one line per stage
+        assert got.startswith(want), msg
+
+
+@pytest.mark.parametrize("data,lines", [(TWO_BAD, TWO_BAD_LINES), (THREE_BAD, THREE_BAD_LINES)],
+                         ids=["two-stages", "three-stages"])
+def test_every_bad_stage_is_reported_at_once_by_the_constructor(data, lines):
+    with pytest.raises(RecipeError) as info:
+        Recipe(**data)
+    assert_reports(info.value, lines)
+    with pytest.raises(RecipeError) as info:
+        Recipe.model_validate(data)
+    assert_reports(info.value, lines)
+
+
+@pytest.mark.parametrize("data,lines", [(TWO_BAD, TWO_BAD_LINES), (THREE_BAD, THREE_BAD_LINES)],
+                         ids=["two-stages", "three-stages"])
+def test_every_bad_stage_is_reported_at_once_from_a_yaml_file(tmp_path, data, lines):
+    import yaml
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(RecipeError) as info:
+        Recipe.load(str(path))
+    assert str(info.value).startswith(f"{path}: recipe: {len(lines)} stages have errors:")
+    assert_reports(info.value, lines)
+
+
+def test_structure_and_catalogue_errors_of_different_stages_are_reported_together():
+    with pytest.raises(RecipeError) as info:
+        Recipe.model_validate({"advantage": {"scale": "group"}, "gates": [], "reduction": "tokens"})
+    assert_reports(info.value, ("recipe.advantage: needs a 'name'", "recipe.gates: needs at least one gate",
+                                "recipe.reduction: unknown reduction plugin 'tokens' (did you mean 'token'?)"))
+    with pytest.raises(RecipeError) as info:  # a wrong role and a missing reduction
+        Recipe.model_validate({"gates": ["tis", "lpx_nope"]})
+    assert_reports(info.value, ("recipe.gates[0] (tis): the first gate must be an update gate",
+                                "recipe.gates[1]: unknown gate plugin 'lpx_nope'", "recipe.reduction: required"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The seam: contracts holds the structure and the Catalog protocol, core installs the plugin registry as catalogue
+
+
+def test_contracts_never_names_core_not_even_in_a_string():
+    import ast
+    from pathlib import Path
+
+    root = Path(lossplug.contracts.__file__).parent
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("lossplug."):
+                assert node.value.startswith("lossplug.contracts"), f"{path.name}: names {node.value!r}"
+
+
+class OnlyGrpo:
+    """A catalogue that knows one advantage, one gate, one reduction and no presets."""
+
+    def check_stage(self, kind, spec, where, role=None):
+        if spec.name != {"advantage": "grpo", "gate": "ppo_clip", "reduction": "token"}[kind]:
+            raise RecipeError(f"{where}: not in this catalogue: '{spec.name}'")
+        return spec
+
+    def preset(self, name):
+        raise RecipeError(f"no presets here ('{name}')")
+
+
+def test_contracts_checks_stages_with_whatever_catalogue_is_installed():
+    from lossplug.contracts import recipe as contract
+
+    previous = contract.install_catalog(OnlyGrpo())
+    try:
+        recipe = Recipe.model_validate({"gates": [{"name": "ppo_clip", "eps_low": 9}], "reduction": "token"})
+        assert recipe.gates[0].params == {"eps_low": 9}  # this catalogue validates nothing
+        with pytest.raises(RecipeError, match="recipe: 2 stages have errors:\n  recipe.gates\\[0\\]: not in this "
+                                              "catalogue: 'sapo'\n  recipe.reduction: not in this catalogue"):
+            Recipe.model_validate({"gates": ["sapo"], "reduction": "response"})
+        with pytest.raises(RecipeError, match="no presets here"):
+            Recipe.preset("grpo")
+        contract.install_catalog(None)
+        with pytest.raises(lossplug.LossplugError, match="no plugin catalogue is installed"):
+            Recipe.preset("grpo")
+    finally:
+        contract.install_catalog(previous)
+    assert Recipe.preset("grpo").advantage.name == "grpo"
+
+
+def test_importing_contracts_alone_installs_the_registry_lazily():
+    import subprocess
+    import sys
+
+    code = ("import sys; from lossplug.contracts import Recipe; before = 'lossplug.plugin_registry' in sys.modules; "
+            "r = Recipe.load('dapo'); print(before, 'lossplug.plugin_registry' in sys.modules, r.reduction.name)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True", "token"]

@@ -1,0 +1,58 @@
+"""The catalogue recipes are checked against: lossplug's plugin registry.
+
+``lossplug.contracts`` holds a recipe's structure and the :class:`~lossplug.contracts.recipe.Catalog` protocol; the
+checks that need the plugins live here — does the named plugin exist, do its parameters pass its pydantic model, is
+a gate in the role its position asks for, what does a preset say. The package ``lossplug`` installs :data:`CATALOG`
+when ``lossplug.contracts`` is imported (``core/__init__.py``) behind a lazy stand-in, so this module and the
+registry are only loaded when the first recipe is checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from pydantic import ValidationError
+
+from lossplug.contracts import RecipeError
+from lossplug.contracts.errors import did_you_mean
+from lossplug.contracts.recipe import PluginSpec
+
+from . import plugin_registry
+
+_ROLE_RULES = {
+    "update": "the first gate must be an update gate",
+    "correction": "gates after the first must be detached corrections",
+}
+
+
+def format_param_errors(err: ValidationError, where: str, plugin: str, allowed: list[str]) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<params>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown parameter '{loc}'{did_you_mean(loc, allowed)}; allowed: {', '.join(allowed) or 'none'}")
+        else:
+            lines.append(f"parameter '{loc}': {e['msg']} (got {e.get('input')!r})")
+    return f"{where} ({plugin}): " + "; ".join(lines)
+
+
+class RegistryCatalog:
+    """The :class:`~lossplug.contracts.recipe.Catalog` of the plugin registry, rebuilt registries included."""
+
+    def check_stage(self, kind: str, spec: PluginSpec, where: str, role: Optional[str] = None) -> PluginSpec:
+        plugin = plugin_registry.registry().lookup(kind, spec.name, where)
+        allowed = list(plugin.params.model_fields)
+        try:
+            params = plugin.params.model_validate(spec.params)
+        except ValidationError as err:
+            raise RecipeError(format_param_errors(err, where, spec.name, allowed)) from None
+        if role is not None and plugin.role != role:
+            raise RecipeError(f"{where} ({spec.name}): {_ROLE_RULES[role]}, but '{spec.name}' is a {plugin.role} gate")
+        # the record names every parameter, defaults included, so a run can be reproduced from it alone
+        return PluginSpec(name=spec.name, params=params.model_dump())
+
+    def preset(self, name: str) -> Mapping[str, Any]:
+        return plugin_registry.registry().preset(name)
+
+
+CATALOG = RegistryCatalog()
