@@ -27,7 +27,7 @@ positions of any input never reach them.
 batch (transitions, for packed) with the unbiased variance: ``(A − mean) / sqrt(var + 1e-8)``. ``critic_lam``
 (default: ``lam``) is the λ of the returns: VAPO-style decoupled λ, the advantages still use ``lam``.
 ``kl_coef`` (padded only) adds seed 2's KL-shaped reward ``−kl_coef·(old_logp − ref_logp)`` on every action token
-(see :func:`lossplug.plugins.kl.kl_shaped_rewards`), reading ``old_logp`` (the sampling policy) and ``ref_logp``.
+(see :func:`lossplug.tools.kl.kl_shaped_rewards`), reading ``old_logp`` (the sampling policy) and ``ref_logp``.
 
 Differences to verl 0.9.1's ``compute_gae_advantage_return`` (same recursion on action tokens — it also carries the
 value and the trace across ``response_mask == 0`` positions): verl never bootstraps at the end of a response (no
@@ -59,7 +59,7 @@ import lossplug
 from lossplug.contracts import LossplugError
 from lossplug.contracts.errors import describe_positions
 
-from lossplug.plugins.kl import kl_shaped_rewards
+from lossplug.tools.kl import kl_shaped_rewards
 
 Tensor = torch.Tensor
 Lam = Union[float, Tensor]
@@ -296,6 +296,6 @@ def gae(batch, p: GAEParams) -> lossplug.AdvantageResult:
     if isinstance(batch, lossplug.PackedTransitions):
         if p.kl_coef:
             raise LossplugError("gae: kl_coef needs per-token log-probs, which packed transitions do not carry; "
-                                "shape the rewards before packing (lossplug.plugins.kl.kl_shaped_rewards)")
+                                "shape the rewards before packing (lossplug.tools.kl.kl_shaped_rewards)")
         return _packed(batch, p.gamma, p.lam, p.critic_lam, p.whiten)
     return _padded(batch, p.gamma, p.lam, p.critic_lam, p.whiten, p.kl_coef)

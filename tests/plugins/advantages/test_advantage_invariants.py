@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lossplug
-from lossplug.plugins.kl import kl_shaped_rewards
+from lossplug.tools.kl import kl_shaped_rewards
 
 F64 = torch.float64
 finite = st.floats(-10, 10, allow_nan=False, allow_infinity=False, width=64)

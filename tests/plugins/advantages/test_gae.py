@@ -331,7 +331,7 @@ def test_gae_parameters_are_validated_before_any_tensor():
 
 
 def test_kl_coef_shapes_the_reward_like_seed2():
-    from lossplug.plugins.kl import kl_shaped_rewards
+    from lossplug.tools.kl import kl_shaped_rewards
 
     gen = torch.Generator().manual_seed(4)
     B, T = 3, 7

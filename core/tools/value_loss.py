@@ -46,22 +46,11 @@ import torch
 
 from lossplug.contracts import Normalizer
 from lossplug.contracts.checks import Checks
+from lossplug.ops import zero_off
 
 Tensor = torch.Tensor
 
 __all__ = ["ValueLossOutput", "value_loss", "value_clip_fraction"]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Argument checks shared by the seed-tool modules (kept here: core/ and contracts/ belong to others).
-
-
-def _clean(x: Tensor, mask: Tensor) -> Tensor:
-    """Zero off the mask through ``torch.where``: NaN/inf there reach neither the result nor the gradient."""
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -95,9 +84,9 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask:
     if validate:
         _check_value_args(values, old_values, returns, action_mask, clip_eps, reduction, normalizer, action_tokens)
     mask = action_mask
-    v = _clean(values, mask)
-    v_old = _clean(old_values, mask).detach()
-    ret = _clean(returns, mask).detach()
+    v = zero_off(values, mask)
+    v_old = zero_off(old_values, mask).detach()
+    ret = zero_off(returns, mask).detach()
     raw = (v - ret) ** 2
     if clip_eps is None:
         per_token = 0.5 * raw
@@ -107,7 +96,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask:
         cl = (v_clip - ret) ** 2
         clipped = (cl > raw) & mask
         per_token = 0.5 * torch.where(clipped, cl, raw)
-    per_token = _clean(per_token, mask)
+    per_token = zero_off(per_token, mask)
 
     n_local = mask.sum()
     if reduction == "token":

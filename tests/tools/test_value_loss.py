@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lossplug import LossplugError, Normalizer
-from lossplug.plugins.value_loss import value_clip_fraction, value_loss
+from lossplug.tools.value_loss import value_clip_fraction, value_loss
 
 
 def _batch(B=4, T=7, dtype=torch.float64, seed=0, scale=1.0):

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lossplug import LossplugError
-from lossplug.plugins.diagnostics import (RatioGuardWarning, approx_kl, entropy_from_logits, masked_mean_var,
+from lossplug.tools.diagnostics import (RatioGuardWarning, approx_kl, entropy_from_logits, masked_mean_var,
                                           policy_clip_fraction, policy_kl, ppo_diagnostics, ratio_guard)
 
 # ---------------------------------------------------------------------------------------------------------------------

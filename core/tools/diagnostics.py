@@ -8,7 +8,7 @@ All statistics are over the action tokens of one micro-batch, detached (no gradi
     policy_kl          mean(old_logp − logp)                              (the seed's policykl: k1 of old vs current;
                                                                            verl's ``ppo_kl``)
     policy clip_frac   mean[ −A·clip(r) > −A·r ]                          (the clipped branch strictly larger)
-    value clip_frac    mean[ (clip(V, V_old ± ε) − R)² > (V − R)² ]       (see :mod:`lossplug.plugins.value_loss`)
+    value clip_frac    mean[ (clip(V, V_old ± ε) − R)² > (V − R)² ]       (see :mod:`lossplug.tools.value_loss`)
     entropy            mean_t H(softmax(logits_t)),  H = −Σ_v q_v·log q_v,  log q = log_softmax(l)
                        (= logsumexp(l) − Σ q·l, verl/TRL's form; −inf logits — masked vocabulary — contribute 0)
     mean, var          masked mean and *unbiased* masked variance  Σ(x − x̄)²/(n − 1)  of returns and old values
@@ -33,10 +33,10 @@ from typing import Mapping, Optional, Union
 import torch
 
 from lossplug.contracts import LossplugError
-
 from lossplug.contracts.checks import Checks
+from lossplug.ops import zero_off
 
-from .value_loss import _clean, value_loss
+from .value_loss import value_loss
 
 Tensor = torch.Tensor
 
@@ -70,11 +70,11 @@ def _check_token_args(c: Checks, named: Mapping[str, Optional[Tensor]], action_m
 
 
 def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    return _clean(logp.detach() - old_logp.detach(), mask)
+    return zero_off(logp.detach() - old_logp.detach(), mask)
 
 
 def _mean(x: Tensor, mask: Tensor) -> Tensor:
-    return _clean(x, mask).sum() / mask.sum().clamp(min=1)
+    return zero_off(x, mask).sum() / mask.sum().clamp(min=1)
 
 
 def approx_kl(logp: Tensor, old_logp: Tensor, action_mask: Tensor, *, validate: bool = True) -> Tensor:
@@ -106,7 +106,7 @@ def _check_eps(c: Checks, eps_low, eps_high) -> None:
 
 def _policy_clipped(logp, old_logp, advantages, mask, eps_low, eps_high) -> Tensor:
     ratio = _log_ratio(logp, old_logp, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    adv = _clean(advantages.detach(), mask)
+    adv = zero_off(advantages.detach(), mask)
     high = eps_low if eps_high is None else eps_high
     raw = -adv * ratio
     clipped = -adv * ratio.clamp(1 - eps_low, 1 + high)
@@ -184,9 +184,9 @@ def masked_mean_var(x: Tensor, action_mask: Tensor, *, name: str = "x") -> tuple
     if n < 2:
         raise LossplugError(f"masked_mean_var: {name}: the unbiased variance needs at least 2 action tokens, got {n}")
     with torch.no_grad():
-        x = _clean(x.detach(), action_mask)
+        x = zero_off(x.detach(), action_mask)
         mean = x.sum() / n
-        var = _clean((x - mean).square(), action_mask).sum() / (n - 1)
+        var = zero_off((x - mean).square(), action_mask).sum() / (n - 1)
     return mean, var
 
 

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lossplug import LossplugError
-from lossplug.plugins.dynamic_sampling import SamplingCost, difficulty_buckets, keep_mixed_groups
+from lossplug.tools.dynamic_sampling import SamplingCost, difficulty_buckets, keep_mixed_groups
 
 SEED_REWARD = torch.tensor([[0., 0., 0.], [0., 1., 0.], [1., 1., 1.], [1., 0., 1.]])
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lossplug import LossplugError
-from lossplug.plugins.reward_model import last_token_index, last_token_scores, pairwise_reward_loss
+from lossplug.tools.reward_model import last_token_index, last_token_scores, pairwise_reward_loss
 
 
 def _seed_compute_loss(values, attention_mask):

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lossplug import LossplugError
-from lossplug.plugins.kl import (KL_PENALTY_MODES, AdaptiveKLController, FixedKLController,
+from lossplug.tools.kl import (KL_PENALTY_MODES, AdaptiveKLController, FixedKLController,
                                  ProportionalKLController, k1, k2, k3, kl_penalty, kl_shaped_rewards)
 
 

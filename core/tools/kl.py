@@ -58,11 +58,9 @@ import numpy as np
 import torch
 
 from lossplug.contracts import LossplugError
-from lossplug.contracts.errors import did_you_mean
-
 from lossplug.contracts.checks import Checks
-
-from .value_loss import _clean
+from lossplug.contracts.errors import did_you_mean
+from lossplug.ops import zero_off
 
 Tensor = torch.Tensor
 
@@ -92,12 +90,12 @@ def _check(contract: str, logp, ref_logp, action_mask) -> None:
 
 def _prepare(logp: Tensor, ref_logp: Tensor, action_mask: Optional[Tensor], detach_ref: bool = True):
     if action_mask is not None:
-        logp, ref_logp = _clean(logp, action_mask), _clean(ref_logp, action_mask)
+        logp, ref_logp = zero_off(logp, action_mask), zero_off(ref_logp, action_mask)
     return logp, (ref_logp.detach() if detach_ref else ref_logp)
 
 
 def _finish(kl: Tensor, action_mask: Optional[Tensor]) -> Tensor:
-    return kl if action_mask is None else _clean(kl, action_mask)
+    return kl if action_mask is None else zero_off(kl, action_mask)
 
 
 def k1(logp: Tensor, ref_logp: Tensor, action_mask: Optional[Tensor] = None, *, validate: bool = True) -> Tensor:
