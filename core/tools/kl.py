@@ -51,10 +51,10 @@ All three expose ``.value`` and ``.update(current_kl, n_steps)`` like verl's, so
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 
 from lossplug.contracts import LossplugError
@@ -225,7 +225,11 @@ def _as_kl(current_kl, who: str) -> float:
         if current_kl.numel() != 1:
             raise LossplugError(f"{who}: current_kl must be a scalar, got a tensor of shape {list(current_kl.shape)}")
         current_kl = current_kl.item()
-    if isinstance(current_kl, np.generic):
+    # numpy is no dependency of lossplug, but a KL measured with it (np.float32, np.int64…) is a number all the same.
+    # A numpy scalar can only exist once numpy is imported, so looking it up in sys.modules recognises exactly the
+    # np.generic instances without importing it.
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(current_kl, np.generic):
         current_kl = current_kl.item()
     c = Checks(who)
     c.number("current_kl", current_kl)
@@ -295,7 +299,8 @@ class ProportionalKLController:
         c = Checks("ProportionalKLController.update")
         c.number("n_steps", n_steps, ge=0)
         c.raise_if_any()
-        proportional_error = np.clip(d / self.target - 1, -0.2, 0.2)
+        # d is a finite float (checked), so min/max clip exactly as np.clip did
+        proportional_error = min(max(d / self.target - 1, -0.2), 0.2)
         mult = 1 + proportional_error * n_steps / self.horizon
         if mult <= 0:
             raise LossplugError(
