@@ -11,10 +11,14 @@ Failures are loud but contained, so one broken third-party package cannot take d
   :class:`LossplugPluginWarning` naming the entry point and its distribution, listed by ``lossplug list``, and named
   again in the error of any lookup that misses;
 * a name registered twice makes that name unusable: looking it up raises :class:`PluginError` naming both sources.
+
+Every hook call goes through :func:`call_hook`, which calls the implementations one at a time so that a failure is
+blamed on the plugin that caused it (:func:`hook_origin` says where that plugin came from).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata as md
 import os
 import threading
@@ -24,16 +28,20 @@ from typing import Any, Callable, Mapping, Optional
 
 import pluggy
 
-from lossplug.contracts import PluginError, RecipeError
+from lossplug.contracts import LossplugError, PluginError, RecipeError
 from lossplug.contracts.errors import did_you_mean
 
 from . import hookspecs
+from .needs import required_fields
 from .plugin import AdvantagePlugin, AnyPlugin, GatePlugin, ReductionPlugin
 
 ENTRY_POINT_GROUP = "lossplug"
 DISABLE_ENV = "LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD"
 ALLOW_ENV = "LOSSPLUG_PLUGINS"
 BUILTIN_SOURCE = "lossplug (built-in)"
+BUILTIN_NAME = "lossplug.builtin"
+ENTRY_POINT_PREFIX = "entrypoint:"
+IMPORT_FAILED = "failed to import"
 
 KINDS = {"advantage": AdvantagePlugin, "gate": GatePlugin, "reduction": ReductionPlugin}
 HOOKS = {
@@ -63,6 +71,20 @@ class BrokenPlugin:
     def __str__(self) -> str:
         return f"{self.origin}: {self.error}"
 
+    @property
+    def failed_to_import(self) -> bool:
+        """Whether importing the entry point failed, so none of the plugins it would register exist."""
+        return self.error.startswith(IMPORT_FAILED)
+
+
+class HookError(PluginError):
+    """A hook implementation raised or could not be called; ``origin`` names the plugin, ``problem`` what went wrong."""
+
+    def __init__(self, origin: str, problem: str):
+        super().__init__(f"{origin}: {problem}")
+        self.origin = origin
+        self.problem = problem
+
 
 @dataclass
 class Registry:
@@ -73,6 +95,8 @@ class Registry:
     presets: dict[str, Preset] = field(default_factory=dict)
     duplicates: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     broken: list[BrokenPlugin] = field(default_factory=list)
+    #: pluggy plugin name → where that plugin came from (entry point and distribution, in-process name, built-in)
+    hook_origins: dict[str, str] = field(default_factory=dict)
     generation: int = 0
 
     # -- building ---------------------------------------------------------------------------------------------------
@@ -180,13 +204,13 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
     pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
     pm.add_hookspecs(hookspecs)
     registry = Registry()
-    origins: dict[int, str] = {}
+    origins = registry.hook_origins
 
-    pm.register(builtin, name="lossplug.builtin")
-    origins[id(builtin)] = BUILTIN_SOURCE
+    pm.register(builtin, name=BUILTIN_NAME)
+    origins[BUILTIN_NAME] = BUILTIN_SOURCE
     for obj, name in _in_process:
         if _register(pm, obj, name, f"in-process plugin '{name}'", registry):
-            origins[id(obj)] = f"in-process plugin '{name}'"
+            origins[name] = f"in-process plugin '{name}'"
 
     if os.environ.get(DISABLE_ENV, "").strip().lower() not in ("1", "true", "yes"):
         allow_text = os.environ.get(ALLOW_ENV)
@@ -201,30 +225,31 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
             try:
                 obj = ep.load()
             except (Exception, SystemExit) as err:  # any import-time failure of third-party code, sys.exit() too
-                registry.broken.append(BrokenPlugin(origin, f"failed to import: {type(err).__name__}: {err}"))
+                registry.broken.append(BrokenPlugin(origin, f"{IMPORT_FAILED}: {type(err).__name__}: {err}"))
                 continue
             if pm.is_registered(obj):
                 continue  # the same module exposed under two entry-point names
-            if _register(pm, obj, f"entrypoint:{ep.name}", origin, registry):
-                origins[id(obj)] = origin
+            if _register(pm, obj, f"{ENTRY_POINT_PREFIX}{ep.name}", origin, registry):
+                origins[f"{ENTRY_POINT_PREFIX}{ep.name}"] = origin
         for name in sorted((allow or set()) - matched):
             warnings.warn(f"{ALLOW_ENV} names '{name}', but no installed distribution or entry point in the "
                           f"'{ENTRY_POINT_GROUP}' group has that name", LossplugPluginWarning, stacklevel=3)
 
-    def call(hook_name: str, make_register: Callable[[str], Callable]) -> None:
-        for impl in getattr(pm.hook, hook_name).get_hookimpls():  # in registration order: built-ins first
-            origin = origins.get(id(impl.plugin), impl.plugin_name)
-            try:
-                impl.function(*[make_register(origin) for _ in impl.argnames])
-            except Exception as err:
-                if origin == BUILTIN_SOURCE:
-                    raise
-                registry.broken.append(BrokenPlugin(origin, f"{hook_name} raised {type(err).__name__}: {err}"))
+    def contain(failure: HookError) -> None:
+        if failure.origin == BUILTIN_SOURCE:  # a bug in lossplug itself must not be filed as a broken plugin
+            raise failure
+        registry.broken.append(BrokenPlugin(failure.origin, failure.problem))
+
+    def origin_of(plugin_name: str) -> str:
+        return origins.get(plugin_name, plugin_name)
 
     for kind, hook_name in HOOKS.items():
-        call(hook_name, lambda origin, kind=kind: (lambda plugin: registry.add(kind, plugin, origin)))
-    call("lossplug_register_presets",
-         lambda origin: (lambda name, recipe, source="": registry.add_preset(name, recipe, source, origin)))
+        call_hook(hook_name, pm=pm, origin_of=origin_of, on_error=contain,
+                  arguments_for=lambda origin, kind=kind: {
+                      "register": lambda plugin: registry.add(kind, plugin, origin)})
+    call_hook("lossplug_register_presets", pm=pm, origin_of=origin_of, on_error=contain,
+              arguments_for=lambda origin: {
+                  "register": lambda name, recipe, source="": registry.add_preset(name, recipe, source, origin)})
 
     for b in registry.broken:
         warnings.warn(f"lossplug plugin not loaded — {b}", LossplugPluginWarning, stacklevel=3)
@@ -232,6 +257,76 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
         warnings.warn(f"lossplug {kind} '{name}' is registered more than once ({' and '.join(where)}); "
                       "it cannot be used until one is removed", LossplugPluginWarning, stacklevel=3)
     return pm, registry
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Calling hooks with blame
+
+
+@functools.lru_cache(maxsize=None)
+def _pass_through() -> tuple[type[BaseException], ...]:
+    """Exceptions no hook call wraps: trainers handle memory exhaustion themselves (e.g. skip the batch)."""
+    import torch
+
+    return tuple(t for t in (MemoryError, getattr(torch, "OutOfMemoryError", None)) if t)
+
+
+def hook_origin(plugin_name: str) -> str:
+    """Where the plugin behind a hook implementation came from, as error messages name it: the entry point and its
+    distribution (with how to leave it out), the built-ins, or the name given to :func:`register_plugin`."""
+    origin = registry().hook_origins.get(plugin_name)
+    if plugin_name.startswith(ENTRY_POINT_PREFIX):
+        if origin is None:
+            ep_name = plugin_name[len(ENTRY_POINT_PREFIX):]
+            origin = next((_describe(ep) for ep in md.entry_points(group=ENTRY_POINT_GROUP) if ep.name == ep_name),
+                          f"entry point '{ep_name}'")
+        return f"{origin} (leave it out with the {ALLOW_ENV} allow-list, or uninstall it)"
+    return origin or (BUILTIN_SOURCE if plugin_name == BUILTIN_NAME else f"in-process plugin '{plugin_name}'")
+
+
+def call_hook(name: str, *, pm: Optional[pluggy.PluginManager] = None,
+              origin_of: Callable[[str], str] = hook_origin,
+              on_error: Optional[Callable[[HookError], None]] = None,
+              arguments_for: Optional[Callable[[str], Mapping[str, Any]]] = None,
+              **arguments: Any) -> list[tuple[str, Any]]:
+    """Call hook ``name``'s implementations one by one, in pluggy's order; ``(origin, result)`` for every result
+    that is not None.
+
+    Calling them one at a time (as pluggy's own loop does) lets a failure be blamed on the plugin that caused it: an
+    exception becomes a :class:`HookError` (a :class:`PluginError`) naming the plugin's origin, with the original
+    exception as its cause. A ``LossplugError`` passes through unchanged — it already says what is wrong — and so
+    do memory errors. Hook wrappers are refused: their generator protocol would be silently misread.
+
+    ``on_error`` receives each failure instead of it being raised, and the remaining implementations still run; that
+    is how one broken third-party package is contained while the registry is built, so there a ``LossplugError`` is
+    a failure like any other. ``arguments_for(origin)`` adds arguments that depend on the implementation (the
+    registry's ``register`` callbacks record where each name came from). ``origin_of`` describes a pluggy plugin
+    name; ``pm`` defaults to :func:`plugin_manager`.
+    """
+    pm = pm if pm is not None else plugin_manager()
+    pass_through = _pass_through() if on_error is not None else (LossplugError, *_pass_through())
+    results = []
+    for impl in reversed(getattr(pm.hook, name).get_hookimpls()):  # pluggy calls the last registered first
+        origin = origin_of(impl.plugin_name)
+        if impl.hookwrapper or getattr(impl, "wrapper", False):
+            failure = HookError(origin, f"{name} does not support hook wrappers")
+        else:
+            given = {**arguments, **arguments_for(origin)} if arguments_for is not None else arguments
+            try:
+                result = impl.function(*[given[arg] for arg in impl.argnames])
+            except pass_through:
+                raise
+            except Exception as err:
+                failure = HookError(origin, f"{name} raised {type(err).__name__}: {err}")
+                failure.__cause__ = err
+            else:
+                if result is not None:
+                    results.append((origin, result))
+                continue
+        if on_error is None:
+            raise failure
+        on_error(failure)
+    return results
 
 
 def _ensure() -> tuple[pluggy.PluginManager, Registry]:
@@ -278,16 +373,6 @@ def unregister_plugin(plugin: object) -> None:
         reset()
 
 
-def _default_requires(plugin) -> list[str]:
-    """The batch fields a plugin reads with its default parameters (other parameters may need more)."""
-    if not hasattr(plugin, "required_fields"):
-        return []
-    try:
-        return list(plugin.required_fields(plugin.params()))
-    except Exception:  # parameters without defaults: only a fixed declaration can be shown
-        return [] if callable(plugin.requires) else list(plugin.requires)
-
-
 def list_plugins() -> list[dict[str, Any]]:
     """Every registered plugin: kind, name, source, parameters (with defaults) and the first line of its doc."""
     reg = registry()
@@ -303,7 +388,7 @@ def list_plugins() -> list[dict[str, Any]]:
                 "kind": kind, "name": name, "source": reg.origin(kind, name), "params": params,
                 "summary": plugin.doc.splitlines()[0] if plugin.doc else "",
                 "role": getattr(plugin, "role", None), "level": getattr(plugin, "level", None),
-                "requires": _default_requires(plugin),
+                "requires": list(required_fields(plugin)),
             })
     for name, preset in sorted(reg.presets.items()):
         rows.append({"kind": "preset", "name": name, "source": preset.origin, "params": {},

@@ -1,0 +1,102 @@
+"""Which batch fields a plugin or a whole recipe needs.
+
+The CLI (``show``, ``recipe explain``, ``validate``), the registry's plugin listing, the adapters and the conformance
+kit all ask this question; they ask it here so that every answer is the same. The plugin-level primitive is the
+plugin's own ``required_fields(params)``; this module adds what callers kept re-deriving around it: the default
+parameters when none are given, the fields every policy batch carries anyway, and which stage of a recipe wants what.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+#: what each batch field is, for people reading ``recipe explain`` and ``validate`` output
+FIELD_SHAPES = {
+    "logp": "[B, T] float — current policy, carries the gradient",
+    "action_mask": "[B, T] bool — True on policy actions",
+    "old_logp": "[B, T] float — training engine before the update",
+    "behavior_logp": "[B, T] float — rollout engine that sampled the tokens",
+    "ref_logp": "[B, T] float — frozen reference policy",
+    "advantage": "[B] or [B, T] float",
+    "reward": "[B] or [B, T] float",
+    "value": "[B, T] float — critic V_old",
+    "group_id": "[B] int — prompt group",
+    "trajectory_id": "[B] int",
+    "terminated": "[B] bool — ended in a terminal state",
+    "final_value": "[B] float — value of the real final observation (truncated rows)",
+    "next_value": "[N] float — V(s_{t+1})",
+    "boundary": "[N] bool — the trace resets after this transition",
+}
+
+#: every PolicyBatch carries these, whatever the recipe
+ALWAYS = ("logp", "action_mask")
+
+
+def required_fields(plugin: Any, params: Optional[Any] = None) -> tuple[str, ...]:
+    """The optional batch fields ``plugin`` reads with ``params``, or with its default parameters when none are given.
+
+    ``requires`` may be a function of the parameters. When no parameters are given and the plugin's parameter model
+    has no defaults to build from, only a fixed declaration can be answered; a parameter-dependent one gives ``()``.
+    Objects that only carry a ``requires`` attribute (duck-typed plugins in tests and examples) are answered from it.
+    """
+    if params is not None:
+        if hasattr(plugin, "required_fields"):
+            return tuple(plugin.required_fields(params))
+        requires = getattr(plugin, "requires", ())
+        return tuple(requires(params) if callable(requires) else requires)
+    if not hasattr(plugin, "required_fields"):
+        requires = getattr(plugin, "requires", ())
+        return () if callable(requires) else tuple(requires)
+    try:
+        return tuple(plugin.required_fields(plugin.params()))
+    except Exception:  # a parameter without a default: the defaults cannot be built, let alone judged
+        return () if callable(plugin.requires) else tuple(plugin.requires)
+
+
+def batch_fields(plugin: Any, params: Optional[Any] = None) -> tuple[str, ...]:
+    """Every field a batch must carry for ``plugin`` alone (with ``params``, or its defaults), in a stable order.
+
+    A gate also needs the log-probs, the mask and the advantages it weights; a padded advantage estimator the
+    log-probs and the mask of the batch it scores, and ``group_id`` when it works on prompt groups. A reduction reads
+    what the gates produce, not batch fields.
+    """
+    requires = required_fields(plugin, params)
+    if plugin.kind == "gate":
+        return tuple(dict.fromkeys([*ALWAYS, "advantage", *requires]))
+    if plugin.kind == "advantage":
+        base = list(ALWAYS) if "padded" in plugin.layouts else []
+        groups = ["group_id"] if plugin.min_group_size > 0 else []
+        return tuple(dict.fromkeys([*base, *requires, *groups]))
+    return ()
+
+
+def recipe_needs(recipe: Any) -> dict[str, tuple[str, ...]]:
+    """What a :class:`PolicyBatch` must contain for ``recipe``: field → the stages that need it, in recipe order.
+
+    ``recipe`` is a :class:`Recipe`, a preset name or anything ``Recipe.load`` accepts. Stages are described as
+    people read a recipe (``advantage 'grpo'``, ``gates[1] 'icepop'``); ``logp`` and ``action_mask`` are needed
+    ``always``. Without an advantage stage the advantages come with the batch.
+    """
+    from lossplug.contracts import Recipe
+    from lossplug.pipeline import compile_recipe
+
+    compiled = compile_recipe(recipe if isinstance(recipe, Recipe) else Recipe.load(recipe))
+    needs: dict[str, list[str]] = {field: ["always"] for field in ALWAYS}
+
+    def add(field: str, who: str) -> None:
+        stages = needs.setdefault(field, [])
+        if who not in stages:
+            stages.append(who)
+
+    if compiled.advantage is not None:
+        adv = compiled.advantage.plugin
+        for field in required_fields(adv, compiled.advantage.params):
+            add(field, f"advantage '{adv.name}'")
+        if adv.min_group_size > 0:
+            add("group_id", f"advantage '{adv.name}' (≥ {adv.min_group_size} rollouts per group)")
+    else:
+        add("advantage", "the recipe has no advantage stage, so advantages come with the batch")
+    for i, stage in enumerate(compiled.gates):
+        for field in required_fields(stage.plugin, stage.params):
+            add(field, f"gates[{i}] '{stage.plugin.name}'")
+    return {field: tuple(stages) for field, stages in needs.items()}
