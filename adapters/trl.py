@@ -123,6 +123,7 @@ import torch
 
 import lossplug
 from lossplug.contracts import LogProbSource, LossplugError, Normalizer, PolicyBatch, Provenance, Recipe
+from lossplug.needs import required_fields
 
 __all__ = ["LossplugGRPOTrainer", "TESTED_TRL", "attach", "check_trl_version", "group_advantages", "trl_equivalent",
            "trl_provenance", "write_record"]
@@ -349,15 +350,6 @@ def _check_options(validate: str, population: str, metrics="basic") -> str:
     return metric_level(metrics)
 
 
-def _required(stage) -> tuple[str, ...]:
-    """The batch fields a recipe stage reads (``requires`` may be a function of the plugin's parameters)."""
-    fields = getattr(stage.plugin, "required_fields", None)
-    if fields is not None:
-        return tuple(fields(stage.params))
-    requires = stage.plugin.requires
-    return tuple(requires(stage.params) if callable(requires) else requires)
-
-
 def _refusals(trainer, compiled, provenance: Provenance) -> list[str]:
     trl = _trl()
     args = trainer.args
@@ -385,8 +377,9 @@ def _refusals(trainer, compiled, provenance: Provenance) -> list[str]:
         provided.add("behavior_logp")
     reads_behavior = False
     for stage in compiled.gates:
-        missing = [f for f in _required(stage) if f not in provided]
-        reads_behavior |= "behavior_logp" in _required(stage)
+        reads = required_fields(stage.plugin, stage.params)
+        missing = [f for f in reads if f not in provided]
+        reads_behavior |= "behavior_logp" in reads
         for name in missing:
             why = {"ref_logp": "TRL computes reference log-probs only when beta != 0",
                    "behavior_logp": "TRL has rollout log-probs only with use_vllm=True or a rollout_func"}.get(
@@ -394,7 +387,7 @@ def _refusals(trainer, compiled, provenance: Provenance) -> list[str]:
             out.append(f"{stage.where} ({stage.plugin.name}) reads {name}: {why}")
     stage = compiled.advantage
     if stage is not None:
-        missing = [f for f in _required(stage) if f not in _ADVANTAGE_PROVIDED]
+        missing = [f for f in required_fields(stage.plugin, stage.params) if f not in _ADVANTAGE_PROVIDED]
         if missing:
             out.append(f"recipe.advantage ({stage.plugin.name}) reads {', '.join(missing)}: in TRL the advantage "
                        "stage sees only the rewards and prompt groups (no critic, no token rewards)")

@@ -1,9 +1,14 @@
-"""The ``lossplug`` command line (typer + rich).
+"""The ``lossplug`` command line (typer + rich): command wiring and presentation only.
+
+What the commands compute lives in library modules the adapters and tests share: :mod:`lossplug.batch_files`
+(reading and checking batch dumps), :mod:`lossplug.needs` (which fields a plugin or recipe needs),
+:mod:`lossplug.gate_curves` (gate gradient curves) and :mod:`lossplug.testing` (the conformance kit).
 
 Every command imports what it needs when it runs (torch, the registry, safetensors, matplotlib), so ``--help`` is
 instant. Text that comes from plugins (docstrings, summaries) is printed without rich markup: ``[B, T]`` stays
 ``[B, T]``. Exit codes: 0 — fine; 1 — a check failed (contract violations, a failing conformance check, an unknown
 name); 2 — the input could not be read or understood (a file that is not a batch dump, a bad recipe, bad usage).
+Warnings go to stderr and never change the exit code.
 """
 
 from __future__ import annotations
@@ -32,24 +37,6 @@ app.add_typer(recipe_app, name="recipe")
 app.add_typer(plot_app, name="plot")
 
 KIND_ORDER = ("advantage", "gate", "reduction")
-
-#: what each batch field is, for `recipe explain` and `validate`
-FIELD_SHAPES = {
-    "logp": "[B, T] float — current policy, carries the gradient",
-    "action_mask": "[B, T] bool — True on policy actions",
-    "old_logp": "[B, T] float — training engine before the update",
-    "behavior_logp": "[B, T] float — rollout engine that sampled the tokens",
-    "ref_logp": "[B, T] float — frozen reference policy",
-    "advantage": "[B] or [B, T] float",
-    "reward": "[B] or [B, T] float",
-    "value": "[B, T] float — critic V_old",
-    "group_id": "[B] int — prompt group",
-    "trajectory_id": "[B] int",
-    "terminated": "[B] bool — ended in a terminal state",
-    "final_value": "[B] float — value of the real final observation (truncated rows)",
-    "next_value": "[N] float — V(s_{t+1})",
-    "boundary": "[N] bool — the trace resets after this transition",
-}
 
 
 class Kind(str, Enum):
@@ -82,6 +69,10 @@ def _fail(message: str, code: int = 2):
     raise typer.Exit(code)
 
 
+def _warn(message: str) -> None:
+    _console(stderr=True).print(_text(f"warning: {message}", "bold yellow"), soft_wrap=True)
+
+
 def _distribution(origin: str) -> str:
     """'lossplug-example-plugin 0.1.0' from an entry-point origin; the origin itself otherwise."""
     m = re.search(r"of distribution '([^']+)'", origin)
@@ -89,18 +80,12 @@ def _distribution(origin: str) -> str:
 
 
 def _parse_assignments(items: Optional[List[str]], what: str) -> dict[str, Any]:
-    import yaml
+    from lossplug.gate_curves import parse_assignments
 
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            _fail(f"{what} must look like key=value, got {item!r}")
-        try:
-            out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            out[key.strip()] = value
-    return out
+    try:
+        return parse_assignments(items, what)
+    except ValueError as err:
+        _fail(str(err))
 
 
 def _registry():
@@ -111,28 +96,6 @@ def _registry():
     with warnings.catch_warnings():  # broken plugins are shown by the commands themselves, in red
         warnings.simplefilter("ignore", LossplugPluginWarning)
         return registry()
-
-
-def _required(plugin, params=None) -> list[str]:
-    """The batch fields a plugin reads — with ``params``, or with its defaults (``requires`` may depend on them)."""
-    if not hasattr(plugin, "required_fields"):
-        return list(getattr(plugin, "requires", ()))
-    try:
-        return list(plugin.required_fields(params if params is not None else plugin.params()))
-    except Exception:  # parameters without defaults: only a fixed declaration can be shown
-        return [] if callable(plugin.requires) else list(plugin.requires)
-
-
-def _needs(plugin) -> list[str]:
-    kind = plugin.kind
-    requires = _required(plugin)
-    if kind == "gate":
-        return list(dict.fromkeys(["logp", "action_mask", "advantage", *requires]))
-    if kind == "advantage":
-        base = ["logp", "action_mask"] if "padded" in plugin.layouts else []
-        extra = ["group_id"] if plugin.min_group_size > 0 and "group_id" not in requires else []
-        return list(dict.fromkeys(base + requires + extra))
-    return []
 
 
 def _params_line(params: dict) -> str:
@@ -222,12 +185,15 @@ def _type_name(annotation) -> str:
 def _plugin_info(kind: str, name: str, plugin, source: str) -> dict[str, Any]:
     import inspect
 
+    from lossplug.needs import batch_fields, required_fields
+
     module_doc = inspect.getdoc(sys.modules.get(getattr(plugin.fn, "__module__", ""), None)) or ""
     return {
         "kind": kind, "name": name, "source": source, "distribution": _distribution(source),
         "role": getattr(plugin, "role", None), "level": getattr(plugin, "level", None),
-        "requires": _required(plugin), "requires_depends_on_params": callable(getattr(plugin, "requires", None)),
-        "needs": _needs(plugin),
+        "requires": list(required_fields(plugin)),
+        "requires_depends_on_params": callable(getattr(plugin, "requires", None)),
+        "needs": list(batch_fields(plugin)),
         "layouts": list(getattr(plugin, "layouts", ())) or None,
         "min_group_size": getattr(plugin, "min_group_size", None),
         "doc": plugin.doc, "module_doc": module_doc if module_doc.strip() != plugin.doc.strip() else "",
@@ -308,42 +274,28 @@ def show_cmd(
 # recipe explain
 
 
-def _load_recipe(source: str):
+def _read_recipe(source: str):
+    """A preset name or a recipe file; raises LossplugError saying what is wrong with it."""
     import lossplug
-    from lossplug.contracts import LossplugError
 
+    if Path(source).is_file():
+        return lossplug.Recipe.from_file(source)
+    return lossplug.Recipe.load(source)
+
+
+def _load_recipe(source: str):
     try:
-        if Path(source).is_file():
-            return lossplug.Recipe.from_file(source)
-        return lossplug.Recipe.load(source)
+        return _read_recipe(source)
     except LossplugError as err:
         _fail(str(err))
 
 
 def _recipe_needs(recipe) -> list[dict[str, str]]:
     """What a PolicyBatch must contain for this recipe: field, shape and which stage needs it."""
-    from lossplug.pipeline import compile_recipe
+    from lossplug.needs import FIELD_SHAPES, recipe_needs
 
-    compiled = compile_recipe(recipe)
-    needs: dict[str, list[str]] = {"logp": ["always"], "action_mask": ["always"]}
-
-    def add(field: str, who: str) -> None:
-        needs.setdefault(field, [])
-        if who not in needs[field]:
-            needs[field].append(who)
-
-    if compiled.advantage is not None:
-        adv = compiled.advantage.plugin
-        for f in _required(adv, compiled.advantage.params):
-            add(f, f"advantage '{adv.name}'")
-        if adv.min_group_size > 0:
-            add("group_id", f"advantage '{adv.name}' (≥ {adv.min_group_size} rollouts per group)")
-    else:
-        add("advantage", "the recipe has no advantage stage, so advantages come with the batch")
-    for i, stage in enumerate(compiled.gates):
-        for f in _required(stage.plugin, stage.params):
-            add(f, f"gates[{i}] '{stage.plugin.name}'")
-    return [{"field": f, "shape": FIELD_SHAPES.get(f, ""), "needed_by": "; ".join(who)} for f, who in needs.items()]
+    return [{"field": f, "shape": FIELD_SHAPES.get(f, ""), "needed_by": "; ".join(stages)}
+            for f, stages in recipe_needs(recipe).items()]
 
 
 def _explain_data(source: str) -> dict[str, Any]:
@@ -432,170 +384,48 @@ def recipe_explain_cmd(
 # validate
 
 
-class UnreadableFile(LossplugError):
-    """A batch file that cannot be read (missing, truncated, not safetensors/JSON, a pickle)."""
+class _ValidateError(Exception):
+    """Why ``validate`` could not judge the batch (exit 2): ``kind`` is what failed, for the JSON output."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
 
 
-_PICKLE_HINT = ("lossplug never unpickles a file (unpickling runs arbitrary code); save the tensors with "
-                "safetensors.torch.save_file(tensors, 'batch.safetensors') instead")
+def _validate_report(file: Path, recipe: Optional[str], check=None, tensors=None,
+                     error: Optional[_ValidateError] = None) -> dict[str, Any]:
+    """The JSON of ``validate --json``: the same keys whether the batch was judged or could not be."""
+    fields = {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
+              for k, v in (tensors or {}).items()}
+    return {
+        "file": str(file), "contract": check.contract.__name__ if check else None, "recipe": recipe,
+        "valid": check.valid if check else False, "fields": fields,
+        "violations": [{"field": v.field, "rule": v.rule, "where": v.where} for v in check.violations]
+        if check else [],
+        "warnings": [{"field": w.field, "message": w.message, "where": w.where, "values": list(w.values)}
+                     for w in check.warnings] if check else [],
+        "error": {"kind": error.kind, "message": str(error)} if error else None,
+    }
 
 
-def _load_json(path: Path) -> dict[str, Any]:
-    import torch
+def _check_file(file: Path, contract: str, recipe: Optional[str]):
+    """(tensors, recipe, check) — or a _ValidateError naming what could not be read or run."""
+    from lossplug.batch_files import UnreadableFile, check_batch, infer_contract, load_batch_file
+    from lossplug.contracts import PluginError
 
     try:
-        data = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UnreadableFile(f"{path} is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise UnreadableFile(f"{path}: expected a JSON object mapping field names to (nested) lists, got "
-                             f"{type(data).__name__}")
-    out = {}
-    for name, value in data.items():
-        dtype = None
-        if isinstance(value, dict):
-            if "data" not in value:
-                raise UnreadableFile(f"{path}: field '{name}': an object needs 'data' (and optionally 'dtype')")
-            dtype_name = value.get("dtype")
-            if dtype_name is not None:
-                dtype = getattr(torch, str(dtype_name), None)
-                if not isinstance(dtype, torch.dtype):
-                    raise UnreadableFile(f"{path}: field '{name}': unknown dtype {dtype_name!r}")
-            value = value["data"]
-        if value is None:
-            continue
-        try:
-            out[name] = torch.tensor(value, dtype=dtype)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise UnreadableFile(f"{path}: field '{name}' is not a rectangular array of numbers/booleans "
-                                 f"({err})") from None
-    return out
-
-
-def _load_safetensors(path: Path) -> dict[str, Any]:
-    size = path.stat().st_size
-    with path.open("rb") as fh:
-        head = fh.read(9)
-        n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
-        looks_safetensors = len(head) == 9 and head[8:9] == b"{" and 0 < n <= size - 8
-        if not looks_safetensors and (head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in
-                                                                        (b"\x02", b"\x03", b"\x04", b"\x05"))):
-            raise UnreadableFile(f"{path} looks like a pickle or torch.save file. {_PICKLE_HINT}")
-        if len(head) < 9:
-            raise UnreadableFile(f"{path} is {size} bytes: too short to be a safetensors file")
-        if n > size - 8 or n > 100_000_000:
-            raise UnreadableFile(f"{path} is not a safetensors file, or it is truncated: its header claims "
-                                 f"{n} bytes but the file has {size - 8} after the length prefix")
-        fh.seek(8)
-        try:
-            header = json.loads(fh.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise UnreadableFile(f"{path} is not a safetensors file: its header is not JSON") from None
-    if not isinstance(header, dict):
-        raise UnreadableFile(f"{path} is not a safetensors file: its header is not a JSON object")
-    data_size = size - 8 - n
-    for key, meta in header.items():
-        if key == "__metadata__":
-            continue
-        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2):
-            raise UnreadableFile(f"{path}: tensor '{key}' has no valid data_offsets: not a safetensors file")
-        if offsets[1] > data_size:
-            raise UnreadableFile(f"{path} is truncated: tensor '{key}' needs bytes up to {offsets[1]} of the data "
-                                 f"section, the file has {data_size}")
+        tensors = load_batch_file(file)
+        model = infer_contract(set(tensors), contract)
+    except UnreadableFile as err:
+        raise _ValidateError("unreadable_file", str(err)) from None
     try:
-        from safetensors.torch import load_file
-    except ImportError:
-        raise UnreadableFile("reading .safetensors needs the safetensors package: pip install safetensors") from None
+        recipe_obj = _read_recipe(recipe) if recipe else None
+    except LossplugError as err:
+        raise _ValidateError("bad_recipe", str(err)) from None
     try:
-        return load_file(str(path))
-    except Exception as err:  # safetensors' own error type differs across versions
-        raise UnreadableFile(f"{path}: safetensors could not read it: {err}") from None
-
-
-def load_batch_file(path: Path) -> dict[str, Any]:
-    """The tensors of a batch dump: safetensors, or JSON for small ones. Never unpickles."""
-    if not path.exists():
-        raise UnreadableFile(f"no such file: {path}")
-    if path.is_dir():
-        raise UnreadableFile(f"{path} is a directory")
-    if path.suffix.lower() in (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt"):
-        raise UnreadableFile(f"{path}: refusing a {path.suffix} file. {_PICKLE_HINT}")
-    with path.open("rb") as fh:
-        first = fh.read(64).lstrip()
-    if path.suffix.lower() == ".json" or first[:1] == b"{":
-        return _load_json(path)
-    return _load_safetensors(path)
-
-
-def _infer_contract(keys: set[str], choice: ContractChoice):
-    from lossplug import PackedTransitions, PolicyBatch
-
-    if choice == ContractChoice.policy:
-        return PolicyBatch
-    if choice == ContractChoice.packed:
-        return PackedTransitions
-    if keys & {"logp", "action_mask", "old_logp", "behavior_logp", "advantage"}:
-        return PolicyBatch
-    if keys & {"next_value", "boundary"}:
-        return PackedTransitions
-    raise UnreadableFile(f"cannot tell the contract from the fields {sorted(keys)}: a PolicyBatch has logp and "
-                         "action_mask, PackedTransitions have next_value and boundary; pass --contract policy|packed")
-
-
-def _validate(tensors: dict[str, Any], contract, recipe) -> tuple[list, Any]:
-    """Every violation: the contract's, then the recipe's field requirements. Returns (violations, batch or None)."""
-    import torch
-
-    from lossplug import BatchValidationError, PolicyBatch, Violation
-
-    violations: list = []
-    batch = None
-    try:
-        batch = contract(**tensors)
-    except BatchValidationError as err:
-        violations.extend(err.violations)
-        # The contract stops at the first layer of problems (unknown fields; then dtypes and shapes, before the
-        # value rules). Name everything at once: check again without unknown fields, with 0/1 masks as bool.
-        retry = {k: v for k, v in tensors.items() if k in contract.model_fields}
-        for name in ("action_mask", "terminated", "boundary"):
-            t = retry.get(name)
-            if t is not None and t.dtype != torch.bool and not t.is_complex() and bool(((t == 0) | (t == 1)).all()):
-                retry[name] = t.bool()
-        if retry.keys() != tensors.keys() or any(retry[k] is not tensors[k] for k in retry):
-            try:
-                contract(**retry)
-            except BatchValidationError as err2:
-                violations.extend(v for v in err2.violations if v not in violations)
-    if recipe is None:
-        return violations, batch
-    from lossplug.pipeline import _group_violations, compile_recipe
-    from lossplug.plugin_registry import plugin_manager
-
-    compiled = compile_recipe(recipe)
-    name = recipe.name or "the recipe"
-    if contract is PolicyBatch:
-        for need in _recipe_needs(recipe):
-            if need["field"] not in tensors:
-                violations.append(Violation(need["field"], f"required by {need['needed_by']} ({name}), but the "
-                                                           "file has none"))
-        if batch is not None and compiled.advantage is not None and batch.group_id is not None:
-            violations += _group_violations(batch, compiled.advantage.plugin, "recipe.advantage")
-    else:
-        adv = compiled.advantage
-        if adv is None or "packed" not in adv.plugin.layouts:
-            what = f"advantage '{adv.plugin.name}' works on {', '.join(adv.plugin.layouts)} batches" if adv else \
-                "the recipe has no advantage stage"
-            violations.append(Violation("<batch>", f"packed transitions feed only an advantage stage that accepts "
-                                                   f"them; {what} ({name})"))
-        else:
-            missing = [f for f in _required(adv.plugin, adv.params) if f not in tensors]
-            violations += [Violation(f, f"required by advantage '{adv.plugin.name}' ({name}), but the file has "
-                                        "none") for f in missing]
-    if batch is not None and not violations and compiled.has_validators:
-        for found in plugin_manager().hook.lossplug_validate_batch(batch=batch, recipe=recipe):
-            violations.extend(found or ())
-    return violations, batch
+        return tensors, recipe_obj, check_batch(tensors, model, recipe_obj)
+    except PluginError as err:  # a plugin's own validator failed: its verdict is unknown, not negative
+        raise _ValidateError("plugin_failed", str(err)) from None
 
 
 @app.command("validate")
@@ -607,41 +437,47 @@ def validate_cmd(
                                                  "it from the field names."),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", metavar="PRESET|FILE",
                                          help="Also check the fields this recipe's plugins need."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output, errors included."),
 ):
-    """Check a batch dump against the contracts; exit 1 naming every violation (field, rule, rows)."""
+    """Check a batch dump against the contracts; exit 1 naming every violation (field, rule, rows).
+
+    Exit codes: 0 — the batch is valid; 1 — it has violations; 2 — it could not be judged (the file is unreadable
+    or not a batch dump, the recipe is bad, or a plugin's validator failed). Warnings — e.g. groups of a single
+    rollout under a group-relative advantage (grpo, dapo), which get advantage 0 — are printed on stderr (and listed
+    under "warnings" with --json) and never change the exit code. With --json every outcome, errors included, is
+    one JSON object on stdout with the same keys.
+    """
     try:
-        tensors = load_batch_file(file)
-        model = _infer_contract(set(tensors), contract)
-    except UnreadableFile as err:
+        tensors, recipe_obj, check = _check_file(file, contract.value, recipe)
+    except _ValidateError as err:
+        if as_json:
+            typer.echo(json.dumps(_validate_report(file, recipe, error=err), indent=2))
         _fail(str(err))
-    recipe_obj = _load_recipe(recipe) if recipe else None
-    violations, batch = _validate(tensors, model, recipe_obj)
-    fields = {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")} for k, v in tensors.items()}
-    ok = not violations
+    for warning in check.warnings:
+        _warn(f"{warning.where or warning.field}: {warning.message}")
     if as_json:
-        typer.echo(json.dumps({"file": str(file), "contract": model.__name__, "recipe": recipe, "valid": ok,
-                               "fields": fields,
-                               "violations": [{"field": v.field, "rule": v.rule, "where": v.where}
-                                              for v in violations]}, indent=2))
-        raise typer.Exit(0 if ok else 1)
+        typer.echo(json.dumps(_validate_report(file, recipe, check, tensors), indent=2))
+        raise typer.Exit(0 if check.valid else 1)
 
     from rich.table import Table
 
     console = _console()
+    model = check.contract
     table = Table(title=f"{file.name} → {model.__name__}", title_justify="left")
     for col in ("field", "shape", "dtype"):
         table.add_column(col)
-    for k, v in fields.items():
-        table.add_row(_text(k, "bold"), _text(str(v["shape"])), _text(v["dtype"]))
+    for k, v in tensors.items():
+        table.add_row(_text(k, "bold"), _text(str(list(v.shape))), _text(str(v.dtype).replace("torch.", "")))
     console.print(table)
     against = model.__name__ + (f" and recipe '{recipe_obj.name or recipe}'" if recipe_obj else "")
-    if ok:
+    if check.valid:
         extra = ""
+        batch = check.batch
         if batch is not None and hasattr(batch, "action_mask"):
             extra = f" (B={batch.batch_size}, {int(batch.action_mask.sum())} action tokens)"
         console.print(_text(f"✓ valid against {against}{extra}", "bold green"))
         return
+    violations = check.violations
     table = Table(title=f"✗ {len(violations)} violation{'s' if len(violations) != 1 else ''} of {against}",
                   title_justify="left", title_style="bold red")
     for col in ("field", "rule", "where"):
@@ -672,6 +508,7 @@ def check_cmd(
     if kind == Kind.preset:
         _fail("presets are recipes, not plugins: try `lossplug recipe explain`")
     params = _parse_assignments(param, "--param")
+    _registry()  # built here, where broken third-party plugins are not also raised as Python warnings
     try:
         report = check_plugin(name, kind=kind.value if kind else None, params=params, skip=skip or ())
     except (LookupError, TypeError, ValueError) as err:
@@ -696,102 +533,15 @@ def check_cmd(
 
 
 def _gate_specs(specs: Optional[List[str]]) -> list[dict[str, Any]]:
-    """'name' or 'name:key=value,key=value' → recipe specs; default: every update gate, dual-clip, corrections."""
-    if specs:
-        out = []
-        for spec in specs:
-            name, _, rest = spec.partition(":")
-            params = _parse_assignments([kv for kv in rest.split(",") if kv], "--gate parameters")
-            out.append({"name": name.strip(), **params})
-        return out
-    reg = _registry()
-    gates = reg.plugins["gate"]
-    update = sorted(n for n, p in gates.items() if p.role == "update")
-    out = []
-    for n in update:
-        out.append({"name": n})
-        if n == "ppo_clip":
-            out.append({"name": "ppo_clip", "dual_clip_c": 3.0})
-    out += [{"name": n} for n in sorted(n for n, p in gates.items() if p.role == "correction")]
-    return out
+    """The --gate options as recipe specs; without any, every registered gate (see gate_curves)."""
+    from lossplug.gate_curves import default_gate_specs, parse_gate_spec
 
-
-def gate_coefficients(spec: dict[str, Any], ratios, advantage: float):
-    """∂J/∂logp per token, by autograd through the real plugin and ``lossplug.policy_loss``.
-
-    Update gates: one single-token response per ratio ``r = π_θ/π_old`` (``behavior_logp = old_logp``, so ratios
-    against the behaviour policy are ``r`` too). Corrections: composed after ``reinforce`` at ``r = 1``, one
-    response per engine ratio ``ρ = π_old/π_behaviour``.
-    """
-    import torch
-
-    import lossplug
-
-    reg = _registry()
-    plugin = reg.lookup("gate", spec["name"], "plot")
-    r = torch.as_tensor(ratios, dtype=torch.float64).reshape(-1, 1)
-    base = torch.full_like(r, -10.0)
-    if plugin.role == "correction":
-        ref = "reinforce" if "reinforce" in reg.plugins["gate"] else "ppo_clip"
-        gates = [ref, spec]
-        logp, old, behavior = base.clone(), base, base - r.log()
-    else:
-        gates = [spec]
-        logp, old, behavior = base + r.log(), base, base
-    logp.requires_grad_(True)
-    n = r.shape[0]
-    batch = lossplug.PolicyBatch(logp=logp, old_logp=old, behavior_logp=behavior, ref_logp=old,
-                                 action_mask=torch.ones_like(r, dtype=torch.bool),
-                                 advantage=torch.full((n,), float(advantage), dtype=torch.float64))
-    recipe = lossplug.Recipe.model_validate({"gates": gates, "reduction": "token"})
-    loss = lossplug.policy_loss(batch, recipe, metrics=False).loss  # = −Σ J / n
-    (grad,) = torch.autograd.grad(loss, logp)
-    return (-n * grad).reshape(-1).detach().numpy()
-
-
-def plot_gates(path: Path, specs: list[dict[str, Any]], ratio_max: float = 4.0, points: int = 321) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    reg = _registry()
-    ratios = np.linspace(0.02, ratio_max, points)
-    cols = min(4, len(specs))
-    rows = (len(specs) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True)
-    for ax, spec in zip(axes.flat, specs):
-        plugin = reg.lookup("gate", spec["name"], "plot")
-        correction = plugin.role == "correction"
-        for adv, color, label in ((1.0, "tab:blue", "A = +1"), (-1.0, "tab:red", "A = −1")):
-            coef = gate_coefficients(spec, ratios, adv)
-            ax.plot(ratios, coef, color=color, lw=2, label=label)
-            ax.plot(ratios, ratios * adv, color=color, lw=0.8, ls=":", alpha=0.6)
-        params = ", ".join(f"{k}={v}" for k, v in spec.items() if k != "name")
-        ax.set_title(spec["name"] + (f" ({params})" if params else "") + (" · correction" if correction else ""),
-                     fontsize=10)
-        ax.axhline(0, color="0.6", lw=0.6)
-        ax.axvline(1, color="0.6", lw=0.6)
-        xlabel = "engine ratio ρ = π_old / π_behaviour" if correction else "ratio r = π_θ / π_old"
-        if not correction and "behavior_logp" in _required(plugin, plugin.params.model_validate(
-                {k: v for k, v in spec.items() if k != "name"})):
-            xlabel += "  (= π_θ / π_behaviour here)"
-        ax.set_xlabel(xlabel, fontsize=8)
-        ax.grid(alpha=0.25)
-        ax.set_ylim(-ratio_max - 0.2, ratio_max + 0.2)
-    for ax in axes.flat[len(specs):]:
-        ax.axis("off")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("∂J/∂logp (gradient coefficient)", fontsize=8)
-    axes.flat[0].legend(fontsize=8, loc="upper left")
-    fig.suptitle("Gradient coefficient ∂J/∂logp of each gate vs the ratio, by autograd through the plugins "
-                 "(dotted: unclipped r·A)", fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    if not specs:
+        return default_gate_specs(_registry())
+    try:
+        return [parse_gate_spec(spec) for spec in specs]
+    except ValueError as err:
+        _fail(str(err))
 
 
 @plot_app.command("gates")
@@ -807,9 +557,10 @@ def plot_gates_cmd(
         import matplotlib  # noqa: F401
     except ImportError:
         _fail("plotting needs matplotlib: pip install matplotlib")
-    from lossplug.contracts import LossplugError
+    from lossplug.gate_curves import plot_gates
 
     specs = _gate_specs(gate)
+    _registry()  # built here, where broken third-party plugins are not also raised as Python warnings
     try:
         path = plot_gates(out, specs, ratio_max=ratio_max)
     except LossplugError as err:
@@ -845,7 +596,7 @@ def demo_cmd(
     Writes recipe.yaml, provenance.json, versions.json, metrics.jsonl, summary.json and curves.png to the run
     folder. Exit 1 if a run did not learn (reward up by less than 0.2 or no held-out gain).
     """
-    import lossplug.adapters.demo as demo  # lazy: torch, transformers and TRL load only when the demo runs
+    import lossplug.demo as demo  # lazy: torch, transformers and TRL load only when the demo runs
 
     from lossplug.contracts import LossplugError
 

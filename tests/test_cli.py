@@ -254,6 +254,93 @@ def test_validate_missing_file_bad_json_and_unknown_contract(tmp_path):
     assert fields == {"score", "logp", "action_mask"}
 
 
+def test_validate_warns_about_groups_of_one_rollout_under_grpo_and_dapo(tmp_path):
+    lone = batch_tensors(group_id=torch.tensor([7, 7, 3, 9]))  # groups 3 and 9 have one rollout each
+    path = save(tmp_path / "lone.safetensors", lone)
+    for recipe in ("dapo", "grpo"):
+        out = run("validate", str(path), "--recipe", recipe)
+        assert out.exit_code == 0, out.output  # a warning never changes the exit code
+        assert "valid against PolicyBatch" in out.stdout
+        assert "warning" in out.stderr and "group_id 3, 9" in out.stderr and "advantage 0" in out.stderr
+    out = run("validate", str(path), "--recipe", "dapo", "--json")
+    assert out.exit_code == 0
+    data = json.loads(out.stdout)
+    assert data["valid"] and data["error"] is None
+    (warning,) = data["warnings"]
+    assert warning["field"] == "group_id" and warning["values"] == [3, 9] and "single rollout" in warning["message"]
+    assert "group_id 3, 9" in out.stderr  # on stderr too, so a human running it sees it
+    # groups of two: no warning; no recipe: nothing to warn about
+    good = run("validate", str(save(tmp_path / "b.safetensors", batch_tensors())), "--recipe", "dapo", "--json")
+    assert json.loads(good.stdout)["warnings"] == [] and good.stderr == ""
+    assert run("validate", str(path)).stderr == ""
+
+
+def test_validate_names_the_first_lone_groups_and_counts_the_rest(tmp_path):
+    n = 30
+    tensors = dict(logp=torch.full((n, 2), -1.0), old_logp=torch.full((n, 2), -1.0),
+                   action_mask=torch.ones(n, 2, dtype=torch.bool), reward=torch.zeros(n),
+                   group_id=torch.arange(100, 100 + n))
+    out = run("validate", str(save(tmp_path / "lone.safetensors", tensors)), "--recipe", "dapo", "--json")
+    assert out.exit_code == 0
+    assert "30 of 30 groups" in out.stderr and "group_id 100, 101," in out.stderr and "… and 20 more" in out.stderr
+    assert "129" not in out.stderr
+    assert json.loads(out.stdout)["warnings"][0]["values"] == list(range(100, 130))
+
+
+def test_validate_warns_even_when_the_batch_has_violations_and_keeps_exit_1(tmp_path):
+    bad = batch_tensors(group_id=torch.tensor([0, 1, 1, 2]), old_logp=None)
+    out = run("validate", str(save(tmp_path / "bad.safetensors", bad)), "--recipe", "dapo", "--json")
+    assert out.exit_code == 1
+    data = json.loads(out.stdout)
+    assert not data["valid"] and {v["field"] for v in data["violations"]} == {"old_logp"}
+    assert data["warnings"][0]["values"] == [0, 2]
+
+
+def test_validate_json_reports_errors_as_json_on_stdout(tmp_path):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(b"hello, this is not a tensor file at all")
+    out = run("validate", str(path), "--json")
+    assert out.exit_code == 2
+    data = json.loads(out.stdout)
+    assert data["valid"] is False and data["file"] == str(path) and data["violations"] == []
+    assert data["error"]["kind"] == "unreadable_file" and "not a safetensors file" in data["error"]["message"]
+    assert "error: " in out.stderr and "not a safetensors file" in out.stderr  # the plain text stays on stderr
+    good = save(tmp_path / "b.safetensors", batch_tensors())
+    out = run("validate", str(good), "--recipe", "dapoo", "--json")
+    assert out.exit_code == 2
+    error = json.loads(out.stdout)["error"]
+    assert error["kind"] == "bad_recipe" and "did you mean 'dapo'" in error["message"]
+    # every outcome has the same keys
+    assert json.loads(run("validate", str(good), "--json").stdout).keys() == data.keys()
+
+
+def test_validate_help_documents_the_exit_codes():
+    text = " ".join(run("validate", "--help").output.split())
+    for phrase in ("0 — the batch is valid", "1 — it has violations", "2 — it could not be judged",
+                   "never change the exit code"):
+        assert phrase in text
+
+
+class RaisingValidator:
+    @staticmethod
+    @lossplug.hookimpl
+    def lossplug_validate_batch(batch, recipe):
+        raise KeyError("group_size")
+
+
+def test_validate_blames_a_failing_plugin_validator(tmp_path):
+    lossplug.register_plugin(RaisingValidator, name="strict-checks")
+    try:
+        path = save(tmp_path / "b.safetensors", batch_tensors())
+        out = run("validate", str(path), "--recipe", "dapo", "--json")
+    finally:
+        lossplug.unregister_plugin(RaisingValidator)
+    assert out.exit_code == 2
+    error = json.loads(out.stdout)["error"]
+    assert error["kind"] == "plugin_failed"
+    assert "in-process plugin 'strict-checks'" in error["message"] and "raised KeyError" in error["message"]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # recipe explain, check, plot
 
@@ -305,6 +392,22 @@ def test_check_runs_the_conformance_kit():
     assert run("check", "no_such_gate").exit_code == 1
 
 
+def test_check_a_plugin_whose_import_failed_says_so_and_why(site):
+    site.add("lpx-broken-gates", "lpx_broken_gates", "raise ImportError('needs libfancy >= 2')")
+    out = run("check", "lpx_fancy_gate")
+    assert out.exit_code == 1
+    text = " ".join(out.output.split())
+    assert "unknown gate plugin 'lpx_fancy_gate'" in text
+    assert "entry point 'lpx_broken_gates = lpx_broken_gates' of distribution 'lpx-broken-gates 0.1'" in text
+    assert "failed to import: ImportError: needs libfancy >= 2" in text
+    assert "Is the distribution" not in text
+
+
+def test_check_an_unknown_name_without_import_failures_asks_whether_it_is_installed(fresh_registry):
+    text = " ".join(run("check", "no_such_gate").output.split())
+    assert "Is the distribution that provides it installed" in text
+
+
 class FlippedSignPlugin:
     """A gate that returns the loss instead of the objective: the kit must catch it."""
 
@@ -330,7 +433,8 @@ def test_plot_gates_writes_a_png_through_the_real_plugins(tmp_path):
 
 
 def test_plot_default_covers_every_gate_and_dual_clip():
-    from lossplug.cli import _gate_specs, gate_coefficients
+    from lossplug.cli import _gate_specs
+    from lossplug.gate_curves import gate_coefficients
 
     specs = _gate_specs(None)
     names = [s["name"] for s in specs]
@@ -342,7 +446,7 @@ def test_plot_default_covers_every_gate_and_dual_clip():
 
 
 def test_plot_gate_coefficients_are_the_gradients():
-    from lossplug.cli import gate_coefficients
+    from lossplug.gate_curves import gate_coefficients
 
     r = [0.5, 0.9, 1.0, 1.1, 1.5]
     assert gate_coefficients({"name": "ppo_clip"}, r, 1.0).tolist() == pytest.approx([0.5, 0.9, 1.0, 1.1, 0.0])

@@ -1,0 +1,136 @@
+"""Gate response curves: each gate's gradient coefficient ∂J/∂logp against the ratio, and a plot of them.
+
+The coefficients come from autograd through the real plugin and :func:`lossplug.policy_loss` — not from a formula
+copied out of the docstrings — so the plot shows what a training step does. ``lossplug plot gates`` draws them;
+tests use :func:`gate_coefficients` to hold every gate to the policy gradient at ratio 1. torch and matplotlib are
+imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+
+def parse_assignments(items: Optional[Iterable[str]], what: str) -> dict[str, Any]:
+    """``["eps_low=0.1", "mode=token"]`` → ``{"eps_low": 0.1, "mode": "token"}``; values are read as YAML scalars.
+
+    Raises ``ValueError`` naming ``what`` (e.g. ``--param``) for an item without ``key=``.
+    """
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{what} must look like key=value, got {item!r}")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:  # not YAML (e.g. an unbalanced bracket): the text itself is the value
+            out[key.strip()] = value
+    return out
+
+
+def parse_gate_spec(text: str) -> dict[str, Any]:
+    """``"name"`` or ``"name:key=value,key=value"`` → a recipe gate spec ``{"name": ..., key: value}``."""
+    name, _, rest = text.partition(":")
+    return {"name": name.strip(), **parse_assignments([kv for kv in rest.split(",") if kv], "--gate parameters")}
+
+
+def default_gate_specs(registry) -> list[dict[str, Any]]:
+    """Every registered update gate (plus PPO's dual clip), then every correction: what a full plot shows."""
+    gates = registry.plugins["gate"]
+    specs = []
+    for name in sorted(n for n, p in gates.items() if p.role == "update"):
+        specs.append({"name": name})
+        if name == "ppo_clip":
+            specs.append({"name": "ppo_clip", "dual_clip_c": 3.0})
+    specs += [{"name": n} for n in sorted(n for n, p in gates.items() if p.role == "correction")]
+    return specs
+
+
+def _params_of(plugin, spec: dict[str, Any]):
+    return plugin.params.model_validate({k: v for k, v in spec.items() if k != "name"})
+
+
+def gate_coefficients(spec: dict[str, Any], ratios, advantage: float):
+    """∂J/∂logp per token, by autograd through the real plugin and ``lossplug.policy_loss``.
+
+    Update gates: one single-token response per ratio ``r = π_θ/π_old`` (``behavior_logp = old_logp``, so ratios
+    against the behaviour policy are ``r`` too). Corrections: composed after ``reinforce`` at ``r = 1``, one
+    response per engine ratio ``ρ = π_old/π_behaviour``.
+    """
+    import torch
+
+    import lossplug
+    from lossplug.plugin_registry import registry
+
+    reg = registry()
+    plugin = reg.lookup("gate", spec["name"], "plot")
+    r = torch.as_tensor(ratios, dtype=torch.float64).reshape(-1, 1)
+    base = torch.full_like(r, -10.0)
+    if plugin.role == "correction":
+        ref = "reinforce" if "reinforce" in reg.plugins["gate"] else "ppo_clip"
+        gates = [ref, spec]
+        logp, old, behavior = base.clone(), base, base - r.log()
+    else:
+        gates = [spec]
+        logp, old, behavior = base + r.log(), base, base
+    logp.requires_grad_(True)
+    n = r.shape[0]
+    batch = lossplug.PolicyBatch(logp=logp, old_logp=old, behavior_logp=behavior, ref_logp=old,
+                                 action_mask=torch.ones_like(r, dtype=torch.bool),
+                                 advantage=torch.full((n,), float(advantage), dtype=torch.float64))
+    recipe = lossplug.Recipe.model_validate({"gates": gates, "reduction": "token"})
+    loss = lossplug.policy_loss(batch, recipe, metrics=False).loss  # = −Σ J / n
+    (grad,) = torch.autograd.grad(loss, logp)
+    return (-n * grad).reshape(-1).detach().numpy()
+
+
+def plot_gates(path: Path, specs: list[dict[str, Any]], ratio_max: float = 4.0, points: int = 321) -> Path:
+    """A PNG at ``path``: one panel per gate spec, the coefficient for A = +1 and A = −1 against the ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from lossplug.needs import required_fields
+    from lossplug.plugin_registry import registry
+
+    reg = registry()
+    ratios = np.linspace(0.02, ratio_max, points)
+    cols = min(4, len(specs))
+    rows = (len(specs) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True)
+    for ax, spec in zip(axes.flat, specs):
+        plugin = reg.lookup("gate", spec["name"], "plot")
+        correction = plugin.role == "correction"
+        for adv, color, label in ((1.0, "tab:blue", "A = +1"), (-1.0, "tab:red", "A = −1")):
+            coef = gate_coefficients(spec, ratios, adv)
+            ax.plot(ratios, coef, color=color, lw=2, label=label)
+            ax.plot(ratios, ratios * adv, color=color, lw=0.8, ls=":", alpha=0.6)
+        params = ", ".join(f"{k}={v}" for k, v in spec.items() if k != "name")
+        ax.set_title(spec["name"] + (f" ({params})" if params else "") + (" · correction" if correction else ""),
+                     fontsize=10)
+        ax.axhline(0, color="0.6", lw=0.6)
+        ax.axvline(1, color="0.6", lw=0.6)
+        xlabel = "engine ratio ρ = π_old / π_behaviour" if correction else "ratio r = π_θ / π_old"
+        if not correction and "behavior_logp" in required_fields(plugin, _params_of(plugin, spec)):
+            xlabel += "  (= π_θ / π_behaviour here)"
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.grid(alpha=0.25)
+        ax.set_ylim(-ratio_max - 0.2, ratio_max + 0.2)
+    for ax in axes.flat[len(specs):]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("∂J/∂logp (gradient coefficient)", fontsize=8)
+    axes.flat[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle("Gradient coefficient ∂J/∂logp of each gate vs the ratio, by autograd through the plugins "
+                 "(dotted: unclipped r·A)", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
