@@ -741,6 +741,14 @@ def _find(plugin: Union[str, AnyPlugin], kind: Optional[str]) -> tuple[str, str,
             if kind is None:
                 others = [kk for kk in KINDS if plugin in reg.plugins[kk]]
                 k = others[0] if others else "gate"
+            failed_imports = [b for b in reg.broken if b.failed_to_import]
+            if failed_imports:  # then "is it installed?" misleads: it is, and its import error is the answer
+                from lossplug.contracts.errors import did_you_mean
+
+                raise LookupError(
+                    f"unknown {k} plugin '{plugin}'{did_you_mean(plugin, sorted(reg.plugins[k]))}. It may be "
+                    "provided by an installed plugin whose import failed, so nothing it registers exists: "
+                    + "; ".join(map(str, failed_imports)) + ". Fix that import error and run again") from None
             try:
                 reg.lookup(k, plugin, "lossplug.testing")
             except LossplugError as err:
