@@ -18,9 +18,9 @@ from .common import summarize
 
 
 def _trainer(kind: str, steps: int, out_dir: str, size: dict):
-    from lossplug.adapters import _tiny
+    from lossplug.testing import tiny
 
-    _tiny.offline()
+    tiny.offline()
     import trl
     from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -36,14 +36,14 @@ def _trainer(kind: str, steps: int, out_dir: str, size: dict):
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
 
-    tok = _tiny.tiny_tokenizer()
-    model = _tiny.tiny_model(tok, hidden_size=size["hidden"], layers=size["layers"])
-    args = _tiny.tiny_grpo_config(out_dir, max_steps=steps, per_device_train_batch_size=size["batch"],
-                                  num_generations=size["generations"],
-                                  max_completion_length=size["completion"], logging_steps=1,
-                                  disable_tqdm=True)
-    common = dict(model=model, reward_funcs=[_tiny.length_reward], args=args,
-                  train_dataset=_tiny.tiny_dataset(size["prompts"]), processing_class=tok, callbacks=[StepTimer()])
+    tok = tiny.tiny_tokenizer()
+    model = tiny.tiny_model(tok, hidden_size=size["hidden"], layers=size["layers"])
+    args = tiny.tiny_grpo_config(out_dir, max_steps=steps, per_device_train_batch_size=size["batch"],
+                                 num_generations=size["generations"],
+                                 max_completion_length=size["completion"], logging_steps=1,
+                                 disable_tqdm=True)
+    common = dict(model=model, reward_funcs=[tiny.length_reward], args=args,
+                  train_dataset=tiny.tiny_dataset(size["prompts"]), processing_class=tok, callbacks=[StepTimer()])
     if kind == "native":
         trainer = trl.GRPOTrainer(**common)
     else:
@@ -87,7 +87,7 @@ def bench_trl_e2e(steps: int, rounds: int, warmup: int = 1, size: dict | None = 
         "goal": "within 5%", "met": abs(r - 1) <= 0.05,
         "spread_native_rel": (native["q3_s"] - native["q1_s"]) / native["median_s"],
         "note": "per-step wall time of Trainer.train (generation included) on the tiny Qwen2 of "
-                "lossplug.adapters._tiny; native GRPOTrainer vs LossplugGRPOTrainer with trl_equivalent(args); "
+                "lossplug.testing.tiny; native GRPOTrainer vs LossplugGRPOTrainer with trl_equivalent(args); "
                 "time_ratio: median over steps of lossplug step i / native step i of the same round (identical "
                 "generations), time_ratio_unpaired: ratio of the medians",
     }

@@ -81,10 +81,12 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-#: The one import against the direction, (file, module): the CLI is a user-facing entry point like the trainers'
-#: own, and `lossplug demo` runs the TRL demo. It stays inside the command function (lazy, checked below), so
-#: `import lossplug` and `lossplug --help` never import TRL.
-UPWARD_EXCEPTIONS = {("core/cli.py", "lossplug.adapters.demo")}
+#: The imports against the direction, (file, module). The demo (`lossplug demo`) trains with the TRL adapter, and the
+#: tiny-trainer helpers of `lossplug.testing.tiny` build TRL trainers for plugin authors' tests: both sit on top of
+#: the adapters like a user's script. They import inside functions (checked below), so `import lossplug`,
+#: `lossplug --help` and lossplug's pytest plugin never import TRL.
+UPWARD_EXCEPTIONS = {("core/demo/training.py", "lossplug.adapters.trl"),
+                     ("core/testing/tiny.py", "lossplug.adapters.trl"), ("core/testing/tiny.py", "trl")}
 
 
 @pytest.mark.parametrize("folder,forbidden", [
@@ -102,21 +104,45 @@ def test_dependencies_point_one_way(folder, forbidden):
             assert not any(name == f or name.startswith(f + ".") for f in forbidden), f"{path}: imports {name}"
 
 
-def test_the_cli_imports_the_demo_lazily():
-    tree = ast.parse((ROOT / "core" / "cli.py").read_text())
+def _imports_outside_functions(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import in ``path`` that runs when the module is imported."""
+    tree = ast.parse(path.read_text())
     inside_functions = {id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
                         for node in ast.walk(fn)}
-    found = 0
+    out = []
     for node in ast.walk(tree):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
-        if any(n.startswith("lossplug.adapters") for n in names):
-            found += 1
-            assert id(node) in inside_functions, f"core/cli.py line {node.lineno}: module-level import of {names}"
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+        out += [(node.lineno, n) for n in names if id(node) not in inside_functions]
+    return out
+
+
+def test_the_cli_imports_the_demo_lazily():
+    tree = ast.parse((ROOT / "core" / "cli.py").read_text())
+    found = sum(1 for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                for n in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
+                if n.startswith(("lossplug.demo", "lossplug.adapters")))
     assert found >= 1
-    code = "import sys, lossplug.cli; print('trl' in sys.modules, 'lossplug.adapters.demo' in sys.modules)"
+    for line, name in _imports_outside_functions(ROOT / "core" / "cli.py"):
+        assert not name.startswith(("lossplug.demo", "lossplug.adapters")), \
+            f"core/cli.py line {line}: module-level import of {name}"
+    code = "import sys, lossplug.cli; print('trl' in sys.modules, 'lossplug.demo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+@pytest.mark.parametrize("rel,module", sorted(UPWARD_EXCEPTIONS))
+def test_imports_against_the_direction_stay_inside_functions(rel, module):
+    for line, name in _imports_outside_functions(ROOT / rel):
+        assert not (name == module or name.startswith(module + ".")), \
+            f"{rel} line {line}: module-level import of {name}"
+
+
+def test_the_demo_and_the_tiny_helpers_import_no_trainer():
+    code = ("import sys, lossplug.demo, lossplug.testing.tiny; "
+            "print([m for m in ('trl', 'transformers', 'datasets', 'torch', 'matplotlib') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
 
 
 def test_contracts_import_only_torch_pydantic_and_the_standard_library():

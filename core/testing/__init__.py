@@ -29,6 +29,9 @@ Three ways to run it::
     lossplug.testing.assert_conforms("my_gate", params={"eps": 0.1})      # raises ConformanceError
     #    lossplug check my_gate
 
+To run your plugin inside a real TRL ``GRPOTrainer`` — offline, on a CPU, in seconds — build one on a tiny local
+model with :mod:`lossplug.testing.tiny` (``tiny_grpo_trainer(recipe, tmp_path).train()``).
+
 A check that does not hold for your plugin *by design* (e.g. a gate that deliberately changes the on-policy
 gradient) is skipped with a reason: ``conformance_tests("my_gate", skip={"ratio_one": "why"})``.
 """
@@ -42,7 +45,7 @@ import importlib
 _LAZY = {  # imported on first use, so that loading the pytest plugin costs nothing
     "CHECKS": "kit", "CheckResult": "kit", "ConformanceError": "kit", "ConformanceReport": "kit",
     "assert_conforms": "kit", "check_plugin": "kit", "checks_for": "kit", "run_check": "kit",
-    "install_isolated": "install", "batches": None, "reference": None,
+    "install_isolated": "install", "batches": None, "reference": None, "tiny": None,
 }
 
 
@@ -108,4 +111,4 @@ def run_as_test(plugin, check: str, *, kind: Optional[str] = None, params: Optio
 
 
 __all__ = ["CHECKS", "batches", "CheckResult", "ConformanceError", "ConformanceReport", "assert_conforms", "check_plugin",
-           "checks_for", "conformance_tests", "install_isolated", "reference", "run_as_test", "run_check"]
+           "checks_for", "conformance_tests", "install_isolated", "reference", "run_as_test", "run_check", "tiny"]

@@ -17,13 +17,13 @@ import trl  # noqa: E402
 
 import lossplug  # noqa: E402
 from lossplug import BatchValidationError, LogProbSource, LossplugError, Provenance, Recipe, RecipeError  # noqa: E402
-from lossplug.adapters import _tiny  # noqa: E402
 from lossplug.adapters import trl as adapter  # noqa: E402
 from lossplug.adapters.trl import LossplugGRPOTrainer, attach, trl_equivalent  # noqa: E402
+from lossplug.testing import tiny  # noqa: E402
 
 
 def test_importing_lossplug_or_the_adapter_module_does_not_import_trl():
-    code = ("import sys, lossplug, lossplug.adapters, lossplug.adapters.trl, lossplug.adapters._tiny\n"
+    code = ("import sys, lossplug, lossplug.adapters, lossplug.adapters.trl, lossplug.testing.tiny\n"
             "bad = [m for m in ('trl', 'transformers', 'datasets', 'vllm') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -54,7 +54,7 @@ def tmp_module(tmp_path_factory):
 
 
 def config(tmp, **kw):
-    return _tiny.tiny_grpo_config(tmp / "out", **kw)
+    return tiny.tiny_grpo_config(tmp / "out", **kw)
 
 
 @pytest.mark.parametrize("loss_type, gate, reduction, population", [
@@ -99,11 +99,11 @@ def test_trl_equivalent_refuses_what_has_no_equivalent(tmp_module):
 def plain(tmp_path):
     """A fresh, plain GRPOTrainer (beta = 0) on a fresh tiny model."""
     def build(cls=trl.GRPOTrainer, **kw):
-        tok = _tiny.tiny_tokenizer()
-        model = _tiny.tiny_model(tok)
+        tok = tiny.tiny_tokenizer()
+        model = tiny.tiny_model(tok)
         extra = {k: kw.pop(k) for k in ("recipe", "validate", "population", "rollout_func", "provenance") if k in kw}
-        return cls(model=model, reward_funcs=[_tiny.length_reward], args=config(tmp_path, **kw),
-                   train_dataset=_tiny.tiny_dataset(), processing_class=tok, **extra)
+        return cls(model=model, reward_funcs=[tiny.length_reward], args=config(tmp_path, **kw),
+                   train_dataset=tiny.tiny_dataset(), processing_class=tok, **extra)
     return build
 
 
@@ -176,12 +176,12 @@ def test_refuses_a_class_that_overrides_compute_loss(plain):
 
 
 def test_refuses_rloo_trainer_and_other_objects(tmp_path):
-    tok = _tiny.tiny_tokenizer()
+    tok = tiny.tiny_tokenizer()
     args = trl.RLOOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", save_strategy="no",
                           per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                           gradient_checkpointing=False, beta=0.0)
-    rloo = trl.RLOOTrainer(model=_tiny.tiny_model(tok), reward_funcs=[_tiny.length_reward], args=args,
-                           train_dataset=_tiny.tiny_dataset(), processing_class=tok)
+    rloo = trl.RLOOTrainer(model=tiny.tiny_model(tok), reward_funcs=[tiny.length_reward], args=args,
+                           train_dataset=tiny.tiny_dataset(), processing_class=tok)
     with pytest.raises(LossplugError, match="RLOOTrainer is not supported.*recipe 'rloo'"):
         attach(rloo, "rloo")
     with pytest.raises(LossplugError, match="supports GRPOTrainer"):
@@ -196,11 +196,11 @@ def test_refuses_rloo_trainer_and_other_objects(tmp_path):
 def rollout_trainer(tmp_module):
     """A LossplugGRPOTrainer fed by a rollout_func (behaviour log-probs, tool tokens, truncated rows masked out),
     with one generation batch prepared."""
-    tok = _tiny.tiny_tokenizer()
+    tok = tiny.tiny_tokenizer()
     args = config(tmp_module, gradient_accumulation_steps=2, mask_truncated_completions=True)
-    trainer = LossplugGRPOTrainer(model=_tiny.tiny_model(tok), reward_funcs=[_tiny.length_reward], args=args,
-                                  train_dataset=_tiny.tiny_dataset(), processing_class=tok,
-                                  rollout_func=_tiny.TinyRollout(tok, seed=5), metrics="full",
+    trainer = LossplugGRPOTrainer(model=tiny.tiny_model(tok), reward_funcs=[tiny.length_reward], args=args,
+                                  train_dataset=tiny.tiny_dataset(), processing_class=tok,
+                                  rollout_func=tiny.TinyRollout(tok, seed=5), metrics="full",
                                   recipe={"preset": "dapo", "gates": ["ppo_clip", {"name": "tis", "cap": 2.0}]})
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
@@ -290,10 +290,10 @@ def test_mixed_logprob_conventions_are_refused(plain):
     cold = LogProbSource(engine="transformers", temperature=1.0)
     with pytest.raises(LossplugError, match="engine ratio"):
         plain(LossplugGRPOTrainer, recipe={"preset": "dapo", "gates": ["ppo_clip", "tis"]},
-              rollout_func=_tiny.TinyRollout(_tiny.tiny_tokenizer()),
+              rollout_func=tiny.TinyRollout(tiny.tiny_tokenizer()),
               provenance=Provenance(behavior=hot, old=cold, current=cold))
     # a recipe that does not read behaviour log-probs only records them
-    plain(LossplugGRPOTrainer, recipe="dapo", rollout_func=_tiny.TinyRollout(_tiny.tiny_tokenizer()),
+    plain(LossplugGRPOTrainer, recipe="dapo", rollout_func=tiny.TinyRollout(tiny.tiny_tokenizer()),
           provenance=Provenance(behavior=hot, old=cold, current=cold))
 
 

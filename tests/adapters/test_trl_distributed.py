@@ -19,18 +19,18 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent('''
     import json, os, sys, torch
-    from lossplug.adapters import _tiny
     from lossplug.adapters.trl import LossplugGRPOTrainer, attach, trl_equivalent
+    from lossplug.testing import tiny
     from trl import GRPOTrainer
 
     out_dir = sys.argv[1]
     rank = int(os.environ["RANK"])
-    model, tok = _tiny.tiny_model_and_tokenizer(os.path.join(out_dir, f"model{rank}"))  # same seed: same weights
-    args = _tiny.tiny_grpo_config(os.path.join(out_dir, "run"), gradient_accumulation_steps=2, num_iterations=2,
-                                  beta=0.04, loss_type="dapo", epsilon_high=0.28, mask_truncated_completions=True)
-    trainer = LossplugGRPOTrainer(model=model, reward_funcs=[_tiny.length_reward], args=args,
-                                  train_dataset=_tiny.tiny_dataset(16), processing_class=tok, recipe="dapo",
-                                  rollout_func=_tiny.TinyRollout(tok, seed=11 + rank))
+    model, tok = tiny.tiny_model_and_tokenizer(os.path.join(out_dir, f"model{rank}"))  # same seed: same weights
+    args = tiny.tiny_grpo_config(os.path.join(out_dir, "run"), gradient_accumulation_steps=2, num_iterations=2,
+                                 beta=0.04, loss_type="dapo", epsilon_high=0.28, mask_truncated_completions=True)
+    trainer = LossplugGRPOTrainer(model=model, reward_funcs=[tiny.length_reward], args=args,
+                                  train_dataset=tiny.tiny_dataset(16), processing_class=tok, recipe="dapo",
+                                  rollout_func=tiny.TinyRollout(tok, seed=11 + rank))
     assert trainer.accelerator.num_processes == 2
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2

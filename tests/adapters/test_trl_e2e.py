@@ -10,8 +10,8 @@ pytest.importorskip("trl")
 import trl  # noqa: E402
 
 from lossplug import Provenance, Recipe  # noqa: E402
-from lossplug.adapters import _tiny  # noqa: E402
 from lossplug.adapters.trl import LossplugGRPOTrainer, attach  # noqa: E402
+from lossplug.testing import tiny  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -21,11 +21,11 @@ def lossplug_keys(trainer):
 
 
 def test_lossplug_trainer_trains_dapo_and_records_the_run(tmp_path):
-    model, tok = _tiny.tiny_model_and_tokenizer(tmp_path / "model")  # saved: beta > 0 rebuilds the reference
-    args = _tiny.tiny_grpo_config(tmp_path / "out", max_steps=3, gradient_accumulation_steps=2, num_iterations=2,
-                                  beta=0.02)
-    trainer = LossplugGRPOTrainer(model=model, reward_funcs=[_tiny.length_reward], args=args,
-                                  train_dataset=_tiny.tiny_dataset(), processing_class=tok, recipe="dapo")
+    model, tok = tiny.tiny_model_and_tokenizer(tmp_path / "model")  # saved: beta > 0 rebuilds the reference
+    args = tiny.tiny_grpo_config(tmp_path / "out", max_steps=3, gradient_accumulation_steps=2, num_iterations=2,
+                                 beta=0.02)
+    trainer = LossplugGRPOTrainer(model=model, reward_funcs=[tiny.length_reward], args=args,
+                                  train_dataset=tiny.tiny_dataset(), processing_class=tok, recipe="dapo")
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
     assert trainer.state.global_step == 3
@@ -47,10 +47,10 @@ def test_lossplug_trainer_trains_dapo_and_records_the_run(tmp_path):
 
 
 def test_attach_to_an_already_built_grpo_trainer_and_train(tmp_path):
-    tok = _tiny.tiny_tokenizer()
-    args = _tiny.tiny_grpo_config(tmp_path / "out", max_steps=2, loss_type="bnpo")
-    trainer = trl.GRPOTrainer(model=_tiny.tiny_model(tok), reward_funcs=[_tiny.length_reward, _tiny.digit_reward],
-                              args=args, train_dataset=_tiny.tiny_dataset(), processing_class=tok)
+    tok = tiny.tiny_tokenizer()
+    args = tiny.tiny_grpo_config(tmp_path / "out", max_steps=2, loss_type="bnpo")
+    trainer = trl.GRPOTrainer(model=tiny.tiny_model(tok), reward_funcs=[tiny.length_reward, tiny.digit_reward],
+                              args=args, train_dataset=tiny.tiny_dataset(), processing_class=tok)
     assert attach(trainer, "grpo") is trainer
     trainer.train()
     assert isinstance(trainer, trl.GRPOTrainer) and trainer.state.global_step == 2
@@ -59,12 +59,12 @@ def test_attach_to_an_already_built_grpo_trainer_and_train(tmp_path):
 
 
 def test_rollout_func_with_an_engine_correction_trains(tmp_path):
-    tok = _tiny.tiny_tokenizer()
-    args = _tiny.tiny_grpo_config(tmp_path / "out", max_steps=2, mask_truncated_completions=True)
+    tok = tiny.tiny_tokenizer()
+    args = tiny.tiny_grpo_config(tmp_path / "out", max_steps=2, mask_truncated_completions=True)
     recipe = {"preset": "dapo", "gates": ["ppo_clip", {"name": "icepop", "low": 0.5, "high": 5.0}]}
-    trainer = LossplugGRPOTrainer(model=_tiny.tiny_model(tok), reward_funcs=[_tiny.length_reward], args=args,
-                                  train_dataset=_tiny.tiny_dataset(), processing_class=tok, recipe=recipe,
-                                  rollout_func=_tiny.TinyRollout(tok), metrics="full")
+    trainer = LossplugGRPOTrainer(model=tiny.tiny_model(tok), reward_funcs=[tiny.length_reward], args=args,
+                                  train_dataset=tiny.tiny_dataset(), processing_class=tok, recipe=recipe,
+                                  rollout_func=tiny.TinyRollout(tok), metrics="full")
     trainer.train()
     keys = lossplug_keys(trainer)
     assert {"lossplug/ratio/engine/mean", "lossplug/ratio/update/p95", "lossplug/effective/token_frac",

@@ -20,8 +20,8 @@ pytest.importorskip("trl")
 from trl import GRPOTrainer  # noqa: E402
 
 import lossplug  # noqa: E402
-from lossplug.adapters import _tiny  # noqa: E402
 from lossplug.adapters.trl import LossplugGRPOTrainer, attach, trl_equivalent  # noqa: E402
+from lossplug.testing import tiny  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -49,15 +49,15 @@ def setup(request, tmp_path_factory):
     (some unscored), tool tokens (``tool_mask``) and truncated completions masked out
     (``mask_truncated_completions`` — rows with no action token at all)."""
     tmp = tmp_path_factory.mktemp("trl_eq")
-    model, tok = _tiny.tiny_model_and_tokenizer(tmp / "model")
+    model, tok = tiny.tiny_model_and_tokenizer(tmp / "model")
     extra, rollout = {}, None
     if request.param == "rollout":
         extra = {"mask_truncated_completions": True}
-        rollout = _tiny.TinyRollout(tok, seed=3)
-    args = _tiny.tiny_grpo_config(tmp / "out", gradient_accumulation_steps=2, num_iterations=2, beta=0.04,
-                                  loss_type="dapo", **extra)
-    trainer = LossplugGRPOTrainer(model=model, reward_funcs=[_tiny.length_reward, _tiny.digit_reward], args=args,
-                                  train_dataset=_tiny.tiny_dataset(), processing_class=tok, recipe="dapo",
+        rollout = tiny.TinyRollout(tok, seed=3)
+    args = tiny.tiny_grpo_config(tmp / "out", gradient_accumulation_steps=2, num_iterations=2, beta=0.04,
+                                 loss_type="dapo", **extra)
+    trainer = LossplugGRPOTrainer(model=model, reward_funcs=[tiny.length_reward, tiny.digit_reward], args=args,
+                                  train_dataset=tiny.tiny_dataset(), processing_class=tok, recipe="dapo",
                                   rollout_func=rollout)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2

@@ -93,15 +93,15 @@ def _provenance_checks(out: dict, target: Path) -> None:
 TRL_CHILD = textwrap.dedent("""
     import json, sys
 
-    from lossplug.adapters import _tiny
     from lossplug.adapters.trl import LossplugGRPOTrainer
+    from lossplug.testing import tiny
 
     MAX_STEPS, ACCUMULATION = 2, 2
     imported_before = "lossplug_example_plugin" in sys.modules
-    tok = _tiny.tiny_tokenizer()
-    args = _tiny.tiny_grpo_config(sys.argv[1], max_steps=MAX_STEPS, gradient_accumulation_steps=ACCUMULATION)
-    trainer = LossplugGRPOTrainer(model=_tiny.tiny_model(tok), reward_funcs=[_tiny.length_reward], args=args,
-                                  train_dataset=_tiny.tiny_dataset(), processing_class=tok,
+    tok = tiny.tiny_tokenizer()
+    args = tiny.tiny_grpo_config(sys.argv[1], max_steps=MAX_STEPS, gradient_accumulation_steps=ACCUMULATION)
+    trainer = LossplugGRPOTrainer(model=tiny.tiny_model(tok), reward_funcs=[tiny.length_reward], args=args,
+                                  train_dataset=tiny.tiny_dataset(), processing_class=tok,
                                   recipe={"advantage": "grpo", "gates": ["tanh_clip"], "reduction": "token"})
 
     # the probes: which gate the recipe resolved to, and counters around it and around every micro-batch's loss

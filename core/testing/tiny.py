@@ -1,29 +1,70 @@
-"""A tiny, locally built causal LM and tokenizer for tests and demos — no hub access at all.
+"""lossplug.testing.tiny — a tiny causal LM, tokenizer, dataset and ``GRPOTrainer``, built locally: test a plugin
+inside a real TRL trainer offline, on a CPU, in seconds.
 
-``tiny_tokenizer()`` is a word-level ``PreTrainedTokenizerFast`` over a fixed vocabulary (special tokens ``<pad>``,
-``<eos>``, ``<unk>``, digits, lower-case letters and a few words), left-padding; ``tiny_model(tok)`` a randomly
-initialised 2-layer ``Qwen2ForCausalLM`` (hidden size 32) whose generation config knows the pad/eos ids.
-``tiny_model_and_tokenizer(path)`` builds both and, given a path, saves them there and returns a model whose
-``config._name_or_path`` is that path — what TRL needs to rebuild a reference model when ``beta != 0``.
+Nothing is downloaded: the tokenizer is a word-level ``PreTrainedTokenizerFast`` over a fixed vocabulary
+(:data:`VOCAB`), the model a randomly initialised 2-layer ``Qwen2ForCausalLM``. What it does not test is whether a
+real model learns; what it does test is that a gate runs inside TRL's loop — every micro-batch, with TRL's masks,
+gradient accumulation and logging — and that its metrics reach TRL's logs.
 
-``tiny_dataset()`` is a small prompt dataset; ``length_reward`` / ``digit_reward`` are cheap reward functions;
-``tiny_grpo_config(output_dir, **overrides)`` a CPU-safe ``GRPOConfig`` (no bf16, no gradient checkpointing, no
-reporting, no saving); ``TinyRollout`` a deterministic ``rollout_func`` that returns behaviour log-probs (some
-unscored), an ``env_mask`` of tool tokens and a mix of terminated and truncated completions — what vLLM or a custom
-rollout would hand TRL, without either.
+A plugin author's test (needs ``lossplug[trl]``)::
 
-Only transformers / tokenizers / datasets are imported (lazily, inside the functions): ``import lossplug`` never
-imports this module.
+    import torch, lossplug
+    from lossplug.testing.tiny import tiny_grpo_trainer
+
+    @lossplug.gate("soft_cut", requires=("old_logp",))
+    def soft_cut(inp, p):
+        '''A·r, with the ratio bending smoothly towards 1.3 above 1.3.'''
+        ratio = (inp.logp - inp.old_logp).exp()
+        bent = torch.where(ratio > 1.3, 1.3 + 0.1 * torch.tanh((ratio - 1.3) / 0.1), ratio)
+        cut = ((ratio > 1.3) & inp.mask).sum() / inp.mask.sum().clamp(min=1)
+        return lossplug.GateOutput(objective=inp.advantage * bent, metrics={"soft_cut_frac": cut})
+
+    class SoftCutPlugin:
+        @lossplug.hookimpl
+        def lossplug_register_gates(self, register):
+            register(soft_cut)
+
+    def test_soft_cut_runs_inside_trl(tmp_path):
+        plugin = SoftCutPlugin()
+        lossplug.register_plugin(plugin, "soft_cut")
+        try:
+            trainer = tiny_grpo_trainer({"advantage": "grpo", "gates": ["soft_cut"], "reduction": "token"},
+                                        tmp_path, max_steps=2)
+            trainer.train()
+        finally:
+            lossplug.unregister_plugin(plugin)
+        logs = [row for row in trainer.state.log_history if "loss" in row]
+        assert len(logs) == 2 and all("lossplug/soft_cut/soft_cut_frac" in row for row in logs)
+
+The pieces, for tests that need more control:
+
+* :func:`tiny_tokenizer` and :func:`tiny_model` (or both, optionally saved to a folder, with
+  :func:`tiny_model_and_tokenizer` — TRL reloads the reference model from that folder when ``beta != 0``);
+* :func:`tiny_dataset`, a ``datasets.Dataset`` of short prompts; :func:`length_reward` and :func:`digit_reward`,
+  cheap reward functions whose values vary within every group;
+* :func:`tiny_grpo_config`, a CPU-safe ``GRPOConfig`` (float32, no gradient checkpointing, no reporting, no saving);
+* :class:`TinyRollout`, a deterministic ``rollout_func`` that hands TRL what vLLM or a custom rollout would —
+  behaviour log-probs (some unscored), an ``env_mask`` of tool tokens, terminated and truncated completions —
+  without either;
+* :func:`tiny_grpo_trainer`, all of the above assembled into a ``LossplugGRPOTrainer``.
+
+Importing this module is cheap: transformers, tokenizers, datasets and TRL are imported inside the functions, and
+``import lossplug.testing`` (loaded by every pytest run through lossplug's pytest plugin) does not import it.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
+
+__all__ = ["VOCAB", "PROMPTS", "TinyRollout", "digit_reward", "length_reward", "offline", "tiny_dataset",
+           "tiny_grpo_config", "tiny_grpo_trainer", "tiny_model", "tiny_model_and_tokenizer", "tiny_tokenizer"]
+
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 WORDS = ["the", "answer", "is", "yes", "no", "what", "plus", "minus", "equals", "count", "to", "say", "+", "-", "="]
+#: the tokenizer's vocabulary: special tokens, digits, lower-case letters and a few words (54 tokens)
 VOCAB = SPECIAL + [str(d) for d in range(10)] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + WORDS
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -37,7 +78,8 @@ def offline() -> None:
 
 
 def tiny_tokenizer():
-    """A word-level fast tokenizer over :data:`VOCAB` (whitespace pre-tokeniser), left padding, eos = ``<eos>``."""
+    """A word-level ``PreTrainedTokenizerFast`` over :data:`VOCAB`: words split on whitespace, unknown words map to
+    ``<unk>``, left padding with ``<pad>``, eos ``<eos>``, no chat template (prompts are plain text)."""
     offline()
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -52,7 +94,9 @@ def tiny_tokenizer():
 
 
 def tiny_model(tok, *, hidden_size: int = 32, layers: int = 2, seed: int = 0):
-    """A randomly initialised tiny ``Qwen2ForCausalLM`` (float32) for ``tok``; deterministic for a given seed."""
+    """A randomly initialised ``Qwen2ForCausalLM`` (float32) for the tokenizer ``tok``: ``layers`` layers of width
+    ``hidden_size``, 4 attention heads; the same ``seed`` gives the same weights, and the global torch RNG is left as
+    it was. Its generation config knows ``tok``'s pad and eos ids."""
     offline()
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -92,6 +136,7 @@ def tiny_model_and_tokenizer(path: Optional[Union[str, Path]] = None, *, hidden_
     return model, tok
 
 
+#: the prompts of :func:`tiny_dataset`, in order (every word is in :data:`VOCAB`)
 PROMPTS = ["what is 1 plus 2", "say yes", "count to 3", "what is 4 minus 1", "say no", "the answer is",
            "count to 5", "what is 2 plus 2"]
 
@@ -130,6 +175,33 @@ def tiny_grpo_config(output_dir: Union[str, Path], **overrides):
                   dataloader_num_workers=0)
     kwargs.update(overrides)
     return GRPOConfig(**kwargs)
+
+
+def tiny_grpo_trainer(recipe: Any, output_dir: Union[str, Path], *, reward_funcs: Optional[Sequence[Callable]] = None,
+                      dataset=None, model=None, tokenizer=None, metrics: str = "basic", validate: str = "full",
+                      trainer_kwargs: Optional[dict[str, Any]] = None, **config_overrides):
+    """A ``LossplugGRPOTrainer`` running ``recipe`` (a preset name, mapping, YAML/JSON path or
+    :class:`lossplug.Recipe`) on the tiny model, tokenizer and dataset; call ``.train()`` on it.
+
+    ``config_overrides`` go to :func:`tiny_grpo_config` (``max_steps=2`` by default; ``gradient_accumulation_steps``,
+    ``num_iterations``, ``beta`` …). ``reward_funcs`` default to ``[length_reward]``, ``dataset`` to
+    :func:`tiny_dataset`, ``tokenizer`` to :func:`tiny_tokenizer` and ``model`` to :func:`tiny_model` of that
+    tokenizer. ``metrics`` and ``validate`` are the adapter's options (``metrics="full"`` also logs ratio quantiles
+    and effective-sample fractions); ``trainer_kwargs`` go to the trainer itself (``rollout_func=TinyRollout(tok)``,
+    ``callbacks=[...]``). Nothing leaves the machine and nothing is saved unless a ``beta != 0`` needs the model on
+    disk — then pass ``model, tokenizer = tiny_model_and_tokenizer(path)``.
+
+    lossplug's metrics are in ``trainer.state.log_history`` after training, as ``lossplug/<gate>/<metric>``.
+    """
+    from lossplug.adapters.trl import LossplugGRPOTrainer
+
+    tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
+    model = model if model is not None else tiny_model(tokenizer)
+    args = tiny_grpo_config(output_dir, **config_overrides)
+    return LossplugGRPOTrainer(model=model, reward_funcs=list(reward_funcs or [length_reward]), args=args,
+                               train_dataset=dataset if dataset is not None else tiny_dataset(),
+                               processing_class=tokenizer, recipe=recipe, metrics=metrics, validate=validate,
+                               **(trainer_kwargs or {}))
 
 
 class TinyRollout:

@@ -15,7 +15,7 @@ pytest.importorskip("matplotlib")
 from typer.testing import CliRunner  # noqa: E402
 
 from lossplug import Provenance, Recipe  # noqa: E402
-from lossplug.adapters import demo  # noqa: E402
+import lossplug.demo as demo  # noqa: E402
 from lossplug.cli import app  # noqa: E402
 
 WIDE = {"COLUMNS": "200", "NO_COLOR": "1"}
