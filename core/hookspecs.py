@@ -142,7 +142,8 @@ def lossplug_validate_batch(batch: Union[PolicyBatch, PackedTransitions], recipe
 
 
 @hookspec
-def lossplug_extra_metrics(batch: PolicyBatch, objective: torch.Tensor, recipe: Recipe) -> Optional[dict[str, torch.Tensor]]:
+def lossplug_extra_metrics(batch: PolicyBatch, objective: torch.Tensor,
+                           recipe: Recipe) -> Optional[dict[str, torch.Tensor]]:
     """Extra metrics for a policy-loss call.
 
     Called once per ``policy_loss`` call with metrics on (``metrics="basic"`` or ``"full"``), after the gates and the
