@@ -196,17 +196,20 @@ def _contract_violations(tensors: dict[str, Any], contract) -> tuple[list, Any]:
     except BatchValidationError as err:
         violations = list(err.violations)
     # The contract stops at the first layer of problems (unknown fields; then dtypes and shapes, before the value
-    # rules). Name everything at once: check again without unknown fields, with 0/1 masks as bool.
-    retry = {k: v for k, v in tensors.items() if k in contract.model_fields}
+    # rules). Name everything at once: check again without the unknown fields, then also with 0/1 masks as bool.
+    known = {k: v for k, v in tensors.items() if k in contract.model_fields}
+    as_bool = dict(known)
     for name in ("action_mask", "terminated", "boundary"):
-        t = retry.get(name)
+        t = as_bool.get(name)
         if t is not None and t.dtype != torch.bool and not t.is_complex() and bool(((t == 0) | (t == 1)).all()):
-            retry[name] = t.bool()
-    if retry.keys() != tensors.keys() or any(retry[k] is not tensors[k] for k in retry):
+            as_bool[name] = t.bool()
+    for retry in (known, as_bool):
+        if retry.keys() == tensors.keys() and all(retry[k] is tensors[k] for k in retry):
+            continue  # nothing removed or converted: the first check already said everything about it
         try:
             contract(**retry)
-        except BatchValidationError as err2:
-            violations.extend(v for v in err2.violations if v not in violations)
+        except BatchValidationError as err:
+            violations.extend(v for v in err.violations if v not in violations)
     return violations, None
 
 

@@ -143,3 +143,138 @@ def test_duplicate_names_are_an_error_naming_both_sources(site):
     # names that are not duplicated still resolve
     assert lossplug.registry().lookup("advantage", "grpo").name == "grpo"
     assert lossplug.registry().lookup("reduction", "token").name == "token"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# call_hook: every hook call, with blame
+
+
+class _Says:
+    """An in-process plugin whose validate hook returns ``answer`` (or raises it)."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    @lossplug.hookimpl
+    def lossplug_validate_batch(self, batch, recipe):
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+
+class _Wraps:
+    @lossplug.hookimpl(wrapper=True)
+    def lossplug_validate_batch(self, batch, recipe):
+        return (yield)
+
+
+@pytest.fixture
+def in_process(fresh_registry):
+    added = []
+
+    def add(plugin, name):
+        lossplug.register_plugin(plugin, name)
+        added.append(plugin)
+        return plugin
+
+    yield add
+    for plugin in added:
+        lossplug.unregister_plugin(plugin)
+
+
+def test_call_hook_returns_results_in_pluggys_order_with_their_origin(in_process):
+    from lossplug.plugin_registry import call_hook
+
+    in_process(_Says(["first"]), "first-checks")
+    in_process(_Says(None), "silent-checks")
+    in_process(_Says(["second"]), "second-checks")
+    got = call_hook("lossplug_validate_batch", batch=None, recipe=None)
+    assert got == [("in-process plugin 'second-checks'", ["second"]), ("in-process plugin 'first-checks'", ["first"])]
+    assert [r for _, r in got] == lossplug.plugin_manager().hook.lossplug_validate_batch(batch=None, recipe=None)
+
+
+def test_call_hook_blames_the_plugin_and_keeps_the_cause(in_process):
+    from lossplug.plugin_registry import HookError, call_hook
+
+    in_process(_Says(ZeroDivisionError("division by zero in my check")), "buggy-checks")
+    with pytest.raises(PluginError) as info:
+        call_hook("lossplug_validate_batch", batch=None, recipe=None)
+    err = info.value
+    assert isinstance(err, HookError) and err.origin == "in-process plugin 'buggy-checks'"
+    assert str(err) == ("in-process plugin 'buggy-checks': lossplug_validate_batch raised ZeroDivisionError: "
+                        "division by zero in my check")
+    assert isinstance(err.__cause__, ZeroDivisionError)
+
+
+@pytest.mark.parametrize("raised", [lossplug.LossplugError("already explained"), MemoryError("out of memory")])
+def test_call_hook_lets_lossplug_and_memory_errors_through(in_process, raised):
+    from lossplug.plugin_registry import call_hook
+
+    in_process(_Says(raised), "strict-checks")
+    with pytest.raises(type(raised)) as info:
+        call_hook("lossplug_validate_batch", batch=None, recipe=None)
+    assert info.value is raised
+
+
+def test_call_hook_refuses_hook_wrappers(in_process):
+    from lossplug.plugin_registry import call_hook
+
+    in_process(_Wraps(), "wrapping-checks")
+    with pytest.raises(PluginError, match="in-process plugin 'wrapping-checks': lossplug_validate_batch does not "
+                                          "support hook wrappers"):
+        call_hook("lossplug_validate_batch", batch=None, recipe=None)
+
+
+def test_call_hook_on_error_contains_failures_and_runs_the_rest(in_process):
+    from lossplug.plugin_registry import call_hook
+
+    in_process(_Says(["kept"]), "good-checks")
+    in_process(_Says(lossplug.LossplugError("a failure like any other here")), "strict-checks")
+    in_process(_Wraps(), "wrapping-checks")
+    failures = []
+    got = call_hook("lossplug_validate_batch", on_error=failures.append, batch=None, recipe=None)
+    assert got == [("in-process plugin 'good-checks'", ["kept"])]
+    assert [(f.origin, f.problem) for f in failures] == [
+        ("in-process plugin 'wrapping-checks'", "lossplug_validate_batch does not support hook wrappers"),
+        ("in-process plugin 'strict-checks'", "lossplug_validate_batch raised LossplugError: a failure like any "
+                                              "other here")]
+
+
+def test_call_hook_passes_arguments_that_depend_on_the_origin(in_process):
+    from lossplug.plugin_registry import call_hook
+
+    class Echo:
+        @lossplug.hookimpl
+        def lossplug_validate_batch(self, batch, recipe):
+            return [batch, recipe]
+
+    in_process(Echo(), "echo")
+    got = call_hook("lossplug_validate_batch", batch="b", arguments_for=lambda origin: {"recipe": origin.upper()})
+    assert got == [("in-process plugin 'echo'", ["b", "IN-PROCESS PLUGIN 'ECHO'"])]
+
+
+def test_hook_origin_of_entry_points_built_ins_and_in_process_plugins(site):
+    from lossplug.plugin_registry import BUILTIN_NAME, hook_origin
+
+    site.add("lpx-half", "lpx_half", GATE_MODULE.format(gate="half_pg"))
+    lossplug.registry()
+    assert hook_origin("entrypoint:lpx_half") == ("entry point 'lpx_half = lpx_half' of distribution 'lpx-half 0.1' "
+                                                  "(leave it out with the LOSSPLUG_PLUGINS allow-list, or uninstall "
+                                                  "it)")
+    assert hook_origin(BUILTIN_NAME) == BUILTIN_SOURCE
+    assert hook_origin("my-notebook-checks") == "in-process plugin 'my-notebook-checks'"
+
+
+def test_a_register_hook_wrapper_is_a_broken_plugin_not_a_silent_one(site):
+    body = """
+import lossplug
+
+@lossplug.hookimpl(wrapper=True)
+def lossplug_register_gates(register):
+    return (yield)
+"""
+    site.add("lpx-wrapper", "lpx_wrapper", body)
+    with pytest.warns(LossplugPluginWarning, match="lpx-wrapper 0.1': lossplug_register_gates does not support hook "
+                                                   "wrappers"):
+        reg = lossplug.registry()
+    assert reg.lookup("gate", "ppo_clip").name == "ppo_clip"
