@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -57,6 +57,12 @@ class Groups:
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: below this many elements :func:`zero_off` is plain ``torch.where`` (one call beats the AND's few)
 ZERO_OFF_MIN = 1 << 14
+
+
+def zero_off_uses_bits(mask: Tensor) -> bool:
+    """Whether :func:`zero_off` takes the bitwise path for tensors of ``mask``'s shape (CPU, large enough): then
+    build the bit pattern once (:func:`action_bits`) and pass it to every zero-off of the micro-batch."""
+    return mask.device.type == "cpu" and mask.numel() >= ZERO_OFF_MIN
 
 
 def action_bits(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -128,10 +134,35 @@ def clamp_exact(x: Tensor, low: float, high: float) -> Tensor:
     return x.clamp(low, high)
 
 
-def count_on_actions(hit: Tensor, mask: Tensor, clear_off_actions: bool) -> Tensor:
-    """How many action positions ``hit`` marks. ``clear_off_actions``: the caller knows ``hit`` is False off the
-    actions (a gate input is cleaned to 0 there, so e.g. a ratio is exactly 1), and the mask pass is skipped."""
-    return torch.count_nonzero(hit if clear_off_actions or hit.shape != mask.shape else hit & mask)
+def count_actions(hit: Tensor, mask: Tensor, lengths: Tensor, where: Optional[Tensor] = None, *,
+                  false_off_actions: bool = False) -> Tensor:
+    """How many action tokens ``hit`` (and ``where``) mark — the numerator of a gate's cut fraction, in as few
+    passes over ``[B, T]`` as the shapes allow.
+
+    ``hit`` and ``where`` are ``[B, T]`` or per-response ``[B, 1]`` columns (a ``[B, 1]`` value counts once per
+    action token of its response, through ``lengths``). ``false_off_actions``: the caller knows ``hit & where`` is
+    False off the actions — a gate input is cleaned to 0 there, so e.g. an update ratio is exactly 1 and never
+    outside a clip range around 1 — and the mask pass is skipped. Otherwise the count is restricted to ``mask``.
+    """
+    if where is not None and where.shape[-1] == 1 and hit.shape[-1] != 1:
+        # per-row counts of the [B, T] hits, then only the rows on that side: no [B, T] AND
+        per_row = torch.count_nonzero(hit if false_off_actions else hit & mask, -1)
+        return (per_row * where.squeeze(-1)).sum()
+    if where is not None:
+        hit = hit & where
+    if hit.shape[-1] == 1 and hit.shape != mask.shape:  # one value per response: its action tokens
+        return (hit.squeeze(-1) * lengths).sum()
+    return torch.count_nonzero(hit if false_off_actions else hit & mask)
+
+
+def response_stats(prefix: str, values: Tensor, where: Tensor) -> dict[str, Callable[[], Tensor]]:
+    """``{prefix}/mean``, ``/min`` and ``/max`` of ``values`` over the positions ``where`` holds (``[B]`` responses
+    or ``[B, T]`` tokens), as lazy metrics for a gate's ``GateOutput.details``; the mean of nothing is 0."""
+    return {
+        f"{prefix}/mean": lambda: torch.where(where, values, 0).sum() / torch.count_nonzero(where).clamp(min=1),
+        f"{prefix}/min": lambda: torch.where(where, values, float("inf")).min(),
+        f"{prefix}/max": lambda: torch.where(where, values, float("-inf")).max(),
+    }
 
 
 def any_rows(mask: Tensor) -> Tensor:

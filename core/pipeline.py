@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Literal, Mapping, Optional, Union
 
 import torch
 
@@ -19,8 +19,9 @@ from lossplug.contracts import (AdvantageResult, BatchValidationError, LossResul
 from lossplug.contracts.errors import LossplugError, PluginError, describe_positions
 
 from . import plugin_registry as _registry
-from .ops import ZERO_OFF_MIN, Groups, action_bits, any_rows, masked_quantiles, quantiles_of, zero_off
-from .plugin import AdvantagePlugin, GateInput, GateOutput, GatePlugin, Params, Population, ReductionPlugin
+from .ops import Groups, any_rows, masked_quantiles, quantiles_of, zero_off
+from .plugin import (AdvantagePlugin, GateInput, GateOutput, GatePlugin, Params, Population, ReductionPlugin,
+                     evaluate)
 
 Tensor = torch.Tensor
 Validate = Literal["full", "off"]
@@ -163,12 +164,13 @@ def _describe_value(value) -> str:
     return f"a {type(value).__name__}{inner}"
 
 
-def _plugin_failed(stage: Stage, err: Exception, validate: str) -> PluginError:
+def _plugin_failed(stage: Stage, err: Exception, validate: str, what: str = "") -> PluginError:
     plugin = stage.plugin
     origin = _registry.registry().origin(plugin.kind, plugin.name)
     hint = (" (the batch was not validated: run once with validate='full' to rule out bad input)"
             if validate == "off" else "")
-    return PluginError(f"{stage.where} ({plugin.name}, from {origin}) raised {type(err).__name__}: {err}{hint}")
+    what = f" {what}" if what else ""
+    return PluginError(f"{stage.where} ({plugin.name}, from {origin}){what} raised {type(err).__name__}: {err}{hint}")
 
 
 def _run(stage: Stage, validate: str, *args):
@@ -287,110 +289,21 @@ def metric_level(metrics: Union[bool, str]) -> str:
                         f"False = 'off'), got {metrics!r}")
 
 
-def _prepare(batch: PolicyBatch, metrics: Union[bool, str] = True) -> GateInput:
-    level = metric_level(metrics)
-    mask = batch.action_mask
-    compute = torch.float32 if batch.logp.dtype in (torch.float16, torch.bfloat16) else batch.logp.dtype
-    # zero_off is torch.where(mask, x, 0) as a bitwise AND (bit-exact, gradient included): on the CPU torch.where
-    # is not vectorised and costs ~5x an elementwise op. One bit pattern serves every zero-off of the micro-batch.
-    bits = action_bits(mask, compute) if mask.device.type == "cpu" and mask.numel() >= ZERO_OFF_MIN else None
-    adv = batch.advantage
-    seq_adv = adv.detach().to(compute) if adv is not None and adv.ndim == 1 else None
-    inp = _PreparedInput.__new__(_PreparedInput)
-    for name, value in dict(mask=mask, lengths=torch.count_nonzero(mask, -1), batch=batch, metrics=level != "off",
-                            full_metrics=level == "full", seq_advantage=seq_adv).items():
-        object.__setattr__(inp, name, value)
-    object.__setattr__(inp, "_compute", compute)
-    # fields are cleaned when first read, possibly inside a gate's torch.no_grad() block: they are built under the
-    # grad mode of the policy_loss call, so that logp's cleaned copy carries the graph wherever it is first read
-    object.__setattr__(inp, "_grad_mode", torch.is_grad_enabled())
-    object.__setattr__(inp, "_bits", bits)
-    object.__setattr__(inp, "_cleaned", {})
-    return inp
-
-
-class _PreparedInput(GateInput):
-    """The pipeline's :class:`GateInput`: each per-token field is cleaned (zeroed off the actions) on first read,
-    then kept — a gate pays only for what it reads.
-
-    * every field but ``logp`` is detached, so that a caller who passes ``old_logp=logp`` (without ``.detach()``)
-      cannot silently turn a gate's gradient into something else;
-    * a field with the same elements as one already cleaned (TRL's on-policy ``old_logp = logp.detach()``) reuses
-      its cleaned copy;
-    * ``update_log_ratio()`` of a gate that reads neither ``logp`` nor ``old_logp`` itself is one subtraction of
-      the raw fields and one zero-off — not two zero-offs and a subtraction (values and gradient are identical: the
-      zero-off's gradient is a bitwise AND, so whatever the padding held never reaches ``logp``'s gradient);
-      ``engine_log_ratio()`` likewise;
-    * a ``[B]`` advantage is read by per-response gates as ``seq_advantage``; the ``[B, T]`` one is built only if
-      a gate reads ``advantage``.
-    """
-
-    _FIELDS = ("logp", "old_logp", "behavior_logp", "ref_logp", "advantage")
-
-    def __getattr__(self, name: str):
-        if name not in _PreparedInput._FIELDS:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        with torch.set_grad_enabled(self._grad_mode):
-            value = self._clean_field(name)
-        object.__setattr__(self, name, value)
-        return value
-
-    def _clean_field(self, name: str) -> Optional[Tensor]:
-        batch, mask, bits = self.batch, self.mask, self._bits
-        if name == "advantage" and self.seq_advantage is not None:
-            return zero_off(self.seq_advantage.unsqueeze(-1).expand(mask.shape), mask, bits)
-        raw = getattr(batch, name)
-        if raw is None:
-            return None
-        key = _layout(raw)
-        cleaned = self._cleaned.get(key)
-        if cleaned is None:
-            cleaned = zero_off((raw if name == "logp" else raw.detach()).to(self._compute), mask, bits)
-            self._cleaned[key] = cleaned
-        return cleaned if name == "logp" else cleaned.detach()
-
-    def update_log_ratio(self) -> Tensor:
-        return self._log_ratio("logp", "old_logp")
-
-    def engine_log_ratio(self) -> Tensor:
-        return self._log_ratio("old_logp", "behavior_logp").detach()
-
-    def _log_ratio(self, top: str, bottom: str) -> Tensor:
-        """``top − bottom`` (the second detached), zero off the actions, computed once: from the cleaned fields
-        if a gate already read one of them, else as one subtraction of the raw fields and one zero-off."""
-        key = f"_log_ratio:{top}/{bottom}"
-        cached = self.__dict__.get(key)
-        if cached is None:
-            batch = self.batch
-            with torch.set_grad_enabled(self._grad_mode):
-                if top in self.__dict__ or bottom in self.__dict__ or getattr(batch, bottom) is None:
-                    cached = getattr(self, top) - getattr(self, bottom).detach()
-                else:
-                    raw = getattr(batch, top).to(self._compute) - getattr(batch, bottom).detach().to(self._compute)
-                    cached = zero_off(raw if top == "logp" else raw.detach(), self.mask, self._bits)
-            self.__dict__[key] = cached
-        return cached
-
-
-def _layout(t: Tensor) -> tuple:
-    """Same key ⇔ same elements: same memory, shape, strides and dtype (a detached view of a tensor included)."""
-    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device
-
-
 def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Optional[Normalizer] = None, *,
-                validate: Validate = "full", metrics: Union[bool, MetricLevel] = True,
+                validate: Validate = "full", metrics: Union[bool, MetricLevel] = "basic",
                 weight: Optional[Tensor] = None) -> LossResult:
     """The recipe's policy loss for one micro-batch.
 
     Without a ``normalizer`` the micro-batch is the whole population. With one, the returned loss is this
     micro-batch's share of the full-step reduction: summed over every micro-batch and rank it equals the full-batch
-    loss exactly.
+    loss exactly. The loss is in the compute dtype: float32 for bf16/fp16 log-probs (a bf16 loss would round what
+    the trainers log; a fp16 one overflows past 65504), else the log-probs' dtype.
 
-    ``metrics``: ``"off"`` (or False) computes none; ``"basic"`` the loss, ``update/approx_kl`` (the mean of
-    ``old_logp − logp`` over the actions, verl's ``ppo_kl``) and each gate's cut fractions — what TRL and verl log
-    themselves, at about their cost (the adapters' default); ``"full"`` (or True) adds the update and engine ratio
-    distributions (min, p05, p50, p95, max, mean), the gates' costlier diagnostics and the effective token and
-    response fractions.
+    ``metrics``: ``"off"`` (or False) computes none; ``"basic"`` (the default, and the adapters') the loss,
+    ``update/approx_kl`` (the mean of ``old_logp − logp`` over the actions, verl's ``ppo_kl``) and each gate's cut
+    fractions — what TRL and verl log themselves, at about their cost; ``"full"`` (or True) adds the update and
+    engine ratio distributions (min, p05, p50, p95, max, mean), the gates' costlier ``details`` and the effective
+    token and response fractions.
 
     ``weight`` (``[B, T]`` or ``[B]``, ≥ 0): a coefficient computed by the trainer itself (e.g. verl's
     ``rollout_is_weights``), multiplied into the objective after the gates exactly like a correction gate's weight;
@@ -415,11 +328,11 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
     elif validate != "off":
         raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
 
-    inp = _prepare(batch, level)
+    inp = GateInput.from_batch(batch)
     update = compiled.update
     out = _run(update, validate, inp)
     if validate == "full":
-        _check_gate_output(update, out, inp)
+        _check_gate_output(update, out, batch)
     objective = out.objective
     if weight is not None:  # the trainer's own detached coefficient, applied like a correction gate's weight
         external = weight.detach().to(objective.dtype)
@@ -428,40 +341,38 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
     for stage in compiled.corrections:
         corr = _run(stage, validate, inp)
         if validate == "full":
-            _check_gate_output(stage, corr, inp)
+            _check_gate_output(stage, corr, batch)
         objective = objective * (corr.weight if corr.weight.ndim == 2 else corr.weight.unsqueeze(-1))
         outputs.append((stage, corr))
     objective = zero_off(objective, inp.mask, inp._bits)
 
     red = compiled.reduction
-    value = _run(red, validate, objective, inp.mask, inp.lengths, population_of(inp.mask, normalizer))
-    # float16 cannot hold a loss above 65504 (a sequence_sum of long responses reaches it) even when every gradient
-    # is small: its loss stays in float32; bfloat16 has float32's range and gets its own dtype back
-    out_dtype = torch.float32 if batch.logp.dtype == torch.float16 else batch.logp.dtype
-    loss = (-value).to(out_dtype) if out_dtype != value.dtype else -value
+    loss = -_run(red, validate, objective, inp.mask, inp.lengths, population_of(inp.mask, normalizer))
 
     metric_tensors: dict[str, Tensor] = {}
     if level != "off":
         with torch.no_grad():
-            metric_tensors = _metrics(inp, outputs, objective, loss) if level == "full" else \
-                _basic_metrics(inp, outputs, loss)
+            metric_tensors = _basic_metrics(inp, outputs, loss, validate)
+            if level == "full":
+                _full_metrics(inp, outputs, objective, metric_tensors, validate)
             if compiled.has_metric_hooks:
                 for plugin, extra in _call_hook("lossplug_extra_metrics", batch=batch, objective=objective.detach(),
                                                 recipe=compiled.recipe):
                     if not isinstance(extra, dict):
-                        raise PluginError(f"{_hook_origin(plugin)}: lossplug_extra_metrics must return a dict of metric "
-                                          f"name → 0-d tensor or None, got {_describe_value(extra)}")
+                        raise PluginError(f"{_hook_origin(plugin)}: lossplug_extra_metrics must return a dict of metric name → 0-d "
+                                          f"tensor or None, got {_describe_value(extra)}")
                     metric_tensors.update(extra)
     return LossResult.model_construct(loss=loss, metric_tensors=metric_tensors)
 
 
-def _check_gate_output(stage: Stage, out, inp: GateInput) -> None:
+def _check_gate_output(stage: Stage, out, batch: PolicyBatch) -> None:
     """What a gate returned, before it is used: an update gate's objective ``[B, T]``, a correction's weight ``[B, T]``
-    or ``[B]`` (a ``[B]`` objective would broadcast against ``[B, T]`` silently wrong when B == T)."""
+    or ``[B]`` (a ``[B]`` objective would broadcast against ``[B, T]`` silently wrong when B == T); metrics declared
+    as mappings. Shapes are read from the batch, never from the gate input (reading a field there would clean it)."""
     where = f"{stage.where} ({stage.plugin.name}, from {_registry.registry().origin('gate', stage.plugin.name)})"
     if not isinstance(out, GateOutput):
         raise PluginError(f"{where} must return a lossplug.GateOutput, got {type(out).__name__}")
-    shape = list(inp.logp.shape)
+    shape = list(batch.logp.shape)
     if stage.plugin.role == "update":
         got = out.objective
         if not isinstance(got, Tensor) or list(got.shape) != shape:
@@ -477,6 +388,14 @@ def _check_gate_output(stage: Stage, out, inp: GateInput) -> None:
         if got.requires_grad:
             raise PluginError(f"{where}: a correction's weight must be detached (.detach()): gradient flows through "
                               "logp only, via the update gate")
+    for name in ("metrics", "details"):
+        value = getattr(out, name)
+        if not isinstance(value, Mapping):
+            raise PluginError(f"{where}: GateOutput.{name} must be a mapping of metric name → 0-d tensor (or a "
+                              f"function returning one), got {_describe_value(value)}")
+    if out.active is not None and not (isinstance(out.active, Tensor) or callable(out.active)):
+        raise PluginError(f"{where}: GateOutput.active must be a bool tensor, a function returning one, or None, got "
+                          f"{_describe_value(out.active)}")
 
 
 def _weight_violations(weight: Tensor, batch: PolicyBatch) -> list[Violation]:
@@ -530,21 +449,32 @@ def _ratio_metrics(prefix: str, log_ratio: Tensor, mask: Tensor, out: dict[str, 
     out[f"{prefix}/mean"] = mean
 
 
-def _basic_metrics(inp: GateInput, outputs, loss: Tensor) -> dict[str, Tensor]:
-    """The loss, ``update/approx_kl`` and every gate's own metrics (``metrics="basic"``; part of ``"full"``)."""
+def _gate_metric(stage: Stage, name: str, value, validate: str):
+    """Evaluate one declared gate metric (a tensor, or a function returning one); a failure blames the gate."""
+    try:
+        return evaluate(value)
+    except _PASS_THROUGH:
+        raise
+    except Exception as err:
+        raise _plugin_failed(stage, err, validate, what=f"evaluating its metric {name!r}") from err
+
+
+def _basic_metrics(inp: GateInput, outputs, loss: Tensor, validate: str) -> dict[str, Tensor]:
+    """The loss, ``update/approx_kl`` and every gate's declared ``metrics`` (``metrics="basic"``; part of
+    ``"full"``)."""
     m: dict[str, Tensor] = {"loss": loss.detach()}
-    if inp.batch.old_logp is not None:  # (the batch's field: reading inp.old_logp would clean it)
+    if inp.batch.old_logp is not None:
         # mean over the actions of old_logp − logp; the log-ratio is zero off the actions: no mask pass
-        m["update/approx_kl"] = -inp.update_log_ratio().detach().sum() / inp.lengths.sum().clamp(min=1)
+        m["update/approx_kl"] = -inp.update_log_ratio().detach().sum() / inp.action_tokens
     for stage, out in outputs:
         for key, value in out.metrics.items():
-            m[f"{stage.plugin.name}/{key}"] = value
+            m[f"{stage.plugin.name}/{key}"] = _gate_metric(stage, key, value, validate)
     return m
 
 
-def _metrics(inp: GateInput, outputs, objective: Tensor, loss: Tensor) -> dict[str, Tensor]:
-    """``metrics="full"``: the basic ones, the ratio distributions and the effective-sample fractions."""
-    m = _basic_metrics(inp, outputs, loss)
+def _full_metrics(inp: GateInput, outputs, objective: Tensor, m: dict[str, Tensor], validate: str) -> None:
+    """``metrics="full"``, added to the basic ones: the ratio distributions, the gates' ``details`` and the
+    effective-sample fractions from their ``active`` masks."""
     mask = inp.mask
     n_tokens = torch.count_nonzero(mask).clamp(min=1)  # (a bool .sum() first copies the mask to int64)
     batch = inp.batch
@@ -555,17 +485,19 @@ def _metrics(inp: GateInput, outputs, objective: Tensor, loss: Tensor) -> dict[s
     token_active = mask
     seq_active = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
     for stage, out in outputs:
+        name = stage.plugin.name
+        for key, value in out.details.items():
+            m[f"{name}/{key}"] = _gate_metric(stage, key, value, validate)
         if out.active is None:
             continue
-        name = stage.plugin.name
-        if out.active.ndim == 2:
-            m[f"{name}/active_token_frac"] = torch.count_nonzero(out.active & mask) / n_tokens
-            token_active = token_active & out.active
+        active = _gate_metric(stage, "active", out.active, validate)
+        if active.ndim == 2:
+            m[f"{name}/active_token_frac"] = torch.count_nonzero(active & mask) / n_tokens
+            token_active = token_active & active
         else:
-            m[f"{name}/active_seq_frac"] = out.active.float().mean()
-            seq_active = seq_active & out.active
+            m[f"{name}/active_seq_frac"] = active.float().mean()
+            seq_active = seq_active & active
     token_active = token_active & seq_active.unsqueeze(-1)
     m["effective/token_frac"] = torch.count_nonzero(token_active) / n_tokens
     m["effective/seq_frac"] = any_rows(token_active).float().mean()
     m["objective/mean"] = objective.sum() / n_tokens
-    return m

@@ -17,14 +17,17 @@ reduces the objective and returns ``loss = -objective``. No plugin flips a sign 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional, Union
+from typing import Callable, Literal, Mapping, Optional, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from lossplug.contracts import AdvantageResult, PackedTransitions, PolicyBatch
+from lossplug.contracts import AdvantageResult, LossplugError, PackedTransitions, PolicyBatch
+
+from .ops import action_bits, count_actions, zero_off, zero_off_uses_bits
 
 Tensor = torch.Tensor
 
@@ -46,41 +49,102 @@ def _doc(fn: Callable, doc: Optional[str]) -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 # Gates
 
+#: a metric value: a 0-d tensor, or a function of no arguments returning one, evaluated only when the caller's metric
+#: level asks for it (``policy_loss(metrics=...)``), under ``torch.no_grad()``
+Lazy = Union[Tensor, Callable[[], Tensor]]
 
-@dataclass(frozen=True)
+
+def evaluate(value: Lazy) -> Tensor:
+    """The value of a :data:`Lazy` metric (calls it if it is a function)."""
+    return value() if callable(value) else value
+
+
 class GateInput:
-    """The per-micro-batch tensors a gate reads, prepared once by the pipeline.
+    """What a gate reads for one micro-batch, built from a :class:`PolicyBatch` by :meth:`from_batch`.
 
-    Every per-token tensor has its non-action positions replaced by 0 (``logp`` through ``torch.where``, so the
-    gradient still flows on action positions): whatever the batch held there — NaN, inf — can neither leak into the
-    loss nor into the gradient (0 · NaN in a backward pass is NaN, so masking only the output is not enough).
+    Every per-token field is *cleaned*: zero off the action mask, in the compute dtype (float32 for bf16/fp16
+    log-probs), and — except ``logp`` — detached. Whatever the batch held off the actions (NaN, inf) can neither leak
+    into the loss nor into the gradient (0 · NaN in a backward pass is NaN, so masking only the output is not
+    enough). A field is cleaned when first read and then kept (:func:`functools.cached_property`), so a gate pays
+    only for what it reads; a field with the same elements as one already cleaned (TRL's on-policy
+    ``old_logp = logp.detach()``) reuses that copy.
 
-    ``metrics`` is False when the caller asked for no metrics (``policy_loss(metrics="off")``): a gate then skips its
-    diagnostic work — ``GateOutput.metrics`` and ``active`` are not read — and computes only what the objective or
-    weight needs. With ``metrics`` True a gate reports its cheap diagnostics: counts and fractions of what it cut,
-    each a comparison and a count over ``[B, T]`` (``policy_loss(metrics="basic")``, what the adapters run on every
-    micro-batch by default, comparable to the trainers' own clip fractions). ``full_metrics`` is True only for
-    ``metrics="full"``: then a gate may add anything costlier (distributions, ratio extremes) and returns
-    ``active``, which feeds the pipeline's effective-sample metrics.
+    * ``mask`` ``[B, T]`` bool, ``lengths`` ``[B]`` action tokens per response, ``batch`` the PolicyBatch itself
+      (read its metadata, never its raw per-token tensors);
+    * ``logp`` (carries the gradient), ``old_logp``, ``behavior_logp``, ``ref_logp``: ``[B, T]``, or None when the
+      batch has none (declare what you read in ``requires=``);
+    * ``advantage``: always ``[B, T]`` (a ``[B]`` advantage broadcast over the response); ``seq_advantage``: the
+      ``[B]`` advantage when the batch holds one, else None; :meth:`broadcast_advantage` the cheapest form that
+      broadcasts against ``[B, T]``;
+    * :meth:`update_log_ratio` ``log π_θ/π_old`` and :meth:`engine_log_ratio` ``log π_old/π_behaviour``: computed
+      once per micro-batch and shared by every gate and the pipeline's metrics;
+    * :meth:`token_fraction` / :meth:`response_fraction`: cut fractions for metrics.
 
-    ``seq_advantage`` is the per-response advantage ``[B]`` (detached, in the compute dtype) when the batch holds
-    one, else None. ``advantage`` is always there (the ``[B]`` one broadcast over ``[B, T]`` and zeroed off the
-    actions); a gate whose advantage enters only through per-response terms may compute those on ``[B]`` and
-    broadcast once. Its objective off the actions may then be nonzero (finite): the pipeline zeroes the objective
-    off the actions, value and gradient, before any reduction.
+    Fields are cleaned under the grad mode in force when the input was built, so that ``logp``'s cleaned copy
+    carries the graph even if a gate first reads it inside a ``torch.no_grad()`` block.
     """
 
-    logp: Tensor
-    mask: Tensor
-    advantage: Tensor
-    lengths: Tensor
-    old_logp: Optional[Tensor]
-    behavior_logp: Optional[Tensor]
-    ref_logp: Optional[Tensor]
-    batch: PolicyBatch
-    metrics: bool = True
-    seq_advantage: Optional[Tensor] = None
-    full_metrics: bool = True
+    def __init__(self, batch: PolicyBatch):
+        mask = batch.action_mask
+        self.batch = batch
+        self.mask = mask
+        self.lengths = torch.count_nonzero(mask, -1)
+        self.compute_dtype = torch.float32 if batch.logp.dtype in (torch.float16, torch.bfloat16) else batch.logp.dtype
+        adv = batch.advantage
+        self.seq_advantage = adv.detach().to(self.compute_dtype) if adv is not None and adv.ndim == 1 else None
+        self._grad_mode = torch.is_grad_enabled()
+        # zero_off is torch.where(mask, x, 0) as a bitwise AND on the CPU (bit-exact, gradient included): one bit
+        # pattern serves every zero-off of the micro-batch, forward and backward
+        self._bits = action_bits(mask, self.compute_dtype) if zero_off_uses_bits(mask) else None
+        self._cleaned: dict[tuple, Tensor] = {}
+        self._log_ratios: dict[tuple[str, str], Tensor] = {}
+
+    @classmethod
+    def from_batch(cls, batch: PolicyBatch) -> "GateInput":
+        """The gate input of a micro-batch: the one way the pipeline, the conformance kit and tests build it."""
+        return cls(batch)
+
+    # -- cleaned per-token fields -------------------------------------------------------------------------------------
+
+    def _clean(self, name: str) -> Optional[Tensor]:
+        raw = getattr(self.batch, name)
+        if raw is None:
+            return None
+        key = _layout(raw)
+        cleaned = self._cleaned.get(key)
+        if cleaned is None:
+            with torch.set_grad_enabled(self._grad_mode):
+                cleaned = zero_off((raw if name == "logp" else raw.detach()).to(self.compute_dtype), self.mask,
+                                   self._bits)
+            self._cleaned[key] = cleaned
+        return cleaned if name == "logp" else cleaned.detach()
+
+    @functools.cached_property
+    def logp(self) -> Tensor:
+        """Current log-probs ``[B, T]``, zero off the actions; the only field that carries gradient."""
+        return self._clean("logp")
+
+    @functools.cached_property
+    def old_logp(self) -> Optional[Tensor]:
+        """Log-probs of the policy before the update (the training engine's), detached."""
+        return self._clean("old_logp")
+
+    @functools.cached_property
+    def behavior_logp(self) -> Optional[Tensor]:
+        """Log-probs from the rollout engine that sampled the tokens, detached."""
+        return self._clean("behavior_logp")
+
+    @functools.cached_property
+    def ref_logp(self) -> Optional[Tensor]:
+        """Log-probs of the frozen reference policy, detached."""
+        return self._clean("ref_logp")
+
+    @functools.cached_property
+    def advantage(self) -> Tensor:
+        """The advantage ``[B, T]``, detached, zero off the actions (a ``[B]`` one broadcast over the response)."""
+        if self.seq_advantage is not None:
+            return zero_off(self.seq_advantage.unsqueeze(-1).expand(self.mask.shape), self.mask, self._bits)
+        return self._clean("advantage")
 
     def broadcast_advantage(self) -> Tensor:
         """The advantage in the cheapest form that broadcasts against ``[B, T]``: a ``[B, 1]`` column for a ``[B]``
@@ -88,48 +152,103 @@ class GateInput:
         ``[B, T]`` tensor. Detached."""
         if self.seq_advantage is not None:
             return self.seq_advantage.unsqueeze(-1)
-        return self.advantage.detach()
+        return self.advantage
+
+    # -- log-ratios -----------------------------------------------------------------------------------------------------
 
     def update_log_ratio(self) -> Tensor:
-        """log(π_θ / π_old) per token; zero off actions. Gradient flows through ``logp`` only.
+        """``logp − old_logp`` per token (log π_θ/π_old), zero off the actions; gradient through ``logp`` only.
 
         Computed once per micro-batch and shared (the update gate and the metrics read the same tensor): do not
         modify it in place."""
-        cached = self.__dict__.get("_update_log_ratio")
-        if cached is None:
-            cached = self.logp - self.old_logp.detach()
-            self.__dict__["_update_log_ratio"] = cached  # a frozen dataclass: its fields stay immutable
-        return cached
+        return self._log_ratio("logp", "old_logp")
 
     def engine_log_ratio(self) -> Tensor:
-        """log(π_old / π_behaviour) per token, detached; zero off actions."""
-        return (self.old_logp - self.behavior_logp).detach()
+        """``old_logp − behavior_logp`` per token (log π_old/π_behaviour), detached, zero off the actions."""
+        return self._log_ratio("old_logp", "behavior_logp")
+
+    def _log_ratio(self, top: str, bottom: str) -> Tensor:
+        """``top − bottom`` zero off the actions, once: from the cleaned fields when a gate already read one of them,
+        else one subtraction of the raw fields and one zero-off (the same values and gradient: the zero-off's
+        gradient is a bitwise AND, so the padding never reaches ``logp``'s gradient)."""
+        cached = self._log_ratios.get((top, bottom))
+        if cached is not None:
+            return cached
+        batch = self.batch
+        for name in (top, bottom):
+            if getattr(batch, name) is None:
+                raise LossplugError(f"the {top} − {bottom} log-ratio needs {name}, but the batch has none: declare it "
+                                    f"in the gate's requires=(...) so that such a batch fails validation")
+        with torch.set_grad_enabled(self._grad_mode):
+            if top in self.__dict__ or bottom in self.__dict__:
+                ratio = getattr(self, top) - getattr(self, bottom)
+            else:
+                raw = getattr(batch, top).to(self.compute_dtype) - getattr(batch, bottom).detach().to(self.compute_dtype)
+                ratio = zero_off(raw if top == "logp" else raw.detach(), self.mask, self._bits)
+        ratio = ratio if top == "logp" else ratio.detach()
+        self._log_ratios[(top, bottom)] = ratio
+        return ratio
+
+    # -- helpers for metrics --------------------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def action_tokens(self) -> Tensor:
+        """The number of action tokens of the micro-batch (0-d, at least 1: a denominator for fractions)."""
+        return self.lengths.sum().clamp(min=1)
+
+    def token_fraction(self, hit: Tensor, where: Optional[Tensor] = None, *, false_off_actions: bool = False
+                       ) -> Tensor:
+        """The fraction of action tokens where ``hit`` (and ``where``) hold: :func:`lossplug.ops.count_actions` over
+        :attr:`action_tokens`. ``hit``/``where`` are ``[B, T]`` or per-response ``[B, 1]`` columns;
+        ``false_off_actions``: the caller knows ``hit & where`` is False off the actions (cleaned inputs make a
+        ratio exactly 1 there), which saves the mask pass."""
+        return count_actions(hit, self.mask, self.lengths, where, false_off_actions=false_off_actions) / \
+            self.action_tokens
+
+    def response_fraction(self, hit: Tensor) -> Tensor:
+        """The fraction of non-empty responses where the per-response ``hit`` ``[B]`` holds."""
+        valid = self.lengths > 0
+        return torch.count_nonzero(hit & valid) / torch.count_nonzero(valid).clamp(min=1)
 
     def masked_mean(self, x: Tensor) -> Tensor:
-        """Mean of ``x`` over the action tokens of this micro-batch (for metrics)."""
-        return torch.where(self.mask, x, 0).sum() / self.mask.sum().clamp(min=1)
+        """Mean of ``x`` ``[B, T]`` over the action tokens of this micro-batch."""
+        return torch.where(self.mask, x, 0).sum() / self.action_tokens
 
     def sequence_mean(self, x: Tensor) -> Tensor:
         """Per-response mean of ``x`` over action tokens, ``[B]``."""
         return torch.where(self.mask, x, 0).sum(-1) / self.lengths.clamp(min=1)
 
 
+def _layout(t: Tensor) -> tuple:
+    """Same key ⇔ same elements: same memory, shape, strides and dtype (a detached view of a tensor included)."""
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device
+
+
 @dataclass(frozen=True)
 class GateOutput:
-    """What a gate returns.
+    """What a gate returns — one return path, whatever metric level the caller asked for.
 
-    * update gates set ``objective`` ``[B, T]``: the per-token objective (to maximise), carrying the gradient;
-    * corrections set ``weight``: a **detached** coefficient ``[B, T]`` (token level) or ``[B]`` (sequence level)
+    * an update gate sets ``objective`` ``[B, T]``: the per-token objective (to maximise), carrying the gradient;
+    * a correction sets ``weight``: a **detached** coefficient ``[B, T]`` (token level) or ``[B]`` (sequence level)
       that multiplies the objective.
 
-    ``active`` marks what still carries gradient after this gate (``[B, T]`` for token-level gates, ``[B]`` for
-    sequence-level ones); it feeds the effective-sample-rate metrics. ``metrics`` are 0-d tensors.
+    Diagnostics are *declared*, and the pipeline evaluates them only when asked (values are 0-d tensors or
+    functions of no arguments returning one, called under ``torch.no_grad()``):
+
+    * ``metrics`` — cheap counts and fractions of what the gate cut (``policy_loss(metrics="basic")``, what the
+      adapters log on every micro-batch, and ``"full"``);
+    * ``details`` — anything costlier: distributions, extremes (``metrics="full"`` only);
+    * ``active`` — what still carries gradient after this gate, ``[B, T]`` (token level) or ``[B]`` (sequence
+      level) bool; it feeds the effective-sample fractions (``"full"`` only). None: everything stays active.
+
+    With ``metrics="off"`` none of them is evaluated, so a gate costs only its objective.
     """
 
     objective: Optional[Tensor] = None
     weight: Optional[Tensor] = None
-    active: Optional[Tensor] = None
-    metrics: dict[str, Tensor] = field(default_factory=dict)
+    metrics: Mapping[str, Lazy] = field(default_factory=dict)
+    details: Mapping[str, Lazy] = field(default_factory=dict)
+    active: Optional[Lazy] = None
 
 
 GateFn = Callable[[GateInput, Params], GateOutput]

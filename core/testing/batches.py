@@ -135,13 +135,16 @@ def insert_masked_columns(fields: dict[str, Tensor], before: int = 2, after: int
     return out
 
 
-def loss_and_grad(recipe, *, logp: Tensor, action_mask: Optional[Tensor] = None, normalizer=None, **fields):
+def loss_and_grad(recipe, *, logp: Tensor, action_mask: Optional[Tensor] = None, normalizer=None,
+                  metrics: str = "full", **fields):
     """Run ``policy_loss`` on these tensors (all-True mask by default) and return ``(LossResult, d loss / d logp)``:
-    the two things a plugin's own tests usually assert on."""
+    the two things a plugin's own tests usually assert on. Every metric is computed (``metrics="full"``): a test
+    wants to see them all."""
     import lossplug
 
     logp = logp.detach().clone().requires_grad_()
     mask = torch.ones_like(logp, dtype=torch.bool) if action_mask is None else action_mask
-    result = lossplug.policy_loss(lossplug.PolicyBatch(logp=logp, action_mask=mask, **fields), recipe, normalizer)
+    result = lossplug.policy_loss(lossplug.PolicyBatch(logp=logp, action_mask=mask, **fields), recipe, normalizer,
+                                  metrics=metrics)
     result.loss.backward()
     return result, logp.grad

@@ -21,7 +21,8 @@ import torch
 import lossplug
 from lossplug.contracts import (BatchValidationError, LossplugError, Normalizer, PackedTransitions, PolicyBatch, Recipe,
                                 RecipeError)
-from lossplug.plugin import AdvantagePlugin, GateOutput, GatePlugin, Params, Population, ReductionPlugin
+from lossplug.plugin import (AdvantagePlugin, GateInput, GateOutput, GatePlugin, Params, Population, ReductionPlugin,
+                             evaluate)
 
 from . import batches as _b
 
@@ -215,13 +216,20 @@ def _run(subject: Subject, fields: Mapping[str, Optional[Tensor]], *, reduction=
 
 
 def _gate_input(fields: Mapping[str, Optional[Tensor]], grad: Iterable[str] = ("logp",)):
-    from lossplug.pipeline import _prepare
-
+    """The pipeline's own gate input for ``fields`` (``grad``: the fields made leaves that require gradient)."""
     leaves = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in fields.items() if v is not None}
     for name in grad:
         if name in leaves and leaves[name].is_floating_point():
             leaves[name].requires_grad_(True)
-    return _prepare(PolicyBatch(**leaves)), leaves
+    return GateInput.from_batch(PolicyBatch(**leaves)), leaves
+
+
+def _declared(out: GateOutput) -> tuple[dict[str, Any], Any]:
+    """Every metric a gate declared (``metrics`` and ``details``) and its ``active``, evaluated as the pipeline does
+    at ``metrics="full"`` (under ``torch.no_grad()``)."""
+    with torch.no_grad():
+        values = {key: evaluate(v) for part in (out.metrics, out.details) for key, v in part.items()}
+        return values, None if out.active is None else evaluate(out.active)
 
 
 def _where(bad: Tensor) -> str:
@@ -386,11 +394,18 @@ def _gate_output_contract(s: Subject) -> None:
                             f"{None if out.weight is None else list(out.weight.shape)}")
         if out.objective is not None:
             problems.append("a correction sets weight, not objective (it multiplies the update gate's objective)")
-    if out.active is not None:
-        if out.active.dtype != torch.bool or tuple(out.active.shape) not in ((B, T), (B,)):
-            problems.append(f"active must be a bool [B, T] or [B] tensor, got {out.active.dtype} "
-                            f"{list(out.active.shape)}")
-    for key, value in (out.metrics or {}).items():
+    for part in ("metrics", "details"):
+        if not isinstance(getattr(out, part), Mapping):
+            problems.append(f"GateOutput.{part} must be a mapping of metric name → 0-d tensor or a function "
+                            f"returning one, got {type(getattr(out, part)).__name__}")
+    if problems:
+        raise CheckFailed("; ".join(problems))
+    values, active = _declared(out)
+    if active is not None:
+        if not isinstance(active, Tensor) or active.dtype != torch.bool or tuple(active.shape) not in ((B, T), (B,)):
+            what = f"{active.dtype} {list(active.shape)}" if isinstance(active, Tensor) else type(active).__name__
+            problems.append(f"active must be a bool [B, T] or [B] tensor (or a function returning one), got {what}")
+    for key, value in values.items():
         if not isinstance(key, str) or not isinstance(value, Tensor) or value.ndim != 0:
             problems.append(f"metric {key!r} must be a 0-d tensor, got "
                             f"{type(value).__name__}{list(value.shape) if isinstance(value, Tensor) else ''}")
@@ -453,12 +468,42 @@ def _ratio_one(s: Subject) -> None:
     expected = torch.where(mask, f["advantage"].unsqueeze(-1).expand_as(mask), 0)
     diff = _first_diff(coefficient, expected, mask, rtol=1e-6, atol=1e-9)
     if diff:
-        ratio = torch.where(mask & (expected != 0), coefficient / expected, float("nan"))
-        hint = (" The sign is flipped: gates return objectives (to maximise), the pipeline negates them."
-                if bool(torch.nanmean(ratio) < 0) else "")
         raise CheckFailed("with logp = old_logp = behavior_logp (every ratio 1) an update gate must give the plain "
-                          f"policy gradient ∂J/∂logp = A on every action token; it does not {diff}.{hint} "
-                          "(A gate that changes the on-policy gradient by design can skip this check.)")
+                          f"policy gradient ∂J/∂logp = A on every action token; it does not {diff}. "
+                          + _scaling_cause(coefficient, expected, mask))
+
+
+def _scaling_cause(coefficient: Tensor, expected: Tensor, mask: Tensor) -> str:
+    """The likely cause of an on-policy gradient that is not A: a flipped sign, or a denominator inside the gate
+    (found from how ``coefficient / A`` varies: constant over the micro-batch, per response, or per token)."""
+    used = mask & (expected != 0)
+    factor = torch.where(used, coefficient / expected, float("nan")).double()
+    if bool(torch.nanmean(factor) < 0):
+        return "The sign is flipped: gates return objectives (to maximise), the pipeline negates them."
+    lengths = mask.sum(-1).double()
+    rows = used.any(-1)
+    low = torch.where(used, factor, float("inf")).amin(-1)[rows]
+    high = torch.where(used, factor, float("-inf")).amax(-1)[rows]
+    reductions = ("Reductions own every denominator: a gate returns the per-token objective and the recipe's "
+                  "reduction (token, response, sequence_sum…) divides by the global population of the step — a "
+                  "denominator inside the gate is applied twice and is wrong under micro-batching.")
+    if not bool(torch.allclose(low, high, rtol=1e-6, atol=1e-12)):
+        return ("The factor ∂J/∂logp ÷ A varies within a response: the objective is not A·r at r = 1 (check the "
+                "formula's value and derivative at ratio 1).")
+    per_row = low
+    if bool(torch.allclose(per_row, 1 / lengths[rows], rtol=1e-6)):
+        return ("The gradient is A divided by each response's own action-token count: the gate divides by "
+                "|y_i|. " + reductions + " For a per-response mean use reduction: {name: response}.")
+    if bool(torch.allclose(per_row, per_row[:1].expand_as(per_row), rtol=1e-6)):
+        c = float(per_row[0])
+        n = int(mask.sum())
+        what = (f" = 1/{n}, the micro-batch's action-token count" if abs(c * n - 1) < 1e-6 else
+                f" = 1/{int(mask.shape[0])}, the micro-batch's response count" if abs(c * mask.shape[0] - 1) < 1e-6
+                else "")
+        return (f"The gradient is A scaled by the constant {c:.6g}{what}: most likely a denominator or a "
+                f"coefficient inside the gate. " + reductions)
+    return "The gradient is A scaled by a different factor in each response: most likely a denominator inside " \
+           "the gate. " + reductions
 
 
 @_check("zero_advantage", ("gate", "reduction"), "zero advantage gives exactly zero gradient")
@@ -564,12 +609,15 @@ def _detached(s: Subject) -> None:
         raise CheckFailed("the correction's weight carries gradient (requires_grad=True): compute it under "
                           "torch.no_grad() or .detach() it — a correction is a detached coefficient, gradient must "
                           "flow only through the update gate's logp")
-    if out.active is not None and out.active.requires_grad:
+    if isinstance(out.active, Tensor) and out.active.requires_grad:
         raise CheckFailed("`active` carries gradient; it must be a bool mask")
-    live = sorted(k for k, v in (out.metrics or {}).items() if isinstance(v, Tensor) and v.requires_grad)
+    # a metric given as a tensor was computed when the gate ran (a function is evaluated under no_grad)
+    live = sorted(k for part in (out.metrics, out.details) for k, v in part.items()
+                  if isinstance(v, Tensor) and v.requires_grad)
     if live:
-        raise CheckFailed(f"metric(s) {', '.join(live)} carry gradient: compute metrics under torch.no_grad() or "
-                          "detach them (a logged metric with a graph keeps the whole graph alive)")
+        raise CheckFailed(f"metric(s) {', '.join(live)} carry gradient: declare them as functions (evaluated under "
+                          "torch.no_grad() only when a metric level asks for them) or detach them (a logged metric "
+                          "with a graph keeps the whole graph alive)")
     run = _run(s, f, normalizer=_normalizer(f), grad=everything)
     leaks = {k: float(g.abs().sum()) for k, g in run.grads.items() if k != "logp" and g is not None
              and bool((g != 0).any())}
@@ -592,12 +640,22 @@ EXTREME_ROWS = (  # (logp, old_logp, behavior_logp): update and engine log-ratio
         "the same values")
 def _metric_levels(s: Subject) -> None:
     f = _fields()
-    runs = {level: _run(s, f, normalizer=_normalizer(f), metrics=level) for level in ("off", "basic", "full")}
+    runs = {}
+    for level in ("off", "basic", "full"):
+        try:
+            runs[level] = _run(s, f, normalizer=_normalizer(f), metrics=level)
+        except Exception as err:
+            if level == "off":
+                raise
+            raise CheckFailed(f"with metrics='{level}' the loss step raised {_fmt_exc(err)}, with metrics='off' it "
+                              "did not: the loss must not depend on the metric level — declared metrics are "
+                              "evaluated after the loss, and must not modify the tensors the gate computed (no "
+                              "in-place writes)") from None
     for level in ("basic", "full"):
         if not torch.equal(runs[level].loss, runs["off"].loss):
             raise CheckFailed(f"the loss with metrics='{level}' ({float(runs[level].loss):.10g}) differs from "
-                              f"metrics='off' ({float(runs['off'].loss):.10g}): the objective must not depend on "
-                              "inp.metrics / inp.full_metrics, only the diagnostics may")
+                              f"metrics='off' ({float(runs['off'].loss):.10g}): the loss must not depend on the "
+                              "metric level, only the diagnostics may")
         if not torch.equal(runs[level].grads["logp"], runs["off"].grads["logp"]):
             raise CheckFailed(f"the gradient with metrics='{level}' differs from metrics='off' "
                               f"{_first_diff(runs[level].grads['logp'], runs['off'].grads['logp'], rtol=0, atol=0)}")

@@ -25,13 +25,14 @@ Detach/gradient contract: the coefficient ``clip(r)`` is explicitly ``.detach()`
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
 from pydantic import Field, model_validator
 
 import lossplug
-from lossplug.ops import clamp_exact, count_on_actions
+from lossplug.ops import clamp_exact, count_actions
 
 
 class CISPOParams(lossplug.Params):
@@ -83,17 +84,25 @@ def cispo(inp: lossplug.GateInput, p: CISPOParams) -> lossplug.GateOutput:
             log_ratio = clamp_exact(log_ratio, -p.log_ratio_clamp, p.log_ratio_clamp)
         ratio = log_ratio.exp()
         coefficient = ratio.clamp(min=p.lower, max=p.upper)
-    if not inp.metrics:
-        return lossplug.GateOutput(objective=coefficient.detach() * adv * inp.logp)
-    with torch.no_grad():
-        mask = inp.mask
-        n = inp.lengths.sum().clamp(min=1)
-        # off the actions r = exp(0) = 1: never below lower (< 1); above upper only for a cap below 1
-        low = torch.count_nonzero(ratio < p.lower) if p.lower is not None else n.new_zeros(())
-        high = count_on_actions(ratio > p.upper, mask, p.upper >= 1)
-        # the two sides are disjoint (lower < 1 ≤ upper, or no lower bound): their sum is the clipped count
-        clip = low + high if p.lower is None or p.lower < p.upper else torch.count_nonzero(
-            ((ratio < p.lower) | (ratio > p.upper)) & mask)
-        metrics = {"clip_frac": clip / n, "clip_frac_low": low / n, "clip_frac_high": high / n}
     objective = coefficient.detach() * adv * inp.logp
-    return lossplug.GateOutput(objective=objective, active=mask, metrics=metrics)
+
+    # off the actions r = exp(0) = 1: never below lower (< 1); above upper only for a cap below 1
+    @functools.cache
+    def counts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mask, lengths = inp.mask, inp.lengths
+        low = count_actions(ratio < p.lower, mask, lengths, false_off_actions=True) if p.lower is not None else \
+            lengths.new_zeros(())
+        high = count_actions(ratio > p.upper, mask, lengths, false_off_actions=p.upper >= 1)
+        if p.lower is None or p.lower < p.upper:  # the two sides are disjoint: their sum is the clipped count
+            return low + high, low, high
+        return count_actions((ratio < p.lower) | (ratio > p.upper), mask, lengths), low, high
+
+    def fraction(i: int) -> torch.Tensor:
+        return counts()[i] / inp.action_tokens
+
+    return lossplug.GateOutput(
+        objective=objective,
+        metrics={"clip_frac": lambda: fraction(0), "clip_frac_low": lambda: fraction(1),
+                 "clip_frac_high": lambda: fraction(2)},
+        active=lambda: inp.mask,  # the clip saturates the weight only: every action token keeps its gradient
+    )

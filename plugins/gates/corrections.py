@@ -30,7 +30,7 @@ import torch
 from pydantic import Field, model_validator
 
 import lossplug
-from lossplug.ops import clamp_exact, count_on_actions
+from lossplug.ops import clamp_exact, response_stats
 
 REQUIRES = ("old_logp", "behavior_logp")
 
@@ -88,65 +88,73 @@ def _sequence_log_ratio(inp: lossplug.GateInput, p) -> torch.Tensor:
     return clamp_exact(log_ratio, -p.log_ratio_clamp, p.log_ratio_clamp)
 
 
-def _ratio_stats(ratio: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
-    n = torch.count_nonzero(valid).clamp(min=1)
-    return {
-        "ratio/mean": torch.where(valid, ratio, 0).sum() / n,
-        "ratio/min": torch.where(valid, ratio, float("inf")).min(),
-        "ratio/max": torch.where(valid, ratio, float("-inf")).max(),
-    }
+def _fraction(inp: lossplug.GateInput, hit: torch.Tensor, off_actions_false: bool) -> torch.Tensor:
+    """Fraction of the action tokens (token level, ``[B, T]``) or of the non-empty responses (``[B]``) that ``hit``
+    marks; off the actions a token ratio is exactly 1 (both log-probs are cleaned to 0), so a bound on the far side
+    of 1 is never hit there and the mask pass is skipped."""
+    if hit.ndim == 1:
+        return inp.response_fraction(hit)
+    return inp.token_fraction(hit, false_off_actions=off_actions_false)
 
 
-def _tis(ratio: torch.Tensor, valid: torch.Tensor, cap: float, inp: lossplug.GateInput) -> lossplug.GateOutput:
+def _valid(inp: lossplug.GateInput, ratio: torch.Tensor) -> torch.Tensor:
+    return inp.lengths > 0 if ratio.ndim == 1 else inp.mask
+
+
+def _tis(ratio: torch.Tensor, cap: float, inp: lossplug.GateInput) -> lossplug.GateOutput:
     weight = ratio.clamp(max=cap)
-    if not inp.metrics:
-        return lossplug.GateOutput(weight=weight.detach())
-    n = torch.count_nonzero(valid).clamp(min=1) if ratio.ndim == 1 else inp.lengths.sum().clamp(min=1)
-    metrics = {"trunc_frac": count_on_actions(ratio > cap, valid, cap >= 1) / n}
-    if not inp.full_metrics:
-        return lossplug.GateOutput(weight=weight.detach(), metrics=metrics)
-    metrics.update(_ratio_stats(ratio, valid), weight_mean=torch.where(valid, weight, 0).sum() / n)
-    return lossplug.GateOutput(weight=weight.detach(), active=weight > 0, metrics=metrics)
+    valid = _valid(inp, ratio)
+    return lossplug.GateOutput(
+        weight=weight.detach(),
+        metrics={"trunc_frac": lambda: _fraction(inp, ratio > cap, cap >= 1)},
+        details={**response_stats("ratio", ratio, valid),
+                 "weight_mean": lambda: torch.where(valid, weight, 0).sum() / _count(inp, ratio)},
+        active=lambda: weight > 0,
+    )
 
 
-def _icepop(ratio: torch.Tensor, valid: torch.Tensor, low: float, high: float,
-            inp: lossplug.GateInput) -> lossplug.GateOutput:
+def _icepop(ratio: torch.Tensor, low: float, high: float, inp: lossplug.GateInput) -> lossplug.GateOutput:
     keep = (ratio >= low) & (ratio <= high)
     weight = torch.where(keep, ratio, torch.zeros_like(ratio))
-    if not inp.metrics:
-        return lossplug.GateOutput(weight=weight.detach())
-    n = torch.count_nonzero(valid).clamp(min=1) if ratio.ndim == 1 else inp.lengths.sum().clamp(min=1)
-    metrics = {"reject_frac_low": count_on_actions(ratio < low, valid, low <= 1) / n,
-               "reject_frac_high": count_on_actions(ratio > high, valid, high >= 1) / n}
-    if not inp.full_metrics:
-        return lossplug.GateOutput(weight=weight.detach(), metrics=metrics)
-    metrics.update(_ratio_stats(ratio, valid), weight_mean=torch.where(valid, weight, 0).sum() / n)
-    return lossplug.GateOutput(weight=weight.detach(), active=keep, metrics=metrics)
+    valid = _valid(inp, ratio)
+    return lossplug.GateOutput(
+        weight=weight.detach(),
+        metrics={"reject_frac_low": lambda: _fraction(inp, ratio < low, low <= 1),
+                 "reject_frac_high": lambda: _fraction(inp, ratio > high, high >= 1)},
+        details={**response_stats("ratio", ratio, valid),
+                 "weight_mean": lambda: torch.where(valid, weight, 0).sum() / _count(inp, ratio)},
+        active=lambda: keep,
+    )
+
+
+def _count(inp: lossplug.GateInput, ratio: torch.Tensor) -> torch.Tensor:
+    """The denominator of a mean over the actions (token level) or the non-empty responses (sequence level)."""
+    return torch.count_nonzero(inp.lengths > 0).clamp(min=1) if ratio.ndim == 1 else inp.action_tokens
 
 
 @lossplug.gate("tis", params=TISParams, requires=REQUIRES, role="correction", level="token")
 def tis(inp: lossplug.GateInput, p: TISParams) -> lossplug.GateOutput:
     """TIS (token): detached weight min(ρ_t, cap), ρ_t = π_old/π_behaviour."""
     with torch.no_grad():
-        return _tis(_token_log_ratio(inp, p).exp(), inp.mask, p.cap, inp)
+        return _tis(_token_log_ratio(inp, p).exp(), p.cap, inp)
 
 
 @lossplug.gate("tis_seq", params=TISSequenceParams, requires=REQUIRES, role="correction", level="sequence")
 def tis_seq(inp: lossplug.GateInput, p: TISSequenceParams) -> lossplug.GateOutput:
     """TIS (sequence): detached weight min(ρ_i, cap), ρ_i = Π_t ρ_t (or their geometric mean)."""
     with torch.no_grad():
-        return _tis(_sequence_log_ratio(inp, p).exp(), inp.lengths > 0, p.cap, inp)
+        return _tis(_sequence_log_ratio(inp, p).exp(), p.cap, inp)
 
 
 @lossplug.gate("icepop", params=IcePopParams, requires=REQUIRES, role="correction", level="token")
 def icepop(inp: lossplug.GateInput, p: IcePopParams) -> lossplug.GateOutput:
     """IcePop (token): detached weight ρ_t where low ≤ ρ_t ≤ high, else 0."""
     with torch.no_grad():
-        return _icepop(_token_log_ratio(inp, p).exp(), inp.mask, p.low, p.high, inp)
+        return _icepop(_token_log_ratio(inp, p).exp(), p.low, p.high, inp)
 
 
 @lossplug.gate("icepop_seq", params=IcePopSequenceParams, requires=REQUIRES, role="correction", level="sequence")
 def icepop_seq(inp: lossplug.GateInput, p: IcePopSequenceParams) -> lossplug.GateOutput:
     """IcePop (sequence): detached weight ρ_i where low ≤ ρ_i ≤ high, else 0 (ρ_i = Π_t ρ_t by default)."""
     with torch.no_grad():
-        return _icepop(_sequence_log_ratio(inp, p).exp(), inp.lengths > 0, p.low, p.high, inp)
+        return _icepop(_sequence_log_ratio(inp, p).exp(), p.low, p.high, inp)

@@ -22,7 +22,7 @@ import torch
 from pydantic import Field
 
 import lossplug
-from lossplug.ops import clamp_exact
+from lossplug.ops import clamp_exact, response_stats
 
 
 class DISParams(lossplug.Params):
@@ -35,26 +35,17 @@ class DISParams(lossplug.Params):
 def dis(inp: lossplug.GateInput, p: DISParams) -> lossplug.GateOutput:
     """DIS: sg(where(1−low < ρ < 1+high, ρ, 0))·A·logp with ρ = π_θ/π_behaviour."""
     adv = inp.broadcast_advantage()  # × logp, which is 0 off the actions
-    mask = inp.mask
     with torch.no_grad():
-        log_ratio = clamp_exact(inp.logp.detach() - inp.behavior_logp.detach(), -p.log_ratio_clamp, p.log_ratio_clamp)
+        log_ratio = clamp_exact(inp.logp.detach() - inp.behavior_logp, -p.log_ratio_clamp, p.log_ratio_clamp)
         ratio = log_ratio.exp()
         keep = (ratio > 1 - p.low) & (ratio < 1 + p.high)
         coefficient = torch.where(keep, ratio, torch.zeros_like(ratio))
-    if not inp.metrics:
-        return lossplug.GateOutput(objective=coefficient.detach() * adv * inp.logp)
-    with torch.no_grad():
-        n = inp.lengths.sum().clamp(min=1)
-        # off the actions ρ = exp(0) = 1, strictly inside (1 − low, 1 + high): never counted, no mask pass
-        metrics = {
-            "drop_frac_low": torch.count_nonzero(ratio <= 1 - p.low) / n,
-            "drop_frac_high": torch.count_nonzero(ratio >= 1 + p.high) / n,
-        }
-        if inp.full_metrics:
-            metrics.update({
-                "ratio/mean": torch.where(mask, ratio, 0).sum() / n,
-                "ratio/min": torch.where(mask, ratio, float("inf")).min(),
-                "ratio/max": torch.where(mask, ratio, float("-inf")).max(),
-            })
     objective = coefficient.detach() * adv * inp.logp
-    return lossplug.GateOutput(objective=objective, active=keep if inp.full_metrics else None, metrics=metrics)
+    # off the actions ρ = exp(0) = 1, strictly inside (1 − low, 1 + high): never counted, no mask pass
+    return lossplug.GateOutput(
+        objective=objective,
+        metrics={"drop_frac_low": lambda: inp.token_fraction(ratio <= 1 - p.low, false_off_actions=True),
+                 "drop_frac_high": lambda: inp.token_fraction(ratio >= 1 + p.high, false_off_actions=True)},
+        details=response_stats("ratio", ratio, inp.mask),
+        active=lambda: keep,
+    )

@@ -31,11 +31,13 @@ response gets ``s_i = 1`` (its length is clamped to 1 and its log-ratio sum is 0
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from pydantic import Field
 
 import lossplug
-from lossplug.ops import any_rows, clamp_exact
+from lossplug.ops import any_rows, clamp_exact, response_stats
 
 
 class GSPOParams(lossplug.Params):
@@ -57,80 +59,61 @@ def _sequence_log_ratio(inp: lossplug.GateInput) -> torch.Tensor:
     return log_ratio.sum(-1) / inp.lengths.clamp(min=1).to(log_ratio.dtype)
 
 
-def _clip(seq_ratio_bt: torch.Tensor, adv: torch.Tensor, p: GSPOParams, masks: bool = True):
-    """min(s·A, clip(s)·A) and the token-level cut masks (ratio outside the range on the side A's sign guards;
-    None without ``masks``)."""
-    raw = seq_ratio_bt * adv
-    clipped = seq_ratio_bt.clamp(1 - p.eps_low, 1 + p.eps_high) * adv
-    objective = torch.minimum(raw, clipped)
-    if not masks:
-        return objective, None, None
-    with torch.no_grad():
-        r = seq_ratio_bt.detach()
-        low = (r < 1 - p.eps_low) & (adv < 0)
-        high = (r > 1 + p.eps_high) & (adv > 0)
-    return objective, low, high
+def _clipped(ratio: torch.Tensor, adv: torch.Tensor, p: GSPOParams) -> torch.Tensor:
+    """min(s·A, clip(s, 1 − eps_low, 1 + eps_high)·A)."""
+    return torch.minimum(ratio * adv, ratio.clamp(1 - p.eps_low, 1 + p.eps_high) * adv)
 
 
-def _metrics(inp: lossplug.GateInput, seq_ratio: torch.Tensor, low, high) -> dict[str, torch.Tensor]:
-    """Cut fractions over the action tokens; at ``full`` also the sequence ratio's mean and range over responses.
+def _output(inp: lossplug.GateInput, p: GSPOParams, objective: torch.Tensor, ratio: torch.Tensor,
+            adv: torch.Tensor, seq_ratio: torch.Tensor, per_response: bool) -> lossplug.GateOutput:
+    """The objective with its declared metrics: the cut fractions over the action tokens (a ratio outside the range
+    on the side A's sign guards), at ``full`` also the sequence ratio's mean and range over responses and ``active``.
 
-    ``low``/``high`` are ``[B, 1]`` per response (a ``[B]`` advantage: counted once per action token through the
-    lengths) or ``[B, T]`` with the advantage zero off the actions (never counted there: ``A < 0``/``A > 0`` fail)."""
-    lengths = inp.lengths
-    n = lengths.sum().clamp(min=1)
+    ``ratio``/``adv`` are ``[B, 1]`` per response (counted once per action token through the lengths) or ``[B, T]``
+    with the advantage zero off the actions (never counted there: ``A < 0``/``A > 0`` fail)."""
 
-    def count(cut):
-        return (cut.squeeze(-1) * lengths).sum() if cut.shape[-1] == 1 else torch.count_nonzero(cut)
+    @functools.cache
+    def cut() -> tuple[torch.Tensor, torch.Tensor]:
+        r = ratio.detach()
+        return (r < 1 - p.eps_low) & (adv < 0), (r > 1 + p.eps_high) & (adv > 0)
 
-    metrics = {"clip_frac_low": count(low) / n, "clip_frac_high": count(high) / n}
-    if inp.full_metrics:
-        valid = lengths > 0
-        n_seq = torch.count_nonzero(valid).clamp(min=1)
-        s = seq_ratio.detach()
-        metrics.update({
-            "seq_ratio/mean": torch.where(valid, s, 0).sum() / n_seq,
-            "seq_ratio/min": torch.where(valid, s, float("inf")).min(),
-            "seq_ratio/max": torch.where(valid, s, float("-inf")).max(),
-        })
-    return metrics
+    def active() -> torch.Tensor:
+        low, high = cut()
+        kept = ~(low | high)
+        # a response still carries gradient if any of its action tokens is not cut
+        return any_rows(kept & inp.mask) if per_response else kept
+
+    return lossplug.GateOutput(
+        objective=objective,
+        metrics={"clip_frac_low": lambda: inp.token_fraction(cut()[0], false_off_actions=True),
+                 "clip_frac_high": lambda: inp.token_fraction(cut()[1], false_off_actions=True)},
+        details=response_stats("seq_ratio", seq_ratio.detach(), inp.lengths > 0),
+        active=active,
+    )
 
 
 @lossplug.gate("gspo", params=GSPOParams, requires=("old_logp",), level="sequence")
 def gspo(inp: lossplug.GateInput, p: GSPOParams) -> lossplug.GateOutput:
     """GSPO: min(s·A, clip(s, 1−eps_low, 1+eps_high)·A) with s = exp(mean_t log r_t), clipped per response."""
-    seq_log_ratio = _sequence_log_ratio(inp).clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
-    seq_ratio = seq_log_ratio.exp()
+    seq_ratio = _sequence_log_ratio(inp).clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
+    ratio = seq_ratio.unsqueeze(-1)
     if inp.seq_advantage is not None:
         # a [B] advantage: the objective is one value per response, computed on [B] and broadcast once (the same
         # values on the actions; the pipeline zeroes it off them)
-        objective, low, high = _clip(seq_ratio.unsqueeze(-1), inp.seq_advantage.detach().unsqueeze(-1), p,
-                                     masks=inp.metrics)
-        objective = objective.expand(inp.mask.shape)
+        adv = inp.seq_advantage.unsqueeze(-1)
+        objective = _clipped(ratio, adv, p).expand(inp.mask.shape)
     else:
-        objective, low, high = _clip(seq_ratio.unsqueeze(-1), inp.advantage.detach(), p, masks=inp.metrics)
-    if not inp.metrics:
-        return lossplug.GateOutput(objective=objective)
-    metrics = _metrics(inp, seq_ratio, low, high)
-    if not inp.full_metrics:
-        return lossplug.GateOutput(objective=objective, metrics=metrics)
-    # a response still carries gradient if any of its action tokens is not cut (all or none for a sequence advantage)
-    active = any_rows(~(low | high) & inp.mask)
-    return lossplug.GateOutput(objective=objective, active=active, metrics=metrics)
+        adv = inp.advantage
+        objective = _clipped(ratio, adv, p)
+    return _output(inp, p, objective, ratio, adv, seq_ratio, per_response=True)
 
 
 @lossplug.gate("gspo_token", params=GSPOParams, requires=("old_logp",), level="token")
 def gspo_token(inp: lossplug.GateInput, p: GSPOParams) -> lossplug.GateOutput:
     """GSPO-token: s_t = sg(s)·π_θ/sg(π_θ), clipped like GSPO; each token's gradient flows through its own logp."""
-    adv = inp.advantage.detach()
+    adv = inp.advantage
     seq_log_ratio = _sequence_log_ratio(inp).detach()
     log_ratio = inp.logp - inp.logp.detach() + seq_log_ratio.unsqueeze(-1)
     ratio = clamp_exact(log_ratio, -p.log_ratio_clamp, p.log_ratio_clamp).exp()
-    objective, low, high = _clip(ratio, adv, p, masks=inp.metrics)
-    if not inp.metrics:
-        return lossplug.GateOutput(objective=objective)
     seq_ratio = seq_log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
-    metrics = _metrics(inp, seq_ratio, low, high)
-    if not inp.full_metrics:
-        return lossplug.GateOutput(objective=objective, metrics=metrics)
-    return lossplug.GateOutput(objective=objective, active=~(low | high), metrics=metrics)
+    return _output(inp, p, _clipped(ratio, adv, p), ratio, adv, seq_ratio, per_response=False)

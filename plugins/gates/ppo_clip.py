@@ -16,6 +16,7 @@ log-ratio of ±100 can never produce inf or NaN.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -32,41 +33,34 @@ class PPOClipParams(lossplug.Params):
     log_ratio_clamp: float = Field(20.0, gt=0, description="the log-ratio is clamped to ± this before exp")
 
 
-def _count(hit: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
-    """Tokens where ``hit`` ``[B, T]`` and ``side`` (``[B, T]``, or ``[B, 1]`` per response) both hold."""
-    if side.shape[-1] == 1 and hit.shape[-1] != 1:  # per-row counts, then the rows on that side: one pass fewer
-        return (torch.count_nonzero(hit, -1) * side.squeeze(-1)).sum()
-    return torch.count_nonzero(hit & side)
-
-
 @lossplug.gate("ppo_clip", params=PPOClipParams, requires=("old_logp",))
 def ppo_clip(inp: lossplug.GateInput, p: PPOClipParams) -> lossplug.GateOutput:
     """PPO clip: min(r·A, clip(r, 1−eps_low, 1+eps_high)·A), optional dual-clip max(·, c·A) for A < 0."""
     adv = inp.broadcast_advantage()
     ratio = clamp_exact(inp.update_log_ratio(), -p.log_ratio_clamp, p.log_ratio_clamp).exp()
-    raw = ratio * adv
-    clipped = ratio.clamp(1 - p.eps_low, 1 + p.eps_high) * adv
-    surrogate = objective = torch.minimum(raw, clipped)
+    surrogate = objective = torch.minimum(ratio * adv, ratio.clamp(1 - p.eps_low, 1 + p.eps_high) * adv)
     if p.dual_clip_c is not None:
         bound = p.dual_clip_c * adv
         objective = torch.where(adv < 0, torch.maximum(surrogate, bound), surrogate)
-    if not inp.metrics:  # the hot loop: only the objective
-        return lossplug.GateOutput(objective=objective)
+
     # Off the actions the inputs are cleaned to 0, so r = exp(0) = 1 exactly: never below 1 − eps_low nor above
     # 1 + eps_high, and never past the dual bound (min(A, A) = A > c·A for A < 0) — no token there is counted, and
     # no mask pass is needed.
-    with torch.no_grad():
-        r = ratio.detach()
-        below, above = r < 1 - p.eps_low, r > 1 + p.eps_high
-        negative, positive = adv < 0, adv > 0
-        n = inp.lengths.sum().clamp(min=1)
-        metrics = {"clip_frac_low": _count(below, negative) / n, "clip_frac_high": _count(above, positive) / n}
+    @functools.cache
+    def cut() -> dict[str, torch.Tensor]:
+        hits = {"low": (ratio < 1 - p.eps_low, adv < 0), "high": (ratio > 1 + p.eps_high, adv > 0)}
         if p.dual_clip_c is not None:
-            dual_hit = surrogate.detach() < bound
-            metrics["clip_frac_dual"] = _count(dual_hit, negative) / n
-        if not inp.full_metrics:
-            return lossplug.GateOutput(objective=objective, metrics=metrics)
-        cut = (below & negative) | (above & positive)
-        if p.dual_clip_c is not None:
-            cut = cut | (dual_hit & negative)
-    return lossplug.GateOutput(objective=objective, active=~cut, metrics=metrics)
+            hits["dual"] = (surrogate < bound, adv < 0)
+        return hits
+
+    def fraction(side: str) -> torch.Tensor:
+        return inp.token_fraction(*cut()[side], false_off_actions=True)
+
+    def active() -> torch.Tensor:
+        cuts = [hit & where for hit, where in cut().values()]
+        return ~functools.reduce(torch.logical_or, cuts)
+
+    metrics = {"clip_frac_low": lambda: fraction("low"), "clip_frac_high": lambda: fraction("high")}
+    if p.dual_clip_c is not None:
+        metrics["clip_frac_dual"] = lambda: fraction("dual")
+    return lossplug.GateOutput(objective=objective, metrics=metrics, active=active)

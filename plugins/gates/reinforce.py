@@ -21,4 +21,4 @@ import lossplug
 @lossplug.gate("reinforce")
 def reinforce(inp: lossplug.GateInput, p: lossplug.NoParams) -> lossplug.GateOutput:
     """REINFORCE: A·logp."""
-    return lossplug.GateOutput(objective=inp.broadcast_advantage() * inp.logp, active=inp.mask)
+    return lossplug.GateOutput(objective=inp.broadcast_advantage() * inp.logp, active=lambda: inp.mask)

@@ -26,6 +26,8 @@ Detach/gradient contract: ``old_logp`` and the advantage are constants (explicit
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from pydantic import Field
 
@@ -48,16 +50,21 @@ def sapo(inp: lossplug.GateInput, p: SAPOParams) -> lossplug.GateOutput:
     tau = torch.full(adv.shape, p.tau_neg, dtype=ratio.dtype, device=ratio.device).masked_fill(adv > 0, p.tau_pos)
     # (4/τ)·A is a constant of the update: one [B, 1] (or [B, T]) coefficient, one multiplication carrying gradient
     objective = torch.sigmoid((ratio - 1).mul_(tau)) * ((4 / tau) * adv)  # (in place: one [B, T] buffer fewer)
-    if not inp.full_metrics:  # nothing is cut: the gate's diagnostics are distributions, computed at "full" only
-        return lossplug.GateOutput(objective=objective)
-    mask = inp.mask
-    with torch.no_grad():
+
+    # nothing is cut: the gate's diagnostics are distributions of its gradient gate, at metrics="full" only
+    @functools.cache
+    def gradient_gate() -> torch.Tensor:
         x = tau * (ratio.detach() - 1)
-        gate = 4 * torch.sigmoid(x) * torch.sigmoid(-x)  # sech²(x/2), the gradient gate
-        n = torch.count_nonzero(mask).clamp(min=1)
-        metrics = {
-            "gate_mean": torch.where(mask, gate, 0).sum() / n,
-            "gate_min": torch.where(mask, gate, float("inf")).min(),
-            "soft_frac": torch.count_nonzero(mask & (gate < 0.5)) / n,  # tokens whose gradient is damped by more than half
-        }
-    return lossplug.GateOutput(objective=objective, active=gate > 0, metrics=metrics)
+        return 4 * torch.sigmoid(x) * torch.sigmoid(-x)  # sech²(x/2)
+
+    mask = inp.mask
+    return lossplug.GateOutput(
+        objective=objective,
+        details={
+            "gate_mean": lambda: inp.masked_mean(gradient_gate()),
+            "gate_min": lambda: torch.where(mask, gradient_gate(), float("inf")).min(),
+            # tokens whose gradient is damped by more than half
+            "soft_frac": lambda: inp.token_fraction(gradient_gate() < 0.5),
+        },
+        active=lambda: gradient_gate() > 0,
+    )

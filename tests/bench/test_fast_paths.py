@@ -234,7 +234,6 @@ def test_pipeline_with_and_without_the_bitwise_masking_agree(recipe, metrics, mo
 
     def run(minimum):
         monkeypatch.setattr(ops, "ZERO_OFF_MIN", minimum)
-        monkeypatch.setattr(pipeline, "ZERO_OFF_MIN", minimum)
         logp = raw.clone().requires_grad_(True)
         res = lossplug.policy_loss(_batch(logp, mask, old, adv, behavior), recipe, validate="off", metrics=metrics)
         res.loss.backward()

@@ -55,7 +55,7 @@ def test_seed_ppo_example_objective_and_gradient_signs():
     logp = (ratio.log() - 1).unsqueeze(-1).requires_grad_()
     batch = PolicyBatch(logp=logp, old_logp=torch.full((4, 1), -1.0), action_mask=torch.ones(4, 1, dtype=torch.bool),
                         advantage=torch.tensor([1.0, 1.0, -1.0, -1.0]))
-    result = policy_loss(batch, recipe_for("response"))
+    result = policy_loss(batch, recipe_for("response"), metrics="full")
     # response mean of one-token responses = mean of the objectives [1.2, .7, -1.3, -.8]
     assert -result.loss.item() == pytest.approx((1.2 + 0.7 - 1.3 - 0.8) / 4)
     result.loss.backward()
@@ -169,13 +169,18 @@ def test_masked_nan_never_reaches_loss_or_gradient():
     assert all(math.isfinite(v) for v in result.metrics.values())
 
 
-def test_low_precision_logprobs_are_computed_in_float32():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_logprobs_are_computed_in_float32(dtype):
     fields = seed_reduction_batch()
-    logp = fields["logp"].to(torch.bfloat16).requires_grad_()
-    result = policy_loss(PolicyBatch(**{**fields, "logp": logp, "old_logp": fields["old_logp"].bfloat16()}), "dapo")
-    assert result.loss.dtype == torch.bfloat16
+    logp = fields["logp"].to(dtype).requires_grad_()
+    result = policy_loss(PolicyBatch(**{**fields, "logp": logp, "old_logp": fields["old_logp"].to(dtype)}), "dapo")
+    # the loss the trainers log is not rounded to the log-probs' precision (verl's own stays float32 too)
+    assert result.loss.dtype == torch.float32
+    exact = policy_loss(PolicyBatch(**{**fields, "logp": logp.detach().float(),
+                                       "old_logp": fields["old_logp"].to(dtype).float()}), "dapo").loss
+    assert result.loss.item() == exact.item()
     result.loss.backward()
-    assert logp.grad.dtype == torch.bfloat16 and torch.isfinite(logp.grad.float()).all()
+    assert logp.grad.dtype == dtype and torch.isfinite(logp.grad.float()).all()
 
 
 def test_metrics_are_lazy_tensors_then_floats():

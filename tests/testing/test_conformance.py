@@ -122,14 +122,17 @@ def no_docs(inp, p):
 
 @lossplug.gate("metric_dependent", requires=("old_logp",))
 def metric_dependent(inp, p):
-    """Scales its objective by the clip fraction it only computes when metrics are on."""
+    """r·A, with a clip-fraction metric that rescales, in place, the advantage the gradient is computed from."""
     ratio = (inp.logp - inp.old_logp.detach()).exp()
-    objective = ratio * inp.advantage.detach()
-    if not inp.metrics:
-        return lossplug.GateOutput(objective=objective)
-    with torch.no_grad():
+    adv = inp.advantage.clone()
+    objective = ratio * adv
+
+    def clip_frac():
         frac = torch.count_nonzero((ratio > 1.2) & inp.mask) / inp.mask.sum()
-    return lossplug.GateOutput(objective=objective * (1 - frac), metrics={"clip_frac": frac})
+        adv.mul_(1 - frac)  # a side effect: the metric level now changes the loss step
+        return frac
+
+    return lossplug.GateOutput(objective=objective, metrics={"clip_frac": clip_frac})
 
 
 @lossplug.reduction("local_token_mean")
@@ -166,7 +169,7 @@ BROKEN = [
     (undeclared_field, {}, {"requires_declared": "declare every optional"}),
     (graph_metric, {}, {"detached": "objective_mean carry gradient"}),
     (no_docs, {"eps": 0.1}, {"docstring": "no docstring", "params_schema": "eps have no default"}),
-    (metric_dependent, {}, {"metric_levels": "must not depend on inp.metrics"}),
+    (metric_dependent, {}, {"metric_levels": "must not depend on the metric level"}),
     (local_token_mean, {}, {"microbatch_split": "add up to"}),
     (negated_token_mean, {}, {"positive_weights": "sign is flipped"}),
     (adjacent_groups, {}, {"row_permutation": "group_id, never from row order"}),

@@ -26,17 +26,16 @@ class TanhClipParams(lossplug.Params):
 @lossplug.gate("tanh_clip", params=TanhClipParams, requires=("old_logp",))
 def tanh_clip(inp: lossplug.GateInput, p: TanhClipParams) -> lossplug.GateOutput:
     """tanh_clip: A·min(r, 1+ε·tanh((r−1)/ε)) for A ≥ 0, A·max(r, 1−ε·tanh((1−r)/ε)) for A < 0."""
-    adv = inp.advantage.detach()
-    ratio = (inp.logp - inp.old_logp.detach()).clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
+    adv = inp.advantage
+    ratio = inp.update_log_ratio().clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
     high = 1 + p.eps_high * torch.tanh((ratio - 1) / p.eps_high)
     low = 1 - p.eps_low * torch.tanh((1 - ratio) / p.eps_low)
     objective = adv * torch.where(adv >= 0, torch.minimum(ratio, high), torch.maximum(ratio, low))
-    if not inp.metrics:
-        return lossplug.GateOutput(objective=objective)
-    with torch.no_grad():
-        saturating = torch.where(adv >= 0, ratio > 1 + p.eps_high, ratio < 1 - p.eps_low) & inp.mask
-        metrics = {"saturated_frac": saturating.sum() / inp.mask.sum().clamp(min=1)}
-    return lossplug.GateOutput(objective=objective, active=inp.mask, metrics=metrics)
+
+    def saturated_frac():  # declared, not computed: the pipeline calls it only when metrics are asked for
+        return inp.token_fraction(torch.where(adv >= 0, ratio > 1 + p.eps_high, ratio < 1 - p.eps_low))
+
+    return lossplug.GateOutput(objective=objective, metrics={"saturated_frac": saturated_frac})
 
 
 @lossplug.hookimpl

@@ -37,9 +37,8 @@ def test_coefficient_carries_no_gradient():
     logp = torch.tensor([[-1.7, -1.0, -0.3]], requires_grad=True)
     old = torch.full((1, 3), -1.0, requires_grad=True)
     mask = torch.ones(1, 3, dtype=torch.bool)
-    batch = lossplug.PolicyBatch.unchecked(logp=logp, action_mask=mask)
-    inp = lossplug.GateInput(logp=logp, mask=mask, advantage=torch.ones(1, 3), lengths=mask.sum(-1),
-                             old_logp=old, behavior_logp=None, ref_logp=None, batch=batch)
+    batch = lossplug.PolicyBatch.unchecked(logp=logp, action_mask=mask, old_logp=old, advantage=torch.ones(1, 3))
+    inp = lossplug.GateInput.from_batch(batch)
     out = plugin(inp, params)
     (g,) = torch.autograd.grad(out.objective.sum(), logp, create_graph=True)
     assert not g.requires_grad

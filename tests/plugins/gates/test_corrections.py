@@ -15,7 +15,7 @@ def run(gates: list, *, logp, old_logp, behavior_logp, advantage, reduction="seq
     mask = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask
     batch = lossplug.PolicyBatch(logp=logp, old_logp=old_logp, behavior_logp=behavior_logp, advantage=advantage,
                                  action_mask=mask)
-    result = lossplug.policy_loss(batch, {"gates": gates, "reduction": {"name": reduction}})
+    result = lossplug.policy_loss(batch, {"gates": gates, "reduction": {"name": reduction}}, metrics="full")
     result.loss.backward()
     return result, logp.grad
 
@@ -53,9 +53,8 @@ def test_icepop_accepts_inside_inclusive_bounds():
 def gate_input(old, behavior, mask=None):
     logp = torch.full_like(old, -1.0, requires_grad=True)
     mask = torch.ones_like(old, dtype=torch.bool) if mask is None else mask
-    return lossplug.GateInput(logp=logp, mask=mask, advantage=torch.ones_like(old), lengths=mask.sum(-1),
-                              old_logp=old, behavior_logp=behavior, ref_logp=None,
-                              batch=lossplug.PolicyBatch.unchecked(logp=logp, action_mask=mask))
+    return lossplug.GateInput.from_batch(lossplug.PolicyBatch.unchecked(
+        logp=logp, action_mask=mask, advantage=torch.ones_like(old), old_logp=old, behavior_logp=behavior))
 
 
 @pytest.mark.parametrize("name", ["tis", "tis_seq", "icepop", "icepop_seq"])

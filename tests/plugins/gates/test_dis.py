@@ -18,7 +18,7 @@ def test_seed_double_sided_gate():
                                  action_mask=torch.ones(1, 5, dtype=torch.bool))
     # one response under sequence_sum: loss = −Σ_t coefficient_t·logp_t, the seed's loss
     result = lossplug.policy_loss(batch, {"gates": [{"name": "dis", "low": .2, "high": .28}],
-                                          "reduction": "sequence_sum"})
+                                          "reduction": "sequence_sum"}, metrics="full")
     result.loss.backward()
     observed = (logp.detach() - behavior).exp()
     keep = (observed > .8) & (observed < 1.28)
@@ -52,9 +52,8 @@ def test_coefficient_is_detached():
     logp = torch.tensor([[-1.0, -0.9, -3.0]], requires_grad=True)
     behavior = torch.full((1, 3), -1.0, requires_grad=True)
     mask = torch.ones(1, 3, dtype=torch.bool)
-    inp = lossplug.GateInput(logp=logp, mask=mask, advantage=torch.ones(1, 3), lengths=mask.sum(-1), old_logp=None,
-                             behavior_logp=behavior, ref_logp=None,
-                             batch=lossplug.PolicyBatch.unchecked(logp=logp, action_mask=mask))
+    inp = lossplug.GateInput.from_batch(lossplug.PolicyBatch.unchecked(
+        logp=logp, action_mask=mask, advantage=torch.ones(1, 3), behavior_logp=behavior))
     out = plugin(inp, plugin.params())
     (g,) = torch.autograd.grad(out.objective.sum(), logp, create_graph=True)
     assert not g.requires_grad  # the coefficient is a constant: the gradient does not depend on logp

@@ -143,21 +143,17 @@ def test_zero_advantage_gives_zero_gradient(name, case):
 
 
 def gate_input(fields: dict, *, inputs_require_grad: bool):
-    """The GateInput the pipeline would build, with the non-logp log-probs requiring grad if asked."""
-    mask = fields["action_mask"]
-    logp = torch.where(mask, fields["logp"], 0).requires_grad_()
-
-    def clean(t):
-        t = torch.where(mask, t, 0)
+    """The GateInput the pipeline builds, from a batch whose other log-probs and advantage are leaves that require
+    grad if asked (a caller who passed ``old_logp=logp`` without ``.detach()``)."""
+    def leaf(t):
+        t = t.detach().clone()
         return t.requires_grad_() if inputs_require_grad else t
 
-    adv = fields["advantage"]
-    adv = adv.unsqueeze(-1).expand_as(logp) if adv.ndim == 1 else adv
-    inp = lossplug.GateInput(logp=logp, mask=mask, advantage=torch.where(mask, adv, 0), lengths=mask.sum(-1),
-                             old_logp=clean(fields["old_logp"]), behavior_logp=clean(fields["behavior_logp"]),
-                             ref_logp=clean(fields["ref_logp"]),
-                             batch=lossplug.PolicyBatch.unchecked(logp=fields["logp"], action_mask=mask))
-    return inp
+    batch = lossplug.PolicyBatch.unchecked(
+        logp=fields["logp"].detach().clone().requires_grad_(), action_mask=fields["action_mask"],
+        advantage=leaf(fields["advantage"]), old_logp=leaf(fields["old_logp"]),
+        behavior_logp=leaf(fields["behavior_logp"]), ref_logp=leaf(fields["ref_logp"]))
+    return lossplug.GateInput.from_batch(batch)
 
 
 @pytest.mark.parametrize("name", GATES)
@@ -184,8 +180,8 @@ def test_gradient_flows_only_through_logp(name, case):
     inp = gate_input(case.tensors(), inputs_require_grad=True)
     out = p(inp, p.params())
     value = out.objective if p.role == "update" else out.weight
-    others = [inp.old_logp, inp.behavior_logp, inp.ref_logp]
-    grads = torch.autograd.grad(value.sum(), others, allow_unused=True) if value.requires_grad else [None] * 3
+    others = [inp.batch.old_logp, inp.batch.behavior_logp, inp.batch.ref_logp, inp.batch.advantage]
+    grads = torch.autograd.grad(value.sum(), others, allow_unused=True) if value.requires_grad else [None] * 4
     for gr in grads:
         assert gr is None or (gr == 0).all()
 

@@ -19,7 +19,7 @@ def run(rec, *, logp, validate="full", unchecked=False, **fields):
     logp = logp.clone().requires_grad_()
     make = lossplug.PolicyBatch.unchecked if unchecked else lossplug.PolicyBatch
     batch = make(logp=logp, **fields)
-    result = lossplug.policy_loss(batch, rec, validate=validate)
+    result = lossplug.policy_loss(batch, rec, validate=validate, metrics="full")
     result.loss.backward()
     return result, logp.grad
 

@@ -144,7 +144,13 @@ def test_sapo_reports_its_gate_diagnostics_only_at_full():
     fields, *_ = batch_and_ratios(6, 10, token_advantage=False)
     batch = PolicyBatch(**fields)
     assert not [k for k in policy_loss(batch, "sapo", metrics="basic").metrics if k.startswith("sapo/")]
-    assert {"sapo/gate_mean", "sapo/gate_min", "sapo/soft_frac"} <= set(policy_loss(batch, "sapo").metrics)
+    assert {"sapo/gate_mean", "sapo/gate_min", "sapo/soft_frac"} <= set(policy_loss(batch, "sapo", metrics="full").metrics)
+
+
+def test_basic_is_the_default_level():
+    fields, *_ = batch_and_ratios(6, 10, token_advantage=False)
+    batch = PolicyBatch(**fields)
+    assert policy_loss(batch, "dapo").metrics == policy_loss(batch, "dapo", metrics="basic").metrics
 
 
 def test_extra_metric_hooks_run_at_basic(fresh_registry):
