@@ -221,12 +221,6 @@ def _usable_ids(group_id) -> bool:
             and not group_id.dtype.is_floating_point and not group_id.is_complex())
 
 
-def _group_sizes(group_id):
-    import torch
-
-    return torch.unique(group_id, return_counts=True)
-
-
 def name_values(values: list, shown: int = SHOWN_GROUPS) -> str:
     """``"3, 7, 9"``, or the first ``shown`` and how many more: a warning must stay one readable line."""
     head = ", ".join(str(v) for v in values[:shown])
@@ -242,11 +236,13 @@ def singleton_group_warning(group_id, plugin, params=None) -> Optional[BatchWarn
     forward and backward pass and teaches nothing. Estimators that refuse small groups (``min_group_size ≥ 2``, as
     ``rloo``) report a violation instead; estimators that do not read ``group_id`` never see groups.
     """
+    import torch
+
     from lossplug.needs import required_fields
 
     if plugin.min_group_size >= 2 or "group_id" not in required_fields(plugin, params):
         return None
-    ids, counts = _group_sizes(group_id)
+    ids, counts = torch.unique(group_id, return_counts=True)
     lone = ids[counts == 1].tolist()
     if not lone:
         return None
