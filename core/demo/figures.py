@@ -17,6 +17,8 @@ from .gate_metrics import GateFraction, gate_fractions
 FRACTION_AXIS_FLOOR = 0.01
 #: room above the largest fraction, as a share of it
 FRACTION_AXIS_MARGIN = 0.15
+#: the top share of the gate panel kept free of lines for its legend (the shares kept, near 1, would run under it)
+LEGEND_ROOM = 0.3
 _SIDE_STYLES = {"high": "-", "low": "--"}
 _OTHER_SIDE_STYLE = "-."
 _UNSIDED_STYLE = "-"
@@ -67,7 +69,8 @@ def _line_style(fraction: GateFraction) -> str:
 
 
 def _gate_panel(ax, rows: list[dict[str, Any]], gates: Optional[Sequence[str]], legend_size: int) -> None:
-    """Cut fractions on ``ax`` (fitted y-axis), shares kept on a twin axis (0–1), one legend for both."""
+    """Cut fractions on ``ax`` (y-axis fitted to them), shares kept on a twin axis (0–1), one legend for both in
+    the room left free above the lines."""
     fractions = gate_fractions({k for r in rows for k in r}, gates)
     cut = [f for f in fractions if not f.kept]
     kept = [f for f in fractions if f.kept]
@@ -77,7 +80,8 @@ def _gate_panel(ax, rows: list[dict[str, Any]], gates: Optional[Sequence[str]], 
         ax.plot(gx, gy, color=_CUT_COLORS[i % len(_CUT_COLORS)], ls=_line_style(f), lw=1.6,
                 label=f"{f.gate}/{f.metric}")
         plotted += gy
-    ax.set_ylim(*fraction_axis_limits(plotted))
+    bottom, top = fraction_axis_limits(plotted)
+    ax.set_ylim(bottom, bottom + (top - bottom) / (1 - LEGEND_ROOM))
     ax.set_ylabel("fraction of action tokens cut")
 
     rates = ax.twinx()
@@ -95,13 +99,17 @@ def _gate_panel(ax, rows: list[dict[str, Any]], gates: Optional[Sequence[str]], 
         for f in kept:
             gx, gy = _series(rows, f.key)
             rates.plot(gx, gy, lw=1.0, ls=":", label=f"{f.gate}/{f.metric}")
-    rates.set_ylim(-0.02, 1.05)
+    rates.set_ylim(-0.02, -0.02 + 1.07 / (1 - LEGEND_ROOM))
+    rates.set_yticks([0.0, 0.25, 0.5, 0.75, 1.0])
     rates.set_ylabel("share kept (effective rate, gate weight)")
 
     handles, labels = ax.get_legend_handles_labels()
     more_handles, more_labels = rates.get_legend_handles_labels()
     if handles or more_handles:
-        ax.legend(handles + more_handles, labels + more_labels, fontsize=legend_size, loc="best")
+        # the twin axis is drawn above ``ax``; raising ``ax`` keeps the legend above the lines of both
+        ax.set_zorder(rates.get_zorder() + 1)
+        ax.patch.set_visible(False)
+        ax.legend(handles + more_handles, labels + more_labels, fontsize=legend_size, loc="upper center", ncol=2)
 
 
 def run_figure(rows: list[dict[str, Any]], title: str = "lossplug demo", gates: Optional[Sequence[str]] = None):
