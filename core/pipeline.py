@@ -141,9 +141,9 @@ def _check(batch, compiled: CompiledRecipe, violations: list[Violation]) -> None
     if not batch.validated:
         batch.check()
     if compiled.has_validators:
-        for plugin, found in _call_hook("lossplug_validate_batch", batch=batch, recipe=compiled.recipe):
+        for origin, found in _registry.call_hook("lossplug_validate_batch", batch=batch, recipe=compiled.recipe):
             if not isinstance(found, (list, tuple)) or not all(isinstance(v, Violation) for v in found):
-                raise PluginError(f"{_hook_origin(plugin)}: lossplug_validate_batch must return a list of "
+                raise PluginError(f"{origin}: lossplug_validate_batch must return a list of "
                                   f"lossplug.Violation or None, got {_describe_value(found)}")
             violations.extend(found)
     if violations:
@@ -181,43 +181,6 @@ def _run(stage: Stage, validate: str, *args):
         raise
     except Exception as err:
         raise _plugin_failed(stage, err, validate) from err
-
-
-def _hook_origin(plugin_name: str) -> str:
-    """Where the plugin behind a hook implementation came from: the entry point and its distribution, or the name
-    given to ``register_plugin`` (only computed on the error path)."""
-    if plugin_name.startswith("entrypoint:"):
-        import importlib.metadata as md
-
-        ep_name = plugin_name.split(":", 1)[1]
-        for ep in md.entry_points(group=_registry.ENTRY_POINT_GROUP):
-            if ep.name == ep_name:
-                return (f"{_registry._describe(ep)} (leave it out with the {_registry.ALLOW_ENV} allow-list, or "
-                        f"uninstall it)")
-    if plugin_name == "lossplug.builtin":
-        return _registry.BUILTIN_SOURCE
-    return f"in-process plugin '{plugin_name}'"
-
-
-def _call_hook(name: str, **kwargs) -> list[tuple[str, object]]:
-    """``(origin, result)`` of every non-None result of a per-batch hook, in pluggy's call order.
-
-    The implementations are called one by one (like pluggy's own loop) so that an exception or a malformed result
-    is blamed on the plugin that produced it.
-    """
-    results = []
-    for impl in reversed(getattr(_registry.plugin_manager().hook, name).get_hookimpls()):
-        if impl.hookwrapper or getattr(impl, "wrapper", False):
-            raise PluginError(f"{_hook_origin(impl.plugin_name)}: {name} does not support hook wrappers")
-        try:
-            result = impl.function(*[kwargs[arg] for arg in impl.argnames])
-        except _PASS_THROUGH:
-            raise
-        except Exception as err:
-            raise PluginError(f"{_hook_origin(impl.plugin_name)}: {name} raised {type(err).__name__}: {err}") from err
-        if result is not None:
-            results.append((impl.plugin_name, result))
-    return results
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -356,10 +319,10 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
             if level == "full":
                 _full_metrics(inp, outputs, objective, metric_tensors, validate)
             if compiled.has_metric_hooks:
-                for plugin, extra in _call_hook("lossplug_extra_metrics", batch=batch, objective=objective.detach(),
-                                                recipe=compiled.recipe):
+                for origin, extra in _registry.call_hook("lossplug_extra_metrics", batch=batch,
+                                                         objective=objective.detach(), recipe=compiled.recipe):
                     if not isinstance(extra, dict):
-                        raise PluginError(f"{_hook_origin(plugin)}: lossplug_extra_metrics must return a dict of metric name → 0-d "
+                        raise PluginError(f"{origin}: lossplug_extra_metrics must return a dict of metric name → 0-d "
                                           f"tensor or None, got {_describe_value(extra)}")
                     metric_tensors.update(extra)
     return LossResult.model_construct(loss=loss, metric_tensors=metric_tensors)

@@ -220,8 +220,10 @@ class GateInput:
 
 
 def _layout(t: Tensor) -> tuple:
-    """Same key ⇔ same elements: same memory, shape, strides and dtype (a detached view of a tensor included)."""
-    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device
+    """Same key ⇔ same elements: same memory, shape, strides and dtype (a detached view of a tensor included). A
+    tensor without memory (the meta device, no elements) has address 0: it is only ever equal to itself."""
+    address = t.data_ptr()
+    return (address if address else id(t)), tuple(t.shape), t.stride(), t.dtype, t.device
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 import lossplug
 from lossplug.contracts import (BatchValidationError, LossplugError, Normalizer, PackedTransitions, PolicyBatch, Recipe,
                                 RecipeError)
+from lossplug.needs import required_fields
 from lossplug.plugin import (AdvantagePlugin, GateInput, GateOutput, GatePlugin, Params, Population, ReductionPlugin,
                              evaluate)
 
@@ -144,13 +145,7 @@ class Subject:
     @property
     def requires(self) -> tuple[str, ...]:
         """The batch fields the plugin reads with the parameters under test."""
-        return _required_fields(self.plugin, self.param_model())
-
-
-def _required_fields(plugin, params: Params) -> tuple[str, ...]:
-    if hasattr(plugin, "required_fields"):
-        return tuple(plugin.required_fields(params))
-    return tuple(getattr(plugin, "requires", ()))
+        return required_fields(self.plugin, self.param_model())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -422,7 +417,7 @@ def _requires_declared(s: Subject) -> None:
         keep.add("advantage")
         if s.role == "correction":
             ref = lossplug.registry().plugins["gate"][reference_update_gate()]
-            keep |= set(_required_fields(ref, ref.params()))
+            keep |= set(required_fields(ref))
     elif s.plugin.min_group_size > 0:
         keep.add("group_id")
     minimal = {k: v for k, v in full.items() if k in keep}
