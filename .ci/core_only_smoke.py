@@ -45,26 +45,32 @@ def check_extras_absent() -> None:
 def import_every_module() -> None:
     import lossplug
 
-    skipped, failures = [], []
-    names = ["lossplug"]
-
-    def on_error(name: str) -> None:  # a package whose __init__ fails: report it like a module
-        failures.append(f"{name}: {sys.exc_info()[1]!r}")
-
-    names += [m.name for m in pkgutil.walk_packages(lossplug.__path__, "lossplug.", onerror=on_error)]
-    for name in names:
+    skipped, failures, done = [], [], set()
+    pending = ["lossplug"]
+    while pending:
+        name = pending.pop()
+        if name in done:
+            continue
+        done.add(name)
         try:
-            importlib.import_module(name)
+            module = importlib.import_module(name)
         except ModuleNotFoundError as err:
             extra, provides = OPTIONAL.get(name, ("", set()))
             if (err.name or "").split(".")[0] in provides:
                 skipped.append(f"{name} (needs {extra})")
             else:
                 failures.append(f"{name}: {err!r}")
+            continue
         except Exception as err:  # any other import-time error is a failure too
             failures.append(f"{name}: {err!r}")
+            continue
+        if hasattr(module, "__path__"):
+            pending += [m.name for m in pkgutil.iter_modules(module.__path__, name + ".")]
+        if not pending:  # a subpackage mapped from another folder (an editable install) is found once imported
+            pending = sorted(n for n in sys.modules if n.startswith("lossplug.") and n not in done)
     assert not failures, "modules that do not import with only the core dependencies:\n  " + "\n  ".join(failures)
-    print(f"imported {len(names) - len(skipped)} modules; optional, skipped: {', '.join(skipped) or 'none'}")
+    print(f"imported {len(done) - len(skipped)} modules of {lossplug.__name__}; optional, skipped: "
+          f"{', '.join(sorted(skipped)) or 'none'}")
 
 
 def batch(torch, lossplug):
