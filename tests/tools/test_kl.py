@@ -182,6 +182,31 @@ def test_proportional_controller_matches_verl(verl_algos):
         assert ours.value == pytest.approx(float(theirs.value), rel=1e-12)
 
 
+def test_proportional_controller_is_exactly_the_numpy_formula():
+    # the controller clips with min/max (numpy is no dependency): bit-identical to verl's np.clip form, clip edges
+    # and a multiplier that stays a float included
+    for d in (0.0, 4.8, 4.8 + 1e-15, 6.0, 7.2, 7.2 - 1e-15, 7.2 + 1e-15, 1e-300, 3.0, 9.0, 1e6):
+        for n in (0, 1, 37, 4999):  # 5000 steps at the lower clip would zero the coefficient (refused)
+            ours = ProportionalKLController(init_kl_coef=0.2, target_kl=6.0, horizon=1000)
+            expected = float(0.2 * (1 + np.clip(d / 6.0 - 1, -0.2, 0.2) * n / 1000))
+            assert ours.update(d, n) == expected
+            assert type(ours.value) is float
+
+
+@pytest.mark.parametrize("kl", [np.float64(0.5), np.float32(0.5), np.int64(0), np.float16(2.0)])
+def test_controllers_take_numpy_scalars(kl):
+    for ours in (ProportionalKLController(0.2, 6.0, horizon=1000), AdaptiveKLController(0.2, 0.5)):
+        plain = type(ours)(*((0.2, 6.0, 1000) if isinstance(ours, ProportionalKLController) else (0.2, 0.5)))
+        assert ours.update(kl, 10) == plain.update(kl.item(), 10)
+
+
+def test_controllers_refuse_numpy_arrays_and_bools_like_before():
+    with pytest.raises(LossplugError, match="current_kl: must be a number, got ndarray"):
+        AdaptiveKLController(0.2, 0.5).update(np.array(0.5))
+    with pytest.raises(LossplugError, match="current_kl: must be a number, got bool"):
+        AdaptiveKLController(0.2, 0.5).update(np.bool_(True))
+
+
 def test_fixed_controller_matches_verl(verl_algos):
     ours, theirs = FixedKLController(0.05), verl_algos.FixedKLController(0.05)
     ours.update(3.0, 10)
