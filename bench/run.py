@@ -141,7 +141,7 @@ def table(results: dict) -> str:
                         f"loss step {_fmt_s(r['step_off']['median_s'])} | "
                         f"**{100 * r['fraction_of_step']:.0f}%** of the step ({100 * r['fraction_of_step_no_metrics']:.0f}% "
                         f"without metrics, {100 * r['fraction_of_native_step']:.0f}% of native; first check "
-                        f"{100 * r['first_fraction_of_step']:.0f}%) | ≤ 10% | "
+                        f"{100 * r['first_fraction_of_step']:.0f}%) | ≤ 5% | "
                         f"{'yes' if r['met'] else 'no'} |")
         elif item == "trl_e2e":
             rows.append(f"| 5 | TRL train step ({r['loss_type']}) | {r['size_batch']} compl. × {r['size_completion']} "

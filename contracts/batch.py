@@ -86,32 +86,12 @@ def _token_value_rules(checks: Checks, name: str, t: Tensor, mask: Tensor, logpr
     """``t`` finite on action positions (and, for log-probs, ``<= LOGP_TOLERANCE``), cheaply: one ``aminmax`` pass
     over the whole tensor — or over its base, once per version (see :class:`_CheckedTensors`); NaN propagates into
     both ends. Only if that fails — non-action positions may hold anything — are the action positions selected and
-    tested, and only if that fails too are the offending positions computed."""
-    if t.numel() == 0:
-        return
-    whole = _base_of(t)
-    known = _CHECKED.get(whole)
-    if known is not None and known[0] and (known[1] or not logprob):
-        return  # every element of the base passed: so does every slice, whatever its mask
+    tested, and only if that fails too are the offending positions computed.
 
-    host = checks_module.on_host(t)  # the reductions' values are on the host already: Python tests, no kernels
-
-    def extremes(x: Tensor):
-        if not logprob and x.element_size() >= 4:  # finiteness alone: the sum (any NaN or inf reaches it)
-            total = x.sum()
-            if host:
-                return math.isfinite(total.item()), True
-            return torch.isfinite(total), torch.ones((), dtype=torch.bool, device=x.device)
-        low, high = torch.aminmax(x)
-        if host:
-            low, high = low.item(), high.item()  # NaN fails both comparisons
-            return low > -math.inf, (high <= LOGP_TOLERANCE) if logprob else (high < math.inf)
-        return low > float("-inf"), (high <= LOGP_TOLERANCE) if logprob else (high < float("inf"))
+    A tensor that carries gradient (``logp``: the model's output of this forward pass) is read every time and never
+    remembered — no later check will see it again."""
 
     def find() -> list[Violation]:
-        finite, below = extremes(torch.where(mask, t, 0))
-        if bool(finite) and bool(below):  # the failing values are all at non-action positions
-            return []
         found = []
         bad = mask & ~torch.isfinite(t)
         if bool(bad.any()):
@@ -123,12 +103,127 @@ def _token_value_rules(checks: Checks, name: str, t: Tensor, mask: Tensor, logpr
                                              f"positions", describe_positions(big, noun="rows")))
         return found
 
-    if known is not None:  # the base failed as a whole (garbage off the actions): check this slice on its own
-        whole = t
-    finite, below = extremes(whole)
-    # the outcome is remembered for `whole` once the contract's single host sync has resolved it
-    checks.when_flag(not (finite and below) if host else ~(finite & below), find,
-                     resolved=lambda failed, whole=whole: _CHECKED.put(whole, not failed, not failed and logprob))
+    if checks_module.on_host(t):  # the reductions' values are on the host already: Python tests, no flag kernels
+        if not _values_pass_on_host(t, mask, logprob):
+            checks.when_flag(True, find)
+        return
+    # on an accelerator the flags are resolved (and remembered) with the contract's single host synchronisation
+    if t.numel() == 0:
+        return
+    fresh = t.requires_grad
+    whole = t if fresh else _base_of(t)
+    known = None if fresh else _CHECKED.get(whole)
+    if known is not None:
+        if known[0] and (known[1] or not logprob):
+            return  # every element of the base passed: so does every slice, whatever its mask
+        whole = t  # the base failed as a whole (garbage off the actions): check this slice on its own
+
+    def find_on_actions() -> list[Violation]:
+        finite, below = _extremes(torch.where(mask, t, 0), logprob, False)
+        return find() if not (bool(finite) and bool(below)) else []  # failures all off the actions: allowed
+
+    finite, below = _extremes(whole, logprob, False)
+    checks.when_flag(~(finite & below), find_on_actions, resolved=None if fresh else (
+        lambda failed, whole=whole: _CHECKED.put(whole, not failed, not failed and logprob)))
+
+
+def _values_pass_on_host(t: Tensor, mask: Tensor, logprob: bool) -> bool:
+    """The quick test of :func:`_token_value_rules` on the CPU, reading what it reads: True if ``t`` passes on the
+    action positions; False means the full rule must run and name the positions."""
+    if t.numel() == 0:
+        return True
+    fresh = t.requires_grad  # this forward's logp: read every time, never remembered
+    whole = t if fresh else _base_of(t)
+    known = None if fresh else _CHECKED.get(whole)
+    if known is not None:
+        if known[0] and (known[1] or not logprob):
+            return True
+        whole = t  # the base failed as a whole: this slice on its own
+    finite, below = _extremes(whole, logprob, True)
+    if not fresh:
+        _CHECKED.put(whole, finite, finite and below and logprob)
+    if finite and below:
+        return True
+    finite, below = _extremes(torch.where(mask, t, 0), logprob, True)  # garbage off the actions is allowed
+    return finite and below
+
+
+def _finite_on_host(t: Tensor) -> bool:
+    """The quick test of :func:`_finite_rule` on the CPU (a per-response float field)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return False  # the full rule reports
+    whole = _base_of(t)
+    known = _CHECKED.get(whole)
+    if known is not None:
+        if known[0]:
+            return True
+        whole = t  # the base is not finite everywhere: this slice on its own
+    finite = math.isfinite(whole.sum(dtype=torch.float64 if whole.element_size() < 4 else whole.dtype).item())
+    _CHECKED.put(whole, finite, False)
+    return finite
+
+
+def _rows_act_on_host(mask: Tensor) -> bool:
+    """Every row of the CPU bool ``mask`` has an action: read once per step — a micro-batch that is a range of rows of
+    a mask whose every row passed (same version) passes without a pass over it."""
+    whole = _rows_of(mask)
+    known = _CHECKED.get(whole)
+    if known is not None:
+        if known[0]:
+            return True
+        whole = mask  # the step's mask has empty rows somewhere: this micro-batch on its own
+    ok = whole.view(torch.uint8).amax(-1).amin().item() != 0
+    _CHECKED.put(whole, ok, False)
+    return ok
+
+
+def _extremes(x: Tensor, logprob: bool, host: bool):
+    """``(finite, at_most_tolerance)`` of every element of ``x``: Python bools on the host, else 0-d flags."""
+    if not logprob and x.element_size() >= 4:  # finiteness alone: the sum (any NaN or inf reaches it)
+        total = x.sum()
+        if host:
+            return math.isfinite(total.item()), True
+        return torch.isfinite(total), torch.ones((), dtype=torch.bool, device=x.device)
+    low, high = torch.aminmax(x.detach())
+    if host:
+        low, high = low.item(), high.item()  # NaN fails both comparisons
+        return low > -math.inf, (high <= LOGP_TOLERANCE) if logprob else (high < math.inf)
+    return low > float("-inf"), (high <= LOGP_TOLERANCE) if logprob else (high < float("inf"))
+
+
+def _rows_of(t: Tensor) -> Tensor:
+    """The tensor whose per-row outcome covers ``t``'s rows: its base when ``t`` is a range of the base's rows (a
+    micro-batch sliced from the step's batch: same row layout), else ``t`` itself."""
+    base = t._base
+    if (base is None or base.dtype != t.dtype or base.ndim != t.ndim or base.shape[1:] != t.shape[1:]
+            or base.stride() != t.stride() or base.numel() > _CheckedTensors.BASE_READ_LIMIT * max(t.numel(), 1)):
+        return t
+    return base
+
+
+def _every_row_acts(checks: Checks, mask: Tensor) -> None:
+    """Every response has at least one action token: the least number of actions of any row is > 0 (through the
+    ``uint8`` view: the CPU vectorises its max). On the CPU a step's mask is read once (:func:`_rows_act_on_host`)."""
+    if checks_module.on_host(mask):
+        if not _rows_act_on_host(mask):
+            checks.when_flag(True, lambda: _empty_rows_of(mask))
+        return
+    checks.when_flag(mask.view(torch.uint8).amax(-1).amin() == 0, lambda: _empty_rows_of(mask))
+
+
+def _empty_rows_of(mask: Tensor) -> list[Violation]:
+    bad = ~any_of(mask, -1)
+    if not bool(bad.any()):
+        return []
+    return [Violation("action_mask", "every response needs at least one action token",
+                      describe_positions(bad, noun="rows"))]
+
+
+def _finite_rule(checks: Checks, name: str, t: Tensor) -> None:
+    """A per-response float field (``[B]`` advantage, reward) is finite; on the CPU read once per step like the
+    token fields (:func:`_finite_on_host`)."""
+    if not (checks_module.on_host(t) and _finite_on_host(t)):
+        checks.when_not_finite(t, name)
 
 
 class _TensorModel(BaseModel):
@@ -137,9 +232,33 @@ class _TensorModel(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
     _validated: bool = PrivateAttr(default=False)
 
+    def __init__(self, /, **data: Any) -> None:
+        # A contract is built once per micro-batch in a trainer's hot loop. pydantic's own validation would only
+        # repeat the type checks of _tensors_only (every field a tensor or None) at several µs: the fields are set
+        # as model_construct sets them and the contract runs right after, exactly as after pydantic's validation.
+        cls = type(self)
+        cls._tensors_only(data)
+        values = dict(cls._defaults())
+        values.update(data)
+        object.__setattr__(self, "__dict__", values)
+        object.__setattr__(self, "__pydantic_fields_set__", set(data))
+        object.__setattr__(self, "__pydantic_extra__", None)
+        object.__setattr__(self, "__pydantic_private__", {"_validated": False})
+        self.check(types_checked=True)
+
+    @classmethod
+    def _defaults(cls) -> dict[str, None]:
+        defaults = cls.__dict__.get("_DEFAULTS")
+        if defaults is None:
+            defaults = {k: None for k, f in cls.model_fields.items() if not f.is_required()}
+            cls._DEFAULTS = defaults
+        return defaults
+
     @model_validator(mode="before")
     @classmethod
     def _tensors_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls._plain_tensors(data):
+            return data
         if not isinstance(data, dict):
             raise BatchValidationError(cls.__name__, [Violation("<batch>", f"expected keyword fields, got {type(data).__name__}")])
         checks = Checks(cls.__name__)
@@ -150,6 +269,26 @@ class _TensorModel(BaseModel):
         cls._field_types({k: v for k, v in data.items() if k in fields}, checks)
         checks.raise_if_any()
         return data
+
+    @classmethod
+    def _plain_tensors(cls, data: dict) -> bool:
+        """Every key a field, every value a dense tensor or None, every required field given: the common case, tested
+        without building a report (:meth:`_field_types` names what is wrong otherwise)."""
+        fields = cls.__pydantic_fields__
+        strided = torch.strided
+        for key, value in data.items():
+            if key not in fields or (value is not None and (not isinstance(value, torch.Tensor)
+                                                            or value.layout != strided)):
+                return False
+        return all(data.get(key) is not None for key in cls._required())
+
+    @classmethod
+    def _required(cls) -> tuple[str, ...]:
+        required = cls.__dict__.get("_REQUIRED")
+        if required is None:
+            required = tuple(k for k, f in cls.model_fields.items() if f.is_required())
+            cls._REQUIRED = required
+        return required
 
     @classmethod
     def _field_types(cls, values: dict[str, Any], checks: Checks) -> None:
@@ -181,13 +320,20 @@ class _TensorModel(BaseModel):
 
     def check(self, types_checked: bool = False) -> None:
         """Run every contract rule; raise :class:`BatchValidationError` listing all violations."""
-        checks = Checks(type(self).__name__)
-        if not types_checked:  # (an unchecked batch may hold anything) the rules below assume tensors
-            self._field_types({k: getattr(self, k, None) for k in type(self).model_fields}, checks)
+        if not (types_checked and self._passes()):
+            checks = Checks(type(self).__name__)
+            if not types_checked:  # (an unchecked batch may hold anything) the rules below assume tensors
+                self._field_types({k: getattr(self, k, None) for k in type(self).model_fields}, checks)
+                checks.raise_if_any()
+            self._rules(checks)
             checks.raise_if_any()
-        self._rules(checks)
-        checks.raise_if_any()
-        self._validated = True
+        self.__pydantic_private__["_validated"] = True
+
+    def _passes(self) -> bool:
+        """True when every rule holds, tested the quick way (on the CPU: no report, no flags); False when a rule
+        fails or the quick test does not apply — :meth:`_rules` then runs and names what is wrong. It runs once per
+        micro-batch in a trainer's hot loop."""
+        return False
 
     def _rules(self, checks: Checks) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -245,13 +391,56 @@ class PolicyBatch(_TensorModel):
         """Number of action tokens of each response, ``[B]``."""
         return self.action_mask.sum(-1)
 
-    #: every field but logp: the shapes it may have ("BT": [B, T], "B": [B]) and its dtype kind
-    _LAYOUT: ClassVar[dict[str, tuple[tuple[str, ...], str]]] = {
-        "old_logp": (("BT",), "float"), "behavior_logp": (("BT",), "float"), "ref_logp": (("BT",), "float"),
-        "value": (("BT",), "float"), "action_mask": (("BT",), "bool"), "advantage": (("B", "BT"), "float"),
-        "reward": (("B", "BT"), "float"), "group_id": (("B",), "int"), "trajectory_id": (("B",), "int"),
-        "terminated": (("B",), "bool"), "final_value": (("B",), "float"),
+    #: every field but logp: may it be [B, T], may it be [B], and its dtype kind
+    _LAYOUT: ClassVar[dict[str, tuple[bool, bool, str]]] = {
+        "old_logp": (True, False, "float"), "behavior_logp": (True, False, "float"),
+        "ref_logp": (True, False, "float"), "value": (True, False, "float"), "action_mask": (True, False, "bool"),
+        "advantage": (True, True, "float"), "reward": (True, True, "float"), "group_id": (False, True, "int"),
+        "trajectory_id": (False, True, "int"), "terminated": (False, True, "bool"),
+        "final_value": (False, True, "float"),
     }
+    #: the fields whose values are checked: finite on the actions (log-probs also ≤ LOGP_TOLERANCE), or finite per row
+    _VALUE_FIELDS: ClassVar[tuple[str, ...]] = TOKEN_FLOATS + ("advantage", "reward")
+
+    def _passes(self) -> bool:
+        fields = self.__dict__
+        logp = fields["logp"]
+        if not checks_module.on_host(logp):
+            return False  # on an accelerator the rules queue their flags for one synchronisation
+        shape = logp.shape
+        if len(shape) != 2 or not shape[0] or not shape[1] or not logp.is_floating_point():
+            return False
+        row_shape, layout = shape[:1], self._LAYOUT
+        for name, t in fields.items():
+            if t is None or name == "logp":
+                continue
+            per_token, per_row, kind = layout[name]
+            t_shape = t.shape
+            if (not ((per_token and t_shape == shape) or (per_row and t_shape == row_shape))
+                    or not (t.is_floating_point() if kind == "float" else t.dtype is torch.bool if kind == "bool"
+                            else not (t.is_floating_point() or t.is_complex() or t.dtype is torch.bool))
+                    or not t.is_cpu):  # (logp is on the CPU: so must every field be)
+                return False
+        if not _rows_act_on_host(fields["action_mask"]):
+            return False
+        seen: list[tuple] = []
+        for name in self._VALUE_FIELDS:
+            t = fields.get(name)
+            if t is None:
+                continue
+            if t.ndim == 1:
+                if not _finite_on_host(t):
+                    return False
+                continue
+            logprob = name in self.LOGPROBS
+            key = (t.data_ptr(), t.stride(), t.dtype, logprob)
+            if key in seen:
+                continue
+            seen.append(key)
+            if not _values_pass_on_host(t, fields["action_mask"], logprob):
+                return False
+        final_value = fields.get("final_value")
+        return final_value is None  # truncation rules: the full path
 
     def _rules(self, checks: Checks) -> None:
         fields = self.__dict__
@@ -259,40 +448,38 @@ class PolicyBatch(_TensorModel):
         if logp.ndim != 2:
             checks.fail("logp", f"must be [B, T], got shape {tuple(logp.shape)}")
             return
-        B, T = logp.shape
+        B, T = shape = logp.shape
         if B == 0:
-            checks.fail("logp", f"a batch needs at least one response, got shape {list(logp.shape)}")
+            checks.fail("logp", f"a batch needs at least one response, got shape {list(shape)}")
             return
         ok = checks.dtype("logp", logp, "float")
-        shape_ok = True
-        sizes = {"BT": (B, T), "B": (B,)}
+        row_shape = shape[:1]
         device = logp.device
-        for name, (shapes, kind) in self._LAYOUT.items():
-            t = fields.get(name)
-            if t is None:
-                continue
-            if not any(t.shape == sizes[s] for s in shapes):
-                want = " or ".join(str(list(sizes[s])) for s in shapes)
-                checks.fail(name, f"shape must align with logp [B={B}, T={T}]: expected {want}, got {list(t.shape)}")
-                shape_ok = False
-            if not checks.dtype(name, t, kind):
-                shape_ok = False
+        present = [(name, t) for name, t in fields.items() if t is not None and name != "logp"]
+        # (this runs once per micro-batch: the common case is tested first, the report built only on failure)
+        for name, t in present:
+            per_token, per_row, kind = self._LAYOUT[name]
+            t_shape = t.shape
+            if not ((per_token and t_shape == shape) or (per_row and t_shape == row_shape)):
+                want = " or ".join(str(list(s)) for s, allowed in ((row_shape, per_row), (shape, per_token)) if allowed)
+                checks.fail(name, f"shape must align with logp [B={B}, T={T}]: expected {want}, got {list(t_shape)}")
+                ok = False
+            if not (t.is_floating_point() if kind == "float" else checks.dtype(name, t, kind)):
+                if kind == "float":
+                    checks.dtype(name, t, kind)
+                ok = False
             if t.device != device:
                 checks.fail(name, f"must be on logp's device {device}, got {t.device}")
-                shape_ok = False
-        if not (ok and shape_ok):
+                ok = False
+        if not ok:
             return  # value rules below assume aligned, well-typed tensors
 
-        if T > 0:  # the least number of actions of any row, > 0 (the uint8 view: the CPU vectorises its max)
-            def empty_rows() -> list[Violation]:
-                return [Violation("action_mask", "every response needs at least one action token",
-                                  describe_positions(~any_of(mask, -1), noun="rows"))]
-            fewest = mask.view(torch.uint8).amax(-1).amin()
-            checks.when_flag(fewest.item() == 0 if checks_module.on_host(mask) else fewest == 0, empty_rows)
+        if T > 0:
+            _every_row_acts(checks, mask)
         else:
             checks.when_any(~any_of(mask, -1), "action_mask", "every response needs at least one action token")
-        seen: set[tuple] = set()
-        for name in self.TOKEN_FLOATS + ("advantage", "reward"):
+        seen: list[tuple] = []
+        for name in self._VALUE_FIELDS:
             t = fields.get(name)
             if t is None:
                 continue
@@ -300,19 +487,21 @@ class PolicyBatch(_TensorModel):
                 logprob = name in self.LOGPROBS
                 # a field that is the same elements as one checked under the same rule (TRL's on-policy
                 # old_logp = logp.detach()) is not read twice
-                key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, logprob)
+                key = (t.data_ptr(), t.stride(), t.dtype, logprob)
                 if key in seen:
                     continue
-                seen.add(key)
+                seen.append(key)
                 _token_value_rules(checks, name, t, mask, logprob=logprob)
             else:
-                checks.when_not_finite(t, name)
-        if self.final_value is not None:
-            if self.terminated is None:
+                _finite_rule(checks, name, t)
+        final_value = fields.get("final_value")
+        if final_value is not None:
+            terminated = fields.get("terminated")
+            if terminated is None:
                 checks.fail("final_value", "is only read for truncated responses: give terminated [B] bool with it "
                                            "(False where the response was cut by a time limit)")
             else:
-                checks.when_any(~self.terminated & ~torch.isfinite(self.final_value), "final_value",
+                checks.when_any(~terminated & ~torch.isfinite(final_value), "final_value",
                                 "must be finite for truncated (not terminated) responses")
 
 

@@ -145,3 +145,78 @@ def test_on_policy_old_logp_sharing_logp_memory_is_read_once(passes):
     logp = fresh_logp(step).requires_grad_()
     PolicyBatch(logp=logp, old_logp=logp.detach(), action_mask=step["action_mask"])
     assert passes.count((B, T)) == 1
+
+
+@pytest.fixture
+def mask_passes(monkeypatch):
+    """The shapes of the masks whose rows were read (the ``uint8`` view's per-row max)."""
+    calls = []
+    real_amax = torch.Tensor.amax
+
+    def counting_amax(x, *a, **kw):
+        if x.dtype == torch.uint8:
+            calls.append(tuple(x.shape))
+        return real_amax(x, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "amax", counting_amax)
+    return calls
+
+
+def test_the_steps_mask_is_read_once(mask_passes, contract_flag_path):
+    step = step_batch()
+    for mb in micro_batches(step):
+        PolicyBatch(logp=fresh_logp(mb), **mb)
+    if contract_flag_path == "host":  # (queued flags on an accelerator are not remembered: one read per batch)
+        assert mask_passes == [(B, T)]
+
+
+def test_a_mask_with_an_empty_row_checks_each_micro_batch_on_its_own(mask_passes):
+    step = step_batch()
+    step["action_mask"][5] = False  # row 5 lies in micro-batch 2
+    outcomes = []
+    for mb in micro_batches(step):
+        try:
+            PolicyBatch(logp=fresh_logp(mb), **mb)
+            outcomes.append("ok")
+        except BatchValidationError as err:
+            assert "every response needs at least one action token" in str(err) and "row [1]" in str(err)
+            outcomes.append("empty")
+    assert outcomes == ["ok", "ok", "empty", "ok"]
+
+
+def test_a_fresh_logp_is_never_remembered():
+    """The forward's logp (it carries gradient) is read every time and leaves no memo entry behind."""
+    step = step_batch()
+    before = len(batch_module._CHECKED._entries)
+    logp = fresh_logp(step).requires_grad_()
+    PolicyBatch(logp=logp, **step)
+    assert all(entry[0]() is not logp for entry in batch_module._CHECKED._entries.values())
+    assert len(batch_module._CHECKED._entries) <= before + 4  # the constant fields' bases only
+    with torch.no_grad():
+        logp[0, 0] = float("nan")  # (an in-place write keeps the version counter honest anyway)
+    with pytest.raises(BatchValidationError, match="logp: must be finite"):
+        PolicyBatch(logp=logp, **step)
+
+
+def test_per_response_fields_are_read_once_per_step(monkeypatch, contract_flag_path):
+    step = step_batch()
+    step["advantage"] = torch.randn(B)
+    reads = []
+    real_sum = torch.Tensor.sum
+
+    def counting_sum(x, *a, **kw):
+        if x.ndim == 1 and x.is_floating_point():
+            reads.append(tuple(x.shape))
+        return real_sum(x, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "sum", counting_sum)
+    for mb in micro_batches(step):
+        PolicyBatch(logp=fresh_logp(mb), **mb)
+    if contract_flag_path == "host":  # (queued flags on an accelerator are not remembered: one read per batch)
+        assert reads.count((B,)) == 1 and (MICRO,) not in reads
+    with torch.no_grad():
+        step["advantage"][7] = float("inf")  # micro-batch 3: the base's version changed
+    mbs = list(micro_batches(step))
+    PolicyBatch(logp=fresh_logp(mbs[0]), **mbs[0])  # its own slice is finite
+    with pytest.raises(BatchValidationError, match="advantage: must be finite"):
+        PolicyBatch(logp=fresh_logp(mbs[3]), **mbs[3])
