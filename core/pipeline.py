@@ -300,13 +300,15 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
     if weight is not None:  # the trainer's own detached coefficient, applied like a correction gate's weight
         external = weight.detach().to(objective.dtype)
         objective = objective * (external if external.ndim == 2 else external.unsqueeze(-1))
-    outputs = [(update, out)]
+    # a gate's declared metrics are evaluated as soon as it ran: what they read is freed before the next stage
+    reports = [_report(update, out, level, validate)]
     for stage in compiled.corrections:
-        corr = _run(stage, validate, inp)
+        out = _run(stage, validate, inp)
         if validate == "full":
-            _check_gate_output(stage, corr, batch)
-        objective = objective * (corr.weight if corr.weight.ndim == 2 else corr.weight.unsqueeze(-1))
-        outputs.append((stage, corr))
+            _check_gate_output(stage, out, batch)
+        objective = objective * (out.weight if out.weight.ndim == 2 else out.weight.unsqueeze(-1))
+        reports.append(_report(stage, out, level, validate))
+    del out
     objective = zero_off(objective, inp.mask, inp._bits)
 
     red = compiled.reduction
@@ -315,9 +317,9 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
     metric_tensors: dict[str, Tensor] = {}
     if level != "off":
         with torch.no_grad():
-            metric_tensors = _basic_metrics(inp, outputs, loss, validate)
+            metric_tensors = _basic_metrics(inp, reports, loss)
             if level == "full":
-                _full_metrics(inp, outputs, objective, metric_tensors, validate)
+                _full_metrics(inp, reports, objective, metric_tensors)
             if compiled.has_metric_hooks:
                 for origin, extra in _registry.call_hook("lossplug_extra_metrics", batch=batch,
                                                          objective=objective.detach(), recipe=compiled.recipe):
@@ -412,32 +414,52 @@ def _ratio_metrics(prefix: str, log_ratio: Tensor, mask: Tensor, out: dict[str, 
     out[f"{prefix}/mean"] = mean
 
 
-def _gate_metric(stage: Stage, name: str, value, validate: str):
-    """Evaluate one declared gate metric (a tensor, or a function returning one); a failure blames the gate."""
+@dataclass(frozen=True)
+class _GateReport:
+    """A gate's declared metrics, evaluated at the call's level."""
+
+    name: str
+    metrics: dict[str, Tensor]
+    active: Optional[Tensor]
+
+
+def _report(stage: Stage, out: GateOutput, level: str, validate: str) -> _GateReport:
+    """Evaluate what ``out`` declares for ``level`` (``metrics``; at ``full`` also ``details`` and ``active``) under
+    ``no_grad``; a failure blames the gate. Nothing is evaluated at ``off``."""
+    if level == "off":
+        return _GateReport(stage.plugin.name, {}, None)
+    declared = {**out.metrics, **out.details} if level == "full" else out.metrics
+    with torch.no_grad():
+        values = {key: _evaluate(stage, f"its metric {key!r}", value, validate) for key, value in declared.items()}
+        active = None if level != "full" or out.active is None else \
+            _evaluate(stage, "its active mask", out.active, validate)
+    return _GateReport(stage.plugin.name, values, active)
+
+
+def _evaluate(stage: Stage, what: str, value, validate: str) -> Tensor:
     try:
         return evaluate(value)
     except _PASS_THROUGH:
         raise
     except Exception as err:
-        raise _plugin_failed(stage, err, validate, what=f"evaluating its metric {name!r}") from err
+        raise _plugin_failed(stage, err, validate, what=f"evaluating {what}") from err
 
 
-def _basic_metrics(inp: GateInput, outputs, loss: Tensor, validate: str) -> dict[str, Tensor]:
-    """The loss, ``update/approx_kl`` and every gate's declared ``metrics`` (``metrics="basic"``; part of
-    ``"full"``)."""
+def _basic_metrics(inp: GateInput, reports: list[_GateReport], loss: Tensor) -> dict[str, Tensor]:
+    """The loss, ``update/approx_kl`` and every gate's declared metrics (at ``full`` also its ``details``)."""
     m: dict[str, Tensor] = {"loss": loss.detach()}
     if inp.batch.old_logp is not None:
         # mean over the actions of old_logp − logp; the log-ratio is zero off the actions: no mask pass
         m["update/approx_kl"] = -inp.update_log_ratio().detach().sum() / inp.action_tokens
-    for stage, out in outputs:
-        for key, value in out.metrics.items():
-            m[f"{stage.plugin.name}/{key}"] = _gate_metric(stage, key, value, validate)
+    for report in reports:
+        for key, value in report.metrics.items():
+            m[f"{report.name}/{key}"] = value
     return m
 
 
-def _full_metrics(inp: GateInput, outputs, objective: Tensor, m: dict[str, Tensor], validate: str) -> None:
-    """``metrics="full"``, added to the basic ones: the ratio distributions, the gates' ``details`` and the
-    effective-sample fractions from their ``active`` masks."""
+def _full_metrics(inp: GateInput, reports: list[_GateReport], objective: Tensor, m: dict[str, Tensor]) -> None:
+    """``metrics="full"``, added to the others: the ratio distributions and the effective-sample fractions from the
+    gates' ``active`` masks."""
     mask = inp.mask
     n_tokens = torch.count_nonzero(mask).clamp(min=1)  # (a bool .sum() first copies the mask to int64)
     batch = inp.batch
@@ -447,18 +469,15 @@ def _full_metrics(inp: GateInput, outputs, objective: Tensor, m: dict[str, Tenso
             _ratio_metrics("ratio/engine", inp.engine_log_ratio(), mask, m)
     token_active = mask
     seq_active = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
-    for stage, out in outputs:
-        name = stage.plugin.name
-        for key, value in out.details.items():
-            m[f"{name}/{key}"] = _gate_metric(stage, key, value, validate)
-        if out.active is None:
+    for report in reports:
+        active = report.active
+        if active is None:
             continue
-        active = _gate_metric(stage, "active", out.active, validate)
         if active.ndim == 2:
-            m[f"{name}/active_token_frac"] = torch.count_nonzero(active & mask) / n_tokens
+            m[f"{report.name}/active_token_frac"] = torch.count_nonzero(active & mask) / n_tokens
             token_active = token_active & active
         else:
-            m[f"{name}/active_seq_frac"] = active.float().mean()
+            m[f"{report.name}/active_seq_frac"] = active.float().mean()
             seq_active = seq_active & active
     token_active = token_active & seq_active.unsqueeze(-1)
     m["effective/token_frac"] = torch.count_nonzero(token_active) / n_tokens

@@ -644,7 +644,7 @@ def _metric_levels(s: Subject) -> None:
                 raise
             raise CheckFailed(f"with metrics='{level}' the loss step raised {_fmt_exc(err)}, with metrics='off' it "
                               "did not: the loss must not depend on the metric level — declared metrics are "
-                              "evaluated after the loss, and must not modify the tensors the gate computed (no "
+                              "evaluated right after the gate, and must not modify the tensors the gate computed (no "
                               "in-place writes)") from None
     for level in ("basic", "full"):
         if not torch.equal(runs[level].loss, runs["off"].loss):
