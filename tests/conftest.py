@@ -82,3 +82,27 @@ def site(tmp_path, monkeypatch, fresh_registry):
     yield fake
     for name in [m for m in sys.modules if m.split(".")[0] in fake.modules]:
         del sys.modules[name]
+
+
+@pytest.fixture
+def register_gates():
+    """``register_gates(*gates, name="test-gates")`` registers gate plugins in-process, as a third-party hook would,
+    until the test ends."""
+    import lossplug
+
+    plugins = []
+
+    def register(*gates, name: str = "test-gates"):
+        class Plugin:
+            @staticmethod
+            @lossplug.hookimpl
+            def lossplug_register_gates(register):
+                for gate in gates:
+                    register(gate)
+
+        lossplug.register_plugin(Plugin, name=name)
+        plugins.append(Plugin)
+
+    yield register
+    for plugin in plugins:
+        lossplug.unregister_plugin(plugin)

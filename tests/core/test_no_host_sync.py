@@ -76,7 +76,7 @@ def test_every_builtin_gate_and_reduction_is_covered():
     assert {"token", "response", "sequence_sum", "fixed"} <= {r for _, r in CASES}
 
 
-def test_the_harness_catches_a_host_sync():
+def test_the_harness_catches_a_host_sync(register_gates):
     """A gate that branches on a tensor's value (one bool()) fails on the meta device."""
 
     @lossplug.gate("syncing_gate")
@@ -85,17 +85,7 @@ def test_the_harness_catches_a_host_sync():
         scale = 0.5 if bool((inp.broadcast_advantage() < 0).any()) else 1.0
         return lossplug.GateOutput(objective=scale * inp.broadcast_advantage() * inp.logp)
 
-    class Plugin:
-        @staticmethod
-        @lossplug.hookimpl
-        def lossplug_register_gates(register):
-            register(syncing_gate)
-
-    lossplug.register_plugin(Plugin, name="syncing-gate-test")
-    try:
-        batch, _ = meta_batch(True)
-        with pytest.raises(lossplug.PluginError, match="meta tensors"):
-            lossplug.policy_loss(batch, {"gates": ["syncing_gate"], "reduction": "token"}, validate="off",
-                                 metrics="off")
-    finally:
-        lossplug.unregister_plugin(Plugin)
+    register_gates(syncing_gate, name="syncing-gate-test")
+    batch, _ = meta_batch(True)
+    with pytest.raises(lossplug.PluginError, match="meta tensors"):
+        lossplug.policy_loss(batch, {"gates": ["syncing_gate"], "reduction": "token"}, validate="off", metrics="off")

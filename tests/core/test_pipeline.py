@@ -270,23 +270,14 @@ def reads_logp_without_grad_first(inp, p):
     return lossplug.GateOutput(objective=inp.advantage.detach() * inp.logp + 0 * inp.update_log_ratio())
 
 
-def test_fields_first_read_under_no_grad_still_carry_the_gradient(fresh_registry):
+def test_fields_first_read_under_no_grad_still_carry_the_gradient(fresh_registry, register_gates):
     """The pipeline cleans each field on first read: under the grad mode of the call, not of the gate's block."""
-    class Plugin:
-        @staticmethod
-        @lossplug.hookimpl
-        def lossplug_register_gates(register):
-            register(reads_logp_without_grad_first)
-
-    lossplug.register_plugin(Plugin, name="lazy")
-    try:
-        f = seed_reduction_batch()
-        logp = f["logp"].clone().requires_grad_(True)
-        recipe = {"gates": ["reads_logp_without_grad_first"], "reduction": "token"}
-        policy_loss(PolicyBatch(**{**f, "logp": logp}), recipe).loss.backward()
-        expected = -torch.where(f["action_mask"], f["advantage"], 0) / f["action_mask"].sum()
-        torch.testing.assert_close(logp.grad, expected)
-        with torch.no_grad():  # and a call under no_grad builds no graph at all
-            assert not policy_loss(PolicyBatch(**{**f, "logp": logp}), recipe).loss.requires_grad
-    finally:
-        lossplug.unregister_plugin(Plugin)
+    register_gates(reads_logp_without_grad_first, name="lazy")
+    f = seed_reduction_batch()
+    logp = f["logp"].clone().requires_grad_(True)
+    recipe = {"gates": ["reads_logp_without_grad_first"], "reduction": "token"}
+    policy_loss(PolicyBatch(**{**f, "logp": logp}), recipe).loss.backward()
+    expected = -torch.where(f["action_mask"], f["advantage"], 0) / f["action_mask"].sum()
+    torch.testing.assert_close(logp.grad, expected)
+    with torch.no_grad():  # and a call under no_grad builds no graph at all
+        assert not policy_loss(PolicyBatch(**{**f, "logp": logp}), recipe).loss.requires_grad

@@ -198,26 +198,17 @@ def test_the_leak_message_says_where_to_look():
     assert "inp.batch" in result.message and "0·NaN" in result.message
 
 
-def test_a_registered_plugin_is_checked_by_name(fresh_registry):
-    class Plugin:
-        @staticmethod
-        @lossplug.hookimpl
-        def lossplug_register_gates(register):
-            register(sticky_weight)
-
-    lossplug.register_plugin(Plugin, name="sticky")
-    try:
-        report = check_plugin("sticky_weight")
-        assert report.source == "in-process plugin 'sticky'"
-        failed = {r.check: r.message for r in report.failures}
-        # the kit's own check names the problem; every check that runs the pipeline with validate="full" hits the
-        # pipeline's refusal of an undetached correction weight
-        assert "detached" in failed
-        assert all(check == "detached" or "must be detached" in msg for check, msg in failed.items())
-        with pytest.raises(LookupError, match="different gate is already registered"):
-            check_plugin(lossplug.gate("sticky_weight", role="correction")(lambda inp, p: None))
-    finally:
-        lossplug.unregister_plugin(Plugin)
+def test_a_registered_plugin_is_checked_by_name(fresh_registry, register_gates):
+    register_gates(sticky_weight, name="sticky")
+    report = check_plugin("sticky_weight")
+    assert report.source == "in-process plugin 'sticky'"
+    failed = {r.check: r.message for r in report.failures}
+    # the kit's own check names the problem; every check that runs the pipeline with validate="full" hits the
+    # pipeline's refusal of an undetached correction weight
+    assert "detached" in failed
+    assert all(check == "detached" or "must be detached" in msg for check, msg in failed.items())
+    with pytest.raises(LookupError, match="different gate is already registered"):
+        check_plugin(lossplug.gate("sticky_weight", role="correction")(lambda inp, p: None))
 
 
 def test_skip_gives_the_reason_and_unknown_names_are_refused():
