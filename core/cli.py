@@ -2,6 +2,7 @@
 
 What the commands compute lives in library modules the adapters and tests share: :mod:`lossplug.batch_files`
 (reading and checking batch dumps), :mod:`lossplug.needs` (which fields a plugin or recipe needs),
+:mod:`lossplug.describe` (plugins and recipes as plain data),
 :mod:`lossplug.gate_curves` (gate gradient curves) and :mod:`lossplug.testing` (the conformance kit).
 
 Every command imports what it needs when it runs (torch, the registry, safetensors, matplotlib), so ``--help`` is
@@ -14,7 +15,6 @@ Warnings go to stderr and never change the exit code.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from enum import Enum
 from pathlib import Path
@@ -73,12 +73,6 @@ def _warn(message: str) -> None:
     _console(stderr=True).print(_text(f"warning: {message}", "bold yellow"), soft_wrap=True)
 
 
-def _distribution(origin: str) -> str:
-    """'lossplug-example-plugin 0.1.0' from an entry-point origin; the origin itself otherwise."""
-    m = re.search(r"of distribution '([^']+)'", origin)
-    return m.group(1) if m else origin
-
-
 def _parse_assignments(items: Optional[List[str]], what: str) -> dict[str, Any]:
     from lossplug.gate_curves import parse_assignments
 
@@ -113,11 +107,12 @@ def list_cmd(
 ):
     """Every plugin by kind, with parameters, defaults and source distribution; broken plugins in red."""
     import lossplug
+    from lossplug.describe import distribution
 
     reg = _registry()
     rows = lossplug.list_plugins()
     for row in rows:
-        row["distribution"] = _distribution(row["source"])
+        row["distribution"] = distribution(row["source"])
     broken = [{"origin": b.origin, "error": b.error} for b in reg.broken]
     duplicates = [{"kind": k, "name": n, "sources": list(v)} for (k, n), v in reg.duplicates.items()]
     kinds = [kind.value] if kind else [*KIND_ORDER, "preset"]
@@ -165,45 +160,11 @@ def list_cmd(
 # show
 
 
-def _constraints(field) -> str:
-    ops = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤", "multiple_of": "multiple of", "min_length": "min length",
-           "max_length": "max length"}
-    parts = []
-    for meta in field.metadata:
-        for attr, sym in ops.items():
-            value = getattr(meta, attr, None)
-            if value is not None:
-                parts.append(f"{sym} {value}")
-    return ", ".join(parts)
-
-
-def _type_name(annotation) -> str:
-    text = getattr(annotation, "__name__", None) if not getattr(annotation, "__args__", None) else None
-    return text or str(annotation).replace("typing.", "").replace("NoneType", "None")
-
-
-def _plugin_info(kind: str, name: str, plugin, source: str) -> dict[str, Any]:
-    import inspect
-
-    from lossplug.needs import batch_fields, required_fields
-
-    module_doc = inspect.getdoc(sys.modules.get(getattr(plugin.fn, "__module__", ""), None)) or ""
-    return {
-        "kind": kind, "name": name, "source": source, "distribution": _distribution(source),
-        "role": getattr(plugin, "role", None), "level": getattr(plugin, "level", None),
-        "requires": list(required_fields(plugin)),
-        "requires_depends_on_params": callable(getattr(plugin, "requires", None)),
-        "needs": list(batch_fields(plugin)),
-        "layouts": list(getattr(plugin, "layouts", ())) or None,
-        "min_group_size": getattr(plugin, "min_group_size", None),
-        "doc": plugin.doc, "module_doc": module_doc if module_doc.strip() != plugin.doc.strip() else "",
-        "params_schema": plugin.params.model_json_schema(),
-    }
-
-
 def _print_plugin(console, info: dict[str, Any], plugin) -> None:
     from rich.rule import Rule
     from rich.table import Table
+
+    from lossplug.describe import parameters
 
     console.print(Rule(_text(f"{info['kind']} {info['name']}  ·  {info['distribution']}", "bold")))
     console.print(_text(info["doc"] or "(no docstring)", "bold"), soft_wrap=True)
@@ -231,10 +192,10 @@ def _print_plugin(console, info: dict[str, Any], plugin) -> None:
     table = Table(title="parameters", title_justify="left", show_lines=False)
     for col in ("name", "type", "default", "constraint", "description"):
         table.add_column(col, overflow="fold")
-    for pname, f in fields.items():
-        default = "<required>" if f.is_required() else repr(f.default)
-        table.add_row(_text(pname, "bold cyan"), _text(_type_name(f.annotation)), _text(default),
-                      _text(_constraints(f)), _text(f.description or ""))
+    for row in parameters(plugin):
+        default = "<required>" if row["required"] else repr(row["default"])
+        table.add_row(_text(row["name"], "bold cyan"), _text(row["type"]), _text(default), _text(row["constraint"]),
+                      _text(row["description"]))
     console.print(table)
 
 
@@ -246,6 +207,7 @@ def show_cmd(
 ):
     """A plugin's formula (docstring), its parameter schema, and the batch fields it needs."""
     from lossplug.contracts.errors import did_you_mean
+    from lossplug.describe import explain_recipe, plugin_info
 
     reg = _registry()
     kinds = [kind.value] if kind else list(KIND_ORDER)
@@ -254,11 +216,11 @@ def show_cmd(
     if not found and not is_preset:
         known = sorted({n for k in KIND_ORDER for n in reg.plugins[k]} | set(reg.presets))
         _fail(f"no plugin or preset named '{name}'{did_you_mean(name, known)}; `lossplug list` shows them all", 1)
-    infos = [_plugin_info(k, name, p, reg.origin(k, name)) for k, p in found]
+    infos = [plugin_info(k, name, p, reg.origin(k, name)) for k, p in found]
     if as_json:
         out: dict[str, Any] = {"plugins": infos}
         if is_preset:
-            out["preset"] = _explain_data(name)
+            out["preset"] = explain_recipe(_load_recipe(name))
         typer.echo(json.dumps(out, indent=2, default=str))
         return
     console = _console()
@@ -267,7 +229,7 @@ def show_cmd(
     if is_preset:
         if found:
             console.print()
-        _print_explain(console, _explain_data(name))
+        _print_explain(console, explain_recipe(_load_recipe(name)))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -288,46 +250,6 @@ def _load_recipe(source: str):
         return _read_recipe(source)
     except LossplugError as err:
         _fail(str(err))
-
-
-def _recipe_needs(recipe) -> list[dict[str, str]]:
-    """What a PolicyBatch must contain for this recipe: field, shape and which stage needs it."""
-    from lossplug.needs import FIELD_SHAPES, recipe_needs
-
-    return [{"field": f, "shape": FIELD_SHAPES.get(f, ""), "needed_by": "; ".join(stages)}
-            for f, stages in recipe_needs(recipe).items()]
-
-
-def _explain_data(source: str) -> dict[str, Any]:
-    recipe = _load_recipe(source)
-    from lossplug.pipeline import compile_recipe
-
-    reg = _registry()
-    compiled = compile_recipe(recipe)
-    stages = []
-    if compiled.advantage is not None:
-        stages.append(("advantage", compiled.advantage))
-    stages += [(f"gates[{i}]", s) for i, s in enumerate(compiled.gates)]
-    stages.append(("reduction", compiled.reduction))
-    stage_rows = []
-    for where, stage in stages:
-        p = stage.plugin
-        role = f"{p.role} · {p.level}" if getattr(p, "role", None) else ""
-        if p.kind == "advantage":
-            role = "layouts: " + ", ".join(p.layouts)
-        stage_rows.append({"stage": where, "plugin": p.name, "params": stage.params.model_dump(), "role": role,
-                           "source": _distribution(reg.origin(p.kind, p.name)),
-                           "summary": p.doc.splitlines()[0] if p.doc else ""})
-    red = compiled.reduction
-    normalizer = "Normalizer(action_tokens=…, sequences=…) over the whole optimizer step (all micro-batches, ranks)"
-    budget = getattr(red.params, "budget", "absent")
-    if red.plugin.name == "fixed" and budget is None:
-        normalizer += "; budget=… (e.g. max_completion_length) — the recipe sets none"
-    preset_source = reg.presets[recipe.name].source if recipe.name in reg.presets else ""
-    packed = compiled.advantage is not None and "packed" in compiled.advantage.plugin.layouts
-    return {"name": recipe.name, "source": preset_source, "recipe": recipe.to_dict(), "yaml": recipe.to_yaml(),
-            "stages": stage_rows, "needs": _recipe_needs(recipe), "normalizer": normalizer,
-            "packed_advantage": packed}
 
 
 def _print_explain(console, data: dict[str, Any]) -> None:
@@ -372,7 +294,9 @@ def recipe_explain_cmd(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """The resolved recipe and what a batch must contain for it."""
-    data = _explain_data(source)
+    from lossplug.describe import explain_recipe
+
+    data = explain_recipe(_load_recipe(source))
     if as_json:
         data.pop("yaml")
         typer.echo(json.dumps(data, indent=2, default=str))

@@ -91,6 +91,12 @@ def microbatch_whitened(inp, p):
     return lossplug.GateOutput(objective=(a - mean) / (std + 1e-8) * inp.logp)
 
 
+@lossplug.gate("own_denominator")
+def own_denominator(inp, p):
+    """A·logp averaged over each response's own action tokens, inside the gate."""
+    return lossplug.GateOutput(objective=inp.broadcast_advantage() * inp.logp / inp.lengths.unsqueeze(-1))
+
+
 @lossplug.gate("unclamped_is", requires=("old_logp",))
 def unclamped_is(inp, p):
     """Plain importance sampling r·A with an unclamped exp."""
@@ -163,6 +169,7 @@ BROKEN = [
     (leaky_seq, {}, {"masked_poison": "NaN"}),
     (sticky_weight, {}, {"detached": "weight carries gradient"}),
     (loss_not_objective, {}, {"ratio_one": "sign is flipped"}),
+    (own_denominator, {}, {"ratio_one": "divides by |y_i|. Reductions own every denominator"}),
     (all_positions_mean, {}, {"masked_layout": "changed the loss"}),
     (microbatch_whitened, {}, {"microbatch_split": "add up to"}),
     (unclamped_is, {}, {"extreme_ratios": "clamp the log-ratio"}),
@@ -236,3 +243,11 @@ def test_conformance_tests_for_a_missing_plugin_fails_with_the_reason():
 def test_the_marker_parametrizes_over_the_checks(lossplug_check):
     result = lossplug_check()
     assert result.status == "passed"
+
+
+def test_ratio_one_names_a_denominator_inside_the_gate_and_invites_no_skip():
+    (result,) = check_plugin(own_denominator, checks=["ratio_one"]).results
+    assert result.status == "failed"
+    assert "each response's own action-token count" in result.message
+    assert "reduction: {name: response}" in result.message
+    assert "skip" not in result.message
