@@ -49,7 +49,14 @@ class GRPOParams(lossplug.Params):
 
 @lossplug.advantage("grpo", params=GRPOParams, requires=("reward", "group_id"))
 def grpo(batch: lossplug.PolicyBatch, p: GRPOParams) -> torch.Tensor:
-    """GRPO: (R − mean_group) / std (group, batch or none); exactly 0 for groups of equal rewards."""
+    """GRPO: (R − mean_group) / std (group, batch or none); exactly 0 for groups of equal rewards.
+
+    Paper: Shao et al., 2024, *DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models*,
+    arXiv:2402.03300 (GRPO); ``scale: none`` is Dr. GRPO (Liu et al., 2025, *Understanding R1-Zero-Like Training: A
+    Critical Perspective*, arXiv:2503.20783).
+
+    Reference: verl ``compute_grpo_outcome_advantage``; TRL ``GRPOTrainer`` (``scale_rewards``).
+    """
     reward = sequence_scores(batch)
     groups = Groups.from_ids(batch.group_id)
     centered = reward - groups.mean(reward)[groups.inverse]
@@ -73,7 +80,14 @@ def grpo(batch: lossplug.PolicyBatch, p: GRPOParams) -> torch.Tensor:
 
 @lossplug.advantage("rloo", requires=("reward", "group_id"), min_group_size=2)
 def rloo(batch: lossplug.PolicyBatch, p: lossplug.NoParams) -> torch.Tensor:
-    """RLOO: R_i − mean of the other rollouts of the group (leave-one-out baseline); ≥ 2 rollouts per group."""
+    """RLOO: R_i − mean of the other rollouts of the group (leave-one-out baseline); ≥ 2 rollouts per group.
+
+    Paper: Ahmadian et al., 2024, *Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
+    Feedback in LLMs*, arXiv:2402.14740; the leave-one-out baseline from Kool et al., 2019, *Buy 4 REINFORCE
+    Samples, Get a Baseline for Free!* (ICLR 2019 workshop).
+
+    Reference: verl ``compute_rloo_outcome_advantage``.
+    """
     reward = sequence_scores(batch)
     groups = Groups.from_ids(batch.group_id)
     n = groups.counts.to(reward.dtype)[groups.inverse]

@@ -16,6 +16,9 @@ transitions of the fragment (the run of transitions ending at a ``boundary``).
 
 Everything else — bootstrap at truncation, skipped observation tokens, whitening, ``returns = A_critic + V_old`` —
 is :mod:`.gae`'s.
+
+Paper: Yue et al., 2025, *VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning Tasks*,
+arXiv:2504.05118.
 """
 
 from __future__ import annotations

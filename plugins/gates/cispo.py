@@ -21,6 +21,11 @@ Without a log-ratio clamp the weight stays finite anyway: an upper bound is mand
 
 Detach/gradient contract: the coefficient ``clip(r)`` is explicitly ``.detach()``-ed — gradient flows through the
 ``logp`` factor only (and ``old_logp``/the advantage are constants).
+
+Paper: MiniMax, 2025, *MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention*,
+arXiv:2506.13585 (CISPO); the absolute cap ``ratio_max`` as in ScaleRL (Khatri et al., 2025, arXiv:2510.13786).
+
+Reference: verl ``compute_policy_loss_cispo``; TRL ``loss_type="cispo"``.
 """
 
 from __future__ import annotations

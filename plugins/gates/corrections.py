@@ -134,27 +134,55 @@ def _count(inp: lossplug.GateInput, ratio: torch.Tensor) -> torch.Tensor:
 
 @lossplug.gate("tis", params=TISParams, requires=REQUIRES, role="correction", level="token")
 def tis(inp: lossplug.GateInput, p: TISParams) -> lossplug.GateOutput:
-    """TIS (token): detached weight min(ρ_t, cap), ρ_t = π_old/π_behaviour."""
+    """TIS (token): detached weight min(ρ_t, cap), ρ_t = π_old/π_behaviour.
+
+    Paper: Yao et al., 2025, *Your Efficient RL Framework Secretly Brings You Off-Policy RL Training*,
+    https://fengyao.notion.site/off-policy-rl (truncated importance sampling against the rollout engine).
+
+    Reference: verl ``rollout_corr_helper.compute_rollout_correction_weights`` (``rollout_is="token"``,
+    ``rollout_is_threshold=cap``); TRL ``vllm_importance_sampling_mode="token_truncate"``.
+    """
     with torch.no_grad():
         return _tis(_token_log_ratio(inp, p).exp(), p.cap, inp)
 
 
 @lossplug.gate("tis_seq", params=TISSequenceParams, requires=REQUIRES, role="correction", level="sequence")
 def tis_seq(inp: lossplug.GateInput, p: TISSequenceParams) -> lossplug.GateOutput:
-    """TIS (sequence): detached weight min(ρ_i, cap), ρ_i = Π_t ρ_t (or their geometric mean)."""
+    """TIS (sequence): detached weight min(ρ_i, cap), ρ_i = Π_t ρ_t (or their geometric mean).
+
+    Paper: Yao et al., 2025, *Your Efficient RL Framework Secretly Brings You Off-Policy RL Training*,
+    https://fengyao.notion.site/off-policy-rl (truncated importance sampling against the rollout engine).
+
+    Reference: verl ``rollout_corr_helper.compute_rollout_correction_weights`` (``rollout_is="sequence"``,
+    ``rollout_is_threshold=cap``); TRL ``vllm_importance_sampling_mode="sequence_truncate"``.
+    """
     with torch.no_grad():
         return _tis(_sequence_log_ratio(inp, p).exp(), p.cap, inp)
 
 
 @lossplug.gate("icepop", params=IcePopParams, requires=REQUIRES, role="correction", level="token")
 def icepop(inp: lossplug.GateInput, p: IcePopParams) -> lossplug.GateOutput:
-    """IcePop (token): detached weight ρ_t where low ≤ ρ_t ≤ high, else 0."""
+    """IcePop (token): detached weight ρ_t where low ≤ ρ_t ≤ high, else 0.
+
+    Paper: IcePop, Ling Team, 2025, *Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale
+    Thinking Model* (Ring-1T), arXiv:2510.18855.
+
+    Reference: verl ``rollout_corr_helper.compute_rollout_correction_weights`` (``rollout_is="token"``,
+    ``rollout_is_threshold="<low>_<high>"``); TRL ``vllm_importance_sampling_mode="token_mask"``.
+    """
     with torch.no_grad():
         return _icepop(_token_log_ratio(inp, p).exp(), p.low, p.high, inp)
 
 
 @lossplug.gate("icepop_seq", params=IcePopSequenceParams, requires=REQUIRES, role="correction", level="sequence")
 def icepop_seq(inp: lossplug.GateInput, p: IcePopSequenceParams) -> lossplug.GateOutput:
-    """IcePop (sequence): detached weight ρ_i where low ≤ ρ_i ≤ high, else 0 (ρ_i = Π_t ρ_t by default)."""
+    """IcePop (sequence): detached weight ρ_i where low ≤ ρ_i ≤ high, else 0 (ρ_i = Π_t ρ_t by default).
+
+    Paper: IcePop, Ling Team, 2025, *Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale
+    Thinking Model* (Ring-1T), arXiv:2510.18855.
+
+    Reference: verl ``rollout_corr_helper.compute_rollout_correction_weights`` (``rollout_is="sequence"``,
+    ``rollout_is_threshold="<low>_<high>"``); TRL ``vllm_importance_sampling_mode="sequence_mask"``.
+    """
     with torch.no_grad():
         return _icepop(_sequence_log_ratio(inp, p).exp(), p.low, p.high, inp)

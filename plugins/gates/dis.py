@@ -14,6 +14,9 @@ Detach/gradient contract: the coefficient ``c`` is explicitly ``.detach()``-ed (
 paper writes no stop-gradient, and not detaching would add a ``ρ·A·logp`` derivative term) — gradient flows through
 the ``logp`` factor only, and is exactly zero on dropped tokens. Needs ``behavior_logp``. Defaults
 ``low = 0.2``, ``high = 0.28`` (the seed's).
+
+Paper: double-sided importance sampling as introduced with GLM-5 (Zhipu AI / Z.ai) and used by SAO; the formula and
+the detach choice are the seed's reference (``shared/seeds``). No arXiv id is recorded in this project yet.
 """
 
 from __future__ import annotations

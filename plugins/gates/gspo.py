@@ -27,6 +27,10 @@ Detach/gradient contract: ``old_logp`` and the advantage are constants (explicit
 clamp of 10 (verl clamps the log sequence ratio at 10 in ``compute_policy_loss_gspo``), so log-ratios of ±100 give
 finite losses and gradients. Empty responses are rejected by the batch contract; with ``validate="off"`` an empty
 response gets ``s_i = 1`` (its length is clamped to 1 and its log-ratio sum is 0) and contributes nothing.
+
+Paper: Zheng et al., 2025, *Group Sequence Policy Optimization*, arXiv:2507.18071 (GSPO and GSPO-token).
+
+Reference: verl ``compute_policy_loss_gspo`` (``loss_mode=gspo``); TRL ``importance_sampling_level="sequence"``.
 """
 
 from __future__ import annotations

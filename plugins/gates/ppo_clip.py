@@ -12,6 +12,13 @@ of negative-advantage tokens at ``c·A`` when the ratio explodes (gradient zero 
 
 The log-ratio is clamped to ``±log_ratio_clamp`` before ``exp`` (verl's safety clamp, 20 by default) so that a
 log-ratio of ±100 can never produce inf or NaN.
+
+Paper: Schulman et al., 2017, *Proximal Policy Optimization Algorithms*, arXiv:1707.06347; clip-higher
+(``eps_high > eps_low``) from DAPO (Yu et al., 2025, arXiv:2503.14476); dual-clip from Ye et al., 2020, *Mastering
+Complex Control in MOBA Games with Deep Reinforcement Learning*, arXiv:1912.09729.
+
+Reference: verl ``compute_policy_loss_vanilla`` (``clip_ratio_low/high``, ``clip_ratio_c``); TRL ``GRPOTrainer``
+(``epsilon``, ``epsilon_high``, ``delta``).
 """
 
 from __future__ import annotations

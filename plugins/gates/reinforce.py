@@ -11,6 +11,11 @@ the policy gradient; it is not an estimate of the return.
 
 Detach/gradient contract: the advantage is a constant (explicitly detached); gradient flows through ``logp`` only.
 Needs no log-probs besides ``logp``; every action token is active.
+
+Paper: Williams, 1992, *Simple Statistical Gradient-Following Algorithms for Connectionist Reinforcement
+Learning*, Machine Learning 8, 229–256.
+
+Reference: verl ``compute_policy_loss_reinforce``.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ uses the same per-response mean.
 
 Detach/gradient contract: ``old_logp`` and the advantage are constants (explicitly detached); gradient flows through
 ``logp`` only.
+
+Paper: Gao et al., 2025, *Soft Adaptive Policy Optimization*, arXiv:2511.20347.
+
+Reference: verl ``compute_policy_loss_sapo``; TRL ``loss_type="sapo"``.
 """
 
 from __future__ import annotations
