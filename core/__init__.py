@@ -85,12 +85,26 @@ sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are resolved lazily
-    from lossplug.contracts import (AdvantageResult, BatchValidationError, LogProbSource, LossplugError,
-                                    LossResult, Normalizer, PackedTransitions, PluginError, PluginSpec, PolicyBatch,
-                                    Provenance, Recipe, RecipeError, Violation)
-
-    from .pipeline import compile_recipe, compute_advantages, estimate_advantages, policy_loss, reduce
-    from .plugin import (AdvantagePlugin, GateInput, GateOutput, GatePlugin, NoParams, Params, Population,
-                         ReductionPlugin, advantage, gate, reduction)
-    from .plugin_registry import (LossplugPluginWarning, list_plugins, plugin_manager, register_plugin, registry,
-                                  unregister_plugin)
+    # `X as X`: an explicit re-export (mypy cannot read the computed __all__), so `lossplug.X` type-checks under
+    # --strict (no_implicit_reexport) in a plugin author's project
+    from lossplug.contracts import (
+        AdvantageResult as AdvantageResult, BatchValidationError as BatchValidationError,
+        LogProbSource as LogProbSource, LossplugError as LossplugError, LossResult as LossResult,
+        Normalizer as Normalizer, PackedTransitions as PackedTransitions, PluginError as PluginError,
+        PluginSpec as PluginSpec, PolicyBatch as PolicyBatch, Provenance as Provenance, Recipe as Recipe,
+        RecipeError as RecipeError, Violation as Violation,
+    )
+    from .pipeline import (
+        compile_recipe as compile_recipe, compute_advantages as compute_advantages,
+        estimate_advantages as estimate_advantages, policy_loss as policy_loss, reduce as reduce,
+    )
+    from .plugin import (
+        AdvantagePlugin as AdvantagePlugin, GateInput as GateInput, GateOutput as GateOutput,
+        GatePlugin as GatePlugin, NoParams as NoParams, Params as Params, Population as Population,
+        ReductionPlugin as ReductionPlugin, advantage as advantage, gate as gate, reduction as reduction,
+    )
+    from .plugin_registry import (
+        LossplugPluginWarning as LossplugPluginWarning, list_plugins as list_plugins,
+        plugin_manager as plugin_manager, register_plugin as register_plugin, registry as registry,
+        unregister_plugin as unregister_plugin,
+    )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Union, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -42,7 +42,7 @@ class NoParams(Params):
     """For plugins without parameters."""
 
 
-def _doc(fn: Callable, doc: Optional[str]) -> str:
+def _doc(fn: Callable[..., Any], doc: Optional[str]) -> str:
     return inspect.cleandoc(doc or fn.__doc__ or "")
 
 
@@ -122,7 +122,7 @@ class GateInput:
     @functools.cached_property
     def logp(self) -> Tensor:
         """Current log-probs ``[B, T]``, zero off the actions; the only field that carries gradient."""
-        return self._clean("logp")
+        return cast(Tensor, self._clean("logp"))  # a required field of every PolicyBatch
 
     @functools.cached_property
     def old_logp(self) -> Optional[Tensor]:
@@ -144,7 +144,7 @@ class GateInput:
         """The advantage ``[B, T]``, detached, zero off the actions (a ``[B]`` one broadcast over the response)."""
         if self.seq_advantage is not None:
             return zero_off(self.seq_advantage.unsqueeze(-1).expand(self.mask.shape), self.mask, self._bits)
-        return self._clean("advantage")
+        return cast(Tensor, self._clean("advantage"))  # the pipeline runs gates on batches with an advantage
 
     def broadcast_advantage(self) -> Tensor:
         """The advantage in the cheapest form that broadcasts against ``[B, T]``: a ``[B, 1]`` column for a ``[B]``
@@ -179,6 +179,7 @@ class GateInput:
             if getattr(batch, name) is None:
                 raise LossplugError(f"the {top} − {bottom} log-ratio needs {name}, but the batch has none: declare it "
                                     f"in the gate's requires=(...) so that such a batch fails validation")
+        ratio: Tensor
         with torch.set_grad_enabled(self._grad_mode):
             if top in self.__dict__ or bottom in self.__dict__:
                 ratio = getattr(self, top) - getattr(self, bottom)
@@ -253,9 +254,11 @@ class GateOutput:
     active: Optional[Lazy] = None
 
 
-GateFn = Callable[[GateInput, Params], GateOutput]
+#: ``fn(inp, p)``: ``p`` is an instance of the plugin's own ``params`` model (hence Any: a function annotated with
+#: that subclass is what authors write)
+GateFn = Callable[[GateInput, Any], GateOutput]
 #: the batch fields a plugin reads: fixed, or a function of its parameters (e.g. ``kl_coef`` set → ``ref_logp``)
-Requires = Union[tuple[str, ...], Callable[[Params], tuple[str, ...]]]
+Requires = Union[tuple[str, ...], Callable[[Any], tuple[str, ...]]]
 
 
 def _requires(requires: Requires) -> Requires:
@@ -263,6 +266,8 @@ def _requires(requires: Requires) -> Requires:
 
 
 class _RequiresMixin:
+    requires: Requires  # a dataclass field of each plugin class
+
     def required_fields(self, params: Params) -> tuple[str, ...]:
         """The batch fields this plugin reads with these parameters."""
         return tuple(self.requires(params)) if callable(self.requires) else self.requires
@@ -294,7 +299,7 @@ def gate(name: str, *, params: type[Params] = NoParams, requires: Requires = (),
 # ---------------------------------------------------------------------------------------------------------------------
 # Advantages
 
-AdvantageFn = Callable[[Union[PolicyBatch, PackedTransitions], Params], Union[Tensor, AdvantageResult]]
+AdvantageFn = Callable[[Any, Any], Union[Tensor, AdvantageResult]]  # (PolicyBatch | PackedTransitions, its params)
 
 
 @dataclass(frozen=True)
@@ -309,7 +314,7 @@ class AdvantagePlugin(_RequiresMixin):
     kind: str = "advantage"
     role: None = None
 
-    def __call__(self, batch, p: Params) -> AdvantageResult:
+    def __call__(self, batch: Union[PolicyBatch, PackedTransitions], p: Params) -> AdvantageResult:
         out = self.fn(batch, p)
         return out if isinstance(out, AdvantageResult) else AdvantageResult(advantage=out)
 
@@ -340,7 +345,7 @@ class Population:
     budget: Optional[float]
 
 
-ReductionFn = Callable[[Tensor, Tensor, Tensor, Population, Params], Tensor]
+ReductionFn = Callable[[Tensor, Tensor, Tensor, Population, Any], Tensor]  # the last argument: its params
 
 
 @dataclass(frozen=True)

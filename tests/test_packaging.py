@@ -53,6 +53,7 @@ def test_wheel_contains_exactly_the_lossplug_package(tmp_path):
     assert top == {"lossplug", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     assert "lossplug/__init__.py" in names and "lossplug/contracts/batch.py" in names
     assert "lossplug/plugins/gates/ppo_clip.py" in names
+    assert "lossplug/py.typed" in names  # PEP 561: type checkers read the package's annotations
     assert not any(n.startswith(("tests/", "core/")) for n in names)
 
 

@@ -11,6 +11,8 @@ smoothly at ``(1 ± ε)·A`` instead of being cut. Its gradient, ``∂J/∂logp 
 ``old_logp`` and the advantage are constants (detached); gradient flows through ``logp`` only.
 """
 
+from collections.abc import Callable
+
 import torch
 from pydantic import Field
 
@@ -32,12 +34,12 @@ def tanh_clip(inp: lossplug.GateInput, p: TanhClipParams) -> lossplug.GateOutput
     low = 1 - p.eps_low * torch.tanh((1 - ratio) / p.eps_low)
     objective = adv * torch.where(adv >= 0, torch.minimum(ratio, high), torch.maximum(ratio, low))
 
-    def saturated_frac():  # declared, not computed: the pipeline calls it only when metrics are asked for
+    def saturated_frac() -> torch.Tensor:  # declared: the pipeline calls it only when metrics are asked for
         return inp.token_fraction(torch.where(adv >= 0, ratio > 1 + p.eps_high, ratio < 1 - p.eps_low))
 
     return lossplug.GateOutput(objective=objective, metrics={"saturated_frac": saturated_frac})
 
 
 @lossplug.hookimpl
-def lossplug_register_gates(register):
+def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> None:
     register(tanh_clip)
