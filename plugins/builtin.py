@@ -32,7 +32,8 @@ def lossplug_register_gates(register):
 
 @lossplug.hookimpl
 def lossplug_register_reductions(register):
-    for plugin in (reductions.response_mean, reductions.token_mean, reductions.fixed_budget, reductions.sequence_sum):
+    for plugin in (reductions.response_mean, reductions.token_mean, reductions.fixed_budget, reductions.sequence_sum,
+                   reductions.token_sum):
         register(plugin)
 
 

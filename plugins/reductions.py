@@ -8,9 +8,15 @@ population of the whole optimizer step (``N`` action tokens, ``S`` responses; a 
     token         Σ_i Σ_t L_it / N                  every action token weighs the same (DAPO)
     fixed         Σ_i Σ_t L_it / (budget · S)       per-response sums over a fixed budget (Dr. GRPO)
     sequence_sum  Σ_i Σ_t L_it / S                  mean of per-response sums
+    token_sum     Σ_i Σ_t L_it                      unnormalised sum (verl's token-sum)
 
 Each is additive over micro-batches: the sum over all micro-batches and ranks of their values equals the value of
 the whole step — which is why the denominators come from the step's population and never from the micro-batch.
+``token_sum`` has no denominator, so it is additive under any split by construction and reads no population: a
+:class:`~lossplug.Normalizer` changes nothing (an adapter's own scaling, e.g. verl's ``× dp_size``, still applies).
+
+``S`` counts the responses that have at least one action token (``lossplug.pipeline.population_of``); a
+``Normalizer`` gives the trainer's own count instead.
 """
 
 from __future__ import annotations
@@ -54,3 +60,12 @@ def fixed_budget(objective, mask, lengths, population, p: FixedParams):
 def sequence_sum(objective, mask, lengths, population, p):
     """Mean over responses of each response's token sum."""
     return objective.sum() / population.sequences
+
+
+@lossplug.reduction("token_sum")
+def token_sum(objective, mask, lengths, population, p):
+    """Sum over every action token, no denominator (verl's ``token-sum``): the population is not read.
+
+    Reference: verl, ``verl.trainer.ppo.core_algos.agg_loss`` with ``loss_agg_mode="token-sum"``.
+    """
+    return objective.sum()
