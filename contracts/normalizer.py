@@ -9,6 +9,7 @@ micro-batch losses over all micro-batches and all ranks equals the full-batch re
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Iterable, Optional
 
 import torch
@@ -17,8 +18,22 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .errors import LossplugError
 
 
+def whole_count(value: Any, where: str) -> int:
+    """``value`` as an ``int`` if it is a whole number (``3`` or ``3.0``), else a :class:`LossplugError` naming
+    ``where``. A count is never rounded: ``int(3.5)`` would silently shrink the population."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value).is_integer():
+        raise LossplugError(f"{where}: must be a whole number, got {type(value).__name__} {value!r}")
+    return int(float(value))
+
+
 class Normalizer(BaseModel):
-    """Counts of the global population of one optimizer step (all micro-batches, all data-parallel ranks)."""
+    """Counts of the global population of one optimizer step (all micro-batches, all data-parallel ranks).
+
+    ``sequences`` is whatever the trainer divides by. lossplug's own rule, used when no ``Normalizer`` is given and
+    by :meth:`for_masks`, counts only responses with at least one action token (a fully masked row is not a response
+    of the population — verl's and OpenRLHF's convention); a trainer that keeps such rows in its mean (TRL, whose
+    ``mask_truncated_completions`` rows stay in the mean) counts them here — the TRL adapter does.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -39,16 +54,18 @@ class Normalizer(BaseModel):
         # to catch, and the user should read which count and why
         if not isinstance(data, dict):
             raise LossplugError(f"Normalizer: expected keyword counts, got {type(data).__name__}")
+        data = dict(data)
         for name in ("action_tokens", "sequences", "groups", "budget"):
             value = data.get(name)
             if value is None:
                 if name in ("action_tokens", "sequences"):
                     raise LossplugError(f"Normalizer.{name}: required (the count of the whole optimizer step)")
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-                    name != "budget" and not float(value).is_integer()):
-                kind = "a number" if name == "budget" else "a whole number"
-                raise LossplugError(f"Normalizer.{name}: must be {kind}, got {type(value).__name__} {value!r}")
+            if name == "budget":
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise LossplugError(f"Normalizer.{name}: must be a number, got {type(value).__name__} {value!r}")
+            else:
+                value = data[name] = whole_count(value, f"Normalizer.{name}")
             if not value > 0:
                 hint = (" — the step has no action tokens (every response fully masked?)" if name == "action_tokens"
                         else "")
@@ -57,11 +74,15 @@ class Normalizer(BaseModel):
 
     @classmethod
     def for_masks(cls, action_masks: Iterable[torch.Tensor], *, budget: Optional[float] = None,
-                  group_ids: Optional[Iterable[torch.Tensor]] = None) -> "Normalizer":
-        """The population of the micro-batches whose action masks are given (e.g. all micro-batches of a step)."""
+                  group_ids: Optional[Iterable[torch.Tensor]] = None,
+                  count_empty_responses: bool = False) -> "Normalizer":
+        """The population of the micro-batches whose action masks are given (e.g. all micro-batches of a step).
+
+        Responses without an action token are not counted unless ``count_empty_responses`` (TRL's convention)."""
         masks = list(action_masks)
         tokens = sum(int(m.sum()) for m in masks)
-        sequences = sum(int(m.shape[0]) for m in masks)
+        sequences = sum(int(m.shape[0]) if count_empty_responses else int(m.reshape(m.shape[0], -1).any(-1).sum())
+                        for m in masks)
         groups = None
         if group_ids is not None:
             groups = int(torch.unique(torch.cat([g.reshape(-1).cpu() for g in group_ids])).numel())

@@ -17,6 +17,7 @@ import torch
 from lossplug.contracts import (AdvantageResult, BatchValidationError, LossResult, Normalizer, PackedTransitions,
                                 PolicyBatch, Recipe, Violation)
 from lossplug.contracts.errors import LossplugError, PluginError, describe_positions
+from lossplug.contracts.recipe import PluginSpec, installed_catalog
 
 from . import plugin_registry as _registry
 from .ops import Groups, any_rows, masked_quantiles, quantiles_of, zero_off
@@ -263,10 +264,11 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
     the trainers log; a fp16 one overflows past 65504), else the log-probs' dtype.
 
     ``metrics``: ``"off"`` (or False) computes none; ``"basic"`` (the default, and the adapters') the loss,
-    ``update/approx_kl`` (the mean of ``old_logp − logp`` over the actions, verl's ``ppo_kl``) and each gate's cut
-    fractions — what TRL and verl log themselves, at about their cost; ``"full"`` (or True) adds the update and
-    engine ratio distributions (min, p05, p50, p95, max, mean), the gates' costlier ``details`` and the effective
-    token and response fractions.
+    ``update/approx_kl`` (the mean of ``old_logp − logp`` over the actions, verl's ``ppo_kl``), with behaviour
+    log-probs ``engine/approx_kl`` (the mean of ``behavior_logp − old_logp``, verl's ``rollout_corr/kl``) and each
+    gate's cut fractions — what TRL and verl log themselves, at about their cost; ``"full"`` (or True) adds the
+    update and engine ratio distributions (min, p05, p50, p95, max, mean), the gates' costlier ``details`` and the
+    effective token and response fractions.
 
     ``weight`` (``[B, T]`` or ``[B]``, ≥ 0): a coefficient computed by the trainer itself (e.g. verl's
     ``rollout_is_weights``), multiplied into the objective after the gates exactly like a correction gate's weight;
@@ -312,7 +314,7 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
     objective = zero_off(objective, inp.mask, inp._bits)
 
     red = compiled.reduction
-    loss = -_run(red, validate, objective, inp.mask, inp.lengths, population_of(inp.mask, normalizer))
+    loss = -_run(red, validate, objective, inp.mask, inp.lengths, population_of(inp.mask, normalizer, inp.lengths))
 
     metric_tensors: dict[str, Tensor] = {}
     if level != "off":
@@ -376,20 +378,68 @@ def _weight_violations(weight: Tensor, batch: PolicyBatch) -> list[Violation]:
     return []
 
 
-def population_of(mask: Tensor, normalizer: Optional[Normalizer]) -> Population:
-    """The reduction denominators: the normaliser's global counts, else this micro-batch's own (no host sync)."""
+def population_of(mask: Tensor, normalizer: Optional[Normalizer], lengths: Optional[Tensor] = None) -> Population:
+    """The reduction denominators: the normaliser's global counts, else this micro-batch's own (no host sync).
+
+    The default population counts the action tokens and the responses **with at least one action token**: a
+    response with none (verl's padding rows, a rejected or truncated-and-masked response) adds nothing to any
+    numerator, so counting it would only shrink every other response's weight — verl's and OpenRLHF's convention,
+    and the one ``policy_loss`` enforces by refusing such rows. A trainer that counts them (TRL keeps rows masked by
+    ``mask_truncated_completions`` in its mean) says so through the ``Normalizer``'s ``sequences``. ``lengths``: the
+    action tokens per row when the caller has them.
+    """
     if normalizer is None:
-        return Population(torch.count_nonzero(mask), mask.shape[0], None, None)
+        per_row = torch.count_nonzero(mask, -1) if lengths is None else lengths
+        # at least 1: a batch without any action token reduces to 0 (its numerators are all 0), never to 0/0
+        return Population(torch.count_nonzero(mask).clamp(min=1), torch.count_nonzero(per_row).clamp(min=1),
+                          None, None)
     return Population(normalizer.action_tokens, normalizer.sequences, normalizer.groups, normalizer.budget)
 
 
-def reduce(values: Tensor, action_mask: Tensor, recipe: Union[Recipe, str],
-           normalizer: Optional[Normalizer] = None) -> Tensor:
-    """Reduce any per-token quantity ``[B, T]`` (a KL penalty, an entropy bonus…) exactly as the recipe reduces its
-    objective — same denominators, same population. Reductions are linear, so a loss built as
-    ``policy_loss(...).loss + β · reduce(kl, ...)`` equals reducing ``objective − β·kl`` in one go."""
-    compiled = compile_recipe(as_recipe(recipe))
-    red = compiled.reduction
+ReductionSpec = Union[str, Mapping, PluginSpec]
+
+
+def compile_reduction(reduction: ReductionSpec, where: str = "reduction") -> Stage:
+    """A reduction named the way a recipe names one — ``"token"``, ``{"name": "fixed", "budget": 1024}`` or a
+    :class:`~lossplug.contracts.recipe.PluginSpec` — resolved and its parameters checked; an unknown name or a bad
+    parameter raises a :class:`~lossplug.RecipeError` naming ``where``."""
+    spec = PluginSpec.parse(reduction, where)
+    reg = _registry.registry()
+    key = (spec.name, repr(sorted(spec.params.items())), where)
+    cached = _reduction_stages.get(key)
+    if cached is not None and cached[0] == reg.generation:
+        return cached[1]
+    spec = installed_catalog().check_stage("reduction", spec, where)
+    stage = _stage(reg, "reduction", spec, where)
+    _reduction_stages[key] = (reg.generation, stage)
+    return stage
+
+
+#: (name, parameters, where) → (registry generation, Stage): tools resolve their reduction once, not per micro-batch
+_reduction_stages: dict[tuple[str, str, str], tuple[int, Stage]] = {}
+
+
+def reduce(values: Tensor, action_mask: Tensor, recipe: Union[Recipe, str, None] = None,
+           normalizer: Optional[Normalizer] = None, *, reduction: Optional[ReductionSpec] = None) -> Tensor:
+    """Reduce any per-token quantity ``[B, T]`` (a KL penalty, an entropy bonus, a value loss…) exactly as the
+    recipe reduces its objective — same denominators, same population. Reductions are linear, so a loss built as
+    ``policy_loss(...).loss + β · reduce(kl, ...)`` equals reducing ``objective − β·kl`` in one go.
+
+    Give either ``recipe`` (its reduction is used) or ``reduction`` (named as a recipe names one: ``"token_sum"``,
+    ``{"name": "fixed", "budget": 1024}``). The population is the ``normalizer``'s when given (the whole optimizer
+    step: the returned value is this micro-batch's share), else this batch's own: its action tokens and the
+    responses **with at least one action token** — a row without any (all masked) is not a response of the
+    population, as in verl and OpenRLHF and as ``policy_loss`` requires. For rows ``[1, 2 | 4 | —]`` the
+    ``response`` mean is ``(1.5 + 4) / 2 = 2.75``. A trainer that counts such rows (TRL's
+    ``mask_truncated_completions`` keeps them in its mean: ``5.5 / 3``) passes ``Normalizer(sequences=3, …)``.
+    """
+    if reduction is not None and recipe is None:
+        red = compile_reduction(reduction)
+    elif recipe is not None and reduction is None:
+        red = compile_recipe(as_recipe(recipe)).reduction
+    else:
+        raise LossplugError("reduce: give either recipe (its reduction is used) or reduction (e.g. 'token'), "
+                            "not both or neither")
     if not isinstance(action_mask, Tensor) or action_mask.dtype != torch.bool or action_mask.ndim != 2:
         what = f"{action_mask.dtype} tensor of shape {list(action_mask.shape)}" if isinstance(action_mask, Tensor) \
             else type(action_mask).__name__
@@ -397,8 +447,12 @@ def reduce(values: Tensor, action_mask: Tensor, recipe: Union[Recipe, str],
     if not isinstance(values, Tensor) or values.shape != action_mask.shape:
         what = f"shape {list(values.shape)}" if isinstance(values, Tensor) else type(values).__name__
         raise LossplugError(f"reduce: values must have action_mask's shape {list(action_mask.shape)}, got {what}")
+    if normalizer is not None and not isinstance(normalizer, Normalizer):
+        raise LossplugError(f"reduce: normalizer must be a lossplug.Normalizer (or None), got "
+                            f"{type(normalizer).__name__}")
     values = zero_off(values, action_mask)
-    return _run(red, "full", values, action_mask, torch.count_nonzero(action_mask, -1), population_of(action_mask, normalizer))
+    lengths = torch.count_nonzero(action_mask, -1)
+    return _run(red, "full", values, action_mask, lengths, population_of(action_mask, normalizer, lengths))
 
 
 def _ratio_metrics(prefix: str, log_ratio: Tensor, mask: Tensor, out: dict[str, Tensor]) -> None:
@@ -446,11 +500,22 @@ def _evaluate(stage: Stage, what: str, value, validate: str) -> Tensor:
 
 
 def _basic_metrics(inp: GateInput, reports: list[_GateReport], loss: Tensor) -> dict[str, Tensor]:
-    """The loss, ``update/approx_kl`` and every gate's declared metrics (at ``full`` also its ``details``)."""
+    """The loss, ``update/approx_kl``, ``engine/approx_kl`` and every gate's declared metrics (at ``full`` also its
+    ``details``).
+
+    ``engine/approx_kl`` is the mismatch between the rollout engine and the trainer, present whenever the batch has
+    behaviour log-probs: the mean over the actions of ``behavior_logp − old_logp``, the k1 estimate of
+    KL(π_behaviour ‖ π_old) on tokens the engine sampled (verl's ``rollout_corr/kl``) — the engine-side twin of
+    ``update/approx_kl``, the mean of ``old_logp − logp``.
+    """
     m: dict[str, Tensor] = {"loss": loss.detach()}
-    if inp.batch.old_logp is not None:
+    batch = inp.batch
+    if batch.old_logp is not None:
         # mean over the actions of old_logp − logp; the log-ratio is zero off the actions: no mask pass
         m["update/approx_kl"] = -inp.update_log_ratio().detach().sum() / inp.action_tokens
+        if batch.behavior_logp is not None:
+            # engine_log_ratio() is old − behaviour, zero off the actions and shared with the correction gates
+            m["engine/approx_kl"] = -inp.engine_log_ratio().detach().sum() / inp.action_tokens
     for report in reports:
         for key, value in report.metrics.items():
             m[f"{report.name}/{key}"] = value

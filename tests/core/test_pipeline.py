@@ -11,7 +11,7 @@ from lossplug import (BatchValidationError, LossplugError, Normalizer, PolicyBat
                       compute_advantages, policy_loss)
 
 NAN = float("nan")
-REDUCTIONS = ["response", "token", "fixed", "sequence_sum"]
+REDUCTIONS = ["response", "token", "fixed", "sequence_sum", "token_sum"]
 
 
 def recipe_for(reduction, **params):
@@ -28,7 +28,8 @@ def seed_reduction_batch(mask=None):
 
 
 @pytest.mark.parametrize("reduction,params,expected", [
-    ("response", {}, 1.5), ("token", {}, 1.2), ("fixed", {"budget": 4}, 0.75), ("sequence_sum", {}, 3.0)])
+    ("response", {}, 1.5), ("token", {}, 1.2), ("fixed", {"budget": 4}, 0.75), ("sequence_sum", {}, 3.0),
+    ("token_sum", {}, 6.0)])
 def test_seed_reduction_example(reduction, params, expected):
     result = policy_loss(PolicyBatch(**seed_reduction_batch()), recipe_for(reduction, **params))
     assert -result.loss == pytest.approx(expected)
@@ -195,6 +196,90 @@ def test_reduce_matches_the_recipe_reduction():
     mask = fields["action_mask"]
     for reduction, expected in (("response", 1.5), ("token", 1.2), ("sequence_sum", 3.0)):
         assert lossplug.reduce(fields["advantage"], mask, recipe_for(reduction)).item() == pytest.approx(expected)
+
+
+def rows_with_an_empty_one():
+    """Rows [1, 2 | 4 | —]: the last response has no action token (masked out, e.g. truncated)."""
+    values = torch.tensor([[1.0, 2.0], [4.0, NAN], [NAN, NAN]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 0], [0, 0]], dtype=torch.bool)
+    return values, mask
+
+
+def test_the_default_population_counts_responses_with_an_action_token():
+    values, mask = rows_with_an_empty_one()
+    # verl's agg_loss and OpenRLHF leave the empty row out of the mean: (1.5 + 4) / 2
+    assert lossplug.reduce(values, mask, reduction="response").item() == 2.75
+    assert lossplug.reduce(values, mask, reduction="sequence_sum").item() == 3.5
+    assert lossplug.reduce(values, mask, reduction="token").item() == 7 / 3
+    # policy_loss follows the same rule where validation does not refuse the row
+    logp = torch.full((3, 2), -0.5, dtype=torch.float64)
+    batch = PolicyBatch.unchecked(logp=logp, old_logp=logp.clone(), action_mask=mask, advantage=values)
+    assert -policy_loss(batch, recipe_for("response"), validate="off").loss.item() == 2.75
+    assert Normalizer.for_masks([mask]).sequences == 2
+
+
+def test_a_normalizer_counts_empty_responses_as_trl_does():
+    values, mask = rows_with_an_empty_one()
+    # TRL's grpo loss: the mean over every row of its masked token mean — a mask_truncated_completions row stays in
+    m = mask.double()
+    trl = ((torch.where(mask, values, 0) * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    norm = Normalizer.for_masks([mask], count_empty_responses=True)
+    assert norm.sequences == 3
+    assert lossplug.reduce(values, mask, reduction="response", normalizer=norm).item() == pytest.approx(5.5 / 3)
+    assert lossplug.reduce(values, mask, reduction="response", normalizer=norm) == trl
+
+
+def test_a_batch_without_actions_reduces_to_zero():
+    values = torch.full((2, 3), NAN)
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    for reduction in REDUCTIONS:
+        spec = {"name": "fixed", "budget": 4} if reduction == "fixed" else reduction
+        assert lossplug.reduce(values, mask, reduction=spec).item() == 0
+
+
+def test_reduce_takes_a_recipe_or_a_reduction_named_like_a_recipe_names_one():
+    fields = seed_reduction_batch()
+    mask, values = fields["action_mask"], fields["advantage"]
+    assert lossplug.reduce(values, mask, reduction={"name": "fixed", "budget": 4}).item() == 0.75
+    assert lossplug.reduce(values, mask, reduction="token") == lossplug.reduce(values, mask, "dapo")
+    with pytest.raises(LossplugError, match="either recipe .* or reduction"):
+        lossplug.reduce(values, mask, "dapo", reduction="token")
+    with pytest.raises(LossplugError, match="either recipe"):
+        lossplug.reduce(values, mask)
+    with pytest.raises(LossplugError, match="unknown reduction plugin 'tokn' \\(did you mean 'token'"):
+        lossplug.reduce(values, mask, reduction="tokn")
+    with pytest.raises(LossplugError, match="unknown parameter 'budgt'"):
+        lossplug.reduce(values, mask, reduction={"name": "fixed", "budgt": 4})
+
+
+def test_token_sum_is_the_plain_sum_whatever_the_population():
+    fields = seed_reduction_batch()
+    mask, values = fields["action_mask"], fields["advantage"]
+    for norm in (None, Normalizer(action_tokens=50, sequences=7, budget=3)):
+        assert lossplug.reduce(values, mask, reduction="token_sum", normalizer=norm).item() == 6.0
+
+
+def engine_batch(with_behavior=True):
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(3, 5, generator=g) < 0.7
+    mask[:, 0] = True
+    old = -torch.rand(3, 5, generator=g, dtype=torch.float64) * 2
+    behavior = (old + 0.2 * torch.randn(3, 5, generator=g, dtype=torch.float64)).clamp(max=0)
+    garbage = torch.where(mask, 0.0, NAN)  # never read off the actions
+    batch = PolicyBatch(logp=(old + 0.1).clamp(max=0) + garbage, old_logp=old + garbage, action_mask=mask,
+                        behavior_logp=(behavior + garbage) if with_behavior else None,
+                        advantage=torch.randn(3, generator=g, dtype=torch.float64))
+    return batch, old, behavior, mask
+
+
+@pytest.mark.parametrize("level", ["basic", "full"])
+def test_engine_kl_is_the_mean_of_behaviour_minus_old_on_the_actions(level):
+    batch, old, behavior, mask = engine_batch()
+    metrics = policy_loss(batch, "dapo", metrics=level).metric_tensors
+    # verl's rollout_corr/kl: masked_mean(rollout_log_prob − old_log_prob)
+    assert metrics["engine/approx_kl"].item() == pytest.approx((behavior - old)[mask].mean().item(), rel=1e-12)
+    assert "engine/approx_kl" not in policy_loss(engine_batch(with_behavior=False)[0], "dapo").metrics
+    assert policy_loss(batch, "dapo", metrics="off").metrics == {}
 
 
 def test_compiled_recipe_is_cached_and_rebuilt_with_the_registry():
