@@ -39,7 +39,7 @@ which cancels the data-parallel gradient averaging exactly as verl's ``agg_loss`
 decides the policy term; verl's ``loss_agg_mode`` still reduces verl's own entropy and KL terms, which ``ppo_loss``
 adds itself (lossplug never adds them). ``loss_agg_mode`` ↔ reduction: ``token-mean`` ↔ ``token``,
 ``seq-mean-token-mean`` ↔ ``response``, ``seq-mean-token-sum`` ↔ ``sequence_sum``, ``seq-mean-token-sum-norm`` ↔
-``fixed`` (budget ``loss_scale_factor``); ``token-sum`` has no lossplug reduction.
+``fixed`` (budget ``loss_scale_factor``), ``token-sum`` ↔ ``token_sum`` (no denominator; only the ``× dp_size``).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ import torch
 
 import lossplug
 from lossplug.contracts import LossplugError, Normalizer, PolicyBatch, Recipe, RecipeError
+from lossplug.contracts.normalizer import whole_count
 from lossplug.pipeline import metric_level
 
 from verl.trainer.ppo import core_algos
@@ -76,13 +77,13 @@ MODULE = __name__
 #: where the recipes live in verl's config (used in every error message about a recipe)
 POLICY_RECIPE_KEY = "actor_rollout_ref.actor.policy_loss.recipe"
 ADVANTAGE_RECIPE_KEY = "algorithm.lossplug"
-#: verl's loss_agg_mode → the lossplug reduction that computes the same aggregation (None: there is none)
-LOSS_AGG_MODES: dict[str, Optional[str]] = {
+#: verl's loss_agg_mode → the lossplug reduction that computes the same aggregation (every mode has one)
+LOSS_AGG_MODES: dict[str, str] = {
     "token-mean": "token",
     "seq-mean-token-mean": "response",
     "seq-mean-token-sum": "sequence_sum",
     "seq-mean-token-sum-norm": "fixed",
-    "token-sum": None,
+    "token-sum": "token_sum",
 }
 
 Tensor = torch.Tensor
@@ -169,7 +170,8 @@ class LossplugPolicyLossConfig(PolicyLossConfig):
     mapping. ``validation``: ``full`` checks every micro-batch against the batch contract (one host sync), ``off``
     skips it. ``metrics``: lossplug's metrics under ``actor/lossplug/`` — ``basic`` (default: each gate's cut fractions,
     at about the cost of verl's own ``pg_clipfrac``), ``full`` (also ratio quantiles and effective-sample fractions)
-    or ``off`` (``true``/``false`` mean ``full``/``off``); ``actor/ppo_kl`` is reported unless ``off``.
+    or ``off`` (``true``/``false`` mean ``full``/``off``); ``actor/ppo_kl`` is reported unless ``off``, and with
+    ``rollout_log_probs`` also ``actor/rollout_corr/kl`` (verl's ``rollout_corr/kl``: mean of rollout − old log-probs).
     Under ``loss_mode=lossplug`` verl's ``clip_ratio*``, ``clip_ratio_c`` and ``tau_*`` are not read: the recipe's
     parameters are the only ones.
     """
@@ -286,25 +288,30 @@ def group_ids(index: Any) -> Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
-def _int(value: Any) -> Optional[int]:
+def _count(info: Mapping[str, Any], key: str) -> Optional[int]:
+    """A count of ``global_batch_info``, refused (never truncated) unless it is a whole number."""
+    value = info.get(key)
     if value is None:
         return None
-    return int(value.item()) if isinstance(value, torch.Tensor) else int(value)
+    return whole_count(value.item() if isinstance(value, torch.Tensor) else value,
+                       f"config.global_batch_info[{key!r}]")
 
 
-def verl_normalizer(global_batch_info: Optional[Mapping[str, Any]], mask: Tensor) -> tuple[Optional[Normalizer], int]:
+def verl_normalizer(global_batch_info: Optional[Mapping[str, Any]], mask: Tensor, *,
+                    counts_needed: bool = True) -> tuple[Optional[Normalizer], int]:
     """``(Normalizer, dp_size)`` from verl's ``global_batch_info`` for a micro-batch whose kept action mask is ``mask``.
 
     With no global counts and ``dp_size == 1`` the micro-batch is its own population (verl's ``agg_loss`` fallback);
-    with ``dp_size > 1`` a missing count is an error, as in verl.
+    with ``dp_size > 1`` a missing count is an error, as in verl — unless ``counts_needed`` is False (``token_sum``,
+    like verl's ``token-sum``, reads no population).
     """
     info = dict(global_batch_info or {})
-    dp_size = _int(info.get("dp_size")) or 1
-    tokens = _int(info.get("batch_num_tokens"))
-    sequences = _int(info.get("global_batch_size"))
+    dp_size = _count(info, "dp_size") or 1
+    tokens = _count(info, "batch_num_tokens")
+    sequences = _count(info, "global_batch_size")
     budget = info.get("loss_scale_factor")
     if tokens is None or sequences is None:
-        if dp_size > 1:
+        if dp_size > 1 and counts_needed:
             missing = [k for k, v in (("batch_num_tokens", tokens), ("global_batch_size", sequences)) if v is None]
             raise LossplugError(f"lossplug policy loss: config.global_batch_info has dp_size={dp_size} but no "
                                 f"{' / '.join(missing)}; without the global counts the loss cannot be normalised over "
@@ -401,7 +408,7 @@ def compute_policy_loss_lossplug(
         log_prob, old_log_prob, advantages, mask = rows(log_prob), rows(old_log_prob), rows(advantages), mask[keep]
         rollout_is_weights, rollout_log_probs = rows(rollout_is_weights), rows(rollout_log_probs)
 
-    normalizer, dp_size = verl_normalizer(info, mask)
+    normalizer, dp_size = verl_normalizer(info, mask, counts_needed=reduction != "token_sum")
     if reduction == "fixed" and compiled.reduction.params.budget is None and (normalizer is None
                                                                                or normalizer.budget is None):
         raise LossplugError(f"{POLICY_RECIPE_KEY}: reduction 'fixed' needs a budget: set "
@@ -422,6 +429,11 @@ def compute_policy_loss_lossplug(
             # verl's ppo_kl is lossplug's update/approx_kl: mean over the actions of old_log_prob − log_prob
             approx_kl = found.pop("update/approx_kl", None)
             tensors = {} if approx_kl is None else {"actor/ppo_kl": approx_kl}
+            # lossplug's engine/approx_kl is verl's rollout_corr/kl (mean of rollout − old log-probs); under the
+            # actor's prefix, beside the trainer's own whole-batch value rather than in its place
+            engine_kl = found.pop("engine/approx_kl", None)
+            if engine_kl is not None:
+                tensors["actor/rollout_corr/kl"] = engine_kl
             tensors.update({f"actor/lossplug/{k}": v for k, v in found.items()})
             values = torch.stack([t.detach().double().reshape(()) for t in tensors.values()]).tolist()
         metrics = dict(zip(tensors, values))

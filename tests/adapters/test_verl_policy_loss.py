@@ -14,17 +14,19 @@ import torch
 
 pytest.importorskip("verl")
 
-from verl.trainer.ppo.core_algos import get_policy_loss_fn  # noqa: E402
+import numpy as np  # noqa: E402
+from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn  # noqa: E402
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
-from lossplug.adapters.verl import LOSS_AGG_MODES, LossplugPolicyLossConfig  # noqa: E402
-from lossplug.contracts import LossplugError  # noqa: E402
+import lossplug  # noqa: E402
+from lossplug.adapters.verl import LOSS_AGG_MODES, LossplugPolicyLossConfig, verl_normalizer  # noqa: E402
+from lossplug.contracts import LossplugError, Normalizer  # noqa: E402
 
 DT = torch.float64
 TOL = 1e-6
 B, T, DP, MICRO = 8, 14, 2, 2
-#: the loss_agg_modes that have a lossplug reduction (token-sum has none)
-MODES = [m for m, r in LOSS_AGG_MODES.items() if r is not None]
+#: every loss_agg_mode: each has a lossplug reduction
+MODES = list(LOSS_AGG_MODES)
 
 
 def make_inputs(seed: int, *, sequence_advantage: bool = False, empty_rows: tuple[int, ...] = (),
@@ -275,11 +277,83 @@ def test_a_reduction_that_differs_from_loss_agg_mode_is_reported(fresh_warnings)
         run("lossplug", cfg, next(micro_batches(inputs)), "token-mean")
 
 
-def test_token_sum_has_no_lossplug_reduction_and_says_so(fresh_warnings):
+def test_a_token_reduction_under_token_sum_is_reported(fresh_warnings):
     inputs = make_inputs(9)
     cfg = with_info(lossplug_config(["ppo_clip"], "token", "token-sum"), inputs, None)
     with pytest.warns(UserWarning, match="loss_agg_mode=token-sum"):
         run("lossplug", cfg, next(micro_batches(inputs)), "token-sum")
+
+
+def test_every_loss_agg_mode_has_a_reduction():
+    assert set(LOSS_AGG_MODES) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                                   "token-sum"}
+    assert all(lossplug.registry().plugins["reduction"].get(r) is not None for r in LOSS_AGG_MODES.values())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_reduction_is_verls_agg_loss_under_its_dp_scaling(mode):
+    """lossplug.reduce with the adapter's Normalizer × dp_size against verl's agg_loss itself, on a per-token loss
+    matrix with garbage off the mask and an empty row, rank by rank and micro-batch by micro-batch: loss and
+    gradient."""
+    inputs = make_inputs(15, empty_rows=(2,))
+    g = torch.Generator().manual_seed(150)
+    loss_mat = torch.where(inputs["response_mask"], torch.randn(B, T, generator=g, dtype=DT), 1e3)
+    info = global_info(inputs, lsf_for(mode))
+    ours_mat, verl_mat = loss_mat.clone().requires_grad_(), loss_mat.clone().requires_grad_()
+    total = 0
+    for start in range(0, B, MICRO):
+        rows = slice(start, start + MICRO)
+        width = int(inputs["lengths"][rows].max())
+        mask = inputs["response_mask"][rows, :width]
+        ref = agg_loss(verl_mat[rows, :width], mask, mode, **info)
+        normalizer, dp_size = verl_normalizer(info, mask)
+        ours = lossplug.reduce(ours_mat[rows, :width], mask, normalizer=normalizer,
+                               reduction=LOSS_AGG_MODES[mode]) * dp_size
+        assert (ours - ref).abs().item() <= 1e-15 * max(1.0, ref.abs().item())
+        ref.backward()
+        ours.backward()
+        total = total + ours.detach()
+    assert (ours_mat.grad - verl_mat.grad).abs().max().item() <= 1e-15
+    # DDP averages the ×dp_size losses over the ranks: the whole step's aggregation on one rank
+    whole = agg_loss(loss_mat, inputs["response_mask"], mode, **{**info, "dp_size": 1})
+    assert (total / DP - whole).abs().item() <= 1e-12
+
+
+@pytest.mark.parametrize("key", ["batch_num_tokens", "global_batch_size", "dp_size"])
+@pytest.mark.parametrize("wrap", [float, lambda v: torch.tensor(v)], ids=["float", "tensor"])
+def test_fractional_counts_are_refused_like_normalizer_refuses_them(key, wrap):
+    inputs = make_inputs(16)
+    info = {**global_info(inputs), key: wrap(3.5)}
+    with pytest.raises(LossplugError) as ours:
+        verl_normalizer(info, inputs["response_mask"])
+    with pytest.raises(LossplugError) as normalizer:
+        Normalizer(action_tokens=3.5, sequences=2)
+    assert str(ours.value) == f"config.global_batch_info[{key!r}]: must be a whole number, got float 3.5"
+    assert str(ours.value).split(": ", 1)[1] == str(normalizer.value).split(": ", 1)[1]
+    # whole numbers in any numeric type (verl's counts are Python ints, tensors or numpy scalars) pass unchanged
+    whole = {**global_info(inputs), key: wrap(4.0)}
+    assert verl_normalizer(whole, inputs["response_mask"])[1] == (4 if key == "dp_size" else DP)
+    assert verl_normalizer({**global_info(inputs), key: np.int64(4)}, inputs["response_mask"])
+
+
+def test_engine_kl_is_reported_under_verls_rollout_corr_name():
+    from verl.trainer.ppo.rollout_corr_helper import compute_offpolicy_metrics
+
+    inputs = make_inputs(17)
+    g = torch.Generator().manual_seed(170)
+    rollout = (inputs["old_log_prob"] + 0.3 * torch.randn(B, T, generator=g, dtype=DT)).clamp(max=0)
+    cfg = with_info(lossplug_config(["ppo_clip", {"name": "tis", "cap": 2.0}], "token", "token-mean"), inputs, None)
+    for i, mb in enumerate(micro_batches(inputs)):
+        rows, width = slice(i * MICRO, (i + 1) * MICRO), mb["log_prob"].shape[1]
+        _, metrics = get_policy_loss_fn("lossplug")(
+            old_log_prob=mb["old_log_prob"], log_prob=mb["log_prob"], advantages=mb["advantages"],
+            response_mask=mb["response_mask"], loss_agg_mode="token-mean", config=cfg,
+            rollout_log_probs=rollout[rows, :width])
+        verl = compute_offpolicy_metrics(mb["old_log_prob"], rollout[rows, :width], mb["response_mask"])
+        assert metrics["actor/rollout_corr/kl"] == pytest.approx(verl["kl"], rel=1e-12, abs=1e-15)
+    _, plain = run("lossplug", with_info(lossplug_config(["ppo_clip"], "token", "token-mean"), inputs, None),
+                   next(micro_batches(inputs)), "token-mean")[1:]
+    assert "actor/rollout_corr/kl" not in plain and "actor/ppo_kl" in plain
 
 
 def test_fixed_reduction_without_a_budget_names_the_config_key():
@@ -295,6 +369,16 @@ def test_dp_size_above_one_without_global_counts_is_an_error():
     cfg.global_batch_info.update({"dp_size": 2, "batch_num_tokens": None, "global_batch_size": B})
     with pytest.raises(LossplugError, match="batch_num_tokens"):
         run("lossplug", cfg, next(micro_batches(inputs)), "token-mean")
+
+
+def test_token_sum_needs_no_global_counts_like_verls():
+    inputs = make_inputs(18)
+    info = {"dp_size": DP, "batch_num_tokens": None, "global_batch_size": None}
+    ref = actor_config(PolicyLossConfig(loss_mode="vanilla"), "token-sum")
+    ours = lossplug_config([{"name": "ppo_clip", "dual_clip_c": 3.0}], "token_sum", "token-sum")
+    ref.global_batch_info.update(info)
+    ours.global_batch_info.update(info)
+    compare("vanilla", ref, ours, inputs, "token-sum")
 
 
 def test_recipe_corrections_and_verl_rollout_correction_are_not_applied_twice():
