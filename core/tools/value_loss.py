@@ -7,11 +7,16 @@ rollout, ``R = A_GAE + V_old`` the returns (``AdvantageResult.returns``) and ``�
     ℓ_t    = ½ · max((V − R)², (V_clip − R)²)                               per action token
     loss   = Σ_{action tokens} ℓ_t / N                                       reduction "token" (default)
            = Σ_i (Σ_t ℓ_it / |o_i|) / S                                      reduction "response"
+           = Σ_i Σ_t ℓ_it / S                                                reduction "sequence_sum"
+           = Σ_i Σ_t ℓ_it / (budget · S)                                     reduction "fixed"
+           = Σ_i Σ_t ℓ_it                                                    reduction "token_sum"
     clip_frac = #{action tokens where (V_clip − R)² > (V − R)²} / #{action tokens of this micro-batch}
 
-``N`` and ``S`` are the population of the whole optimizer step when a :class:`~lossplug.Normalizer` (or a global
-``action_tokens`` count) is given — then the loss of a micro-batch is its *share* and the sum over all micro-batches
-and ranks equals the full-batch loss exactly — else this micro-batch's own action tokens / responses.
+The reduction is any registered reduction plugin (the list above is the built-ins'), applied by
+:func:`lossplug.reduce` exactly as the policy loss applies it. ``N`` and ``S`` are the population of the whole
+optimizer step when a :class:`~lossplug.Normalizer` (or a global ``action_tokens`` count) is given — then the loss of
+a micro-batch is its *share* and the sum over all micro-batches and ranks equals the full-batch loss exactly — else
+this micro-batch's own action tokens / responses.
 
 Gradient contract (seed 003, "why the max"), per token, of ``ℓ_t`` with respect to ``V``:
 
@@ -25,12 +30,15 @@ The branch is chosen with ``torch.where(clipped, clipped_branch, raw_branch)`` (
 same rule as the clip fraction), so ties take the raw branch and its gradient; the value equals ``torch.max``
 exactly. ``V_old`` and ``R`` are treated as constants (no gradient flows into them).
 
-Matches verl 0.9.1 ``compute_value_loss`` (loss, gradient, clip fraction) under ``loss_agg_mode="token-mean"`` and
-``"seq-mean-token-mean"`` with ``dp_size = 1``; verl multiplies by ``dp_size`` to cancel DDP gradient averaging,
-which is the adapter's business, not this function's. One deliberate difference, on a measure-zero set: exactly at
-the band's edges ``V = V_old ± ε`` the clip is ``torch.clamp`` (edges inside the band, gradient ``V − R``, seed case
-1), where verl's ``max(min(·))`` and ``torch.max`` split tied gradients (``0.75·(V − R)`` there). Non-action positions may hold anything (NaN, inf): they are
-replaced by 0 before any arithmetic, so they reach neither the loss nor the gradient.
+Matches verl 0.9.1 ``compute_value_loss`` (loss, gradient, clip fraction) under every ``loss_agg_mode``, with the
+reduction the verl adapter pairs with it (``token-mean`` ``token``, ``seq-mean-token-mean`` ``response``,
+``seq-mean-token-sum`` ``sequence_sum``, ``seq-mean-token-sum-norm`` ``fixed`` with budget ``loss_scale_factor``,
+``token-sum`` ``token_sum``) and verl's global counts in the ``Normalizer``; verl multiplies by ``dp_size`` to cancel
+DDP gradient averaging, which is the adapter's business, not this function's. One deliberate difference, on a
+measure-zero set: exactly at the band's edges ``V = V_old ± ε`` the clip is ``torch.clamp`` (edges inside the band,
+gradient ``V − R``, seed case 1), where verl's ``max(min(·))`` and ``torch.max`` split tied gradients
+(``0.75·(V − R)`` there). Non-action positions may hold anything (NaN, inf): they are replaced by 0 before any
+arithmetic, so they reach neither the loss nor the gradient.
 
 Arguments are checked with :class:`lossplug.contracts.checks.Checks`, like every contract: every bad input raises a
 :class:`~lossplug.BatchValidationError` (a :class:`~lossplug.LossplugError`) naming the field, the rule and the
@@ -40,11 +48,11 @@ rows/positions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from lossplug.contracts import Normalizer
+from lossplug.contracts import LossplugError, Normalizer
 from lossplug.contracts.checks import Checks
 from lossplug.ops import zero_off
 
@@ -70,16 +78,19 @@ class ValueLossOutput:
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor, *,
-               clip_eps: Optional[float] = 0.2, reduction: Literal["token", "response"] = "token",
+               clip_eps: Optional[float] = 0.2, reduction: Union[str, Mapping[str, Any]] = "token",
                normalizer: Optional[Normalizer] = None, action_tokens: Optional[int] = None,
                validate: bool = True) -> ValueLossOutput:
     """PPO clipped value loss ``½·max((V−R)², (clip(V, V_old±ε)−R)²)`` reduced over action tokens.
 
     ``values`` ``[B, T]`` are the current predictions ``V`` (gradient), ``old_values`` the rollout critic's ``V_old``,
     ``returns`` ``R = A_GAE + V_old``, ``action_mask`` ``[B, T]`` bool. ``clip_eps=None`` disables clipping
-    (plain ``½(V−R)²``). The population: ``normalizer`` (the step's :class:`~lossplug.Normalizer`) or
-    ``action_tokens`` (only the global token count, e.g. verl's ``batch_num_tokens``; token reduction only); neither:
-    this micro-batch. ``validate=False`` skips every check (and its one host sync).
+    (plain ``½(V−R)²``). ``reduction`` is any registered reduction, named as a recipe names one (``"token"``,
+    ``"response"``, ``"sequence_sum"``, ``"token_sum"``, ``{"name": "fixed", "budget": 512}``…): the same plugin the
+    policy loss uses, through :func:`lossplug.reduce`. The population: ``normalizer`` (the step's
+    :class:`~lossplug.Normalizer`) or ``action_tokens`` (only the global token count, e.g. verl's
+    ``batch_num_tokens``; token reduction only); neither: this micro-batch. ``validate=False`` skips every check
+    (and its one host sync).
     """
     if validate:
         _check_value_args(values, old_values, returns, action_mask, clip_eps, reduction, normalizer, action_tokens)
@@ -98,19 +109,12 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask:
         per_token = 0.5 * torch.where(clipped, cl, raw)
     per_token = zero_off(per_token, mask)
 
+    from lossplug.pipeline import reduce  # the pipeline resolves plugins; a tool stays importable without them
+
     n_local = mask.sum()
-    if reduction == "token":
-        if normalizer is not None:
-            denom = normalizer.action_tokens
-        elif action_tokens is not None:
-            denom = action_tokens
-        else:
-            denom = n_local.clamp(min=1)
-        loss = per_token.sum() / denom
-    else:
-        lengths = mask.sum(-1).clamp(min=1).to(per_token.dtype)
-        denom = normalizer.sequences if normalizer is not None else mask.shape[0]
-        loss = (per_token.sum(-1) / lengths).sum() / denom
+    if action_tokens is not None:  # a token count alone: the token mean reads nothing else
+        normalizer = Normalizer(action_tokens=action_tokens, sequences=mask.shape[0])
+    loss = reduce(per_token, mask, normalizer=normalizer, reduction=reduction)
 
     with torch.no_grad():
         n = n_local.clamp(min=1)
@@ -143,15 +147,14 @@ def _check_value_args(values, old_values, returns, action_mask, clip_eps, reduct
     aligned &= c.tensor("action_mask", action_mask, kind="bool", shape=shape, like=like)
     if clip_eps is not None:
         c.number("clip_eps", clip_eps, ge=0.0, allow_inf=True)
-    if reduction not in ("token", "response"):
-        c.fail("reduction", f"must be 'token' or 'response', got {reduction!r}")
+    reduction_name = _reduction_name(c, reduction)
     if normalizer is not None and not isinstance(normalizer, Normalizer):
         c.fail("normalizer", f"must be a lossplug.Normalizer, got {type(normalizer).__name__}")
         normalizer = None
     if action_tokens is not None:
         if normalizer is not None:
             c.fail("action_tokens", "give either normalizer or action_tokens, not both")
-        elif reduction != "token":
+        elif reduction_name != "token":
             c.fail("action_tokens", "is a token count: it only fits reduction 'token' (use a Normalizer)")
         else:
             c.number("action_tokens", action_tokens, gt=0, integer=True)
@@ -171,3 +174,15 @@ def _check_value_args(values, old_values, returns, action_mask, clip_eps, reduct
         c.fail("normalizer", f"the global population ({normalizer.sequences} sequences) is smaller than this "
                              f"micro-batch ({mask.shape[0]} sequences)")
     c.raise_if_any()
+
+
+def _reduction_name(c: Checks, reduction: Any) -> Optional[str]:
+    """The registered reduction's name, or a violation that says what is registered."""
+    from lossplug.pipeline import compile_reduction
+
+    try:
+        return compile_reduction(reduction, "reduction").plugin.name
+    except LossplugError as err:
+        c.fail("reduction", f"must be 'token' or 'response' or another registered reduction, got {reduction!r} "
+                            f"({str(err).split(': ', 1)[-1]})")
+        return None

@@ -184,6 +184,67 @@ def test_matches_verl_global_batch_and_seq_mean(verl_algos):
     torch.testing.assert_close(vf_loss, ours.loss, atol=1e-6, rtol=1e-6)
 
 
+def _verl_modes():
+    from lossplug.adapters.verl import LOSS_AGG_MODES
+
+    return LOSS_AGG_MODES
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                                  "token-sum"])
+@pytest.mark.parametrize("budget_in", ["normalizer", "spec"])
+def test_matches_verl_under_every_loss_agg_mode_across_ranks_and_micro_batches(verl_algos, mode, budget_in):
+    """dp_size 2 × 2 micro-batches, each cut to its own longest response, with verl's global counts: every
+    micro-batch's loss (× dp_size, verl's scaling) and the gradient equal verl's compute_value_loss; the shares add up
+    to the whole."""
+    B, T, D, micro, budget = 8, 10, 2, 2, 12.0
+    values, old, returns, mask = _batch(B=B, T=T, seed=20, scale=1.5)
+    lengths = torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(21))
+    mask = mask & (torch.arange(T) < lengths[:, None])
+    mask[torch.arange(B), 0] = True
+    garbage = torch.full((B, T), 1e3, dtype=torch.float64)  # verl multiplies by the mask: finite off it
+    values, old, returns = (torch.where(mask, t, garbage) for t in (values, old, returns))
+    N, S = int(mask.sum()), B
+    lsf = budget if mode == "seq-mean-token-sum-norm" else None
+    reduction = _verl_modes()[mode]
+    if reduction == "fixed" and budget_in == "spec":
+        reduction, norm = {"name": "fixed", "budget": budget}, Normalizer(action_tokens=N, sequences=S)
+    else:
+        norm = Normalizer(action_tokens=N, sequences=S, budget=budget)
+    ours_V, verl_V = values.clone().requires_grad_(), values.clone().requires_grad_()
+    total = 0
+    for start in range(0, B, micro):
+        rows = slice(start, start + micro)
+        width = int(mask[rows].long().cumsum(-1).argmax(-1).max()) + 1
+        cut = (rows, slice(0, width))
+        ref, ref_clip = verl_algos.compute_value_loss(
+            verl_V[cut], returns[cut], old[cut], mask[cut], 0.2, loss_agg_mode=mode, dp_size=D, batch_num_tokens=N,
+            global_batch_size=S, loss_scale_factor=lsf)
+        ours = value_loss(ours_V[cut], old[cut], returns[cut], mask[cut], clip_eps=0.2, reduction=reduction,
+                          normalizer=norm)
+        assert (D * ours.loss - ref).abs().item() <= 1e-12
+        assert ours.clip_frac.item() == pytest.approx(ref_clip.item(), abs=1e-7)  # verl counts in float32
+        (D * ours.loss).backward()
+        ref.backward()
+        total = total + ours.loss.detach()
+    assert (ours_V.grad - verl_V.grad).abs().max().item() <= 1e-12
+    whole = value_loss(values, old, returns, mask, clip_eps=0.2, reduction=reduction, normalizer=norm).loss
+    assert (total - whole).abs().item() <= 1e-12
+
+
+def test_any_registered_reduction_named_like_a_recipe_names_one():
+    values, old, returns, mask = _batch(B=3, T=5, seed=22)
+    per_token = value_loss(values, old, returns, mask, clip_eps=0.2).per_token
+    assert value_loss(values, old, returns, mask, clip_eps=0.2, reduction="token_sum").loss == per_token.sum()
+    fixed = value_loss(values, old, returns, mask, clip_eps=0.2, reduction={"name": "fixed", "budget": 4.0}).loss
+    torch.testing.assert_close(fixed, per_token.sum() / (4.0 * 3))
+    msg = _raises("reduction: must be 'token' or 'response' or another registered reduction", values, old, returns,
+                  mask, reduction="tokn_sum")
+    assert "did you mean 'token_sum'" in msg and "sequence_sum" in msg
+    assert "unknown parameter 'budgt'" in _raises("reduction", values, old, returns, mask,
+                                                  reduction={"name": "fixed", "budgt": 4.0})
+
+
 def test_band_edge_is_inside_the_band_unlike_verls_tie_splitting(verl_algos):
     """At V = V_old ± ε exactly both branches are equal; lossplug takes the raw branch (seed case 1: V − R), verl's
     min/max ties split the gradient between branches and bounds (0.75·(V − R) here) — a deliberate difference."""
