@@ -49,8 +49,9 @@ multiplies its micro-batch share by ``num_processes × steps_per_generation / gr
 in eval). Two populations (``population=``):
 
 * ``"generation"`` (default) — the whole generation batch on all processes: ``num_items_in_batch`` action tokens,
-  ``per_device_batch × steps_per_generation × num_processes`` responses, ``max_completion_length`` as the ``fixed``
-  budget. When ``steps_per_generation == gradient_accumulation_steps`` (TRL's default) that *is* the optimizer
+  ``per_device_batch × steps_per_generation × num_processes`` responses — every row, as TRL counts them: a row
+  emptied by ``mask_truncated_completions`` stays in TRL's mean, where lossplug's default population (no
+  ``Normalizer``) would leave it out — ``max_completion_length`` as the ``fixed`` budget. When ``steps_per_generation == gradient_accumulation_steps`` (TRL's default) that *is* the optimizer
   step, and summing the losses of all micro-batches and processes gives exactly the full-step reduction. Otherwise
   each accumulation window gets its share of the generation batch's reduction — TRL's own convention for ``dapo``.
 * ``"micro_batch"`` — every micro-batch is its own population, extrapolated to the step: what TRL's ``bnpo`` does
@@ -104,8 +105,11 @@ Kept from TRL unchanged: the static entropy bonus (``entropy_coef``), the MoE au
 ``entropy`` and ``kl`` metrics. lossplug's own metrics are logged as ``lossplug/<name>`` in ``self._metrics[mode]``
 (averaged over processes), so they appear in TRL's logs; ``metrics="basic"`` (the default) keeps them to what costs
 about as much as TRL's own clip-ratio metrics, ``metrics="full"`` adds ratio quantiles and effective-sample
-fractions. At ``train()`` the recipe, the provenance and the versions
-are written to ``args.output_dir`` (``recipe.yaml``, ``provenance.json``, ``versions.json``).
+fractions. With behaviour log-probs (vLLM) ``lossplug/engine/approx_kl`` is the mean over the actions of
+``sampling_per_token_logps − old_per_token_logps`` (unscored tokens count 0), the signed k1 KL between the engine and
+the trainer; TRL's ``sampling/sampling_logp_difference/mean`` is the mean of its absolute value. At ``train()``
+the recipe, the provenance and the versions are written to ``args.output_dir`` (``recipe.yaml``,
+``provenance.json``, ``versions.json``).
 """
 
 from __future__ import annotations
