@@ -31,14 +31,26 @@ from lossplug.contracts import LossplugError
 
 @lossplug.reduction("response")
 def response_mean(objective, mask, lengths, population, p):
-    """Mean over responses of each response's token mean (every response weighs the same)."""
+    """Mean over responses of each response's token mean (every response weighs the same).
+
+    Paper: GRPO's per-response mean, Shao et al., 2024, arXiv:2402.03300.
+
+    Reference: verl, ``verl.trainer.ppo.core_algos.agg_loss`` with ``loss_agg_mode="seq-mean-token-mean"``; TRL
+    ``GRPOTrainer`` with ``loss_type="grpo"`` (and ``"sapo"``).
+    """
     per_response = objective.sum(-1) / lengths.clamp(min=1).to(objective.dtype)
     return per_response.sum() / population.sequences
 
 
 @lossplug.reduction("token")
 def token_mean(objective, mask, lengths, population, p):
-    """Global action-token mean (every action token weighs the same; DAPO)."""
+    """Global action-token mean (every action token weighs the same; DAPO).
+
+    Paper: DAPO's token-level policy-gradient loss, Yu et al., 2025, arXiv:2503.14476.
+
+    Reference: verl, ``verl.trainer.ppo.core_algos.agg_loss`` with ``loss_agg_mode="token-mean"``; TRL
+    ``GRPOTrainer`` with ``loss_type="dapo"`` (``"bnpo"`` is the same reduction over each micro-batch alone).
+    """
     return objective.sum() / population.action_tokens
 
 
@@ -48,7 +60,14 @@ class FixedParams(lossplug.Params):
 
 @lossplug.reduction("fixed", params=FixedParams)
 def fixed_budget(objective, mask, lengths, population, p: FixedParams):
-    """Per-response sums divided by a fixed token budget, averaged over responses (Dr. GRPO)."""
+    """Per-response sums divided by a fixed token budget, averaged over responses (Dr. GRPO).
+
+    Paper: Dr. GRPO, Liu et al., 2025, *Understanding R1-Zero-Like Training: A Critical Perspective*,
+    arXiv:2503.20783.
+
+    Reference: verl, ``verl.trainer.ppo.core_algos.agg_loss`` with ``loss_agg_mode="seq-mean-token-sum-norm"``; TRL
+    ``GRPOTrainer`` with ``loss_type="dr_grpo"`` (budget ``max_completion_length``).
+    """
     budget = p.budget if p.budget is not None else population.budget
     if budget is None:
         raise LossplugError("reduction 'fixed' needs a positive budget: set it in the recipe "
@@ -58,7 +77,11 @@ def fixed_budget(objective, mask, lengths, population, p: FixedParams):
 
 @lossplug.reduction("sequence_sum")
 def sequence_sum(objective, mask, lengths, population, p):
-    """Mean over responses of each response's token sum."""
+    """Mean over responses of each response's token sum.
+
+    Reference: verl, ``verl.trainer.ppo.core_algos.agg_loss`` with ``loss_agg_mode="seq-mean-token-sum"``; TRL
+    ``GRPOTrainer`` with ``loss_type="luspo"``.
+    """
     return objective.sum() / population.sequences
 
 
