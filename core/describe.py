@@ -106,3 +106,149 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
     return {"name": recipe.name, "source": preset_source, "recipe": recipe.to_dict(), "yaml": recipe.to_yaml(),
             "stages": stage_rows, "needs": recipe_fields(recipe), "normalizer": normalizer,
             "packed_advantage": packed}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The plugin catalogue: every registered plugin as a Markdown section, generated from the registry (the docs site
+# builds its catalogue page with :func:`catalogue_markdown` on every build, so the page cannot drift from the code).
+
+#: A citation is a paragraph of a plugin's docstring — or, when that has none, of its module's docstring — that starts
+#: with one of these labels: ``Paper:`` for the publication a plugin implements, ``Reference:`` for the trainer
+#: function or convention it reproduces (reductions, engine corrections). The paragraph ends at the next blank line.
+CITATION_LABELS = ("Paper:", "Reference:")
+
+_KIND_TITLES = {"advantage": "Advantages", "gate": "Gates", "reduction": "Reductions"}
+_ROLES = re.compile(r":(?:class|func|meth|mod|data|attr|obj):`~?([^`]+)`")
+
+
+def _paragraphs(text: str) -> list[str]:
+    return [p.strip("\n").rstrip() for p in re.split(r"\n[ \t]*\n", text or "") if p.strip()]
+
+
+def _is_citation(paragraph: str) -> bool:
+    return paragraph.lstrip().startswith(CITATION_LABELS)
+
+
+def citations(plugin) -> list[str]:
+    """The plugin's citations (see :data:`CITATION_LABELS`): the labelled paragraphs of its own docstring, else of
+    its module's docstring; each joined into one line, label included. Empty when it cites nothing."""
+    found = [p for p in _paragraphs(plugin.doc) if _is_citation(p)]
+    if not found:
+        module = sys.modules.get(getattr(plugin.fn, "__module__", ""), None)
+        found = [p for p in _paragraphs(inspect.getdoc(module) or "") if _is_citation(p)]
+    return [" ".join(line.strip() for line in p.strip().splitlines()) for p in found]
+
+
+def formula(plugin) -> str:
+    """The plugin's docstring without its citations: by convention its first line states the formula."""
+    return "\n\n".join(p for p in _paragraphs(plugin.doc) if not _is_citation(p))
+
+
+def catalogue_problems(reg=None, *, builtin_only: bool = True) -> list[str]:
+    """What keeps the catalogue from being complete: a plugin without a formula (docstring), a parameter without a
+    description, a plugin without a citation. Empty when every (built-in) plugin is fully documented."""
+    from .plugin_registry import BUILTIN_SOURCE, registry
+
+    reg = reg or registry()
+    problems = []
+    for kind, plugins in reg.plugins.items():
+        for name, plugin in plugins.items():
+            if builtin_only and reg.origin(kind, name) != BUILTIN_SOURCE:
+                continue
+            if not formula(plugin):
+                problems.append(f"{kind} '{name}': no docstring stating its formula")
+            problems += [f"{kind} '{name}': parameter '{row['name']}' has no description"
+                         for row in parameters(plugin) if not row["description"].strip()]
+            if not citations(plugin):
+                problems.append(f"{kind} '{name}': no citation (a 'Paper: …' or 'Reference: …' paragraph in its "
+                                "docstring or its module's)")
+    return problems
+
+
+def _md(text: str) -> str:
+    """reStructuredText-flavoured docstring → Markdown: roles become code spans, ``::`` introduces the indented
+    (code) block that follows it."""
+    text = _ROLES.sub(lambda m: f"``{m.group(1)}``", text)
+    return re.sub(r"::(\n\s*\n)", r":\1", text)
+
+
+def _cell(value: Any) -> str:
+    text = "—" if value is None or value == "" else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _plugin_markdown(kind: str, name: str, plugin, source: str, details_of: dict[str, str]) -> list[str]:
+    info = plugin_info(kind, name, plugin, source)
+    what = " · ".join(str(x) for x in (kind, info["role"], info["level"]) if x)
+    module = getattr(plugin.fn, "__module__", "")
+    out = [f"### `{name}`", "", f"*{what}* — `{module}`", ""]
+    lines = formula(plugin).splitlines() or ["—"]
+    out += [f"**Formula** — {_md(lines[0])}", ""]
+    if len(lines) > 1:
+        out += [_md("\n".join(lines[1:])), ""]
+    rows = parameters(plugin)
+    if rows:
+        out += ["| parameter | type | default | constraint | description |", "|---|---|---|---|---|"]
+        out += [f"| `{r['name']}` | `{_cell(r['type'])}` | "
+                f"{'required' if r['required'] else '`' + _cell(repr(r['default'])) + '`'} | {_cell(r['constraint'])} | "
+                f"{_cell(_md(r['description']))} |" for r in rows]
+    else:
+        out.append("No parameters.")
+    out.append("")
+    needs = ", ".join(f"`{f}`" for f in info["needs"]) or "none: it reads the gates' objective, the action mask and " \
+        "the step's population (a Normalizer), not batch fields"
+    extra = " (depends on the parameters; shown for the defaults)" if info["requires_depends_on_params"] else ""
+    out += [f"**Batch fields** — {needs}{extra}"]
+    if info["layouts"]:
+        out[-1] += f"; layouts: {', '.join(info['layouts'])}"
+    if info["min_group_size"]:
+        out[-1] += f"; at least {info['min_group_size']} rollouts per group"
+    out.append("")
+    for citation in citations(plugin):
+        label, _, rest = citation.partition(":")
+        out += [f"**{label}** — {_md(rest.strip())}", ""]
+    module_doc = info["module_doc"]
+    if module_doc and module in details_of:
+        out += [f"Details: see [`{details_of[module]}`](#{details_of[module]}).", ""]
+    elif module_doc:
+        details_of[module] = name
+        body = "\n\n".join(p for p in _paragraphs(module_doc) if not _is_citation(p))
+        out += ["**Details**", "", _md(body), ""]
+    return out
+
+
+def catalogue_markdown(reg=None, *, builtin_only: bool = True, title: str = "Plugin catalogue") -> str:
+    """The plugin catalogue as one Markdown page: for every (built-in) advantage, gate and reduction its kind, role
+    and level, formula, parameter table (type, default, constraint, description), the batch fields it needs, its
+    citations and its module's documentation; then the presets with their sources."""
+    from .plugin_registry import BUILTIN_SOURCE, registry
+
+    reg = reg or registry()
+    out = [f"# {title}", "",
+           "Generated from the plugin registry when the documentation is built (`lossplug.describe."
+           "catalogue_markdown`): every built-in plugin as `lossplug show NAME` describes it. Gates return per-token "
+           "**objectives** (to maximise); the loss is `−reduce(objective)`.", ""]
+    details_of: dict[str, str] = {}
+    for kind in ("advantage", "gate", "reduction"):
+        plugins = {n: p for n, p in reg.plugins.get(kind, {}).items()
+                   if not builtin_only or reg.origin(kind, n) == BUILTIN_SOURCE}
+        if not plugins:
+            continue
+        out += [f"## {_KIND_TITLES[kind]}", "",
+                " · ".join(f"[`{n}`](#{n})" for n in plugins), ""]
+        for name, plugin in plugins.items():
+            out += _plugin_markdown(kind, name, plugin, reg.origin(kind, name), details_of)
+    presets = {n: p for n, p in reg.presets.items() if not builtin_only or p.origin == BUILTIN_SOURCE}
+    if presets:
+        out += ["## Presets", "", "Named recipes: `Recipe.preset(NAME)`, `recipe=NAME` in the adapters, "
+                "`lossplug recipe explain NAME`.", "",
+                "| preset | advantage | gates | reduction | source |", "|---|---|---|---|---|"]
+        for name, preset in presets.items():
+            recipe = Recipe.load(preset.recipe).to_dict()
+            stage = lambda s: "—" if not s else (f"`{s['name']}` " + ", ".join(  # noqa: E731
+                f"{k}={v}" for k, v in s.items() if k != "name")).strip()
+            out.append(f"| `{name}` | {_cell(stage(recipe.get('advantage')))} | "
+                       f"{_cell('; '.join(stage(g) for g in recipe.get('gates') or []))} | "
+                       f"{_cell(stage(recipe.get('reduction')))} | {_cell(preset.source)} |")
+        out.append("")
+    return "\n".join(out)
