@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Literal, Optional, TypeVar, overload
 
 import torch
 from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
@@ -58,8 +58,8 @@ class _CheckedTensors:
 
     def put(self, t: Tensor, finite: bool, below: bool) -> None:
         key = id(t)
-        self._entries[key] = (weakref.ref(t, lambda _, key=key: self._entries.pop(key, None)), t._version, finite,
-                              below)
+        self._entries[key] = (weakref.ref(t, lambda _, key=key: self._entries.pop(key, None)),  # type: ignore[misc]
+                              t._version, finite, below)
 
     def clear(self) -> None:
         self._entries.clear()
@@ -124,7 +124,7 @@ def _token_value_rules(checks: Checks, name: str, t: Tensor, mask: Tensor, logpr
 
     finite, below = _extremes(whole, logprob, False)
     checks.when_flag(~(finite & below), find_on_actions, resolved=None if fresh else (
-        lambda failed, whole=whole: _CHECKED.put(whole, not failed, not failed and logprob)))
+        lambda failed, whole=whole: _CHECKED.put(whole, not failed, not failed and logprob)))  # type: ignore[misc]
 
 
 def _values_pass_on_host(t: Tensor, mask: Tensor, logprob: bool) -> bool:
@@ -177,7 +177,13 @@ def _rows_act_on_host(mask: Tensor) -> bool:
     return ok
 
 
-def _extremes(x: Tensor, logprob: bool, host: bool):
+@overload
+def _extremes(x: Tensor, logprob: bool, host: Literal[True]) -> tuple[bool, bool]: ...
+@overload
+def _extremes(x: Tensor, logprob: bool, host: Literal[False]) -> tuple[Tensor, Tensor]: ...
+
+
+def _extremes(x: Tensor, logprob: bool, host: bool) -> tuple[bool, bool] | tuple[Tensor, Tensor]:
     """``(finite, at_most_tolerance)`` of every element of ``x``: Python bools on the host, else 0-d flags."""
     if not logprob and x.element_size() >= 4:  # finiteness alone: the sum (any NaN or inf reaches it)
         total = x.sum()
@@ -186,8 +192,8 @@ def _extremes(x: Tensor, logprob: bool, host: bool):
         return torch.isfinite(total), torch.ones((), dtype=torch.bool, device=x.device)
     low, high = torch.aminmax(x.detach())
     if host:
-        low, high = low.item(), high.item()  # NaN fails both comparisons
-        return low > -math.inf, (high <= LOGP_TOLERANCE) if logprob else (high < math.inf)
+        lo, hi = low.item(), high.item()  # NaN fails both comparisons
+        return lo > -math.inf, (hi <= LOGP_TOLERANCE) if logprob else (hi < math.inf)
     return low > float("-inf"), (high <= LOGP_TOLERANCE) if logprob else (high < float("inf"))
 
 
@@ -226,18 +232,23 @@ def _finite_rule(checks: Checks, name: str, t: Tensor) -> None:
         checks.when_not_finite(t, name)
 
 
+_M = TypeVar("_M", bound="_TensorModel")
+
+
 class _TensorModel(BaseModel):
     """Shared machinery: tensor-only fields, typo-aware unknown-field errors, checked/unchecked construction."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
     _validated: bool = PrivateAttr(default=False)
+    _DEFAULTS: ClassVar[dict[str, None]]  # per-class caches, set on first use (read from the class's own __dict__)
+    _REQUIRED: ClassVar[tuple[str, ...]]
 
     def __init__(self, /, **data: Any) -> None:
         # A contract is built once per micro-batch in a trainer's hot loop. pydantic's own validation would only
         # repeat the type checks of _tensors_only (every field a tensor or None) at several µs: the fields are set
         # as model_construct sets them and the contract runs right after, exactly as after pydantic's validation.
         cls = type(self)
-        cls._tensors_only(data)
+        cls._tensors_only(data)  # type: ignore[operator]  # pydantic's validator proxy calls through
         values = dict(cls._defaults())
         values.update(data)
         object.__setattr__(self, "__dict__", values)
@@ -305,14 +316,15 @@ class _TensorModel(BaseModel):
                 checks.fail(key, "is required")
 
     @model_validator(mode="after")
-    def _run_contract(self):
+    def _run_contract(self) -> _TensorModel:
         self.check(types_checked=True)
         return self
 
     @classmethod
-    def unchecked(cls, **fields: Optional[Tensor]):
+    def unchecked(cls: type[_M], **fields: Optional[Tensor]) -> _M:
         """Build without any validation (hot path). ``policy_loss(validate="full")`` still checks it later."""
-        return cls.model_construct(**fields)
+        # None: _fields_set, as by default; the pydantic plugin types model_construct on the declaring class
+        return cls.model_construct(None, **fields)  # type: ignore[return-value]
 
     @property
     def validated(self) -> bool:
@@ -327,7 +339,7 @@ class _TensorModel(BaseModel):
                 checks.raise_if_any()
             self._rules(checks)
             checks.raise_if_any()
-        self.__pydantic_private__["_validated"] = True
+        self.__pydantic_private__["_validated"] = True  # type: ignore[index]  # set in __init__/model_construct
 
     def _passes(self) -> bool:
         """True when every rule holds, tested the quick way (on the CPU: no report, no flags); False when a rule
@@ -338,7 +350,7 @@ class _TensorModel(BaseModel):
     def _rules(self, checks: Checks) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def replace(self, **fields: Optional[Tensor]):
+    def replace(self: _M, **fields: Optional[Tensor]) -> _M:
         """A copy with some fields replaced, validated again."""
         return type(self)(**{**self.fields(), **fields})
 

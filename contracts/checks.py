@@ -98,7 +98,7 @@ class Checks:
         self.fail(name, f"must be {noun} tensor, got {t.dtype}{hint}")
         return False
 
-    def tensor(self, name: str, t, *, kind: str = "float", ndim: Optional[tuple[int, ...]] = None,
+    def tensor(self, name: str, t: object, *, kind: str = "float", ndim: Optional[tuple[int, ...]] = None,
                shape: Optional[tuple[int, ...]] = None, like: str = "") -> bool:
         """Type, dtype, rank, shape and device rules of one tensor argument; False if any failed."""
         if not isinstance(t, torch.Tensor):
@@ -119,7 +119,7 @@ class Checks:
             ok = False
         return ok
 
-    def number(self, name: str, value, *, ge: Optional[float] = None, gt: Optional[float] = None,
+    def number(self, name: str, value: object, *, ge: Optional[float] = None, gt: Optional[float] = None,
                allow_inf: bool = False, integer: bool = False) -> bool:
         """Rules of a scalar parameter: a real number, finite (unless ``allow_inf``), and bounded below."""
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LossplugError(Exception):
@@ -53,7 +56,7 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def describe_positions(index, limit: int = 8, noun: str = "rows") -> str:
+def describe_positions(index: torch.Tensor, limit: int = 8, noun: str = "rows") -> str:
     """Render the offending places of a boolean mask or an index tensor: 'rows [1, 4]' / '(row 2, pos 5), …'."""
     import torch
 

@@ -11,7 +11,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypeGuard, Union
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from lossplug.contracts import PackedTransitions, PolicyBatch, Recipe, Violation
+    from lossplug.plugin import AdvantagePlugin, Params
+
+    Contract = Union[type[PolicyBatch], type[PackedTransitions]]
 
 from lossplug.contracts.errors import LossplugError
 
@@ -138,7 +146,7 @@ def load_batch_file(path: Path) -> dict[str, Any]:
 # Checking
 
 
-def infer_contract(fields: set[str], choice: str = "auto") -> type:
+def infer_contract(fields: set[str], choice: str = "auto") -> Contract:
     """The contract a dump is checked against: :class:`PolicyBatch` or :class:`PackedTransitions`.
 
     ``choice`` is ``"policy"``, ``"packed"`` or ``"auto"`` (decided from the field names; :class:`UnreadableFile`
@@ -175,8 +183,8 @@ class BatchWarning:
 class BatchCheck:
     """The outcome of :func:`check_batch`: every violation, the warnings, and the batch when the contract built it."""
 
-    contract: type
-    violations: list = field(default_factory=list)
+    contract: Contract
+    violations: list[Violation] = field(default_factory=list)
     warnings: list[BatchWarning] = field(default_factory=list)
     batch: Any = None
 
@@ -186,7 +194,7 @@ class BatchCheck:
         return not self.violations
 
 
-def _contract_violations(tensors: dict[str, Any], contract) -> tuple[list, Any]:
+def _contract_violations(tensors: dict[str, Any], contract: Contract) -> tuple[list[Violation], Any]:
     import torch
 
     from lossplug.contracts import BatchValidationError
@@ -213,7 +221,7 @@ def _contract_violations(tensors: dict[str, Any], contract) -> tuple[list, Any]:
     return violations, None
 
 
-def _usable_ids(group_id) -> bool:
+def _usable_ids(group_id: Any) -> TypeGuard[Tensor]:
     """A 1-D integer tensor: anything else is the contract's to report, not ours to count."""
     import torch
 
@@ -221,13 +229,14 @@ def _usable_ids(group_id) -> bool:
             and not group_id.dtype.is_floating_point and not group_id.is_complex())
 
 
-def name_values(values: list, shown: int = SHOWN_GROUPS) -> str:
+def name_values(values: list[Any], shown: int = SHOWN_GROUPS) -> str:
     """``"3, 7, 9"``, or the first ``shown`` and how many more: a warning must stay one readable line."""
     head = ", ".join(str(v) for v in values[:shown])
     return head if len(values) <= shown else f"{head} … and {len(values) - shown} more"
 
 
-def singleton_group_warning(group_id, plugin, params=None) -> Optional[BatchWarning]:
+def singleton_group_warning(group_id: Tensor, plugin: AdvantagePlugin, params: Optional[Params] = None
+                            ) -> Optional[BatchWarning]:
     """A warning naming the groups of one rollout, when ``plugin`` (with ``params``, or its defaults) scores
     rollouts against their group.
 
@@ -254,12 +263,12 @@ def singleton_group_warning(group_id, plugin, params=None) -> Optional[BatchWarn
         f"group_id {name_values(lone)}", tuple(lone))
 
 
-def _plugin_validator_violations(batch, recipe) -> list:
+def _plugin_validator_violations(batch: Union[PolicyBatch, PackedTransitions], recipe: Recipe) -> list[Violation]:
     """What the plugins' ``lossplug_validate_batch`` hooks find; a malformed answer is blamed on its plugin."""
     from lossplug.contracts import PluginError, Violation
     from lossplug.plugin_registry import call_hook
 
-    violations = []
+    violations: list[Violation] = []
     for origin, found in call_hook("lossplug_validate_batch", batch=batch, recipe=recipe):
         if not isinstance(found, (list, tuple)) or not all(isinstance(v, Violation) for v in found):
             items = sorted({type(v).__name__ for v in found}) if isinstance(found, (list, tuple)) else []
@@ -270,7 +279,7 @@ def _plugin_validator_violations(batch, recipe) -> list:
     return violations
 
 
-def check_batch(tensors: dict[str, Any], contract: type, recipe=None) -> BatchCheck:
+def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Optional[Recipe] = None) -> BatchCheck:
     """Every violation of ``contract`` at once, then what ``recipe`` (a :class:`Recipe` or None) adds: the fields
     its stages need, its advantage's group-size rule, its plugins' own validators — and warnings that do not make
     the batch invalid (groups of one rollout under a group-relative advantage).

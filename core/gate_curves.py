@@ -9,7 +9,14 @@ imported inside the functions.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from lossplug.plugin import AnyPlugin, Params
+    from lossplug.plugin_registry import Registry
 
 
 def parse_assignments(items: Optional[Iterable[str]], what: str) -> dict[str, Any]:
@@ -37,10 +44,10 @@ def parse_gate_spec(text: str) -> dict[str, Any]:
     return {"name": name.strip(), **parse_assignments([kv for kv in rest.split(",") if kv], "--gate parameters")}
 
 
-def default_gate_specs(registry) -> list[dict[str, Any]]:
+def default_gate_specs(registry: Registry) -> list[dict[str, Any]]:
     """Every registered update gate (plus PPO's dual clip), then every correction: what a full plot shows."""
     gates = registry.plugins["gate"]
-    specs = []
+    specs: list[dict[str, Any]] = []
     for name in sorted(n for n, p in gates.items() if p.role == "update"):
         specs.append({"name": name})
         if name == "ppo_clip":
@@ -49,11 +56,11 @@ def default_gate_specs(registry) -> list[dict[str, Any]]:
     return specs
 
 
-def _params_of(plugin, spec: dict[str, Any]):
+def _params_of(plugin: AnyPlugin, spec: dict[str, Any]) -> Params:
     return plugin.params.model_validate({k: v for k, v in spec.items() if k != "name"})
 
 
-def gate_coefficients(spec: dict[str, Any], ratios, advantage: float):
+def gate_coefficients(spec: dict[str, Any], ratios: npt.ArrayLike, advantage: float) -> np.ndarray:
     """∂J/∂logp per token, by autograd through the real plugin and ``lossplug.policy_loss``.
 
     Update gates: one single-token response per ratio ``r = π_θ/π_old`` (``behavior_logp = old_logp``, so ratios

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -83,14 +83,14 @@ class _ZeroOff(torch.autograd.Function):
     bool mask again (two passes) in each backward. Double backward goes through :func:`zero_off` (differentiable)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, mask: Tensor, bits: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, mask: Tensor, bits: Tensor) -> Tensor:
         ctx.save_for_backward(mask)
         ctx.bits = bits  # never written in place by anyone: no version counter needed
         ctx.shape = x.shape
         return _and_bits(x, bits)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         (mask,) = ctx.saved_tensors
         bits = ctx.bits if grad.element_size() == ctx.bits.element_size() else None
         out = zero_off(grad, mask, bits)  # linear in grad: itself differentiable (double backward works)
@@ -114,7 +114,7 @@ def zero_off(x: Tensor, mask: Tensor, bits: Optional[Tensor] = None) -> Tensor:
     if bits is None or bits.element_size() != x.element_size():
         bits = action_bits(mask, x.dtype)
     if x.requires_grad and torch.is_grad_enabled():
-        return _ZeroOff.apply(x, mask, bits)
+        return _ZeroOff.apply(x, mask, bits)  # type: ignore[no-any-return]  # Function.apply is untyped
     return _and_bits(x, bits)
 
 
@@ -173,12 +173,12 @@ def any_rows(mask: Tensor) -> Tensor:
     return mask.view(torch.uint8).amax(-1).bool()
 
 
-def masked_sum(x: Tensor, mask: Tensor, dim=None) -> Tensor:
+def masked_sum(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
     x = torch.where(mask, x, 0)
     return x.sum() if dim is None else x.sum(dim)
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
+def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
     """Mean over masked positions; NaN-safe (unmasked positions are never read)."""
     count = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(x, mask, dim) / count.clamp(min=1)

@@ -24,7 +24,7 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Literal, Mapping, Optional, overload
 
 import pluggy
 
@@ -43,7 +43,8 @@ BUILTIN_NAME = "lossplug.builtin"
 ENTRY_POINT_PREFIX = "entrypoint:"
 IMPORT_FAILED = "failed to import"
 
-KINDS = {"advantage": AdvantagePlugin, "gate": GatePlugin, "reduction": ReductionPlugin}
+KINDS: dict[str, type[AdvantagePlugin] | type[GatePlugin] | type[ReductionPlugin]] = {
+    "advantage": AdvantagePlugin, "gate": GatePlugin, "reduction": ReductionPlugin}
 HOOKS = {
     "advantage": "lossplug_register_advantages",
     "gate": "lossplug_register_gates",
@@ -125,6 +126,15 @@ class Registry:
             self.presets[name] = Preset(name, dict(recipe), source, origin)
 
     # -- lookups: the recipe catalogue (lossplug.recipe_catalog) and compiled recipes ------------------------------
+    @overload
+    def lookup(self, kind: Literal["advantage"], name: str, where: str = "") -> AdvantagePlugin: ...
+    @overload
+    def lookup(self, kind: Literal["gate"], name: str, where: str = "") -> GatePlugin: ...
+    @overload
+    def lookup(self, kind: Literal["reduction"], name: str, where: str = "") -> ReductionPlugin: ...
+    @overload
+    def lookup(self, kind: str, name: str, where: str = "") -> AnyPlugin: ...
+
     def lookup(self, kind: str, name: str, where: str = "") -> AnyPlugin:
         prefix = f"{where}: " if where else ""
         if (kind, name) in self.duplicates:
@@ -245,7 +255,7 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
 
     for kind, hook_name in HOOKS.items():
         call_hook(hook_name, pm=pm, origin_of=origin_of, on_error=contain,
-                  arguments_for=lambda origin, kind=kind: {
+                  arguments_for=lambda origin, kind=kind: {  # type: ignore[misc]
                       "register": lambda plugin: registry.add(kind, plugin, origin)})
     call_hook("lossplug_register_presets", pm=pm, origin_of=origin_of, on_error=contain,
               arguments_for=lambda origin: {
@@ -304,7 +314,8 @@ def call_hook(name: str, *, pm: Optional[pluggy.PluginManager] = None,
     name; ``pm`` defaults to :func:`plugin_manager`.
     """
     pm = pm if pm is not None else plugin_manager()
-    pass_through = _pass_through() if on_error is not None else (LossplugError, *_pass_through())
+    pass_through: tuple[type[BaseException], ...] = (_pass_through() if on_error is not None
+                                                     else (LossplugError, *_pass_through()))
     results = []
     for impl in reversed(getattr(pm.hook, name).get_hookimpls()):  # pluggy calls the last registered first
         origin = origin_of(impl.plugin_name)
@@ -338,7 +349,7 @@ def _ensure() -> tuple[pluggy.PluginManager, Registry]:
                 _generation += 1
                 registry.generation = _generation
                 _pm, _registry = pm, registry
-    return _pm, _registry
+    return _pm, _registry  # type: ignore[return-value]  # _pm is set with _registry
 
 
 def plugin_manager() -> pluggy.PluginManager:

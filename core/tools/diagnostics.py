@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -46,7 +46,7 @@ __all__ = ["RatioGuard", "RatioGuardWarning", "approx_kl", "entropy_from_logits"
 LOG_RATIO_CLAMP = 20.0
 
 
-def _check_token_args(c: Checks, named: Mapping[str, Optional[Tensor]], action_mask) -> bool:
+def _check_token_args(c: Checks, named: Mapping[str, Optional[Tensor]], action_mask: Any) -> bool:
     """Every given tensor in ``named`` is a float [B, T] aligned with the first; ``action_mask`` bool [B, T]."""
     shape, first, ok = None, "", True
     for name, t in named.items():
@@ -97,20 +97,22 @@ def policy_kl(logp: Tensor, old_logp: Tensor, action_mask: Tensor, *, validate: 
         return _mean(-_log_ratio(logp, old_logp, action_mask), action_mask)
 
 
-def _check_eps(c: Checks, eps_low, eps_high) -> None:
+def _check_eps(c: Checks, eps_low: Any, eps_high: Any) -> None:
     if c.number("eps_low", eps_low, ge=0.0) and eps_low >= 1:
         c.fail("eps_low", f"must be < 1 (the lower clip bound 1 − eps_low must stay positive), got {eps_low}")
     if eps_high is not None:
         c.number("eps_high", eps_high, ge=0.0)
 
 
-def _policy_clipped(logp, old_logp, advantages, mask, eps_low, eps_high) -> Tensor:
+def _policy_clipped(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, eps_low: float,
+                    eps_high: Optional[float]) -> Tensor:
     ratio = _log_ratio(logp, old_logp, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     adv = zero_off(advantages.detach(), mask)
     high = eps_low if eps_high is None else eps_high
     raw = -adv * ratio
     clipped = -adv * ratio.clamp(1 - eps_low, 1 + high)
-    return (clipped > raw) & mask
+    hit: Tensor = (clipped > raw) & mask
+    return hit
 
 
 def policy_clip_fraction(logp: Tensor, old_logp: Tensor, advantages: Tensor, action_mask: Tensor, *,
@@ -250,7 +252,8 @@ def ppo_diagnostics(logp: Tensor, old_logp: Tensor, action_mask: Tensor, *, adva
             out["value/vpred_mean"] = _mean(values.detach(), mask)
             out["value/error"] = _mean((values.detach() - returns.detach()).square(), mask)
             if value_clip_eps is not None:
-                vl = value_loss(values.detach(), old_values, returns, mask, clip_eps=value_clip_eps, validate=False)
+                vl = value_loss(values.detach(), old_values, returns, mask,  # type: ignore[arg-type]  # checked
+                                clip_eps=value_clip_eps, validate=False)
                 out["value/clip_frac"] = vl.clip_frac
     return out
 
@@ -296,10 +299,10 @@ def ratio_guard(loss: LossLike, logp: Tensor, old_logp: Tensor, action_mask: Ten
     with torch.no_grad():
         log_ratio = _log_ratio(logp, old_logp, action_mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         mean_ratio = _mean(log_ratio.exp(), action_mask)
-    value = float(mean_ratio)
-    skipped = value > threshold
+    mean_value = float(mean_ratio)
+    skipped = mean_value > threshold
     if skipped:
-        warnings.warn(f"ratio_guard: the mean update ratio of the batch ({value:.2f}) exceeds the threshold "
+        warnings.warn(f"ratio_guard: the mean update ratio of the batch ({mean_value:.2f}) exceeds the threshold "
                       f"{threshold:.2f}; skipping the batch (loss multiplied by 0)", RatioGuardWarning, stacklevel=2)
         loss = {k: v * 0.0 for k, v in loss.items()} if isinstance(loss, Mapping) else loss * 0.0
     metrics = {

@@ -26,7 +26,7 @@ is full) add up with ``+`` / :meth:`SamplingCost.merge`. Nothing here carries a 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, TypeVar, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
@@ -47,7 +47,10 @@ def _rate(num: Optional[int], den: Optional[int]) -> Optional[float]:
     return num / den if den else None
 
 
-def _add_opt(a, b):
+_N = TypeVar("_N", int, float)
+
+
+def _add_opt(a: Optional[_N], b: Optional[_N]) -> Optional[_N]:
     return None if a is None or b is None else a + b
 
 
@@ -58,14 +61,14 @@ class _Report(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_computed(cls, data):
+    def _drop_computed(cls, data: Any) -> Any:
         if isinstance(data, dict):
             computed = set(cls.model_computed_fields)
             data = {k: v for k, v in data.items() if k not in computed}
         return data
 
     @model_validator(mode="after")
-    def _retained_within_generated(self):
+    def _retained_within_generated(self) -> _Report:
         for kind in ("groups", "sequences", "tokens"):
             gen = getattr(self, f"generated_{kind}", getattr(self, kind, None))
             kept = getattr(self, f"retained_{kind}")
@@ -85,7 +88,7 @@ class BucketCost(_Report):
     tokens: Optional[int] = Field(None, ge=0)
     retained_tokens: Optional[int] = Field(None, ge=0)
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # (pydantic's documented form)
     @property
     def retention(self) -> Optional[float]:
         """Retained share of this bucket's groups (``None`` for an empty bucket: nothing to retain)."""
@@ -116,32 +119,34 @@ class SamplingCost(_Report):
     pass_threshold: float
     by_difficulty: dict[str, BucketCost]
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # (pydantic's documented form)
     @property
     def rejected_groups(self) -> int:
         return self.generated_groups - self.retained_groups
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # (pydantic's documented form)
     @property
     def rejected_sequences(self) -> int:
         return self.generated_sequences - self.retained_sequences
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # (pydantic's documented form)
     @property
     def rejected_tokens(self) -> Optional[int]:
-        return None if self.generated_tokens is None else self.generated_tokens - self.retained_tokens
+        if self.generated_tokens is None:
+            return None
+        return self.generated_tokens - self.retained_tokens  # type: ignore[operator]  # both set (the validator)
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # (pydantic's documented form)
     @property
     def group_retention(self) -> Optional[float]:
         return _rate(self.retained_groups, self.generated_groups)
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # (pydantic's documented form)
     @property
     def sequence_retention(self) -> Optional[float]:
         return _rate(self.retained_sequences, self.generated_sequences)
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # (pydantic's documented form)
     @property
     def token_retention(self) -> Optional[float]:
         return _rate(self.retained_tokens, self.generated_tokens)
@@ -224,7 +229,7 @@ def keep_mixed_groups(reward: Tensor, group_id: Optional[Tensor] = None, *, acti
         lengths = action_mask.sum(-1)
     flat_len = None if lengths is None else lengths.reshape(-1).long()
 
-    groups = Groups.from_ids(group_id.reshape(-1))
+    groups = Groups.from_ids(cast(Tensor, group_id).reshape(-1))  # given, or made just above
     keep_group = ~groups.constant(flat_reward)
     keep_row = keep_group[groups.inverse]
 
@@ -240,15 +245,15 @@ def keep_mixed_groups(reward: Tensor, group_id: Optional[Tensor] = None, *, acti
         rows += [group_tokens, group_tokens * kg]
     table = torch.stack([torch.zeros(nb, dtype=torch.long, device=kg.device).index_add_(0, bucket, r.long())
                          for r in rows])
-    table = table.tolist()  # the one host sync
+    on_host: list[list[int]] = table.tolist()  # the one host sync
     names = difficulty_buckets(bins)
-    by_difficulty = {}
+    by_difficulty: dict[str, BucketCost] = {}
     for b, name in enumerate(names):
-        col = [row[b] for row in table]
+        col = [row[b] for row in on_host]
         by_difficulty[name] = BucketCost(groups=col[0], retained_groups=col[1], sequences=col[2],
                                          retained_sequences=col[3], tokens=col[4] if flat_len is not None else None,
                                          retained_tokens=col[5] if flat_len is not None else None)
-    totals = [sum(row) for row in table]
+    totals = [sum(row) for row in on_host]
     report = SamplingCost(
         generated_groups=totals[0], retained_groups=totals[1], generated_sequences=totals[2],
         retained_sequences=totals[3], generated_tokens=totals[4] if flat_len is not None else None,
@@ -259,7 +264,8 @@ def keep_mixed_groups(reward: Tensor, group_id: Optional[Tensor] = None, *, acti
     return DynamicSample(keep=keep, report=report)
 
 
-def _check(reward, group_id, action_mask, lengths, pass_threshold, bins, generation_seconds) -> None:
+def _check(reward: Any, group_id: Any, action_mask: Any, lengths: Any, pass_threshold: Any, bins: Any,
+           generation_seconds: Any) -> None:
     c = Checks("keep_mixed_groups")
     ok = c.tensor("reward", reward, kind="number", ndim=(1, 2))
     if ok:

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -72,7 +72,7 @@ _BASE_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_PENALTY_MODES: tuple[str, ...] = _BASE_MODES + tuple(m + "+" for m in _BASE_MODES)
 
 
-def _check(contract: str, logp, ref_logp, action_mask) -> None:
+def _check(contract: str, logp: Any, ref_logp: Any, action_mask: Any) -> None:
     c = Checks(contract)
     ok = c.tensor("logp", logp)
     shape = tuple(logp.shape) if ok else None
@@ -88,7 +88,8 @@ def _check(contract: str, logp, ref_logp, action_mask) -> None:
     c.raise_if_any()
 
 
-def _prepare(logp: Tensor, ref_logp: Tensor, action_mask: Optional[Tensor], detach_ref: bool = True):
+def _prepare(logp: Tensor, ref_logp: Tensor, action_mask: Optional[Tensor], detach_ref: bool = True
+             ) -> tuple[Tensor, Tensor]:
     if action_mask is not None:
         logp, ref_logp = zero_off(logp, action_mask), zero_off(ref_logp, action_mask)
     return logp, (ref_logp.detach() if detach_ref else ref_logp)
@@ -220,7 +221,7 @@ def kl_shaped_rewards(scores: Tensor, logp: Tensor, ref_logp: Tensor, action_mas
 # KL coefficient controllers
 
 
-def _as_kl(current_kl, who: str) -> float:
+def _as_kl(current_kl: Any, who: str) -> float:
     if isinstance(current_kl, torch.Tensor):
         if current_kl.numel() != 1:
             raise LossplugError(f"{who}: current_kl must be a scalar, got a tensor of shape {list(current_kl.shape)}")
@@ -260,7 +261,7 @@ class AdaptiveKLController:
         self.tolerance, self.factor = float(tolerance), float(factor)
         self.min_kl_coef, self.max_kl_coef = float(min_kl_coef), float(max_kl_coef)
 
-    def update(self, current_kl, n_steps: Optional[int] = None) -> float:
+    def update(self, current_kl: Union[float, Tensor], n_steps: Optional[int] = None) -> float:
         """Apply the rule for the measured KL ``d = current_kl``; return the new β."""
         d = _as_kl(current_kl, "AdaptiveKLController.update")
         if d < self.target / self.tolerance:
@@ -294,7 +295,7 @@ class ProportionalKLController:
         self.target = float(target_kl)
         self.horizon = horizon
 
-    def update(self, current_kl, n_steps: int) -> float:
+    def update(self, current_kl: Union[float, Tensor], n_steps: int) -> float:
         d = _as_kl(current_kl, "ProportionalKLController.update")
         c = Checks("ProportionalKLController.update")
         c.number("n_steps", n_steps, ge=0)
@@ -326,7 +327,7 @@ class FixedKLController:
         c.raise_if_any()
         self.value = float(kl_coef)
 
-    def update(self, current_kl=None, n_steps: Optional[int] = None) -> float:
+    def update(self, current_kl: Union[float, Tensor, None] = None, n_steps: Optional[int] = None) -> float:
         return self.value
 
     def state_dict(self) -> dict:

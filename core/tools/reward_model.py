@@ -22,7 +22,7 @@ loss of a micro-batch its share, so micro-batch losses add up to the full-batch 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ Tensor = torch.Tensor
 __all__ = ["RewardModelOutput", "last_token_index", "last_token_scores", "pairwise_reward_loss"]
 
 
-def _check_scores_args(c: Checks, values, mask, vname: str, mname: str) -> bool:
+def _check_scores_args(c: Checks, values: Any, mask: Any, vname: str, mname: str) -> bool:
     ok = c.tensor(vname, values, ndim=(2, 3))
     if ok and values.ndim == 3 and values.shape[-1] != 1:
         c.fail(vname, f"must be [N, T] or [N, T, 1] (one score per position), got shape {list(values.shape)}")
@@ -102,6 +102,8 @@ def pairwise_reward_loss(values: Optional[Tensor] = None, attention_mask: Option
                             "rejected rows) or chosen_values, chosen_mask, rejected_values and rejected_mask")
     c = Checks("pairwise_reward_loss")
     if combined:
+        # set: a None is reported below when validating; without validation, set is the caller's promise
+        values, attention_mask = cast(Tensor, values), cast(Tensor, attention_mask)
         if validate:
             missing = [n for n, t in (("values", values), ("attention_mask", attention_mask)) if t is None]
             for name in missing:
@@ -114,7 +116,10 @@ def pairwise_reward_loss(values: Optional[Tensor] = None, attention_mask: Option
         half = values.shape[0] // 2
         chosen_values, rejected_values = values[:half], values[half:]
         chosen_mask, rejected_mask = attention_mask[:half], attention_mask[half:]
-    elif validate:
+    else:  # as above: set, or reported below when validating
+        chosen_values, chosen_mask = cast(Tensor, chosen_values), cast(Tensor, chosen_mask)
+        rejected_values, rejected_mask = cast(Tensor, rejected_values), cast(Tensor, rejected_mask)
+    if not combined and validate:
         pairs = (("chosen_values", chosen_values), ("chosen_mask", chosen_mask),
                  ("rejected_values", rejected_values), ("rejected_mask", rejected_mask))
         missing = [n for n, t in pairs if t is None]
