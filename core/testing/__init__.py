@@ -38,9 +38,17 @@ gradient) is skipped with a reason: ``conformance_tests("my_gate", skip={"ratio_
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Union
 
 import importlib
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names are resolved lazily (_LAZY)
+    from lossplug.plugin import AnyPlugin
+
+    from . import batches, reference, tiny
+    from .install import install_isolated
+    from .kit import (CHECKS, CheckResult, ConformanceError, ConformanceReport, assert_conforms, check_plugin,
+                      checks_for, run_check)
 
 _LAZY = {  # imported on first use, so that loading the pytest plugin costs nothing
     "CHECKS": "kit", "CheckResult": "kit", "ConformanceError": "kit", "ConformanceReport": "kit",
@@ -49,7 +57,7 @@ _LAZY = {  # imported on first use, so that loading the pytest plugin costs noth
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'lossplug.testing' has no attribute {name!r}")
     module = importlib.import_module(f"{__name__}.{_LAZY[name] or name}")
@@ -58,8 +66,9 @@ def __getattr__(name: str):
     return value
 
 
-def conformance_tests(plugin, *, kind: Optional[str] = None, params: Optional[Mapping[str, Any]] = None,
-                      skip: Union[Iterable[str], Mapping[str, str]] = ()):
+def conformance_tests(plugin: Union[str, AnyPlugin], *, kind: Optional[str] = None,
+                      params: Optional[Mapping[str, Any]] = None,
+                      skip: Union[Iterable[str], Mapping[str, str]] = ()) -> Callable[..., None]:
     """A pytest test function, parametrized over every check that applies to ``plugin`` (one test item per check).
 
     Bind it to a module-level name starting with ``test``::
@@ -79,20 +88,20 @@ def conformance_tests(plugin, *, kind: Optional[str] = None, params: Optional[Ma
     except (LookupError, TypeError) as err:
         message = str(err)
 
-        def test_lossplug_conformance_unavailable():
+        def test_lossplug_conformance_unavailable() -> None:
             pytest.fail(message, pytrace=False)
 
         return test_lossplug_conformance_unavailable
 
     @pytest.mark.parametrize("check", names)
-    def test_lossplug_conformance(check):
+    def test_lossplug_conformance(check: str) -> None:
         run_as_test(plugin, check, kind=kind, params=params, skip_reason=reasons.get(check))
 
     return test_lossplug_conformance
 
 
-def run_as_test(plugin, check: str, *, kind: Optional[str] = None, params: Optional[Mapping[str, Any]] = None,
-                skip_reason: Optional[str] = None):
+def run_as_test(plugin: Union[str, AnyPlugin], check: str, *, kind: Optional[str] = None,
+                params: Optional[Mapping[str, Any]] = None, skip_reason: Optional[str] = None) -> CheckResult:
     """Run one check as the body of a pytest test: skipped with a reason, or raising
     :class:`ConformanceError` with the whole report when it fails. Returns the :class:`CheckResult`."""
     import pytest

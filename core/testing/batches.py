@@ -8,7 +8,11 @@ arguments give bit-identical tensors.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+if TYPE_CHECKING:
+    from lossplug.contracts import LossResult, Normalizer, Recipe
+    from lossplug.pipeline import MetricLevel
 
 import torch
 
@@ -135,8 +139,9 @@ def insert_masked_columns(fields: dict[str, Tensor], before: int = 2, after: int
     return out
 
 
-def loss_and_grad(recipe, *, logp: Tensor, action_mask: Optional[Tensor] = None, normalizer=None,
-                  metrics: str = "full", **fields):
+def loss_and_grad(recipe: Union[Recipe, str], *, logp: Tensor, action_mask: Optional[Tensor] = None,
+                  normalizer: Optional[Normalizer] = None, metrics: Union[bool, MetricLevel] = "full",
+                  **fields: Optional[Tensor]) -> tuple[LossResult, Optional[Tensor]]:
     """Run ``policy_loss`` on these tensors (all-True mask by default) and return ``(LossResult, d loss / d logp)``:
     the two things a plugin's own tests usually assert on. Every metric is computed (``metrics="full"``): a test
     wants to see them all."""

@@ -14,7 +14,7 @@ import json
 import traceback
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Optional, Union, cast
 
 import torch
 
@@ -26,6 +26,9 @@ from lossplug.plugin import (AdvantagePlugin, GateInput, GateOutput, GatePlugin,
                              evaluate)
 
 from . import batches as _b
+
+if TYPE_CHECKING:
+    from lossplug.pipeline import MetricLevel
 
 Tensor = torch.Tensor
 AnyPlugin = Union[AdvantagePlugin, GatePlugin, ReductionPlugin]
@@ -118,7 +121,8 @@ def reference_update_gate() -> str:
 class Subject:
     kind: str
     name: str
-    plugin: AnyPlugin
+    #: an AnyPlugin of ``kind``; Any, because each check reads the attributes of the kind(s) it applies to
+    plugin: Any
     params: dict[str, Any]
     source: str
 
@@ -140,7 +144,8 @@ class Subject:
         return Recipe.model_validate({"advantage": self.spec, "gates": [ref], "reduction": "token"})
 
     def param_model(self) -> Params:
-        return self.plugin.params.model_validate(self.params)
+        params: Params = self.plugin.params.model_validate(self.params)
+        return params
 
     @property
     def requires(self) -> tuple[str, ...]:
@@ -163,8 +168,9 @@ class Check:
 CHECKS: dict[str, Check] = {}
 
 
-def _check(name: str, kinds: tuple[str, ...], summary: str):
-    def deco(fn):
+def _check(name: str, kinds: tuple[str, ...], summary: str
+           ) -> Callable[[Callable[[Subject], None]], Callable[[Subject], None]]:
+    def deco(fn: Callable[[Subject], None]) -> Callable[[Subject], None]:
         CHECKS[name] = Check(name, kinds, summary, fn)
         return fn
     return deco
@@ -174,7 +180,7 @@ def _check(name: str, kinds: tuple[str, ...], summary: str):
 # Helpers
 
 
-def _fields(**kw) -> dict[str, Tensor]:
+def _fields(**kw: Any) -> dict[str, Tensor]:
     return _b.policy_fields(**kw)
 
 
@@ -191,9 +197,15 @@ class Run:
     grads: dict[str, Optional[Tensor]]
     metrics: dict[str, Tensor]
 
+    @property
+    def logp_grad(self) -> Tensor:
+        """d loss / d logp: always set (zeros when the loss does not depend on logp)."""
+        return cast(Tensor, self.grads["logp"])
 
-def _run(subject: Subject, fields: Mapping[str, Optional[Tensor]], *, reduction="token",
-         normalizer: Optional[Normalizer] = None, grad: Iterable[str] = ("logp",), metrics="full") -> Run:
+
+def _run(subject: Subject, fields: Mapping[str, Optional[Tensor]], *,
+         reduction: Union[str, Mapping[str, Any]] = "token", normalizer: Optional[Normalizer] = None,
+         grad: Iterable[str] = ("logp",), metrics: MetricLevel = "full") -> Run:
     """``policy_loss`` of the subject's recipe on ``fields``; backward; the gradients of the ``grad`` fields."""
     leaves = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in fields.items() if v is not None}
     for name in grad:
@@ -210,7 +222,8 @@ def _run(subject: Subject, fields: Mapping[str, Optional[Tensor]], *, reduction=
     return Run(loss.detach(), grads, dict(result.metric_tensors))
 
 
-def _gate_input(fields: Mapping[str, Optional[Tensor]], grad: Iterable[str] = ("logp",)):
+def _gate_input(fields: Mapping[str, Optional[Tensor]], grad: Iterable[str] = ("logp",)
+                ) -> tuple[GateInput, dict[str, Tensor]]:
     """The pipeline's own gate input for ``fields`` (``grad``: the fields made leaves that require gradient)."""
     leaves = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in fields.items() if v is not None}
     for name in grad:
@@ -233,7 +246,8 @@ def _where(bad: Tensor) -> str:
     return describe_positions(bad, noun="rows")
 
 
-def _first_diff(a: Tensor, b: Tensor, mask: Optional[Tensor] = None, rtol=RTOL, atol=ATOL) -> Optional[str]:
+def _first_diff(a: Tensor, b: Tensor, mask: Optional[Tensor] = None, rtol: float = RTOL, atol: float = ATOL
+                ) -> Optional[str]:
     """'' when allclose on ``mask``; else a description of the first differing places."""
     a, b = a.detach().double(), b.detach().double()
     close = torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=False)
@@ -254,7 +268,7 @@ def _fmt_exc(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}{where}"
 
 
-def _advantage_of(subject: Subject, batch) -> Tensor:
+def _advantage_of(subject: Subject, batch: Union[PolicyBatch, PackedTransitions]) -> Tensor:
     return lossplug.estimate_advantages(batch, subject.recipe()).advantage
 
 
@@ -263,7 +277,7 @@ def _padded_only(subject: Subject) -> None:
         raise CheckSkipped("applies to padded-layout advantages only")
 
 
-def _adv_fields(subject: Subject, token_reward: bool = False, **kw) -> dict[str, Tensor]:
+def _adv_fields(subject: Subject, token_reward: bool = False, **kw: Any) -> dict[str, Tensor]:
     f = _fields(group_size=max(3, subject.plugin.min_group_size), **kw)
     f.pop("advantage")
     if token_reward:
@@ -459,7 +473,7 @@ def _ratio_one(s: Subject) -> None:
         return
     run = _run(s, f, normalizer=_normalizer(f))
     n = int(mask.sum())
-    coefficient = -n * run.grads["logp"]  # loss = −Σ J / N under the token reduction
+    coefficient = -n * run.logp_grad  # loss = −Σ J / N under the token reduction
     expected = torch.where(mask, f["advantage"].unsqueeze(-1).expand_as(mask), 0)
     diff = _first_diff(coefficient, expected, mask, rtol=1e-6, atol=1e-9)
     if diff:
@@ -506,7 +520,7 @@ def _zero_advantage(s: Subject) -> None:
     f = _fields()
     f["advantage"] = torch.zeros_like(f["advantage"])
     run = _run(s, f, normalizer=_normalizer(f))
-    grad = run.grads["logp"]
+    grad = run.logp_grad
     bad = (grad != 0) | ~torch.isfinite(grad)
     if bool(bad.any()):
         raise CheckFailed(f"with A = 0 everywhere the gradient must be exactly 0, but it is not at {_where(bad)} "
@@ -526,10 +540,10 @@ def _masked_poison(s: Subject) -> None:
         dirty = dict(clean)
         for name in _b.TOKEN_FIELDS + ("reward",):
             dirty[name] = _b.poison(clean[name], ~mask, seed=hash(name) % 1000)
-        a = _advantage_of(s, PolicyBatch(**clean))
-        b = _advantage_of(s, PolicyBatch(**dirty))
-        where = mask if a.ndim == 2 else None
-        diff = _first_diff(b, a, where)
+        adv_a = _advantage_of(s, PolicyBatch(**clean))
+        adv_b = _advantage_of(s, PolicyBatch(**dirty))
+        where = mask if adv_a.ndim == 2 else None
+        diff = _first_diff(adv_b, adv_a, where)
         if diff:
             raise CheckFailed(f"poisoning non-action positions changed the advantages {diff}: read token inputs "
                               "only where action_mask is True (torch.where(mask, x, 0), not x * mask)")
@@ -551,12 +565,12 @@ def _masked_poison(s: Subject) -> None:
         if _first_diff(b.loss, a.loss) is not None:
             raise CheckFailed(f"poisoning masked positions changed the loss ({what} advantages): "
                               f"{float(a.loss):.10g} → {float(b.loss):.10g}")
-        grad = b.grads["logp"]
+        grad = b.logp_grad
         leak = ~mask & ((grad != 0) | ~torch.isfinite(grad))
         if bool(leak.any()):
             raise CheckFailed(f"the gradient reaches masked positions {_where(leak)} (it must be exactly 0 off "
                               "actions)")
-        diff = _first_diff(grad, a.grads["logp"], mask)
+        diff = _first_diff(grad, a.logp_grad, mask)
         if diff:
             raise CheckFailed(f"poisoning masked positions changed the gradient on action tokens {diff}")
 
@@ -569,11 +583,11 @@ def _masked_layout(s: Subject) -> None:
     if s.kind == "advantage":
         clean = _adv_fields(s, token_reward=True)
         wide = _b.insert_masked_columns(clean, before, after)
-        a = _advantage_of(s, PolicyBatch(**clean))
-        b = _advantage_of(s, PolicyBatch(**wide))
-        if a.ndim == 2:
-            b = b[:, before:before + a.shape[1]]
-        diff = _first_diff(b, a, clean["action_mask"] if a.ndim == 2 else None)
+        adv_a = _advantage_of(s, PolicyBatch(**clean))
+        adv_b = _advantage_of(s, PolicyBatch(**wide))
+        if adv_a.ndim == 2:
+            adv_b = adv_b[:, before:before + adv_a.shape[1]]
+        diff = _first_diff(adv_b, adv_a, clean["action_mask"] if adv_a.ndim == 2 else None)
         if diff:
             raise CheckFailed(f"adding {before} masked columns in front and {after} behind changed the advantages "
                               f"{diff} — statistics must be taken over action tokens only")
@@ -587,7 +601,7 @@ def _masked_layout(s: Subject) -> None:
                           f"{float(a.loss):.10g} → {float(b.loss):.10g} — does it average over all T positions "
                           "instead of the action tokens (use the mask / inp.lengths)?")
     T = clean["logp"].shape[1]
-    diff = _first_diff(b.grads["logp"][:, before:before + T], a.grads["logp"], clean["action_mask"])
+    diff = _first_diff(b.logp_grad[:, before:before + T], a.logp_grad, clean["action_mask"])
     if diff:
         raise CheckFailed(f"adding masked columns changed the gradient on action tokens {diff}")
 
@@ -651,9 +665,9 @@ def _metric_levels(s: Subject) -> None:
             raise CheckFailed(f"the loss with metrics='{level}' ({float(runs[level].loss):.10g}) differs from "
                               f"metrics='off' ({float(runs['off'].loss):.10g}): the loss must not depend on the "
                               "metric level, only the diagnostics may")
-        if not torch.equal(runs[level].grads["logp"], runs["off"].grads["logp"]):
+        if not torch.equal(runs[level].logp_grad, runs["off"].logp_grad):
             raise CheckFailed(f"the gradient with metrics='{level}' differs from metrics='off' "
-                              f"{_first_diff(runs[level].grads['logp'], runs['off'].grads['logp'], rtol=0, atol=0)}")
+                              f"{_first_diff(runs[level].logp_grad, runs['off'].logp_grad, rtol=0, atol=0)}")
     if runs["off"].metrics:
         raise CheckFailed(f"metrics='off' still reported {sorted(runs['off'].metrics)}")
     basic, full = runs["basic"].metrics, runs["full"].metrics
@@ -689,7 +703,7 @@ def _extreme_ratios(s: Subject) -> None:
                 raise CheckFailed(f"loss is {float(run.loss)} in {dtype} for log-ratios up to ±1000 — clamp the "
                                   "log-ratio before exp (log_ratio_clamp) and keep every branch of a torch.where "
                                   "finite (NaN in an unselected branch still poisons the gradient)")
-            grad = run.grads["logp"]
+            grad = run.logp_grad
             bad = ~torch.isfinite(grad)
             if bool(bad.any()):
                 raise CheckFailed(f"gradient is not finite in {dtype} for log-ratios up to ±1000 at {_where(bad)}")
@@ -724,13 +738,13 @@ def _microbatch_split(s: Subject) -> None:
                     for k, v in f.items()}
             run = _run(s, part, normalizer=norm)
             total = total + run.loss.double()
-            grad[idx] += run.grads["logp"]
+            grad[idx] += run.logp_grad
         if _first_diff(total, full.loss) is not None:
             raise CheckFailed(f"split into micro-batches {split} (same Normalizer), the losses add up to "
                               f"{float(total):.10g}, but the full batch gives {float(full.loss):.10g} — "
                               "denominators must come from the Normalizer's population, and statistics must not "
                               "span rows of the micro-batch")
-        diff = _first_diff(grad, full.grads["logp"], f["action_mask"])
+        diff = _first_diff(grad, full.logp_grad, f["action_mask"])
         if diff:
             raise CheckFailed(f"split into micro-batches {split}, the gradients differ from the full batch's {diff}")
 
@@ -746,14 +760,14 @@ def _positive_weights(s: Subject) -> None:
     run = _run(s, f, normalizer=_normalizer(f))
     mask = f["action_mask"]
     adv = f["advantage"].unsqueeze(-1).expand_as(mask)
-    weight = torch.where(mask, -run.grads["logp"] / adv, 0)  # reference gate J = A·logp; loss = −reduce(J)
+    weight = torch.where(mask, -run.logp_grad / adv, 0)  # reference gate J = A·logp; loss = −reduce(J)
     bad = mask & ~(weight > 0)
     if bool(bad.any()):
         hint = (" The sign is flipped: a reduction returns the reduced objective; the pipeline negates it."
                 if bool((weight[mask] < 0).all()) else "")
         raise CheckFailed(f"action tokens at {_where(bad)} get a weight ≤ 0 (min {weight[mask].min().item():.3g})."
                           f"{hint}")
-    off = ~mask & (run.grads["logp"] != 0)
+    off = ~mask & (run.logp_grad != 0)
     if bool(off.any()):
         raise CheckFailed(f"non-action positions get gradient at {_where(off)}")
 
@@ -812,7 +826,7 @@ def _find(plugin: Union[str, AnyPlugin], kind: Optional[str]) -> tuple[str, str,
         k = found[0]
         obj = reg.lookup(k, plugin, "lossplug.testing")  # raises on duplicates
         return k, plugin, obj, reg.origin(k, plugin), True
-    k = getattr(plugin, "kind", None)
+    k = getattr(plugin, "kind", "")
     if k not in KINDS or not hasattr(plugin, "params"):
         raise TypeError(f"expected a plugin name or an object made by @lossplug.gate/advantage/reduction, "
                         f"got {plugin!r}")
@@ -834,7 +848,7 @@ def _registered(kind: str, plugin: AnyPlugin, needed: bool) -> Iterator[None]:
 
     shim = types.SimpleNamespace()
 
-    def register_hook(register):
+    def register_hook(register: Callable[[AnyPlugin], None]) -> None:
         register(plugin)
 
     setattr(shim, HOOKS[kind], lossplug.hookimpl(register_hook))

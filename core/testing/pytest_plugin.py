@@ -13,13 +13,21 @@ entirely with ``-p no:lossplug``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
+
 import pytest
+
+if TYPE_CHECKING:
+    from _pytest._code.code import TerminalRepr, TracebackStyle
+
+    from lossplug.plugin import AnyPlugin
+    from lossplug.testing.kit import CheckResult
 
 OPTION = "--lossplug-conformance"
 MARKER = "lossplug_conformance"
 
 
-def pytest_addoption(parser):
+def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("lossplug", "lossplug plugin conformance kit")
     group.addoption(OPTION, action="append", default=[], metavar="NAME[,NAME...]",
                     help="run lossplug's conformance checks against these registered plugins "
@@ -27,12 +35,12 @@ def pytest_addoption(parser):
                          "a name may be written kind:name when it is ambiguous")
 
 
-def pytest_configure(config):
+def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{MARKER}(plugin, kind=None, params=None, skip=()): parametrize a test "
                                        "taking `lossplug_check` over lossplug's conformance checks for `plugin`")
 
 
-def _selected(config) -> list[tuple[str, str]]:
+def _selected(config: pytest.Config) -> list[tuple[str, str]]:
     raw = [n.strip() for value in config.getoption(OPTION) or [] for n in value.split(",") if n.strip()]
     if not raw:
         return []
@@ -60,11 +68,11 @@ def _selected(config) -> list[tuple[str, str]]:
 class ConformanceItem(pytest.Item):
     """One conformance check against one plugin."""
 
-    def __init__(self, *, plugin: str, kind: str, check: str, **kw):
+    def __init__(self, *, plugin: str, kind: str, check: str, **kw: Any) -> None:
         super().__init__(**kw)
         self.plugin, self.kind, self.check = plugin, kind, check
 
-    def runtest(self):
+    def runtest(self) -> None:
         from lossplug.testing import ConformanceError, check_plugin
 
         report = check_plugin(self.plugin, kind=self.kind or None, checks=[self.check])
@@ -74,34 +82,37 @@ class ConformanceItem(pytest.Item):
         if result.status == "failed":
             raise ConformanceError(report)
 
-    def repr_failure(self, excinfo, style=None):
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Optional[TracebackStyle] = None
+                     ) -> Union[str, TerminalRepr]:
         from lossplug.testing import ConformanceError
 
         if isinstance(excinfo.value, (ConformanceError, LookupError)):
             return str(excinfo.value)
         return super().repr_failure(excinfo, style=style)
 
-    def reportinfo(self):
+    def reportinfo(self) -> tuple[str, Optional[int], str]:
         return "lossplug-conformance", None, f"{self.kind} {self.plugin}: {self.check}"
 
 
 class _Missing(pytest.Item):
-    def __init__(self, *, message: str, **kw):
+    def __init__(self, *, message: str, **kw: Any) -> None:
         super().__init__(**kw)
         self.message = message
 
-    def runtest(self):
+    def runtest(self) -> None:
         raise LookupError(self.message)
 
-    def repr_failure(self, excinfo, style=None):
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Optional[TracebackStyle] = None
+                     ) -> str:
         return self.message
 
-    def reportinfo(self):
+    def reportinfo(self) -> tuple[str, Optional[int], str]:
         return "lossplug-conformance", None, self.name
 
 
 @pytest.hookimpl(tryfirst=True)  # before -k / -m deselection, so those filter our items too
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+                                  ) -> None:
     selected = _selected(config)
     if not selected:
         return
@@ -118,7 +129,7 @@ def pytest_collection_modifyitems(session, config, items):
                                                      plugin=name, kind=kind, check=check))
 
 
-def pytest_generate_tests(metafunc):
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = metafunc.definition.get_closest_marker(MARKER)
     if marker is None or "lossplug_check" not in metafunc.fixturenames:
         return
@@ -137,13 +148,14 @@ def pytest_generate_tests(metafunc):
 class _Runner:
     """The ``lossplug_check`` argument: call it to run one check (fails the test with the kit's message)."""
 
-    def __init__(self, plugin, kind, params, check, skip_reason):
+    def __init__(self, plugin: Union[str, AnyPlugin], kind: Optional[str], params: Optional[Mapping[str, Any]],
+                 check: str, skip_reason: Optional[str]) -> None:
         self.plugin, self.kind, self.params, self.check, self.skip_reason = plugin, kind, params, check, skip_reason
 
-    def __call__(self):
+    def __call__(self) -> CheckResult:
         from lossplug.testing import run_as_test
 
         return run_as_test(self.plugin, self.check, kind=self.kind, params=self.params, skip_reason=self.skip_reason)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"lossplug_check({self.check!r})"
