@@ -56,7 +56,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    from trl import GRPOConfig
+
+    from lossplug.adapters.trl import LossplugGRPOTrainer
 
 __all__ = ["VOCAB", "PROMPTS", "TinyRollout", "digit_reward", "length_reward", "offline", "tiny_dataset",
            "tiny_grpo_config", "tiny_grpo_trainer", "tiny_model", "tiny_model_and_tokenizer", "tiny_tokenizer"]
@@ -77,7 +84,7 @@ def offline() -> None:
         os.environ.setdefault(key, value)
 
 
-def tiny_tokenizer():
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A word-level ``PreTrainedTokenizerFast`` over :data:`VOCAB`: words split on whitespace, unknown words map to
     ``<unk>``, left padding with ``<pad>``, eos ``<eos>``, no chat template (prompts are plain text)."""
     offline()
@@ -93,7 +100,8 @@ def tiny_tokenizer():
     return tok
 
 
-def tiny_model(tok, *, hidden_size: int = 32, layers: int = 2, seed: int = 0):
+def tiny_model(tok: PreTrainedTokenizerBase, *, hidden_size: int = 32, layers: int = 2, seed: int = 0
+               ) -> PreTrainedModel:
     """A randomly initialised ``Qwen2ForCausalLM`` (float32) for the tokenizer ``tok``: ``layers`` layers of width
     ``hidden_size``, 4 attention heads; the same ``seed`` gives the same weights, and the global torch RNG is left as
     it was. Its generation config knows ``tok``'s pad and eos ids."""
@@ -114,11 +122,12 @@ def tiny_model(tok, *, hidden_size: int = 32, layers: int = 2, seed: int = 0):
     finally:
         torch.random.set_rng_state(state)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    return model.float()
+    as_float: PreTrainedModel = model.float()  # (transformers types .float() as Any)
+    return as_float
 
 
 def tiny_model_and_tokenizer(path: Optional[Union[str, Path]] = None, *, hidden_size: int = 32, layers: int = 2,
-                             seed: int = 0):
+                             seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """``(model, tokenizer)``; with ``path`` both are saved there and the model is reloaded from it, so that its
     ``config._name_or_path`` points at the folder (TRL rebuilds the reference model from it when ``beta != 0``)."""
     tok = tiny_tokenizer()
@@ -141,7 +150,7 @@ PROMPTS = ["what is 1 plus 2", "say yes", "count to 3", "what is 4 minus 1", "sa
            "count to 5", "what is 2 plus 2"]
 
 
-def tiny_dataset(n: int = 8):
+def tiny_dataset(n: int = 8) -> Dataset:
     """A ``datasets.Dataset`` with a ``prompt`` column (plain text, no chat template)."""
     offline()
     from datasets import Dataset
@@ -149,27 +158,27 @@ def tiny_dataset(n: int = 8):
     return Dataset.from_dict({"prompt": [PROMPTS[i % len(PROMPTS)] for i in range(n)]})
 
 
-def length_reward(completions, **kwargs):
+def length_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
     """Reward: 1 / (1 + number of words) — short answers score higher; varies within every group."""
     return [1.0 / (1.0 + len(str(c).split())) for c in completions]
 
 
-def digit_reward(completions, **kwargs):
+def digit_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
     """Reward: fraction of words that are digits."""
-    out = []
+    out: list[float] = []
     for c in completions:
         words = str(c).split()
         out.append(sum(w.isdigit() for w in words) / max(len(words), 1))
     return out
 
 
-def tiny_grpo_config(output_dir: Union[str, Path], **overrides):
+def tiny_grpo_config(output_dir: Union[str, Path], **overrides: Any) -> GRPOConfig:
     """A ``GRPOConfig`` that runs on CPU in seconds: 4 completions of at most 8 tokens per prompt, micro-batches of
     4, float32, no gradient checkpointing, no reporting, no checkpoints. ``overrides`` win."""
     offline()
     from trl import GRPOConfig
 
-    kwargs = dict(output_dir=str(output_dir), bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False,
+    kwargs: dict[str, Any] = dict(output_dir=str(output_dir), bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False,
                   report_to="none", save_strategy="no", per_device_train_batch_size=4, num_generations=4,
                   max_completion_length=8, logging_steps=1, max_steps=2, learning_rate=1e-3, seed=0,
                   dataloader_num_workers=0)
@@ -177,9 +186,11 @@ def tiny_grpo_config(output_dir: Union[str, Path], **overrides):
     return GRPOConfig(**kwargs)
 
 
-def tiny_grpo_trainer(recipe: Any, output_dir: Union[str, Path], *, reward_funcs: Optional[Sequence[Callable]] = None,
-                      dataset=None, model=None, tokenizer=None, metrics: str = "basic", validate: str = "full",
-                      trainer_kwargs: Optional[dict[str, Any]] = None, **config_overrides):
+def tiny_grpo_trainer(recipe: Any, output_dir: Union[str, Path], *,
+                      reward_funcs: Optional[Sequence[Callable[..., Any]]] = None, dataset: Any = None,
+                      model: Any = None, tokenizer: Any = None, metrics: str = "basic", validate: str = "full",
+                      trainer_kwargs: Optional[dict[str, Any]] = None, **config_overrides: Any
+                      ) -> LossplugGRPOTrainer:
     """A ``LossplugGRPOTrainer`` running ``recipe`` (a preset name, mapping, YAML/JSON path or
     :class:`lossplug.Recipe`) on the tiny model, tokenizer and dataset; call ``.train()`` on it.
 
@@ -213,21 +224,21 @@ class TinyRollout:
     the 2nd and 3rd completion tokens of every other row are marked as tool output (``env_mask`` 0).
     """
 
-    def __init__(self, tok, max_len: int = 8, *, seed: int = 0, unscored: bool = True, tools: bool = True,
-                 truncate_every: int = 3):
+    def __init__(self, tok: PreTrainedTokenizerBase, max_len: int = 8, *, seed: int = 0, unscored: bool = True,
+                 tools: bool = True, truncate_every: int = 3) -> None:
         self.tok, self.max_len, self.seed = tok, max_len, seed
         self.unscored, self.tools, self.truncate_every = unscored, tools, truncate_every
         self.calls = 0
         self.__qualname__ = type(self).__qualname__
 
-    def __call__(self, prompts, trainer):
+    def __call__(self, prompts: Sequence[Any], trainer: Any) -> dict[str, list[Any]]:
         import torch
 
         gen = torch.Generator().manual_seed(self.seed + self.calls)
         call, self.calls = self.calls, self.calls + 1
         tok = self.tok
         first_word = len(SPECIAL)
-        out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+        out: dict[str, list[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
         for i, prompt in enumerate(prompts):
             text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
             out["prompt_ids"].append(tok(text)["input_ids"])
