@@ -9,11 +9,17 @@ from __future__ import annotations
 import inspect
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from lossplug.contracts import Recipe
 
 from .needs import FIELD_SHAPES, batch_fields, recipe_needs, required_fields
+
+if TYPE_CHECKING:
+    from pydantic.fields import FieldInfo
+
+    from .plugin import AnyPlugin
+    from .plugin_registry import Registry
 
 #: pydantic's constraint attributes and how a person reads them
 _CONSTRAINTS = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤", "multiple_of": "multiple of", "min_length": "min length",
@@ -26,7 +32,7 @@ def distribution(origin: str) -> str:
     return m.group(1) if m else origin
 
 
-def constraints(field) -> str:
+def constraints(field: FieldInfo) -> str:
     """A parameter's bounds as text, e.g. ``'> 0, ≤ 80'``."""
     parts = []
     for meta in field.metadata:
@@ -37,13 +43,13 @@ def constraints(field) -> str:
     return ", ".join(parts)
 
 
-def type_name(annotation) -> str:
+def type_name(annotation: Any) -> str:
     """``float``, ``Optional[float]``, ``Literal['product', 'geometric']``…"""
     text = getattr(annotation, "__name__", None) if not getattr(annotation, "__args__", None) else None
     return text or str(annotation).replace("typing.", "").replace("NoneType", "None")
 
 
-def parameters(plugin) -> list[dict[str, Any]]:
+def parameters(plugin: AnyPlugin) -> list[dict[str, Any]]:
     """One row per parameter of the plugin: name, type, default (``None`` with ``required``), constraint,
     description."""
     return [{"name": name, "type": type_name(f.annotation), "required": f.is_required(),
@@ -52,7 +58,7 @@ def parameters(plugin) -> list[dict[str, Any]]:
             for name, f in plugin.params.model_fields.items()]
 
 
-def plugin_info(kind: str, name: str, plugin, source: str) -> dict[str, Any]:
+def plugin_info(kind: str, name: str, plugin: AnyPlugin, source: str) -> dict[str, Any]:
     """Everything known about one registered plugin: its docs (function and module), role, the batch fields it
     needs, its layouts and group size, and its parameter schema."""
     module_doc = inspect.getdoc(sys.modules.get(getattr(plugin.fn, "__module__", ""), None)) or ""
@@ -91,7 +97,7 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
     stage_rows = []
     for where, stage in stages:
         p = stage.plugin
-        role = f"{p.role} · {p.level}" if getattr(p, "role", None) else ""
+        role = f"{p.role} · {p.level}" if p.kind == "gate" else ""  # (only gates have a role)
         if p.kind == "advantage":
             role = "layouts: " + ", ".join(p.layouts)
         stage_rows.append({"stage": where, "plugin": p.name, "params": stage.params.model_dump(), "role": role,
@@ -129,7 +135,7 @@ def _is_citation(paragraph: str) -> bool:
     return paragraph.lstrip().startswith(CITATION_LABELS)
 
 
-def citations(plugin) -> list[str]:
+def citations(plugin: AnyPlugin) -> list[str]:
     """The plugin's citations (see :data:`CITATION_LABELS`): the labelled paragraphs of its own docstring, else of
     its module's docstring; each joined into one line, label included. Empty when it cites nothing."""
     found = [p for p in _paragraphs(plugin.doc) if _is_citation(p)]
@@ -139,12 +145,12 @@ def citations(plugin) -> list[str]:
     return [" ".join(line.strip() for line in p.strip().splitlines()) for p in found]
 
 
-def formula(plugin) -> str:
+def formula(plugin: AnyPlugin) -> str:
     """The plugin's docstring without its citations: by convention its first line states the formula."""
     return "\n\n".join(p for p in _paragraphs(plugin.doc) if not _is_citation(p))
 
 
-def catalogue_problems(reg=None, *, builtin_only: bool = True) -> list[str]:
+def catalogue_problems(reg: Optional[Registry] = None, *, builtin_only: bool = True) -> list[str]:
     """What keeps the catalogue from being complete: a plugin without a formula (docstring), a parameter without a
     description, a plugin without a citation. Empty when every (built-in) plugin is fully documented."""
     from .plugin_registry import BUILTIN_SOURCE, registry
@@ -177,7 +183,7 @@ def _cell(value: Any) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _plugin_markdown(kind: str, name: str, plugin, source: str, details_of: dict[str, str]) -> list[str]:
+def _plugin_markdown(kind: str, name: str, plugin: AnyPlugin, source: str, details_of: dict[str, str]) -> list[str]:
     info = plugin_info(kind, name, plugin, source)
     what = " · ".join(str(x) for x in (kind, info["role"], info["level"]) if x)
     module = getattr(plugin.fn, "__module__", "")
@@ -217,7 +223,8 @@ def _plugin_markdown(kind: str, name: str, plugin, source: str, details_of: dict
     return out
 
 
-def catalogue_markdown(reg=None, *, builtin_only: bool = True, title: str = "Plugin catalogue") -> str:
+def catalogue_markdown(reg: Optional[Registry] = None, *, builtin_only: bool = True,
+                       title: str = "Plugin catalogue") -> str:
     """The plugin catalogue as one Markdown page: for every (built-in) advantage, gate and reduction its kind, role
     and level, formula, parameter table (type, default, constraint, description), the batch fields it needs, its
     citations and its module's documentation; then the presets with their sources."""

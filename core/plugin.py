@@ -282,7 +282,7 @@ class GatePlugin(_RequiresMixin):
     role: Literal["update", "correction"]
     level: Literal["token", "sequence"]
     doc: str
-    kind: str = "gate"
+    kind: Literal["gate"] = "gate"
 
     def __call__(self, inp: GateInput, p: Params) -> GateOutput:
         return self.fn(inp, p)
@@ -311,7 +311,7 @@ class AdvantagePlugin(_RequiresMixin):
     layouts: tuple[str, ...]
     min_group_size: int
     doc: str
-    kind: str = "advantage"
+    kind: Literal["advantage"] = "advantage"
     role: None = None
 
     def __call__(self, batch: Union[PolicyBatch, PackedTransitions], p: Params) -> AdvantageResult:
@@ -360,7 +360,7 @@ class ReductionPlugin:
     fn: ReductionFn
     params: type[Params]
     doc: str
-    kind: str = "reduction"
+    kind: Literal["reduction"] = "reduction"
     role: None = None
 
     def __call__(self, objective: Tensor, mask: Tensor, lengths: Tensor, population: Population, p: Params) -> Tensor:
