@@ -178,6 +178,12 @@ def _md(text: str) -> str:
     return re.sub(r"::(\n\s*\n)", r":\1", text)
 
 
+def _cite(text: str) -> str:
+    """Citation text → Markdown: arXiv ids and URLs become links."""
+    text = re.sub(r"(?<![\w/<])(https?://[^\s)>,;]+[^\s)>,;.])", r"<\1>", text)
+    return re.sub(r"arXiv:(\d{4}\.\d{4,5})", r"[arXiv:\1](https://arxiv.org/abs/\1)", text)
+
+
 def _cell(value: Any) -> str:
     text = "—" if value is None or value == "" else str(value)
     return text.replace("|", "\\|").replace("\n", " ")
@@ -212,7 +218,7 @@ def _plugin_markdown(kind: str, name: str, plugin: AnyPlugin, source: str, detai
     out.append("")
     for citation in citations(plugin):
         label, _, rest = citation.partition(":")
-        out += [f"**{label}** — {_md(rest.strip())}", ""]
+        out += [f"**{label}** — {_cite(_md(rest.strip()))}", ""]
     module_doc = info["module_doc"]
     if module_doc and module in details_of:
         out += [f"Details: see [`{details_of[module]}`](#{details_of[module]}).", ""]
@@ -256,6 +262,6 @@ def catalogue_markdown(reg: Optional[Registry] = None, *, builtin_only: bool = T
                 f"{k}={v}" for k, v in s.items() if k != "name")).strip()
             out.append(f"| `{name}` | {_cell(stage(recipe.get('advantage')))} | "
                        f"{_cell('; '.join(stage(g) for g in recipe.get('gates') or []))} | "
-                       f"{_cell(stage(recipe.get('reduction')))} | {_cell(preset.source)} |")
+                       f"{_cell(stage(recipe.get('reduction')))} | {_cite(_cell(preset.source))} |")
         out.append("")
     return "\n".join(out)

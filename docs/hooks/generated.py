@@ -11,6 +11,8 @@ drift from it, and links from the docs to files of the repository outside ``docs
 * mkdocstrings reads the sources statically (griffe), which cannot follow the ``package-dir`` mapping of
   pyproject.toml (``lossplug`` = ``core/``, ``lossplug.contracts`` = ``contracts/``…): :func:`on_config` lays the
   package out as it is installed — a temporary folder of symbolic links — and puts it first on the handler's paths.
+* Sphinx roles in docstrings (``:class:`~lossplug.Normalizer```), which mkdocstrings leaves as text before the code
+  span, are dropped from the rendered pages (:func:`on_page_content`).
 * A relative link to a repository file outside ``docs/`` (``../core/hookspecs.py``) must name an existing file (else
   a warning, so ``--strict`` fails); it points to ``repo_url``'s ``blob/main/`` when mkdocs.yml sets ``repo_url``, and
   becomes its plain text otherwise.
@@ -194,3 +196,10 @@ def on_page_markdown(markdown, page, config, files):
         return text
 
     return _LINK.sub(link, markdown)
+
+
+_ROLE_HTML = re.compile(r":(?:class|func|meth|mod|data|attr|obj|exc):<code>~?")
+
+
+def on_page_content(html, page, config, files):
+    return _ROLE_HTML.sub("<code>", html)

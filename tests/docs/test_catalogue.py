@@ -2,6 +2,7 @@
 called by ``docs/hooks/generated.py`` on every build): every built-in must be fully documented — a formula (its
 docstring), a description for every parameter, a citation — and appear on the page with its parameters."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -46,7 +47,8 @@ def test_the_page_lists_every_preset_with_its_source():
     page = catalogue_markdown()
     for name, preset in lossplug.registry().presets.items():
         if preset.origin == BUILTIN_SOURCE:
-            assert f"| `{name}` |" in page and preset.source.split(":")[0] in page
+            assert f"| `{name}` |" in page and preset.source.split("arXiv")[0] in page
+            assert all(f"(https://arxiv.org/abs/{id})" in page for id in re.findall(r"arXiv:([\d.]+\d)", preset.source))
 
 
 class _Undescribed(lossplug.Params):
