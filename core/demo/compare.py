@@ -7,13 +7,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from .display import LiveDisplay
 from .figures import plot_compare
 from .record import RunResult, default_out_dir, recipe_label
 from .settings import DEFAULT, DemoSettings
 from .training import build_trainer, quiet_libraries, run_demo
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def preflight(recipes: Sequence[tuple[str, Any]], settings: DemoSettings) -> None:
@@ -36,7 +39,7 @@ def preflight(recipes: Sequence[tuple[str, Any]], settings: DemoSettings) -> Non
 
 
 def run_compare(recipes: Sequence[Any], settings: DemoSettings = DEFAULT, out_dir: Optional[Union[str, Path]] = None,
-                *, quiet: bool = False, console=None,
+                *, quiet: bool = False, console: Optional[Console] = None,
                 on_result: Optional[Callable[[RunResult], None]] = None) -> tuple[Path, dict[str, RunResult]]:
     """Train each recipe on the same seeds (same initial model, prompts and sampling seed); one folder per recipe
     under ``out_dir`` and ``compare.png`` with their curves side by side. Returns ``(compare.png, results)``."""

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import time
 from itertools import groupby
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+    from rich.live import Live
 
 from .gate_metrics import gate_fractions
 from .record import mean
@@ -16,9 +20,9 @@ from .settings import DemoSettings
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
-def _sparkline(values: Sequence[float], width: int = 40, lo: float = 0.0, hi: float = 1.0) -> str:
+def _sparkline(history: Sequence[Optional[float]], width: int = 40, lo: float = 0.0, hi: float = 1.0) -> str:
     """The whole history in at most ``width`` characters (bucket means when longer)."""
-    values = [v for v in values if v is not None]
+    values = [v for v in history if v is not None]
     if len(values) > width:
         edges = [round(i * len(values) / width) for i in range(width + 1)]
         values = [mean(values[a:b]) for a, b in zip(edges, edges[1:])]
@@ -36,14 +40,14 @@ class LiveDisplay:
     ``gates``: the recipe's gate names, whose fraction metrics get a row each (see :mod:`lossplug.demo.gate_metrics`);
     None takes every gate found in the logs."""
 
-    def __init__(self, label: str, settings: DemoSettings, quiet: bool, console=None,
-                 gates: Optional[Sequence[str]] = None):
+    def __init__(self, label: str, settings: DemoSettings, quiet: bool, console: Optional[Console] = None,
+                 gates: Optional[Sequence[str]] = None) -> None:
         from rich.console import Console
 
         self.label, self.settings, self.quiet, self.gates = label, settings, quiet, gates
         self.console = console or Console(highlight=False)
         self.animate = not quiet and self.console.is_terminal
-        self.live = None
+        self.live: Optional[Live] = None
         self.stopped = False
         self.t0 = time.perf_counter()
         self.rows: list[dict[str, Any]] = []
@@ -89,7 +93,7 @@ class LiveDisplay:
             f"{'' if tps is None else f'{tps:,.0f} tok/s  '}{time.perf_counter() - self.t0:.0f}s",
             markup=False, soft_wrap=True)
 
-    def _render(self):
+    def _render(self) -> RenderableType:
         from rich.console import Group
         from rich.panel import Panel
         from rich.progress_bar import ProgressBar
@@ -109,7 +113,7 @@ class LiveDisplay:
         bar.add_column(ratio=1)
         bar.add_row(ProgressBar(total=s.steps, completed=step, width=None))
 
-        def fmt(key, spec=".3f"):
+        def fmt(key: str, spec: str = ".3f") -> str:
             v = last.get(key)
             return "—" if v is None else format(v, spec)
 
@@ -128,8 +132,8 @@ class LiveDisplay:
                           Text(_sparkline([h[1] for h in self.heldout], width=20), style="magenta")
                           + Text(f"  from {h0[1]:.2f}", style="dim"))
         cut = [f for f in gate_fractions(last, self.gates) if not f.kept]
-        for (gate, _), group in groupby(cut, key=lambda f: (f.gate, f.stem)):
-            group = list(group)
+        for (gate, _), same in groupby(cut, key=lambda f: (f.gate, f.stem)):
+            group = list(same)
             sides = [f.side for f in group if f.side]
             table.add_row(group[0].label, " ".join(fmt(f.key) for f in group),
                           Text(f"{gate}: {' · '.join(sides)}" if sides else gate, style="dim"))

@@ -9,7 +9,13 @@ rates, SAPO's mean gate weight, the gates' kept fractions — go on a second, fi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 from .gate_metrics import GateFraction, gate_fractions
 
@@ -45,7 +51,7 @@ def _smooth(ys: list[float], window: int = 5) -> list[float]:
     return out
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,7 +74,7 @@ def _line_style(fraction: GateFraction) -> str:
     return _SIDE_STYLES.get(fraction.side, _OTHER_SIDE_STYLE)
 
 
-def _gate_panel(ax, rows: list[dict[str, Any]], gates: Optional[Sequence[str]], legend_size: int) -> None:
+def _gate_panel(ax: Axes, rows: list[dict[str, Any]], gates: Optional[Sequence[str]], legend_size: int) -> None:
     """Cut fractions on ``ax`` (y-axis fitted to them), shares kept on a twin axis (0–1), one legend for both in
     the room left free above the lines."""
     fractions = gate_fractions({k for r in rows for k in r}, gates)
@@ -112,10 +118,12 @@ def _gate_panel(ax, rows: list[dict[str, Any]], gates: Optional[Sequence[str]], 
         ax.legend(handles + more_handles, labels + more_labels, fontsize=legend_size, loc="upper center", ncol=2)
 
 
-def run_figure(rows: list[dict[str, Any]], title: str = "lossplug demo", gates: Optional[Sequence[str]] = None):
+def run_figure(rows: list[dict[str, Any]], title: str = "lossplug demo", gates: Optional[Sequence[str]] = None
+               ) -> Figure:
     """The figure of ``curves.png``: learning signal, gate activity, throughput and held-out score, each on its own
     panel. ``gates``: the recipe's gate names (None: every gate in the rows). The caller closes it."""
     plt = _pyplot()
+    fig: Figure
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
     (ax_r, ax_g), (ax_t, ax_h) = axes
 
@@ -159,10 +167,11 @@ def plot_run(rows: list[dict[str, Any]], path: Union[str, Path], title: str = "l
 
 
 def compare_figure(runs: dict[str, list[dict[str, Any]]], title: str = "lossplug demo · recipes compared",
-                   gates: Optional[Mapping[str, Sequence[str]]] = None):
+                   gates: Optional[Mapping[str, Sequence[str]]] = None) -> Figure:
     """The figure of ``compare.png``: one colour per recipe on each panel — reward, held-out score, gate cut
     fractions, throughput. ``gates``: each recipe's gate names by label (missing: every gate in its rows)."""
     plt = _pyplot()
+    fig: Figure
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.8))
     ax_r, ax_h, ax_g, ax_t = axes
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -201,7 +210,7 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], path: Union[str, Path],
     return _write(compare_figure(runs, title, gates), path)
 
 
-def _finish(fig, axes, title: str, *, legend_size: int, top: float) -> None:
+def _finish(fig: Figure, axes: Iterable[Axes], title: str, *, legend_size: int, top: float) -> None:
     """The finish every demo figure shares: step axes, grids, legends where there is something to label (and none
     yet), title."""
     for ax in axes:
@@ -213,7 +222,7 @@ def _finish(fig, axes, title: str, *, legend_size: int, top: float) -> None:
     fig.tight_layout(rect=(0, 0, 1, top))
 
 
-def _write(fig, path: Union[str, Path]) -> Path:
+def _write(fig: Figure, path: Union[str, Path]) -> Path:
     import matplotlib.pyplot as plt
 
     path = Path(path)

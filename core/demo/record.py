@@ -10,7 +10,10 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    from lossplug import Recipe
 
 from .settings import LEARNED_MARGIN, DemoSettings
 from .task import SuccessorTask
@@ -25,7 +28,7 @@ def default_out_dir(label: str, root: Union[str, Path] = "runs") -> Path:
     return Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}"
 
 
-def recipe_label(recipe) -> str:
+def recipe_label(recipe: Union[Recipe, Mapping[str, Any], str, Path]) -> str:
     """A short name for a recipe argument: the preset name, the file stem, or the recipe's own name."""
     from lossplug import Recipe
 
@@ -43,10 +46,10 @@ def finite_or_none(value: Any) -> Any:
     return value
 
 
-def mean(xs: Sequence[float]) -> float:
+def mean(xs: Sequence[Optional[float]]) -> float:
     """The mean of the values that are not None (NaN when there are none)."""
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else float("nan")
+    values = [x for x in xs if x is not None]
+    return sum(values) / len(values) if values else float("nan")
 
 
 @dataclass
@@ -63,7 +66,7 @@ class RunResult:
         return bool(self.summary["learned"])
 
 
-def summarise(label: str, recipe, settings: DemoSettings, task: SuccessorTask, rows: list[dict[str, Any]],
+def summarise(label: str, recipe: Recipe, settings: DemoSettings, task: SuccessorTask, rows: list[dict[str, Any]],
               wall: float, cpu: float, threads: int) -> dict[str, Any]:
     """``summary.json``: reward start/end, held-out before/after, whether the run learned, time, settings."""
     rewards = [r["reward"] for r in rows if r.get("reward") is not None]
@@ -72,7 +75,9 @@ def summarise(label: str, recipe, settings: DemoSettings, task: SuccessorTask, r
     tps = [r["demo/tokens_per_s"] for r in rows if r.get("demo/tokens_per_s") is not None]
     start, end = (mean(rewards[:k]), mean(rewards[-k:])) if rewards else (None, None)
     before, after = heldout[0], heldout[-1]
-    learned = bool(rewards and end - start > LEARNED_MARGIN and after["heldout/score"] > before["heldout/score"])
+    # (start and end are set when there are rewards)
+    learned = bool(rewards and end - start > LEARNED_MARGIN  # type: ignore[operator]
+                   and after["heldout/score"] > before["heldout/score"])
     return {
         "recipe": label, "recipe_name": recipe.name, "task": task.name, "task_description": task.description,
         "learned": learned,

@@ -32,7 +32,7 @@ class DemoSettings:
     train_prompts: int = 2000
     threads: int = 1                  # torch intra-op threads: 1 is fastest for this model size
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if (self.prompts_per_generation * self.num_generations) % self.steps_per_generation:
             raise ValueError("prompts_per_generation × num_generations must be divisible by steps_per_generation")
 

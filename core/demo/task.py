@@ -9,7 +9,7 @@ prompts ``n``–``z``, so the held-out score measures ability apart from the lea
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from typing import Any, Sequence
 
 TRAIN_FILLERS = tuple(chr(c) for c in range(ord("a"), ord("n")))   # a … m
 HELDOUT_FILLERS = tuple(chr(c) for c in range(ord("n"), ord("z") + 1))  # n … z
@@ -22,7 +22,7 @@ def score(prompt: str, completion: str) -> float:
     return 1.0 if words and words[0] == str((digit + 1) % 10) else 0.0
 
 
-def successor_reward(prompts, completions, **kwargs) -> list[float]:
+def successor_reward(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
     """TRL reward function: :func:`score` for every (prompt, completion)."""
     return [score(p if isinstance(p, str) else p[-1]["content"], c if isinstance(c, str) else c[-1]["content"])
             for p, c in zip(prompts, completions)]
@@ -54,7 +54,7 @@ class SuccessorTask:
     reward = staticmethod(successor_reward)
 
     @staticmethod
-    def evaluate(model, tok, prompts: Sequence[str], max_new_tokens: int = 1) -> float:
+    def evaluate(model: Any, tok: Any, prompts: Sequence[str], max_new_tokens: int = 1) -> float:
         """Greedy decoding on ``prompts``: the mean reward, i.e. the fraction answered correctly."""
         import torch
 

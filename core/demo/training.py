@@ -13,7 +13,10 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 from lossplug.testing import tiny
 
@@ -24,25 +27,25 @@ from .settings import DEFAULT, DEFAULT_RECIPE, DemoSettings
 from .task import SuccessorTask, successor_reward
 
 
-def _callback_class():
+def _callback_class() -> Any:  # (a TrainerCallback subclass, made when transformers is imported)
     from transformers import TrainerCallback
 
     class DemoCallback(TrainerCallback):
         """Writes ``metrics.jsonl``, evaluates held-out ability and drives the display at every logging step."""
 
-        def __init__(self, task: SuccessorTask, tok, heldout: list[str], settings: DemoSettings, metrics_path: Path,
-                     display: LiveDisplay):
+        def __init__(self, task: SuccessorTask, tok: Any, heldout: list[str], settings: DemoSettings,
+                     metrics_path: Path, display: LiveDisplay) -> None:
             self.task, self.tok, self.heldout, self.settings = task, tok, heldout, settings
             self.metrics_path, self.display = metrics_path, display
             self.rows: list[dict[str, Any]] = []
-            self.trainer = None
+            self.trainer: Any = None
             self.t_start = self.t_last = 0.0
             self.excluded = 0.0  # time spent on held-out evaluation since the last log (not training)
             self.tokens_last = 0.0
             self.rollout_last = (0.0, 0)
             self.last_eval_step = -1
 
-        def _evaluate(self, model, step: int) -> dict[str, float]:
+        def _evaluate(self, model: Any, step: int) -> dict[str, float]:
             t = time.perf_counter()
             result = self.task.evaluate(model, self.tok, self.heldout)
             self.excluded += time.perf_counter() - t
@@ -56,7 +59,7 @@ def _callback_class():
                 f.write(json.dumps(row) + "\n")
             self.display.update(row)
 
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             self.metrics_path.write_text("")
             self.display.start()
@@ -65,7 +68,8 @@ def _callback_class():
             self.t_start = self.t_last = time.perf_counter()
             self._write(row)
 
-        def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, model: Any = None,
+                   **kwargs: Any) -> None:
             logs = dict(logs or {})
             if "train_runtime" in logs:  # the end-of-training summary, not a step
                 return
@@ -93,7 +97,7 @@ def _callback_class():
             self.excluded = 0.0
             self._write(row)
 
-        def on_train_end(self, args, state, control, model=None, **kwargs):
+        def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
             if self.last_eval_step != state.global_step:
                 self._write({"step": state.global_step, "time_s": time.perf_counter() - self.t_start,
                              **self._evaluate(model, state.global_step)})
@@ -102,14 +106,14 @@ def _callback_class():
     return DemoCallback
 
 
-def _trainer_class():
+def _trainer_class() -> Any:  # (a LossplugGRPOTrainer subclass, made when TRL is imported)
     """``LossplugGRPOTrainer`` that also times its rollouts (generation + scoring) for the throughput panel."""
     from lossplug.adapters.trl import LossplugGRPOTrainer
 
     class DemoGRPOTrainer(LossplugGRPOTrainer):
         _demo_rollout = (0.0, 0)
 
-        def _generate_and_score_completions(self, inputs):
+        def _generate_and_score_completions(self, inputs: Any) -> Any:
             t = time.perf_counter()
             output = super()._generate_and_score_completions(inputs)
             seconds, tokens = self._demo_rollout
@@ -120,7 +124,7 @@ def _trainer_class():
 
 
 @contextlib.contextmanager
-def quiet_libraries():
+def quiet_libraries() -> Iterator[None]:
     """Offline before transformers is first imported; only errors from transformers' logger; the libraries' own
     warnings (TRL, transformers, accelerate, torch, datasets) do not scroll over the display."""
     tiny.offline()
@@ -133,7 +137,8 @@ def quiet_libraries():
         yield
 
 
-def build_trainer(recipe, settings: DemoSettings, out: Path, display: LiveDisplay):
+def build_trainer(recipe: Any, settings: DemoSettings, out: Path, display: LiveDisplay
+                  ) -> tuple[Any, Any, SuccessorTask]:
     """The trainer (recipe attached, provenance recorded) and its callback; nothing is trained or written yet."""
     from datasets import Dataset
     from transformers import PrinterCallback, ProgressCallback
@@ -166,7 +171,7 @@ def build_trainer(recipe, settings: DemoSettings, out: Path, display: LiveDispla
 
 
 def run_demo(recipe: Any = DEFAULT_RECIPE, settings: DemoSettings = DEFAULT, out_dir: Optional[Union[str, Path]] = None,
-             *, quiet: bool = False, console=None, label: Optional[str] = None) -> RunResult:
+             *, quiet: bool = False, console: Optional[Console] = None, label: Optional[str] = None) -> RunResult:
     """Train the tiny model on :class:`SuccessorTask` with ``recipe`` (a preset name, YAML/JSON path, mapping or
     :class:`lossplug.Recipe`) and write the run folder (default ``runs/<timestamp>-<recipe>/``).
 
@@ -176,7 +181,8 @@ def run_demo(recipe: Any = DEFAULT_RECIPE, settings: DemoSettings = DEFAULT, out
         return _run_demo(recipe, settings, out_dir, quiet=quiet, console=console, label=label)
 
 
-def _run_demo(recipe, settings: DemoSettings, out_dir, *, quiet: bool, console, label: Optional[str]) -> RunResult:
+def _run_demo(recipe: Any, settings: DemoSettings, out_dir: Optional[Union[str, Path]], *, quiet: bool,
+              console: Optional[Console], label: Optional[str]) -> RunResult:
     import torch
 
     import lossplug
