@@ -18,11 +18,21 @@ import json
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, NoReturn, Optional
 
 import typer
 
 from lossplug.contracts.errors import LossplugError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.text import Text
+    from torch import Tensor
+
+    from lossplug.batch_files import BatchCheck
+    from lossplug.contracts import Recipe
+    from lossplug.plugin import AnyPlugin
+    from lossplug.plugin_registry import Registry
 
 app = typer.Typer(
     help="lossplug — a pluggable, validated loss layer for LLM RL inside TRL and verl.\n\n"
@@ -52,19 +62,19 @@ class ContractChoice(str, Enum):
     packed = "packed"
 
 
-def _console(stderr: bool = False):
+def _console(stderr: bool = False) -> Console:
     from rich.console import Console
 
     return Console(stderr=stderr, highlight=False)
 
 
-def _text(s: str, style: str = ""):
+def _text(s: str, style: str = "") -> Text:
     from rich.text import Text
 
     return Text(s, style=style)  # plugin-provided text: never parsed as markup
 
 
-def _fail(message: str, code: int = 2):
+def _fail(message: str, code: int = 2) -> NoReturn:
     _console(stderr=True).print(_text(f"error: {message}", "bold red"))
     raise typer.Exit(code)
 
@@ -82,7 +92,7 @@ def _parse_assignments(items: Optional[List[str]], what: str) -> dict[str, Any]:
         _fail(str(err))
 
 
-def _registry():
+def _registry() -> Registry:
     import warnings
 
     from lossplug.plugin_registry import LossplugPluginWarning, registry
@@ -104,7 +114,7 @@ def _params_line(params: dict) -> str:
 def list_cmd(
     kind: Optional[Kind] = typer.Option(None, "--kind", "-k", help="Only this kind."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-):
+) -> None:
     """Every plugin by kind, with parameters, defaults and source distribution; broken plugins in red."""
     import lossplug
     from lossplug.describe import distribution
@@ -160,7 +170,7 @@ def list_cmd(
 # show
 
 
-def _print_plugin(console, info: dict[str, Any], plugin) -> None:
+def _print_plugin(console: Console, info: dict[str, Any], plugin: AnyPlugin) -> None:
     from rich.rule import Rule
     from rich.table import Table
 
@@ -204,7 +214,7 @@ def show_cmd(
     name: str = typer.Argument(..., help="Plugin or preset name."),
     kind: Optional[Kind] = typer.Option(None, "--kind", "-k", help="Only this kind, when the name is ambiguous."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (with the JSON schema)."),
-):
+) -> None:
     """A plugin's formula (docstring), its parameter schema, and the batch fields it needs."""
     from lossplug.contracts.errors import did_you_mean
     from lossplug.describe import explain_recipe, plugin_info
@@ -236,7 +246,7 @@ def show_cmd(
 # recipe explain
 
 
-def _read_recipe(source: str):
+def _read_recipe(source: str) -> Recipe:
     """A preset name or a recipe file; raises LossplugError saying what is wrong with it."""
     import lossplug
 
@@ -245,14 +255,14 @@ def _read_recipe(source: str):
     return lossplug.Recipe.load(source)
 
 
-def _load_recipe(source: str):
+def _load_recipe(source: str) -> Recipe:
     try:
         return _read_recipe(source)
     except LossplugError as err:
         _fail(str(err))
 
 
-def _print_explain(console, data: dict[str, Any]) -> None:
+def _print_explain(console: Console, data: dict[str, Any]) -> None:
     from rich.rule import Rule
     from rich.table import Table
 
@@ -292,7 +302,7 @@ def _print_explain(console, data: dict[str, Any]) -> None:
 def recipe_explain_cmd(
     source: str = typer.Argument(..., metavar="PRESET|FILE", help="A preset name or a recipe YAML/JSON file."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-):
+) -> None:
     """The resolved recipe and what a batch must contain for it."""
     from lossplug.describe import explain_recipe
 
@@ -316,7 +326,8 @@ class _ValidateError(Exception):
         self.kind = kind
 
 
-def _validate_report(file: Path, recipe: Optional[str], check=None, tensors=None,
+def _validate_report(file: Path, recipe: Optional[str], check: Optional[BatchCheck] = None,
+                     tensors: Optional[dict[str, Tensor]] = None,
                      error: Optional[_ValidateError] = None) -> dict[str, Any]:
     """The JSON of ``validate --json``: the same keys whether the batch was judged or could not be."""
     fields = {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
@@ -332,7 +343,8 @@ def _validate_report(file: Path, recipe: Optional[str], check=None, tensors=None
     }
 
 
-def _check_file(file: Path, contract: str, recipe: Optional[str]):
+def _check_file(file: Path, contract: str, recipe: Optional[str]
+                ) -> tuple[dict[str, Any], Optional[Recipe], BatchCheck]:
     """(tensors, recipe, check) — or a _ValidateError naming what could not be read or run."""
     from lossplug.batch_files import UnreadableFile, check_batch, infer_contract, load_batch_file
     from lossplug.contracts import PluginError
@@ -362,7 +374,7 @@ def validate_cmd(
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", metavar="PRESET|FILE",
                                          help="Also check the fields this recipe's plugins need."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output, errors included."),
-):
+) -> None:
     """Check a batch dump against the contracts; exit 1 naming every violation (field, rule, rows).
 
     Exit codes: 0 — the batch is valid; 1 — it has violations; 2 — it could not be judged (the file is unreadable
@@ -423,7 +435,7 @@ def check_cmd(
     param: Optional[List[str]] = typer.Option(None, "--param", "-p", metavar="KEY=VALUE",
                                               help="A parameter to test with (repeatable)."),
     skip: Optional[List[str]] = typer.Option(None, "--skip", metavar="CHECK", help="A check to skip (repeatable)."),
-):
+) -> None:
     """Run the conformance kit (lossplug.testing) against a plugin; exit 1 if any check fails."""
     from rich.table import Table
 
@@ -475,7 +487,7 @@ def plot_gates_cmd(
                                              help="A gate to plot, with parameters (repeatable; default: every "
                                                   "registered gate, plus PPO dual-clip)."),
     ratio_max: float = typer.Option(4.0, "--ratio-max", min=1.1, help="Right end of the ratio axis."),
-):
+) -> None:
     """A PNG of each gate's gradient coefficient ∂J/∂logp against the ratio, for A > 0 and A < 0."""
     try:
         import matplotlib  # noqa: F401
@@ -512,7 +524,7 @@ def demo_cmd(
     fast: bool = typer.Option(False, "--fast", help="The test settings: 60 steps and a smaller held-out set."),
     quiet: bool = typer.Option(False, "--quiet", "-q",
                                help="No live display: one plain line per held-out evaluation (for CI logs)."),
-):
+) -> None:
     """Train a tiny model from scratch with TRL's GRPOTrainer and a lossplug recipe — on CPU, with no hub access —
     and show that it learns.
 
