@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import lossplug
 from lossplug.plugins import reductions
 from lossplug.plugins.advantages import group_relative
@@ -9,9 +11,12 @@ from lossplug.plugins.gates import ppo_clip
 
 from .presets import PRESETS
 
+if TYPE_CHECKING:
+    from lossplug.hookspecs import RegisterPreset
+
 
 @lossplug.hookimpl
-def lossplug_register_advantages(register):
+def lossplug_register_advantages(register: Callable[[lossplug.AdvantagePlugin], None]) -> None:
     from lossplug.plugins.advantages import gae, length_adaptive_gae
 
     register(group_relative.grpo)
@@ -21,7 +26,7 @@ def lossplug_register_advantages(register):
 
 
 @lossplug.hookimpl
-def lossplug_register_gates(register):
+def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> None:
     from lossplug.plugins.gates import cispo, corrections, dis, gspo, reinforce, sapo
 
     for plugin in (ppo_clip.ppo_clip, gspo.gspo, gspo.gspo_token, sapo.sapo, cispo.cispo, dis.dis,
@@ -31,13 +36,13 @@ def lossplug_register_gates(register):
 
 
 @lossplug.hookimpl
-def lossplug_register_reductions(register):
+def lossplug_register_reductions(register: Callable[[lossplug.ReductionPlugin], None]) -> None:
     for plugin in (reductions.response_mean, reductions.token_mean, reductions.fixed_budget, reductions.sequence_sum,
                    reductions.token_sum):
         register(plugin)
 
 
 @lossplug.hookimpl
-def lossplug_register_presets(register):
+def lossplug_register_presets(register: RegisterPreset) -> None:
     for name, (recipe, source) in PRESETS.items():
         register(name, recipe, source=source)

@@ -55,7 +55,7 @@ Reference: verl ``compute_gae_advantage_return``; TRL's PPO trainer (whitened GA
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union, cast
 
 import torch
 from pydantic import Field
@@ -175,8 +175,9 @@ def _segments(boundary: Tensor) -> Tensor:
 # Layouts
 
 
-def _packed(batch: lossplug.PackedTransitions, gamma: float, lam, critic_lam, whiten: bool,
-            lam_of=None) -> lossplug.AdvantageResult:
+def _packed(batch: lossplug.PackedTransitions, gamma: float, lam: Optional[Lam], critic_lam: Optional[Lam],
+            whiten: bool, lam_of: Optional[Callable[[Tensor], Tensor]] = None) -> lossplug.AdvantageResult:
+    """``lam``: λ, or None with ``lam_of``, the λ of a fragment length; ``critic_lam`` None: ``lam``."""
     dtype = _compute_dtype(batch.reward, batch.value, batch.next_value)
     reward, value = batch.reward.to(dtype), batch.value.to(dtype)
     bootstrap = torch.where(batch.terminated, torch.zeros((), dtype=dtype, device=value.device),
@@ -187,14 +188,15 @@ def _packed(batch: lossplug.PackedTransitions, gamma: float, lam, critic_lam, wh
         lengths = torch.bincount(seg).to(dtype)
         lam = lam_of(lengths)[seg]
         metrics = _lambda_metrics(lam_of(lengths))
-    advantage, returns = _gae(reward, value, bootstrap, batch.boundary, gamma, lam, critic_lam)
+    advantage, returns = _gae(reward, value, bootstrap, batch.boundary, gamma, cast(Lam, lam), critic_lam)
     if whiten:
         advantage = _whiten(advantage)
     return lossplug.AdvantageResult(advantage=advantage, returns=returns, metric_tensors=metrics)
 
 
-def _padded(batch: lossplug.PolicyBatch, gamma: float, lam, critic_lam, whiten: bool, kl_coef: Optional[float] = None,
-            lam_of=None) -> lossplug.AdvantageResult:
+def _padded(batch: lossplug.PolicyBatch, gamma: float, lam: Optional[Lam], critic_lam: Optional[Lam], whiten: bool,
+            kl_coef: Optional[float] = None, lam_of: Optional[Callable[[Tensor], Tensor]] = None
+            ) -> lossplug.AdvantageResult:
     mask = batch.action_mask
     B, T = mask.shape
     dtype = _compute_dtype(batch.reward, batch.value)
@@ -205,12 +207,12 @@ def _padded(batch: lossplug.PolicyBatch, gamma: float, lam, critic_lam, whiten: 
     nonempty = lengths > 0  # always all rows under the contract; validate="off" may pass empty rows
     if not bool(nonempty.all()):
         ends = ends[nonempty]
-    value = torch.masked_select(batch.value, mask).to(dtype)
+    value = torch.masked_select(cast(Tensor, batch.value), mask).to(dtype)  # reward and value: required
     n = value.numel()
     last = torch.zeros(n, dtype=torch.bool, device=mask.device)
     last[ends] = True
 
-    reward = batch.reward
+    reward = cast(Tensor, batch.reward)
     if reward.ndim == 1:
         scores = reward.to(dtype)
         reward = torch.zeros(n, dtype=dtype, device=mask.device)
@@ -225,8 +227,8 @@ def _padded(batch: lossplug.PolicyBatch, gamma: float, lam, critic_lam, whiten: 
             raise LossplugError(f"gae with kl_coef={kl_coef} needs {' and '.join(missing)}: the KL-shaped reward is "
                                 f"−kl_coef·(old_logp − ref_logp) (for a single on-policy step pass "
                                 f"old_logp=logp.detach())")
-        shaped = kl_shaped_rewards(torch.zeros(B, dtype=dtype, device=mask.device), batch.old_logp, batch.ref_logp,
-                                   mask, kl_coef=kl_coef)
+        shaped = kl_shaped_rewards(torch.zeros(B, dtype=dtype, device=mask.device), cast(Tensor, batch.old_logp),
+                                   cast(Tensor, batch.ref_logp), mask, kl_coef=kl_coef)  # (checked just above)
         non_score, kl = shaped.non_score_rewards, shaped.kl
         reward = reward + torch.masked_select(non_score, mask).to(dtype)
         kl_flat = torch.masked_select(kl, mask)
@@ -254,7 +256,7 @@ def _padded(batch: lossplug.PolicyBatch, gamma: float, lam, critic_lam, whiten: 
         lam_rows = lam_of(lengths.to(dtype))
         lam = torch.repeat_interleave(lam_rows, lengths, output_size=n)
         metrics.update(_lambda_metrics(lam_rows))
-    advantage, returns = _gae(reward, value, bootstrap, last, gamma, lam, critic_lam)
+    advantage, returns = _gae(reward, value, bootstrap, last, gamma, cast(Lam, lam), critic_lam)  # (as in _packed)
     if whiten:
         advantage = _whiten(advantage)
 
@@ -296,7 +298,7 @@ def _gae_requires(p: "GAEParams") -> tuple[str, ...]:
 
 
 @lossplug.advantage("gae", params=GAEParams, requires=_gae_requires, layouts=("packed", "padded"))
-def gae(batch, p: GAEParams) -> lossplug.AdvantageResult:
+def gae(batch: Union[lossplug.PolicyBatch, lossplug.PackedTransitions], p: GAEParams) -> lossplug.AdvantageResult:
     """GAE(γ, λ) with terminated/boundary bookkeeping; returns A + V_old; observation tokens are skipped."""
     if isinstance(batch, lossplug.PackedTransitions):
         if p.kl_coef:

@@ -23,7 +23,7 @@ carry no gradient.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from pydantic import Field
@@ -33,7 +33,7 @@ from lossplug.ops import Groups
 
 
 def sequence_scores(batch: lossplug.PolicyBatch) -> torch.Tensor:
-    reward = batch.reward
+    reward = cast(torch.Tensor, batch.reward)  # set: the estimators that call this require it
     if reward.ndim == 2:
         reward = torch.where(batch.action_mask, reward, 0).sum(-1)
     return reward
@@ -58,7 +58,7 @@ def grpo(batch: lossplug.PolicyBatch, p: GRPOParams) -> torch.Tensor:
     Reference: verl ``compute_grpo_outcome_advantage``; TRL ``GRPOTrainer`` (``scale_rewards``).
     """
     reward = sequence_scores(batch)
-    groups = Groups.from_ids(batch.group_id)
+    groups = Groups.from_ids(cast(torch.Tensor, batch.group_id))  # set: required
     centered = reward - groups.mean(reward)[groups.inverse]
     constant = groups.constant(reward)[groups.inverse]
     if p.scale == "none":
@@ -89,7 +89,7 @@ def rloo(batch: lossplug.PolicyBatch, p: lossplug.NoParams) -> torch.Tensor:
     Reference: verl ``compute_rloo_outcome_advantage``.
     """
     reward = sequence_scores(batch)
-    groups = Groups.from_ids(batch.group_id)
+    groups = Groups.from_ids(cast(torch.Tensor, batch.group_id))  # set: required
     n = groups.counts.to(reward.dtype)[groups.inverse]
     others = (groups.sum(reward)[groups.inverse] - reward) / (n - 1)
     adv = reward - others

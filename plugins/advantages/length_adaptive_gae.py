@@ -63,7 +63,8 @@ class LengthAdaptiveGAEParams(lossplug.Params):
 
 @lossplug.advantage("length_adaptive_gae", params=LengthAdaptiveGAEParams, requires=("reward", "value"),
                     layouts=("packed", "padded"))
-def length_adaptive_gae(batch, p: LengthAdaptiveGAEParams) -> lossplug.AdvantageResult:
+def length_adaptive_gae(batch: Union[lossplug.PolicyBatch, lossplug.PackedTransitions], p: LengthAdaptiveGAEParams
+                        ) -> lossplug.AdvantageResult:
     """VAPO: GAE with λ = 1 − 1/(α·l) per response (l in action tokens), critic λ separate (default 1)."""
 
     def lam_of(lengths: Tensor) -> Tensor:

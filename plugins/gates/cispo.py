@@ -31,7 +31,7 @@ Reference: verl ``compute_policy_loss_cispo``; TRL ``loss_type="cispo"``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from pydantic import Field, model_validator
@@ -72,7 +72,8 @@ class CISPOParams(lossplug.Params):
 
     @property
     def upper(self) -> float:
-        return self.ratio_max if self.ratio_max is not None else 1 + self.eps_high
+        # (one of them is set: _has_upper_bound)
+        return self.ratio_max if self.ratio_max is not None else 1 + cast(float, self.eps_high)
 
     @property
     def lower(self) -> Optional[float]:

@@ -24,7 +24,7 @@ gate's ``logp``. ``active`` marks what still carries gradient (weight > 0).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, Union
 
 import torch
 from pydantic import Field, model_validator
@@ -35,12 +35,12 @@ from lossplug.ops import clamp_exact, response_stats
 REQUIRES = ("old_logp", "behavior_logp")
 
 
-def _clamp_field():
+def _clamp_field() -> Any:
     return Field(20.0, gt=0, le=80, description="the (token or summed) engine log-ratio is clamped to ± this before "
                                                 "exp (verl's SAFETY_BOUND: 20)")
 
 
-def _sequence_ratio_field():
+def _sequence_ratio_field() -> Any:
     return Field("product", description="sequence ratio: product of the token ratios (verl rollout_is=sequence) or "
                                         "their geometric mean")
 
@@ -61,7 +61,7 @@ class _IcePopBounds(lossplug.Params):
     high: float = Field(5.0, gt=0, description="weights with ρ > high are rejected (set to 0)")
 
     @model_validator(mode="after")
-    def _ordered(self):
+    def _ordered(self) -> _IcePopBounds:
         if not self.low < self.high:
             raise ValueError(f"low ({self.low}) must be below high ({self.high})")
         return self
@@ -76,12 +76,12 @@ class IcePopSequenceParams(_IcePopBounds):
     log_ratio_clamp: float = _clamp_field()
 
 
-def _token_log_ratio(inp: lossplug.GateInput, p) -> torch.Tensor:
+def _token_log_ratio(inp: lossplug.GateInput, p: Union[TISParams, IcePopParams]) -> torch.Tensor:
     """log(π_old/π_behaviour) per token: 0 off the actions, where both are cleaned to 0 (so ρ = 1 there)."""
     return clamp_exact(inp.engine_log_ratio(), -p.log_ratio_clamp, p.log_ratio_clamp)
 
 
-def _sequence_log_ratio(inp: lossplug.GateInput, p) -> torch.Tensor:
+def _sequence_log_ratio(inp: lossplug.GateInput, p: Union[TISSequenceParams, IcePopSequenceParams]) -> torch.Tensor:
     log_ratio = inp.engine_log_ratio().sum(-1)
     if p.ratio == "geometric":
         log_ratio = log_ratio / inp.lengths.clamp(min=1).to(log_ratio.dtype)

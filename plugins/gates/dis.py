@@ -21,6 +21,8 @@ the detach choice are the seed's reference (``shared/seeds``). No arXiv id is re
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from pydantic import Field
 
@@ -39,7 +41,8 @@ def dis(inp: lossplug.GateInput, p: DISParams) -> lossplug.GateOutput:
     """DIS: sg(where(1−low < ρ < 1+high, ρ, 0))·A·logp with ρ = π_θ/π_behaviour."""
     adv = inp.broadcast_advantage()  # × logp, which is 0 off the actions
     with torch.no_grad():
-        log_ratio = clamp_exact(inp.logp.detach() - inp.behavior_logp, -p.log_ratio_clamp, p.log_ratio_clamp)
+        behavior_logp = cast(torch.Tensor, inp.behavior_logp)  # set: declared in requires
+        log_ratio = clamp_exact(inp.logp.detach() - behavior_logp, -p.log_ratio_clamp, p.log_ratio_clamp)
         ratio = log_ratio.exp()
         keep = (ratio > 1 - p.low) & (ratio < 1 + p.high)
         coefficient = torch.where(keep, ratio, torch.zeros_like(ratio))

@@ -54,7 +54,7 @@ def ppo_clip(inp: lossplug.GateInput, p: PPOClipParams) -> lossplug.GateOutput:
     # 1 + eps_high, and never past the dual bound (min(A, A) = A > c·A for A < 0) — no token there is counted, and
     # no mask pass is needed.
     @functools.cache
-    def cut() -> dict[str, torch.Tensor]:
+    def cut() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         hits = {"low": (ratio < 1 - p.eps_low, adv < 0), "high": (ratio > 1 + p.eps_high, adv > 0)}
         if p.dual_clip_c is not None:
             hits["dual"] = (surrogate < bound, adv < 0)
@@ -65,7 +65,8 @@ def ppo_clip(inp: lossplug.GateInput, p: PPOClipParams) -> lossplug.GateOutput:
 
     def active() -> torch.Tensor:
         cuts = [hit & where for hit, where in cut().values()]
-        return ~functools.reduce(torch.logical_or, cuts)
+        any_cut: torch.Tensor = functools.reduce(torch.logical_or, cuts)
+        return ~any_cut
 
     metrics = {"clip_frac_low": lambda: fraction("low"), "clip_frac_high": lambda: fraction("high")}
     if p.dual_clip_c is not None:
