@@ -25,7 +25,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import os
 import re
 import shutil
 import tempfile
@@ -37,8 +36,6 @@ from mkdocs.structure.files import File
 
 log = logging.getLogger("mkdocs.hooks.generated")
 
-# the catalogue describes lossplug's own plugins, whatever else happens to be installed in the build environment
-os.environ.setdefault("LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD", "1")
 
 
 def catalogue_page() -> str:
