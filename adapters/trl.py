@@ -121,13 +121,33 @@ import platform
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, TypeVar, Union, cast
 
 import torch
 
 import lossplug
 from lossplug.contracts import LogProbSource, LossplugError, Normalizer, PolicyBatch, Provenance, Recipe
 from lossplug.needs import required_fields
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lossplug.pipeline import CompiledRecipe, MetricLevel, Validate
+
+    _TrainerBase = GRPOTrainer  # what the mixin is combined with, for type checkers
+else:
+    _TrainerBase = object
+
+
+def _config(trainer: GRPOTrainer) -> GRPOConfig:
+    """``trainer.args``: TRL types it as transformers' ``TrainingArguments``; a GRPOTrainer's is a ``GRPOConfig``."""
+    return trainer.args  # type: ignore[return-value]
+
+#: what names a recipe: a :class:`lossplug.Recipe`, a preset name, a mapping or a YAML/JSON path
+RecipeLike = Union[Recipe, Mapping[str, Any], str, Path]
+_T = TypeVar("_T", bound="GRPOTrainer")
 
 __all__ = ["LossplugGRPOTrainer", "TESTED_TRL", "attach", "check_trl_version", "group_advantages", "trl_equivalent",
            "trl_provenance", "write_record"]
@@ -152,7 +172,7 @@ _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attentio
 # TRL import and version gate
 
 
-def _trl():
+def _trl() -> ModuleType:
     try:
         import trl
     except ImportError as err:  # pragma: no cover - trl is installed wherever the adapter is tested
@@ -194,7 +214,7 @@ def _versions() -> dict[str, str]:
 # TRL settings → lossplug recipe
 
 
-def trl_equivalent(args) -> tuple[Recipe, Population]:
+def trl_equivalent(args: GRPOConfig) -> tuple[Recipe, Population]:
     """The lossplug recipe and population that reproduce TRL's native loss for ``args`` (a ``GRPOConfig``).
 
     Raises :class:`~lossplug.LossplugError` for a ``loss_type`` / setting without an exact equivalent.
@@ -206,6 +226,7 @@ def trl_equivalent(args) -> tuple[Recipe, Population]:
     if args.multi_objective_aggregation != "sum_then_normalize":
         raise LossplugError(f"trl_equivalent: multi_objective_aggregation={args.multi_objective_aggregation!r} has no "
                             "lossplug advantage (normalise each reward function, then sum); use 'sum_then_normalize'")
+    gate: dict[str, Any]
     advantage = {"name": "grpo", "scale": args.scale_rewards, "std": "sample", "eps": 1e-4, "eps_mode": "add"}
     if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
         if sequence:
@@ -229,7 +250,7 @@ def trl_equivalent(args) -> tuple[Recipe, Population]:
         raise LossplugError(f"trl_equivalent: loss_type={loss_type!r} has no lossplug equivalent (supported: grpo, "
                             "bnpo, dr_grpo, dapo, cispo, sapo, luspo)")
     reduction = {"grpo": {"name": "response"}, "sapo": {"name": "response"}, "bnpo": {"name": "token"},
-                 "dr_grpo": {"name": "fixed", "budget": float(args.max_completion_length)},
+                 "dr_grpo": {"name": "fixed", "budget": float(args.max_completion_length)},  # type: ignore[arg-type]
                  "dapo": {"name": "token"}, "cispo": {"name": "token"}, "luspo": {"name": "sequence_sum"}}[loss_type]
     population: Population = "micro_batch" if loss_type == "bnpo" else "generation"
     recipe = Recipe.load({"name": f"trl-{loss_type}", "advantage": advantage, "gates": [gate], "reduction": reduction})
@@ -240,7 +261,7 @@ def trl_equivalent(args) -> tuple[Recipe, Population]:
 # Provenance and run record
 
 
-def trl_provenance(trainer) -> Provenance:
+def trl_provenance(trainer: GRPOTrainer) -> Provenance:
     """Which engine produced each kind of log-prob in this trainer, and under which convention.
 
     Training log-probs (current, old, reference) are TRL's: ``log_softmax(logits / temperature)`` of the sampled
@@ -250,16 +271,17 @@ def trl_provenance(trainer) -> Provenance:
     samples with the training model itself: the behaviour policy *is* the old policy (same weights, same engine), and
     no separate behaviour log-probs exist — recorded as such, with the sampling settings.
     """
-    args = trainer.args
+    args = _config(trainer)
     temperature = float(getattr(trainer, "temperature", args.temperature))
-    model = trainer.model
+    model: Any = trainer.model  # (TRL: Optional; a trainer always has one)
     try:
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     except StopIteration:  # pragma: no cover
         dtype = None
     tf = _versions().get("transformers", "?")
     name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
-    training = dict(engine=f"transformers {tf} (TRL fused LM head)", temperature=temperature, dtype=dtype)
+    training: dict[str, Any] = dict(engine=f"transformers {tf} (TRL fused LM head)", temperature=temperature,
+                                    dtype=dtype)
     current = LogProbSource(checkpoint=name, **training)
     old = LogProbSource(checkpoint=f"{name or 'policy'} before the update", **training)
     reference = None
@@ -287,11 +309,11 @@ def trl_provenance(trainer) -> Provenance:
     return Provenance(behavior=behavior, old=old, current=current, reference=reference)
 
 
-def write_record(trainer, directory: Optional[Union[str, Path]] = None) -> Path:
+def write_record(trainer: GRPOTrainer, directory: Optional[Union[str, Path]] = None) -> Path:
     """Write ``recipe.yaml``, ``provenance.json`` and ``versions.json`` into ``directory`` (default: the trainer's
     ``args.output_dir``). Returns the directory."""
     st = _state(trainer)
-    path = Path(directory if directory is not None else trainer.args.output_dir)
+    path = Path(directory if directory is not None else trainer.args.output_dir)  # type: ignore[arg-type]
     path.mkdir(parents=True, exist_ok=True)
     (path / "recipe.yaml").write_text(st.recipe.to_yaml())
     (path / "provenance.json").write_text(st.provenance.model_dump_json(indent=2) + "\n")
@@ -324,26 +346,26 @@ def write_record(trainer, directory: Optional[Union[str, Path]] = None) -> Path:
 @dataclass
 class _State:
     recipe: Recipe
-    compiled: Any
-    validate: str
-    population: str
+    compiled: CompiledRecipe
+    validate: Validate
+    population: Population
     provenance: Provenance
     kl_sequence_level: bool
-    metrics: str = "basic"
+    metrics: MetricLevel = "basic"
     rewards_per_func: Optional[torch.Tensor] = None
     rounds: int = 0
     record_written: bool = False
     extra: dict = field(default_factory=dict)
 
 
-def _state(trainer) -> _State:
-    st = getattr(trainer, "_lossplug", None)
+def _state(trainer: object) -> _State:
+    st: Optional[_State] = getattr(trainer, "_lossplug", None)
     if st is None:
         raise LossplugError("this trainer has no lossplug recipe: build a LossplugGRPOTrainer or call attach()")
     return st
 
 
-def _check_options(validate: str, population: str, metrics="basic") -> str:
+def _check_options(validate: str, population: str, metrics: Union[bool, str] = "basic") -> MetricLevel:
     """Checks the adapter's options; returns the metric level."""
     if validate not in VALIDATE:
         raise LossplugError(f"validate must be one of {VALIDATE}, got {validate!r}")
@@ -354,10 +376,10 @@ def _check_options(validate: str, population: str, metrics="basic") -> str:
     return metric_level(metrics)
 
 
-def _refusals(trainer, compiled, provenance: Provenance) -> list[str]:
+def _refusals(trainer: GRPOTrainer, compiled: CompiledRecipe, provenance: Provenance) -> list[str]:
     trl = _trl()
-    args = trainer.args
-    out = []
+    args = _config(trainer)
+    out: list[str] = []
     if args.use_liger_kernel and _version_tuple(trl.__version__) < (1, 14):
         out.append("use_liger_kernel=True: on TRL < 1.14 Liger's GRPO loss bypasses _compute_loss, so the recipe "
                    "would never run")
@@ -409,10 +431,10 @@ def _refusals(trainer, compiled, provenance: Provenance) -> list[str]:
     return out
 
 
-def _setup(trainer, recipe, validate: str, population: str, provenance: Optional[Provenance],
-           metrics="basic") -> None:
+def _setup(trainer: Any, recipe: RecipeLike, validate: Validate, population: Population,
+           provenance: Optional[Provenance], metrics: Union[bool, MetricLevel] = "basic") -> None:
     trl = _trl()
-    metrics = _check_options(validate, population, metrics)
+    level = _check_options(validate, population, metrics)
     if isinstance(trainer, trl.RLOOTrainer):
         raise LossplugError(
             "RLOOTrainer is not supported: its batches carry per-sequence summed old log-probs (old_logps [B]) and a "
@@ -425,22 +447,23 @@ def _setup(trainer, recipe, validate: str, population: str, provenance: Optional
     if owner is not trl.GRPOTrainer and not issubclass(owner, _Mixin):  # a user class between us and GRPOTrainer
         raise LossplugError(f"{owner.__name__} overrides _compute_loss: lossplug replaces _compute_loss and would "
                             "silently discard that code; attach to a class that does not override it")
-    recipe = Recipe.load(recipe)
-    compiled = lossplug.compile_recipe(recipe)
+    recipe_obj = Recipe.load(recipe)
+    compiled = lossplug.compile_recipe(recipe_obj)
     provenance = provenance if provenance is not None else trl_provenance(trainer)
     problems = _refusals(trainer, compiled, provenance)
     if problems:
         raise LossplugError("lossplug cannot run this recipe in this TRL trainer without changing its meaning:\n  - "
                             + "\n  - ".join(problems))
-    trainer._lossplug = _State(recipe=recipe, compiled=compiled, validate=validate, population=population,
-                               provenance=provenance, metrics=metrics, kl_sequence_level=compiled.update.plugin.level == "sequence")
+    trainer._lossplug = _State(recipe=recipe_obj, compiled=compiled, validate=validate, population=population,
+                               provenance=provenance, metrics=level, kl_sequence_level=compiled.update.plugin.level == "sequence")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Advantages from the gathered rewards
 
 
-def group_advantages(trainer, rewards_per_func: torch.Tensor, num_generations: int):
+def group_advantages(trainer: GRPOTrainer, rewards_per_func: torch.Tensor, num_generations: int
+                     ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``(advantages, rewards, group_ids, metrics)`` for the rows TRL gathered over all processes.
 
     ``rewards``: TRL's weighted sum of the reward functions (NaN where every function returned ``None``); groups are
@@ -509,7 +532,7 @@ def group_advantages(trainer, rewards_per_func: torch.Tensor, num_generations: i
 # The trainer mixin
 
 
-def _log_metrics(trainer, mode: str, metrics: dict[str, torch.Tensor]) -> None:
+def _log_metrics(trainer: GRPOTrainer, mode: str, metrics: dict[str, torch.Tensor]) -> None:
     """Append ``lossplug/<name>`` to TRL's metric lists, averaged over processes.
 
     Processes may hold different metric names (a micro-batch whose rows were all masked out computes no policy
@@ -534,13 +557,16 @@ def _log_metrics(trainer, mode: str, metrics: dict[str, torch.Tensor]) -> None:
         trainer._metrics[mode][f"lossplug/{name}"].append(value)
 
 
-class _Mixin:
+class _Mixin(_TrainerBase):
     """The overrides; combined with ``GRPOTrainer`` (or a user's subclass of it) by :func:`attach`."""
 
     _lossplug: _State
+    if TYPE_CHECKING:  # what TRL types more loosely (TrainingArguments, an optional model)
+        args: GRPOConfig
+        model: Any
 
     # -- records --------------------------------------------------------------------------------------------------
-    def train(self, *args, **kwargs):
+    def train(self, *args: Any, **kwargs: Any) -> Any:
         st = _state(self)
         if not st.record_written and self.accelerator.is_main_process:
             write_record(self)
@@ -548,12 +574,13 @@ class _Mixin:
         return super().train(*args, **kwargs)
 
     # -- advantages -----------------------------------------------------------------------------------------------
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         _state(self).rewards_per_func = rewards_per_func
         return rewards_per_func
 
-    def _generate_and_score_completions(self, inputs):
+    def _generate_and_score_completions(self, inputs: list[dict[str, Union[torch.Tensor, Any]]]
+                                        ) -> dict[str, Union[torch.Tensor, Any]]:
         st = _state(self)
         st.rewards_per_func = None
         output = super()._generate_and_score_completions(inputs)
@@ -579,7 +606,7 @@ class _Mixin:
         return output
 
     # -- loss -----------------------------------------------------------------------------------------------------
-    def _compute_loss(self, model, inputs):
+    def _compute_loss(self, model: Any, inputs: Any) -> torch.Tensor:
         st = _state(self)
         mode = "train" if self.model.training else "eval"
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
@@ -603,7 +630,8 @@ class _Mixin:
         # population and TRL's scaling (see the module docstring)
         processes = self.accelerator.num_processes
         if mode == "train":
-            steps, accumulation = self.args.steps_per_generation, self.current_gradient_accumulation_steps
+            # steps_per_generation: Optional in GRPOConfig's fields, always set by its __post_init__
+            steps, accumulation = cast(int, self.args.steps_per_generation), self.current_gradient_accumulation_steps
         else:
             steps, accumulation = 1, 1
         scale = processes * steps / accumulation
@@ -615,12 +643,12 @@ class _Mixin:
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         normalizer = Normalizer(action_tokens=max(tokens, 1), sequences=sequences,
                                 groups=sequences // num_generations if sequences % num_generations == 0 else None,
-                                budget=float(self.max_completion_length))
+                                budget=float(self.max_completion_length))  # type: ignore[arg-type]
 
         keep = action.any(-1)
         rows = keep.nonzero().squeeze(-1) if not bool(keep.all()) else None
 
-        def take(t):
+        def take(t: Any) -> Any:
             return t if (t is None or rows is None) else t[rows]
 
         if rows is not None and rows.numel() == 0:  # nothing to learn from in this micro-batch
@@ -673,9 +701,10 @@ class _Mixin:
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
         # TRL's metrics, same names and definitions
-        def global_masked_mean(x):
+        def global_masked_mean(x: torch.Tensor) -> float:
             totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
-            return (totals[0] / totals[1].clamp(min=1.0)).item()
+            mean: float = (totals[0] / totals[1].clamp(min=1.0)).item()
+            return mean
 
         with torch.no_grad():
             if per_token_kl is not None:
@@ -714,7 +743,7 @@ def _grpo_class() -> type:
         return _GRPO_CLASS
     trl = _trl()
 
-    class LossplugGRPOTrainer(_Mixin, trl.GRPOTrainer):
+    class LossplugGRPOTrainer(_Mixin, trl.GRPOTrainer):  # type: ignore[name-defined]  # (trl: the module, Any)
         """TRL's ``GRPOTrainer`` whose advantage and loss come from a lossplug recipe.
 
         ``LossplugGRPOTrainer(model, reward_funcs, args, ..., recipe="dapo", validate="full",
@@ -729,13 +758,14 @@ def _grpo_class() -> type:
         * ``provenance``: a :class:`lossplug.Provenance` to record instead of the one derived from the config.
         """
 
-        def __init__(self, *args, recipe, validate: str = "full", population: str = "generation",
-                     metrics: str = "basic", provenance: Optional[Provenance] = None, **kwargs):
+        def __init__(self, *args: Any, recipe: RecipeLike, validate: Validate = "full",
+                     population: Population = "generation", metrics: Union[bool, MetricLevel] = "basic",
+                     provenance: Optional[Provenance] = None, **kwargs: Any) -> None:
             _check_options(validate, population, metrics)
-            recipe = Recipe.load(recipe)  # a bad recipe fails before any model is loaded
-            lossplug.compile_recipe(recipe)
+            recipe_obj = Recipe.load(recipe)  # a bad recipe fails before any model is loaded
+            lossplug.compile_recipe(recipe_obj)
             super().__init__(*args, **kwargs)
-            _setup(self, recipe, validate, population, provenance, metrics)
+            _setup(self, recipe_obj, validate, population, provenance, metrics)
 
     LossplugGRPOTrainer.__module__ = __name__
     LossplugGRPOTrainer.__qualname__ = "LossplugGRPOTrainer"
@@ -743,8 +773,8 @@ def _grpo_class() -> type:
     return LossplugGRPOTrainer
 
 
-def attach(trainer, recipe, *, validate: str = "full", population: str = "generation", metrics: str = "basic",
-           provenance: Optional[Provenance] = None):
+def attach(trainer: _T, recipe: RecipeLike, *, validate: Validate = "full", population: Population = "generation",
+           metrics: Union[bool, MetricLevel] = "basic", provenance: Optional[Provenance] = None) -> _T:
     """Make an already-built ``GRPOTrainer`` (or subclass) run ``recipe``; returns the same object.
 
     Its class is swapped for a lossplug subclass of its own class (``LossplugGRPOTrainer`` for a plain
@@ -770,7 +800,16 @@ def attach(trainer, recipe, *, validate: str = "full", population: str = "genera
     return trainer
 
 
-def __getattr__(name: str):
+if TYPE_CHECKING:
+    class LossplugGRPOTrainer(_Mixin, GRPOTrainer):
+        """(For type checkers: the class is made on first access, once TRL is imported — see _grpo_class.)"""
+
+        def __init__(self, *args: Any, recipe: RecipeLike, validate: Validate = "full",
+                     population: Population = "generation", metrics: Union[bool, MetricLevel] = "basic",
+                     provenance: Optional[Provenance] = None, **kwargs: Any) -> None: ...
+
+
+def __getattr__(name: str) -> type:
     if name == "LossplugGRPOTrainer":
         return _grpo_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
