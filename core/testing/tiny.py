@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from trl import GRPOConfig
 
     from lossplug.adapters.trl import LossplugGRPOTrainer
+    from lossplug.pipeline import MetricLevel, Validate
 
 __all__ = ["VOCAB", "PROMPTS", "TinyRollout", "digit_reward", "length_reward", "offline", "tiny_dataset",
            "tiny_grpo_config", "tiny_grpo_trainer", "tiny_model", "tiny_model_and_tokenizer", "tiny_tokenizer"]
@@ -188,9 +189,9 @@ def tiny_grpo_config(output_dir: Union[str, Path], **overrides: Any) -> GRPOConf
 
 def tiny_grpo_trainer(recipe: Any, output_dir: Union[str, Path], *,
                       reward_funcs: Optional[Sequence[Callable[..., Any]]] = None, dataset: Any = None,
-                      model: Any = None, tokenizer: Any = None, metrics: str = "basic", validate: str = "full",
-                      trainer_kwargs: Optional[dict[str, Any]] = None, **config_overrides: Any
-                      ) -> LossplugGRPOTrainer:
+                      model: Any = None, tokenizer: Any = None, metrics: Union[bool, MetricLevel] = "basic",
+                      validate: Validate = "full", trainer_kwargs: Optional[dict[str, Any]] = None,
+                      **config_overrides: Any) -> LossplugGRPOTrainer:
     """A ``LossplugGRPOTrainer`` running ``recipe`` (a preset name, mapping, YAML/JSON path or
     :class:`lossplug.Recipe`) on the tiny model, tokenizer and dataset; call ``.train()`` on it.
 
