@@ -355,7 +355,7 @@ class _State:
     rewards_per_func: Optional[torch.Tensor] = None
     rounds: int = 0
     record_written: bool = False
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _state(trainer: object) -> _State:
@@ -743,7 +743,7 @@ def _grpo_class() -> type:
         return _GRPO_CLASS
     trl = _trl()
 
-    class LossplugGRPOTrainer(_Mixin, trl.GRPOTrainer):  # type: ignore[name-defined]  # (trl: the module, Any)
+    class LossplugGRPOTrainer(_Mixin, trl.GRPOTrainer):  # type: ignore[name-defined, misc]  # (trl: Any here)
         """TRL's ``GRPOTrainer`` whose advantage and loss come from a lossplug recipe.
 
         ``LossplugGRPOTrainer(model, reward_funcs, args, ..., recipe="dapo", validate="full",

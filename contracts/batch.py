@@ -47,7 +47,7 @@ class _CheckedTensors:
     BASE_READ_LIMIT = 256
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, int, bool, bool]] = {}
+        self._entries: dict[int, tuple[weakref.ref[Tensor], int, bool, bool]] = {}
 
     def get(self, t: Tensor) -> Optional[tuple[bool, bool]]:
         """``(finite, at_most_tolerance)`` of every element of ``t``, or None if ``t`` was not checked as it is now."""
@@ -282,7 +282,7 @@ class _TensorModel(BaseModel):
         return data
 
     @classmethod
-    def _plain_tensors(cls, data: dict) -> bool:
+    def _plain_tensors(cls, data: dict[str, Any]) -> bool:
         """Every key a field, every value a dense tensor or None, every required field given: the common case, tested
         without building a report (:meth:`_field_types` names what is wrong otherwise)."""
         fields = cls.__pydantic_fields__
@@ -435,7 +435,7 @@ class PolicyBatch(_TensorModel):
                 return False
         if not _rows_act_on_host(fields["action_mask"]):
             return False
-        seen: list[tuple] = []
+        seen: list[tuple[Any, ...]] = []
         for name in self._VALUE_FIELDS:
             t = fields.get(name)
             if t is None:
@@ -490,7 +490,7 @@ class PolicyBatch(_TensorModel):
             _every_row_acts(checks, mask)
         else:
             checks.when_any(~any_of(mask, -1), "action_mask", "every response needs at least one action token")
-        seen: list[tuple] = []
+        seen: list[tuple[Any, ...]] = []
         for name in self._VALUE_FIELDS:
             t = fields.get(name)
             if t is None:

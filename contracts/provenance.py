@@ -28,7 +28,7 @@ class LogProbSource(BaseModel):
     processed: bool = Field(default=False, description="log-probs of the processed (truncated/renormalised) distribution")
     dtype: Optional[str] = None
 
-    def convention(self) -> tuple:
+    def convention(self) -> tuple[float, float, Optional[int], bool]:
         return (self.temperature, self.top_p, self.top_k, self.processed)
 
 

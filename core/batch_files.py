@@ -176,7 +176,7 @@ class BatchWarning:
     message: str
     where: str = ""
     #: the values the warning is about in full (``where`` shows only the first few)
-    values: tuple = ()
+    values: tuple[Any, ...] = ()
 
 
 @dataclass

@@ -102,7 +102,7 @@ def _registry() -> Registry:
         return registry()
 
 
-def _params_line(params: dict) -> str:
+def _params_line(params: dict[str, Any]) -> str:
     return "  ".join(f"{n}={p['default']!r}" if not p["required"] else f"{n}=<required>" for n, p in params.items())
 
 

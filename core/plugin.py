@@ -96,7 +96,7 @@ class GateInput:
         # zero_off is torch.where(mask, x, 0) as a bitwise AND on the CPU (bit-exact, gradient included): one bit
         # pattern serves every zero-off of the micro-batch, forward and backward
         self._bits = action_bits(mask, self.compute_dtype) if zero_off_uses_bits(mask) else None
-        self._cleaned: dict[tuple, Tensor] = {}
+        self._cleaned: dict[tuple[Any, ...], Tensor] = {}
         self._log_ratios: dict[tuple[str, str], Tensor] = {}
 
     @classmethod
@@ -220,7 +220,7 @@ class GateInput:
         return torch.where(self.mask, x, 0).sum(-1) / self.lengths.clamp(min=1)
 
 
-def _layout(t: Tensor) -> tuple:
+def _layout(t: Tensor) -> tuple[Any, ...]:
     """Same key ⇔ same elements: same memory, shape, strides and dtype (a detached view of a tensor included). A
     tensor without memory (the meta device, no elements) has address 0: it is only ever equal to itself."""
     address = t.data_ptr()

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -271,10 +271,10 @@ class AdaptiveKLController:
         self.value = min(max(self.value, self.min_kl_coef), self.max_kl_coef)
         return self.value
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"value": self.value}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.value = float(state["value"])
 
 
@@ -311,10 +311,10 @@ class ProportionalKLController:
         self.value = float(self.value * mult)
         return self.value
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"value": self.value}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.value = float(state["value"])
 
 
@@ -330,8 +330,8 @@ class FixedKLController:
     def update(self, current_kl: Union[float, Tensor, None] = None, n_steps: Optional[int] = None) -> float:
         return self.value
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"value": self.value}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.value = float(state["value"])

@@ -36,7 +36,7 @@ from .gae import _packed, _padded
 Tensor = torch.Tensor
 
 
-def length_adaptive_lambda(length: Union[Tensor, int, float, list], alpha: float = 0.05) -> Tensor:
+def length_adaptive_lambda(length: Union[Tensor, int, float, list[float]], alpha: float = 0.05) -> Tensor:
     """``clamp(1 − 1/(α·l), 0, 1)`` elementwise; ``l`` in action tokens (or transitions, packed).
 
     Integer lengths give a float32 tensor (a floating tensor keeps its dtype). Raises :class:`LossplugError` for a
