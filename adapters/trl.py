@@ -411,14 +411,14 @@ def _refusals(trainer: GRPOTrainer, compiled: CompiledRecipe, provenance: Proven
                    "behavior_logp": "TRL has rollout log-probs only with use_vllm=True or a rollout_func"}.get(
                 name, "GRPOTrainer has no such field")
             out.append(f"{stage.where} ({stage.plugin.name}) reads {name}: {why}")
-    stage = compiled.advantage
-    if stage is not None:
-        missing = [f for f in required_fields(stage.plugin, stage.params) if f not in _ADVANTAGE_PROVIDED]
+    adv_stage = compiled.advantage
+    if adv_stage is not None:
+        missing = [f for f in required_fields(adv_stage.plugin, adv_stage.params) if f not in _ADVANTAGE_PROVIDED]
         if missing:
-            out.append(f"recipe.advantage ({stage.plugin.name}) reads {', '.join(missing)}: in TRL the advantage "
+            out.append(f"recipe.advantage ({adv_stage.plugin.name}) reads {', '.join(missing)}: in TRL the advantage "
                        "stage sees only the rewards and prompt groups (no critic, no token rewards)")
-        if "padded" not in stage.plugin.layouts:
-            out.append(f"recipe.advantage ({stage.plugin.name}) works on the packed layout only")
+        if "padded" not in adv_stage.plugin.layouts:
+            out.append(f"recipe.advantage ({adv_stage.plugin.name}) works on the packed layout only")
         if args.multi_objective_aggregation != "sum_then_normalize":
             out.append(f"multi_objective_aggregation={args.multi_objective_aggregation!r}: the recipe's advantage "
                        "replaces TRL's, and is computed from the weighted sum of the raw rewards; use "

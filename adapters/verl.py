@@ -51,7 +51,8 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from types import FrameType
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ import torch
 import lossplug
 from lossplug.contracts import LossplugError, Normalizer, PolicyBatch, Recipe, RecipeError
 from lossplug.contracts.normalizer import whole_count
-from lossplug.pipeline import metric_level
+from lossplug.pipeline import Validate, metric_level
 
 from verl.trainer.ppo import core_algos
 from verl.workers.config import PolicyLossConfig
@@ -241,7 +242,7 @@ def check_registration(*, policy_loss: bool = True, estimator: bool = True) -> N
     ok, why = _loaded_by_import_verl(_entry_point())
     if not ok:
         problems.append(why)
-    slots = []
+    slots: list[tuple[str, dict[str, Any], Callable[..., Any], str]] = []
     if policy_loss:
         slots.append(("policy loss", core_algos.POLICY_LOSS_REGISTRY, compute_policy_loss_lossplug,
                       "actor_rollout_ref.actor.policy_loss.loss_mode"))
@@ -371,7 +372,7 @@ def compute_policy_loss_lossplug(
     recipe = _policy_recipe(config)
     compiled = lossplug.compile_recipe(recipe)
     policy_cfg = getattr(config, "policy_loss", None)
-    validate = getattr(policy_cfg, "validation", "full") if policy_cfg is not None else "full"
+    validate: Validate = getattr(policy_cfg, "validation", "full") if policy_cfg is not None else "full"
     level = metric_level(getattr(policy_cfg, "metrics", "basic") if policy_cfg is not None else "basic")
 
     reduction = compiled.reduction.plugin.name
@@ -405,12 +406,14 @@ def compute_policy_loss_lossplug(
     if not bool(keep.all()):
         def rows(t: Optional[Tensor]) -> Optional[Tensor]:
             return None if t is None or t.ndim == 0 else t[keep]
-        log_prob, old_log_prob, advantages, mask = rows(log_prob), rows(old_log_prob), rows(advantages), mask[keep]
+        # (rows keeps a tensor a tensor)
+        log_prob, old_log_prob = rows(log_prob), rows(old_log_prob)  # type: ignore[assignment]
+        advantages, mask = rows(advantages), mask[keep]  # type: ignore[assignment]
         rollout_is_weights, rollout_log_probs = rows(rollout_is_weights), rows(rollout_log_probs)
 
     normalizer, dp_size = verl_normalizer(info, mask, counts_needed=reduction != "token_sum")
-    if reduction == "fixed" and compiled.reduction.params.budget is None and (normalizer is None
-                                                                               or normalizer.budget is None):
+    params: Any = compiled.reduction.params  # (the reduction's own model: FixedParams for 'fixed')
+    if reduction == "fixed" and params.budget is None and (normalizer is None or normalizer.budget is None):
         raise LossplugError(f"{POLICY_RECIPE_KEY}: reduction 'fixed' needs a budget: set "
                             f"actor_rollout_ref.actor.loss_scale_factor=<max response length> (verl's "
                             f"seq-mean-token-sum-norm constant) or give the recipe one ({{name: fixed, budget: N}})")
@@ -451,7 +454,7 @@ _EXTRA_FIELDS = {"value": "values", "old_logp": "old_log_probs", "ref_logp": "re
 def _caller_batch(token_level_rewards: Tensor) -> Optional[Any]:
     """The ``DataProto.batch`` that ``ray_trainer.compute_advantage`` is processing (its local ``data``), found up the
     call stack and accepted only if it holds this very ``token_level_rewards`` tensor."""
-    frame = sys._getframe(2)
+    frame: Optional[FrameType] = sys._getframe(2)
     for _ in range(6):
         if frame is None:
             return None
@@ -574,7 +577,7 @@ def compute_lossplug_advantage(
     return advantages, returns
 
 
-compute_policy_loss_lossplug.__lossplug_verl__ = True
-compute_lossplug_advantage.__lossplug_verl__ = True
+compute_policy_loss_lossplug.__lossplug_verl__ = True  # type: ignore[attr-defined]
+compute_lossplug_advantage.__lossplug_verl__ = True  # type: ignore[attr-defined]
 
 register()

@@ -89,7 +89,7 @@ class Normalizer(BaseModel):
         return cls(action_tokens=tokens, sequences=sequences, groups=groups, budget=budget)
 
     @classmethod
-    def all_reduce(cls, local: "Normalizer", group=None) -> "Normalizer":
+    def all_reduce(cls, local: "Normalizer", group: Any = None) -> "Normalizer":
         """Sum this rank's local population over a ``torch.distributed`` process group.
 
         ``groups`` is summed too, which is exact when every prompt group lives on one rank (as in TRL and verl,

@@ -18,6 +18,7 @@ from .needs import FIELD_SHAPES, batch_fields, recipe_needs, required_fields
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
 
+    from .pipeline import Stage
     from .plugin import AnyPlugin
     from .plugin_registry import Registry
 
@@ -89,7 +90,7 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
 
     reg = registry()
     compiled = compile_recipe(recipe)
-    stages = []
+    stages: list[tuple[str, Stage[AnyPlugin]]] = []
     if compiled.advantage is not None:
         stages.append(("advantage", compiled.advantage))
     stages += [(f"gates[{i}]", s) for i, s in enumerate(compiled.gates)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Generic, Iterable, Literal, Mapping, Optional, TypeVar, Union, overload
 
 import torch
 
@@ -24,6 +24,10 @@ from .ops import Groups, any_rows, masked_quantiles, quantiles_of, zero_off
 from .plugin import (AdvantagePlugin, GateInput, GateOutput, GatePlugin, Params, Population, ReductionPlugin,
                      evaluate)
 
+if TYPE_CHECKING:
+    from .plugin import Lazy
+    from .plugin_registry import Registry
+
 Tensor = torch.Tensor
 Validate = Literal["full", "off"]
 #: ``off``: none · ``basic``: the loss, the update's approximate KL and each gate's cut fractions (what the trainers
@@ -34,9 +38,13 @@ QUANTILES = (0.0, 0.05, 0.5, 0.95, 1.0)
 QUANTILE_NAMES = ("min", "p05", "p50", "p95", "max")
 
 
+#: the plugin class of a stage: a CompiledRecipe's advantage stage holds an AdvantagePlugin, and so on
+_P = TypeVar("_P", bound=Union[AdvantagePlugin, GatePlugin, ReductionPlugin], covariant=True)
+
+
 @dataclass(frozen=True)
-class Stage:
-    plugin: Union[AdvantagePlugin, GatePlugin, ReductionPlugin]
+class Stage(Generic[_P]):
+    plugin: _P
     params: Params
     where: str
 
@@ -44,20 +52,28 @@ class Stage:
 @dataclass(frozen=True)
 class CompiledRecipe:
     recipe: Recipe
-    advantage: Optional[Stage]
-    update: Stage
-    corrections: tuple[Stage, ...]
-    reduction: Stage
+    advantage: Optional[Stage[AdvantagePlugin]]
+    update: Stage[GatePlugin]
+    corrections: tuple[Stage[GatePlugin], ...]
+    reduction: Stage[ReductionPlugin]
     has_validators: bool
     has_metric_hooks: bool
     generation: int
 
     @property
-    def gates(self) -> tuple[Stage, ...]:
+    def gates(self) -> tuple[Stage[GatePlugin], ...]:
         return (self.update,) + self.corrections
 
 
-def _stage(reg, kind: str, spec, where: str) -> Stage:
+@overload
+def _stage(reg: Registry, kind: Literal["advantage"], spec: PluginSpec, where: str) -> Stage[AdvantagePlugin]: ...
+@overload
+def _stage(reg: Registry, kind: Literal["gate"], spec: PluginSpec, where: str) -> Stage[GatePlugin]: ...
+@overload
+def _stage(reg: Registry, kind: Literal["reduction"], spec: PluginSpec, where: str) -> Stage[ReductionPlugin]: ...
+
+
+def _stage(reg: Registry, kind: str, spec: PluginSpec, where: str) -> Stage[Any]:
     plugin = reg.lookup(kind, spec.name, where)
     return Stage(plugin, plugin.params.model_validate(spec.params), where)
 
@@ -65,7 +81,7 @@ def _stage(reg, kind: str, spec, where: str) -> Stage:
 def compile_recipe(recipe: Recipe) -> CompiledRecipe:
     """Resolve the recipe's plugins and parameter models once; cached on the recipe object."""
     reg = _registry.registry()
-    cached = recipe._compiled
+    cached: Optional[CompiledRecipe] = recipe._compiled
     if cached is not None and cached.generation == reg.generation:
         return cached
     pm = _registry.plugin_manager()
@@ -101,9 +117,9 @@ def as_recipe(recipe: Union[Recipe, str]) -> Recipe:
 # Validation
 
 
-def _missing(batch, fields, who: str) -> list[Violation]:
+def _missing(batch: Union[PolicyBatch, PackedTransitions], fields: Iterable[str], who: str) -> list[Violation]:
     contract = type(batch)
-    out = []
+    out: list[Violation] = []
     for name in fields:
         if name not in contract.model_fields:
             out.append(Violation(name, f"required by {who}, but the {contract.__name__} layout has no such field"))
@@ -113,7 +129,7 @@ def _missing(batch, fields, who: str) -> list[Violation]:
     return out
 
 
-def _who(stage: Stage) -> str:
+def _who(stage: Stage[Union[AdvantagePlugin, GatePlugin]]) -> str:
     """'recipe.gates[0] (ppo_clip)', with the parameters that differ from the defaults when those decide what the
     plugin needs (``requires`` given as a function of the parameters)."""
     plugin = stage.plugin
@@ -125,7 +141,7 @@ def _who(stage: Stage) -> str:
     return f"{stage.where} ({plugin.name}{changed})"
 
 
-def _group_violations(batch, plugin: AdvantagePlugin, where: str) -> list[Violation]:
+def _group_violations(batch: Any, plugin: AdvantagePlugin, where: str) -> list[Violation]:  # (padded layout)
     if plugin.min_group_size <= 1 or batch.group_id is None:
         return []
     groups = Groups.from_ids(batch.group_id)
@@ -138,7 +154,8 @@ def _group_violations(batch, plugin: AdvantagePlugin, where: str) -> list[Violat
                                             f"{groups.counts[small].tolist()[:8]})")]
 
 
-def _check(batch, compiled: CompiledRecipe, violations: list[Violation]) -> None:
+def _check(batch: Union[PolicyBatch, PackedTransitions], compiled: CompiledRecipe, violations: list[Violation]
+           ) -> None:
     if not batch.validated:
         batch.check()
     if compiled.has_validators:
@@ -158,14 +175,14 @@ def _check(batch, compiled: CompiledRecipe, violations: list[Violation]) -> None
 _PASS_THROUGH = tuple(t for t in (LossplugError, MemoryError, getattr(torch, "OutOfMemoryError", None)) if t)
 
 
-def _describe_value(value) -> str:
+def _describe_value(value: object) -> str:
     inner = ""
     if isinstance(value, (list, tuple)) and value:
         inner = f" of {', '.join(sorted({type(v).__name__ for v in value}))}"
     return f"a {type(value).__name__}{inner}"
 
 
-def _plugin_failed(stage: Stage, err: Exception, validate: str, what: str = "") -> PluginError:
+def _plugin_failed(stage: Stage[Any], err: Exception, validate: str, what: str = "") -> PluginError:
     plugin = stage.plugin
     origin = _registry.registry().origin(plugin.kind, plugin.name)
     hint = (" (the batch was not validated: run once with validate='full' to rule out bad input)"
@@ -174,7 +191,7 @@ def _plugin_failed(stage: Stage, err: Exception, validate: str, what: str = "") 
     return PluginError(f"{stage.where} ({plugin.name}, from {origin}){what} raised {type(err).__name__}: {err}{hint}")
 
 
-def _run(stage: Stage, validate: str, *args):
+def _run(stage: Stage[Any], validate: str, *args: Any) -> Any:
     """Call a stage's plugin with its parameters."""
     try:
         return stage.plugin(*args, stage.params)
@@ -210,7 +227,7 @@ def estimate_advantages(batch: Union[PolicyBatch, PackedTransitions], recipe: Un
     elif validate != "off":
         raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
     with torch.no_grad():
-        result = _run(stage, validate, batch)
+        result: AdvantageResult = _run(stage, validate, batch)
     if validate == "full":
         _check_advantage_output(result.advantage, batch, stage, "advantages")
         if result.returns is not None:
@@ -224,8 +241,11 @@ def compute_advantages(batch: Union[PolicyBatch, PackedTransitions], recipe: Uni
     return estimate_advantages(batch, recipe, validate=validate).advantage
 
 
-def _check_advantage_output(adv: Tensor, batch, stage: Stage, what: str) -> None:
+def _check_advantage_output(adv: Tensor, batch: Union[PolicyBatch, PackedTransitions], stage: Stage[AdvantagePlugin],
+                            what: str) -> None:
     where = f"{stage.where} ({stage.plugin.name}) returned {what} that"
+    shapes: tuple[tuple[int, ...], ...]
+    mask: Optional[Tensor]
     if isinstance(batch, PackedTransitions):
         shapes, mask = ((batch.reward.shape[0],),), None
     else:
@@ -243,12 +263,12 @@ def _check_advantage_output(adv: Tensor, batch, stage: Stage, what: str) -> None
 # Policy loss
 
 
-def metric_level(metrics: Union[bool, str]) -> str:
+def metric_level(metrics: Union[bool, str]) -> MetricLevel:
     """``"off"``, ``"basic"`` or ``"full"`` from a level or a bool (``True`` is ``"full"``, ``False`` ``"off"``)."""
     if metrics is True or metrics is False:
         return "full" if metrics else "off"
     if isinstance(metrics, str) and metrics in METRIC_LEVELS:
-        return metrics
+        return metrics  # type: ignore[return-value]  # one of METRIC_LEVELS
     raise LossplugError(f"metrics must be one of {', '.join(repr(m) for m in METRIC_LEVELS)} (or True = 'full', "
                         f"False = 'off'), got {metrics!r}")
 
@@ -332,7 +352,7 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
     return LossResult.model_construct(loss=loss, metric_tensors=metric_tensors)
 
 
-def _check_gate_output(stage: Stage, out, batch: PolicyBatch) -> None:
+def _check_gate_output(stage: Stage[GatePlugin], out: object, batch: PolicyBatch) -> None:
     """What a gate returned, before it is used: an update gate's objective ``[B, T]``, a correction's weight ``[B, T]``
     or ``[B]`` (a ``[B]`` objective would broadcast against ``[B, T]`` silently wrong when B == T); metrics declared
     as mappings. Shapes are read from the batch, never from the gate input (reading a field there would clean it)."""
@@ -396,10 +416,10 @@ def population_of(mask: Tensor, normalizer: Optional[Normalizer], lengths: Optio
     return Population(normalizer.action_tokens, normalizer.sequences, normalizer.groups, normalizer.budget)
 
 
-ReductionSpec = Union[str, Mapping, PluginSpec]
+ReductionSpec = Union[str, Mapping[str, Any], PluginSpec]
 
 
-def compile_reduction(reduction: ReductionSpec, where: str = "reduction") -> Stage:
+def compile_reduction(reduction: ReductionSpec, where: str = "reduction") -> Stage[ReductionPlugin]:
     """A reduction named the way a recipe names one — ``"token"``, ``{"name": "fixed", "budget": 1024}`` or a
     :class:`~lossplug.contracts.recipe.PluginSpec` — resolved and its parameters checked; an unknown name or a bad
     parameter raises a :class:`~lossplug.RecipeError` naming ``where``."""
@@ -416,7 +436,7 @@ def compile_reduction(reduction: ReductionSpec, where: str = "reduction") -> Sta
 
 
 #: (name, parameters, where) → (registry generation, Stage): tools resolve their reduction once, not per micro-batch
-_reduction_stages: dict[tuple[str, str, str], tuple[int, Stage]] = {}
+_reduction_stages: dict[tuple[str, str, str], tuple[int, Stage[ReductionPlugin]]] = {}
 
 
 def reduce(values: Tensor, action_mask: Tensor, recipe: Union[Recipe, str, None] = None,
@@ -452,7 +472,8 @@ def reduce(values: Tensor, action_mask: Tensor, recipe: Union[Recipe, str, None]
                             f"{type(normalizer).__name__}")
     values = zero_off(values, action_mask)
     lengths = torch.count_nonzero(action_mask, -1)
-    return _run(red, "full", values, action_mask, lengths, population_of(action_mask, normalizer, lengths))
+    reduced: Tensor = _run(red, "full", values, action_mask, lengths, population_of(action_mask, normalizer, lengths))
+    return reduced
 
 
 def _ratio_metrics(prefix: str, log_ratio: Tensor, mask: Tensor, out: dict[str, Tensor]) -> None:
@@ -477,7 +498,7 @@ class _GateReport:
     active: Optional[Tensor]
 
 
-def _report(stage: Stage, out: GateOutput, level: str, validate: str) -> _GateReport:
+def _report(stage: Stage[GatePlugin], out: GateOutput, level: str, validate: str) -> _GateReport:
     """Evaluate what ``out`` declares for ``level`` (``metrics``; at ``full`` also ``details`` and ``active``) under
     ``no_grad``; a failure blames the gate. Nothing is evaluated at ``off``."""
     if level == "off":
@@ -490,7 +511,7 @@ def _report(stage: Stage, out: GateOutput, level: str, validate: str) -> _GateRe
     return _GateReport(stage.plugin.name, values, active)
 
 
-def _evaluate(stage: Stage, what: str, value, validate: str) -> Tensor:
+def _evaluate(stage: Stage[GatePlugin], what: str, value: Lazy, validate: str) -> Tensor:
     try:
         return evaluate(value)
     except _PASS_THROUGH:

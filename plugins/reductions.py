@@ -24,13 +24,15 @@ from __future__ import annotations
 from typing import Optional
 
 from pydantic import Field
+from torch import Tensor
 
 import lossplug
 from lossplug.contracts import LossplugError
 
 
 @lossplug.reduction("response")
-def response_mean(objective, mask, lengths, population, p):
+def response_mean(objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population,
+                  p: lossplug.NoParams) -> Tensor:
     """Mean over responses of each response's token mean (every response weighs the same).
 
     Paper: GRPO's per-response mean, Shao et al., 2024, arXiv:2402.03300.
@@ -43,7 +45,8 @@ def response_mean(objective, mask, lengths, population, p):
 
 
 @lossplug.reduction("token")
-def token_mean(objective, mask, lengths, population, p):
+def token_mean(objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population,
+               p: lossplug.NoParams) -> Tensor:
     """Global action-token mean (every action token weighs the same; DAPO).
 
     Paper: DAPO's token-level policy-gradient loss, Yu et al., 2025, arXiv:2503.14476.
@@ -59,7 +62,8 @@ class FixedParams(lossplug.Params):
 
 
 @lossplug.reduction("fixed", params=FixedParams)
-def fixed_budget(objective, mask, lengths, population, p: FixedParams):
+def fixed_budget(objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population,
+                 p: FixedParams) -> Tensor:
     """Per-response sums divided by a fixed token budget, averaged over responses (Dr. GRPO).
 
     Paper: Dr. GRPO, Liu et al., 2025, *Understanding R1-Zero-Like Training: A Critical Perspective*,
@@ -76,7 +80,8 @@ def fixed_budget(objective, mask, lengths, population, p: FixedParams):
 
 
 @lossplug.reduction("sequence_sum")
-def sequence_sum(objective, mask, lengths, population, p):
+def sequence_sum(objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population,
+                 p: lossplug.NoParams) -> Tensor:
     """Mean over responses of each response's token sum.
 
     Reference: verl, ``verl.trainer.ppo.core_algos.agg_loss`` with ``loss_agg_mode="seq-mean-token-sum"``; TRL
@@ -86,7 +91,8 @@ def sequence_sum(objective, mask, lengths, population, p):
 
 
 @lossplug.reduction("token_sum")
-def token_sum(objective, mask, lengths, population, p):
+def token_sum(objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population,
+              p: lossplug.NoParams) -> Tensor:
     """Sum over every action token, no denominator (verl's ``token-sum``): the population is not read.
 
     Reference: verl, ``verl.trainer.ppo.core_algos.agg_loss`` with ``loss_agg_mode="token-sum"``.

@@ -136,8 +136,8 @@ def value_clip_fraction(values: Tensor, old_values: Tensor, returns: Tensor, act
                           validate=validate).clip_frac
 
 
-def _check_value_args(values, old_values, returns, action_mask, clip_eps, reduction, normalizer, action_tokens,
-                      contract: str = "value_loss") -> None:
+def _check_value_args(values: Any, old_values: Any, returns: Any, action_mask: Any, clip_eps: Any, reduction: Any,
+                      normalizer: Any, action_tokens: Any, contract: str = "value_loss") -> None:
     c = Checks(contract)
     aligned = c.tensor("values", values, ndim=(2,))
     shape = tuple(values.shape) if aligned else None
