@@ -110,11 +110,15 @@ def _imports_outside_functions(path: Path) -> list[tuple[int, str]]:
     tree = ast.parse(path.read_text())
     inside_functions = {id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
                         for node in ast.walk(fn)}
+    type_checking_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)  # never run
+                          and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                          for stmt in block.body for node in ast.walk(stmt)}
+    skipped = inside_functions | type_checking_only
     out = []
     for node in ast.walk(tree):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
             [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
-        out += [(node.lineno, n) for n in names if id(node) not in inside_functions]
+        out += [(node.lineno, n) for n in names if id(node) not in skipped]
     return out
 
 
