@@ -53,3 +53,16 @@ def test_the_tutorial_includes_the_example_plugin_files_that_exist():
     included = re.findall(r'^--8<-- "([^"]+)"$', text, flags=re.M)
     assert "examples/lossplug-example-plugin/lossplug_example_plugin/__init__.py" in included
     assert all((ROOT / path).is_file() for path in included)
+
+
+def test_the_readme_and_getting_started_give_the_same_two_commands_and_the_readme_links_resolve():
+    readme = (ROOT / "README.md").read_text()
+    commands = [line for line in readme.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+                if line.startswith("python3 -m venv")]
+    assert len(commands) == 2 and '".[all,dev,docs]"' in commands[1]
+    index = (ROOT / "docs" / "index.md").read_text()
+    assert all(command in index for command in commands)
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [link for link in links if not re.match(r"^[a-z]+:", link)]
+    assert "docs/index.md" in local and "docs/performance.md" in local
+    assert [link for link in local if not (ROOT / link).exists()] == []
