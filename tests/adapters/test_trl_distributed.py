@@ -54,6 +54,11 @@ SCRIPT = textwrap.dedent('''
     result["keys"] = sorted(k for e in trainer.state.log_history for k in e if k.startswith("lossplug/"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    # the result is written: leave without the interpreter's teardown, where a native thread still being joined
+    # (gloo, OpenMP) can abort a process whose work succeeded
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 ''')
 
 
