@@ -69,8 +69,10 @@ def import_every_module() -> None:
         if not pending:  # a subpackage mapped from another folder (an editable install) is found once imported
             pending = sorted(n for n in sys.modules if n.startswith("lossplug.") and n not in done)
     assert not failures, "modules that do not import with only the core dependencies:\n  " + "\n  ".join(failures)
-    print(f"imported {len(done) - len(skipped)} modules of {lossplug.__name__}; optional, skipped: "
-          f"{', '.join(sorted(skipped)) or 'none'}")
+    print(
+        f"imported {len(done) - len(skipped)} modules of {lossplug.__name__}; optional, skipped: "
+        f"{', '.join(sorted(skipped)) or 'none'}"
+    )
 
 
 def batch(torch, lossplug):
@@ -83,12 +85,15 @@ def batch(torch, lossplug):
     old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2
     logp = (old + 0.1 * torch.randn(B, T, generator=g, dtype=torch.float64)).requires_grad_()
     return lossplug.PolicyBatch(
-        logp=logp, action_mask=mask, old_logp=old,
+        logp=logp,
+        action_mask=mask,
+        old_logp=old,
         behavior_logp=old + 0.05 * torch.randn(B, T, generator=g, dtype=torch.float64),
         ref_logp=old + 0.05 * torch.randn(B, T, generator=g, dtype=torch.float64),
         reward=torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0], dtype=torch.float64),
         value=torch.randn(B, T, generator=g, dtype=torch.float64) * 0.1,
-        group_id=torch.tensor([0, 0, 0, 1, 1, 1]), terminated=torch.ones(B, dtype=torch.bool),
+        group_id=torch.tensor([0, 0, 0, 1, 1, 1]),
+        terminated=torch.ones(B, dtype=torch.bool),
     ), logp
 
 
@@ -115,13 +120,12 @@ def run_every_preset() -> None:
 def run_the_tools() -> None:
     import torch
 
+    import lossplug
     from lossplug.tools.diagnostics import ppo_diagnostics
     from lossplug.tools.dynamic_sampling import keep_mixed_groups
     from lossplug.tools.kl import AdaptiveKLController, ProportionalKLController, kl_penalty, kl_shaped_rewards
     from lossplug.tools.reward_model import pairwise_reward_loss
     from lossplug.tools.value_loss import value_loss
-
-    import lossplug
 
     b, logp = batch(torch, lossplug)
     shaped = kl_shaped_rewards(b.reward, b.old_logp, b.ref_logp, b.action_mask, kl_coef=0.1)

@@ -24,8 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TREE = ROOT / "build" / "mypy" / "tree"
 EXAMPLE = ROOT / "examples" / "lossplug-example-plugin" / "lossplug_example_plugin"
 #: where each part of the package lives in the checkout (pyproject's package-dir)
-FOLDERS = {"lossplug": "core", "lossplug/contracts": "contracts", "lossplug/plugins": "plugins",
-           "lossplug/adapters": "adapters"}
+FOLDERS = {
+    "lossplug": "core",
+    "lossplug/contracts": "contracts",
+    "lossplug/plugins": "plugins",
+    "lossplug/adapters": "adapters",
+}
 
 
 def lay_out_tree() -> None:
@@ -47,10 +51,10 @@ def to_checkout(line: str) -> str:
     tree = f"{TREE.relative_to(ROOT)}/"
     if not line.startswith(tree):
         return line
-    rest = line[len(tree):]
+    rest = line[len(tree) :]
     for name in sorted(FOLDERS, key=len, reverse=True):
         if rest.startswith(name + "/"):
-            return FOLDERS[name] + rest[len(name):]
+            return FOLDERS[name] + rest[len(name) :]
     return line
 
 
@@ -63,8 +67,11 @@ def mypy(*args: str, env: dict[str, str] | None = None) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--installed", metavar="PYTHON",
-                        help="check the example against the lossplug installed in this interpreter's environment")
+    parser.add_argument(
+        "--installed",
+        metavar="PYTHON",
+        help="check the example against the lossplug installed in this interpreter's environment",
+    )
     args = parser.parse_args()
     lay_out_tree()
     print("mypy: lossplug", flush=True)
@@ -74,8 +81,15 @@ def main() -> int:
         where, env = ["--python-executable", args.installed], None
     else:  # the tree stands in for an installed lossplug; its own errors are the run above's business
         where, env = ["--follow-imports", "silent"], {**os.environ, "MYPYPATH": str(TREE)}
-    example = mypy("--config-file", str(EXAMPLE.parent / "pyproject.toml"), "--cache-dir", str(TREE.parent / "cache"),
-                   *where, str(EXAMPLE.relative_to(ROOT)), env=env)
+    example = mypy(
+        "--config-file",
+        str(EXAMPLE.parent / "pyproject.toml"),
+        "--cache-dir",
+        str(TREE.parent / "cache"),
+        *where,
+        str(EXAMPLE.relative_to(ROOT)),
+        env=env,
+    )
     return status or example
 
 

@@ -119,9 +119,10 @@ import json
 import os
 import platform
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, TypeVar, Union, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import torch
 
@@ -145,12 +146,21 @@ def _config(trainer: GRPOTrainer) -> GRPOConfig:
     """``trainer.args``: TRL types it as transformers' ``TrainingArguments``; a GRPOTrainer's is a ``GRPOConfig``."""
     return trainer.args  # type: ignore[return-value]
 
+
 #: what names a recipe: a :class:`lossplug.Recipe`, a preset name, a mapping or a YAML/JSON path
-RecipeLike = Union[Recipe, Mapping[str, Any], str, Path]
+RecipeLike = Recipe | Mapping[str, Any] | str | Path
 _T = TypeVar("_T", bound="GRPOTrainer")
 
-__all__ = ["LossplugGRPOTrainer", "TESTED_TRL", "attach", "check_trl_version", "group_advantages", "trl_equivalent",
-           "trl_provenance", "write_record"]
+__all__ = [
+    "LossplugGRPOTrainer",
+    "TESTED_TRL",
+    "attach",
+    "check_trl_version",
+    "group_advantages",
+    "trl_equivalent",
+    "trl_provenance",
+    "write_record",
+]
 
 #: TRL minor versions this adapter is tested against
 TESTED_TRL: tuple[str, ...] = ("1.16",)
@@ -164,8 +174,18 @@ _PROVIDED = {"logp", "action_mask", "old_logp", "advantage", "group_id", "reward
 #: fields the advantage stage sees (it runs on rewards gathered over processes, before any log-prob exists)
 _ADVANTAGE_PROVIDED = {"reward", "group_id"}
 #: multimodal / model keyword inputs TRL forwards to ``_get_per_token_logps_and_entropies``
-_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-                 "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+_FORWARD_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -192,8 +212,10 @@ def check_trl_version(version: str) -> None:
     release = _version_tuple(version)
     if ".".join(map(str, release[:2])) in TESTED_TRL:
         return
-    message = (f"lossplug.adapters.trl is tested with TRL {', '.join(TESTED_TRL)}.x, found TRL {version}: the private "
-               f"seams it uses (_generate_and_score_completions, _calculate_rewards, _compute_loss) may differ")
+    message = (
+        f"lossplug.adapters.trl is tested with TRL {', '.join(TESTED_TRL)}.x, found TRL {version}: the private "
+        f"seams it uses (_generate_and_score_completions, _calculate_rewards, _compute_loss) may differ"
+    )
     if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
         warnings.warn(message + f" ({ALLOW_UNTESTED_ENV}=1: continuing)", stacklevel=3)
         return
@@ -224,15 +246,19 @@ def trl_equivalent(args: GRPOConfig) -> tuple[Recipe, Population]:
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     sequence = args.importance_sampling_level == "sequence"
     if args.multi_objective_aggregation != "sum_then_normalize":
-        raise LossplugError(f"trl_equivalent: multi_objective_aggregation={args.multi_objective_aggregation!r} has no "
-                            "lossplug advantage (normalise each reward function, then sum); use 'sum_then_normalize'")
+        raise LossplugError(
+            f"trl_equivalent: multi_objective_aggregation={args.multi_objective_aggregation!r} has no "
+            "lossplug advantage (normalise each reward function, then sum); use 'sum_then_normalize'"
+        )
     gate: dict[str, Any]
     advantage = {"name": "grpo", "scale": args.scale_rewards, "std": "sample", "eps": 1e-4, "eps_mode": "add"}
     if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
         if sequence:
             if args.delta is not None:
-                raise LossplugError("trl_equivalent: delta with importance_sampling_level='sequence' has no "
-                                    "lossplug gate (gspo has no dual clip)")
+                raise LossplugError(
+                    "trl_equivalent: delta with importance_sampling_level='sequence' has no "
+                    "lossplug gate (gspo has no dual clip)"
+                )
             gate = {"name": "gspo", "eps_low": eps_low, "eps_high": eps_high, "log_ratio_clamp": 80.0}
         else:
             gate = {"name": "ppo_clip", "eps_low": eps_low, "eps_high": eps_high}
@@ -247,11 +273,19 @@ def trl_equivalent(args: GRPOConfig) -> tuple[Recipe, Population]:
             raise LossplugError("trl_equivalent: sapo with importance_sampling_level='sequence' has no lossplug gate")
         gate = {"name": "sapo", "tau_pos": args.sapo_temperature_pos, "tau_neg": args.sapo_temperature_neg}
     else:
-        raise LossplugError(f"trl_equivalent: loss_type={loss_type!r} has no lossplug equivalent (supported: grpo, "
-                            "bnpo, dr_grpo, dapo, cispo, sapo, luspo)")
-    reduction = {"grpo": {"name": "response"}, "sapo": {"name": "response"}, "bnpo": {"name": "token"},
-                 "dr_grpo": {"name": "fixed", "budget": float(args.max_completion_length)},  # type: ignore[arg-type]
-                 "dapo": {"name": "token"}, "cispo": {"name": "token"}, "luspo": {"name": "sequence_sum"}}[loss_type]
+        raise LossplugError(
+            f"trl_equivalent: loss_type={loss_type!r} has no lossplug equivalent (supported: grpo, "
+            "bnpo, dr_grpo, dapo, cispo, sapo, luspo)"
+        )
+    reduction = {
+        "grpo": {"name": "response"},
+        "sapo": {"name": "response"},
+        "bnpo": {"name": "token"},
+        "dr_grpo": {"name": "fixed", "budget": float(args.max_completion_length)},  # type: ignore[arg-type]
+        "dapo": {"name": "token"},
+        "cispo": {"name": "token"},
+        "luspo": {"name": "sequence_sum"},
+    }[loss_type]
     population: Population = "micro_batch" if loss_type == "bnpo" else "generation"
     recipe = Recipe.load({"name": f"trl-{loss_type}", "advantage": advantage, "gates": [gate], "reduction": reduction})
     return recipe, population
@@ -280,8 +314,9 @@ def trl_provenance(trainer: GRPOTrainer) -> Provenance:
         dtype = None
     tf = _versions().get("transformers", "?")
     name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
-    training: dict[str, Any] = dict(engine=f"transformers {tf} (TRL fused LM head)", temperature=temperature,
-                                    dtype=dtype)
+    training: dict[str, Any] = dict(
+        engine=f"transformers {tf} (TRL fused LM head)", temperature=temperature, dtype=dtype
+    )
     current = LogProbSource(checkpoint=name, **training)
     old = LogProbSource(checkpoint=f"{name or 'policy'} before the update", **training)
     reference = None
@@ -292,24 +327,34 @@ def trl_provenance(trainer: GRPOTrainer) -> Provenance:
     behavior = None
     if args.use_vllm:
         top_k = args.top_k if args.top_k and args.top_k > 0 else None
-        processed = (args.top_p < 1.0 or top_k is not None or (args.min_p or 0) > 0
-                     or args.repetition_penalty != 1.0)
-        behavior = LogProbSource(checkpoint=f"{name or 'policy'} (synced to vLLM)", engine=f"vllm ({args.vllm_mode})",
-                                 temperature=temperature, top_p=args.top_p, top_k=top_k, processed=processed)
+        processed = args.top_p < 1.0 or top_k is not None or (args.min_p or 0) > 0 or args.repetition_penalty != 1.0
+        behavior = LogProbSource(
+            checkpoint=f"{name or 'policy'} (synced to vLLM)",
+            engine=f"vllm ({args.vllm_mode})",
+            temperature=temperature,
+            top_p=args.top_p,
+            top_k=top_k,
+            processed=processed,
+        )
     elif getattr(trainer, "rollout_func", None) is not None:
         fn = trainer.rollout_func
-        behavior = LogProbSource(engine=f"rollout_func {getattr(fn, '__qualname__', type(fn).__name__)}",
-                                 temperature=temperature)
+        behavior = LogProbSource(
+            engine=f"rollout_func {getattr(fn, '__qualname__', type(fn).__name__)}", temperature=temperature
+        )
     else:
         top_k = args.top_k if getattr(args, "top_k", None) and args.top_k > 0 else None
-        behavior = LogProbSource(checkpoint=f"{name or 'policy'} before the update (the old policy samples)",
-                                 engine=f"transformers {tf} generate", temperature=temperature,
-                                 top_p=getattr(args, "top_p", 1.0), top_k=top_k,
-                                 processed=getattr(args, "top_p", 1.0) < 1.0 or top_k is not None)
+        behavior = LogProbSource(
+            checkpoint=f"{name or 'policy'} before the update (the old policy samples)",
+            engine=f"transformers {tf} generate",
+            temperature=temperature,
+            top_p=getattr(args, "top_p", 1.0),
+            top_k=top_k,
+            processed=getattr(args, "top_p", 1.0) < 1.0 or top_k is not None,
+        )
     return Provenance(behavior=behavior, old=old, current=current, reference=reference)
 
 
-def write_record(trainer: GRPOTrainer, directory: Optional[Union[str, Path]] = None) -> Path:
+def write_record(trainer: GRPOTrainer, directory: str | Path | None = None) -> Path:
     """Write ``recipe.yaml``, ``provenance.json`` and ``versions.json`` into ``directory`` (default: the trainer's
     ``args.output_dir``). Returns the directory."""
     st = _state(trainer)
@@ -321,19 +366,44 @@ def write_record(trainer: GRPOTrainer, directory: Optional[Union[str, Path]] = N
     record = {
         "versions": _versions(),
         "adapter": {
-            "module": __name__, "trainer": type(trainer).__name__,
+            "module": __name__,
+            "trainer": type(trainer).__name__,
             "trl_trainer": next(c for c in type(trainer).__mro__ if not issubclass(c, _Mixin)).__name__,
-            "population": st.population, "validate": st.validate, "metrics": st.metrics,
+            "population": st.population,
+            "validate": st.validate,
+            "metrics": st.metrics,
             "recipe_advantage": st.compiled.advantage is not None,
         },
         # TRL settings the recipe replaces (recorded so that a reader of the run knows they did not apply)
-        "trl_settings_replaced": {k: getattr(args, k, None) for k in (
-            "loss_type", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "scale_rewards",
-            "sapo_temperature_pos", "sapo_temperature_neg")},
-        "trl_settings_kept": {k: getattr(args, k, None) for k in (
-            "beta", "use_bias_correction_kl", "num_iterations", "gradient_accumulation_steps", "steps_per_generation",
-            "num_generations", "max_completion_length", "mask_truncated_completions", "temperature", "entropy_coef",
-            "use_vllm")},
+        "trl_settings_replaced": {
+            k: getattr(args, k, None)
+            for k in (
+                "loss_type",
+                "epsilon",
+                "epsilon_high",
+                "delta",
+                "importance_sampling_level",
+                "scale_rewards",
+                "sapo_temperature_pos",
+                "sapo_temperature_neg",
+            )
+        },
+        "trl_settings_kept": {
+            k: getattr(args, k, None)
+            for k in (
+                "beta",
+                "use_bias_correction_kl",
+                "num_iterations",
+                "gradient_accumulation_steps",
+                "steps_per_generation",
+                "num_generations",
+                "max_completion_length",
+                "mask_truncated_completions",
+                "temperature",
+                "entropy_coef",
+                "use_vllm",
+            )
+        },
     }
     (path / "versions.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     return path
@@ -352,20 +422,20 @@ class _State:
     provenance: Provenance
     kl_sequence_level: bool
     metrics: MetricLevel = "basic"
-    rewards_per_func: Optional[torch.Tensor] = None
+    rewards_per_func: torch.Tensor | None = None
     rounds: int = 0
     record_written: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _state(trainer: object) -> _State:
-    st: Optional[_State] = getattr(trainer, "_lossplug", None)
+    st: _State | None = getattr(trainer, "_lossplug", None)
     if st is None:
         raise LossplugError("this trainer has no lossplug recipe: build a LossplugGRPOTrainer or call attach()")
     return st
 
 
-def _check_options(validate: str, population: str, metrics: Union[bool, str] = "basic") -> MetricLevel:
+def _check_options(validate: str, population: str, metrics: bool | str = "basic") -> MetricLevel:
     """Checks the adapter's options; returns the metric level."""
     if validate not in VALIDATE:
         raise LossplugError(f"validate must be one of {VALIDATE}, got {validate!r}")
@@ -381,20 +451,27 @@ def _refusals(trainer: GRPOTrainer, compiled: CompiledRecipe, provenance: Proven
     args = _config(trainer)
     out: list[str] = []
     if args.use_liger_kernel and _version_tuple(trl.__version__) < (1, 14):
-        out.append("use_liger_kernel=True: on TRL < 1.14 Liger's GRPO loss bypasses _compute_loss, so the recipe "
-                   "would never run")
+        out.append(
+            "use_liger_kernel=True: on TRL < 1.14 Liger's GRPO loss bypasses _compute_loss, so the recipe "
+            "would never run"
+        )
     if args.use_vllm and args.vllm_importance_sampling_correction:
-        out.append("use_vllm with vllm_importance_sampling_correction=True: lossplug expresses engine-ratio "
-                   "corrections as recipe gates reading sampling_per_token_logps (e.g. gates: [..., {name: tis, "
-                   "cap: 2.0}] or icepop); set vllm_importance_sampling_correction=False so they are not applied twice")
+        out.append(
+            "use_vllm with vllm_importance_sampling_correction=True: lossplug expresses engine-ratio "
+            "corrections as recipe gates reading sampling_per_token_logps (e.g. gates: [..., {name: tis, "
+            "cap: 2.0}] or icepop); set vllm_importance_sampling_correction=False so they are not applied twice"
+        )
     if args.off_policy_mask_threshold is not None:
-        out.append("off_policy_mask_threshold: TRL's off-policy sequence mask is not applied by lossplug; express it "
-                   "as a correction gate in the recipe")
+        out.append(
+            "off_policy_mask_threshold: TRL's off-policy sequence mask is not applied by lossplug; express it "
+            "as a correction gate in the recipe"
+        )
     if args.top_entropy_quantile < 1.0:
         out.append("top_entropy_quantile < 1: TRL's high-entropy token mask is not applied by lossplug")
     if args.use_adaptive_entropy:
-        out.append("use_adaptive_entropy=True: the adaptive entropy controller is not supported (a static "
-                   "entropy_coef is)")
+        out.append(
+            "use_adaptive_entropy=True: the adaptive entropy controller is not supported (a static entropy_coef is)"
+        )
     has_behavior = args.use_vllm or getattr(trainer, "rollout_func", None) is not None
     provided = set(_PROVIDED)
     if trainer.beta != 0.0:
@@ -407,22 +484,27 @@ def _refusals(trainer: GRPOTrainer, compiled: CompiledRecipe, provenance: Proven
         missing = [f for f in reads if f not in provided]
         reads_behavior |= "behavior_logp" in reads
         for name in missing:
-            why = {"ref_logp": "TRL computes reference log-probs only when beta != 0",
-                   "behavior_logp": "TRL has rollout log-probs only with use_vllm=True or a rollout_func"}.get(
-                name, "GRPOTrainer has no such field")
+            why = {
+                "ref_logp": "TRL computes reference log-probs only when beta != 0",
+                "behavior_logp": "TRL has rollout log-probs only with use_vllm=True or a rollout_func",
+            }.get(name, "GRPOTrainer has no such field")
             out.append(f"{stage.where} ({stage.plugin.name}) reads {name}: {why}")
     adv_stage = compiled.advantage
     if adv_stage is not None:
         missing = [f for f in required_fields(adv_stage.plugin, adv_stage.params) if f not in _ADVANTAGE_PROVIDED]
         if missing:
-            out.append(f"recipe.advantage ({adv_stage.plugin.name}) reads {', '.join(missing)}: in TRL the advantage "
-                       "stage sees only the rewards and prompt groups (no critic, no token rewards)")
+            out.append(
+                f"recipe.advantage ({adv_stage.plugin.name}) reads {', '.join(missing)}: in TRL the advantage "
+                "stage sees only the rewards and prompt groups (no critic, no token rewards)"
+            )
         if "padded" not in adv_stage.plugin.layouts:
             out.append(f"recipe.advantage ({adv_stage.plugin.name}) works on the packed layout only")
         if args.multi_objective_aggregation != "sum_then_normalize":
-            out.append(f"multi_objective_aggregation={args.multi_objective_aggregation!r}: the recipe's advantage "
-                       "replaces TRL's, and is computed from the weighted sum of the raw rewards; use "
-                       "'sum_then_normalize' or a recipe without an advantage stage")
+            out.append(
+                f"multi_objective_aggregation={args.multi_objective_aggregation!r}: the recipe's advantage "
+                "replaces TRL's, and is computed from the weighted sum of the raw rewards; use "
+                "'sum_then_normalize' or a recipe without an advantage stage"
+            )
     if reads_behavior and not any("behavior_logp" in m for m in out):
         try:
             provenance.check()
@@ -431,39 +513,59 @@ def _refusals(trainer: GRPOTrainer, compiled: CompiledRecipe, provenance: Proven
     return out
 
 
-def _setup(trainer: Any, recipe: RecipeLike, validate: Validate, population: Population,
-           provenance: Optional[Provenance], metrics: Union[bool, MetricLevel] = "basic") -> None:
+def _setup(
+    trainer: Any,
+    recipe: RecipeLike,
+    validate: Validate,
+    population: Population,
+    provenance: Provenance | None,
+    metrics: bool | MetricLevel = "basic",
+) -> None:
     trl = _trl()
     level = _check_options(validate, population, metrics)
     if isinstance(trainer, trl.RLOOTrainer):
         raise LossplugError(
             "RLOOTrainer is not supported: its batches carry per-sequence summed old log-probs (old_logps [B]) and a "
             "KL folded into the reward, so lossplug's token-level gates cannot run on them without forking it. Use "
-            "LossplugGRPOTrainer (or attach to a GRPOTrainer) with recipe 'rloo' for a leave-one-out baseline.")
+            "LossplugGRPOTrainer (or attach to a GRPOTrainer) with recipe 'rloo' for a leave-one-out baseline."
+        )
     if not isinstance(trainer, trl.GRPOTrainer):
-        raise LossplugError(f"lossplug.adapters.trl supports GRPOTrainer (and its subclasses), got "
-                            f"{type(trainer).__name__}")
+        raise LossplugError(
+            f"lossplug.adapters.trl supports GRPOTrainer (and its subclasses), got {type(trainer).__name__}"
+        )
     owner = next(c for c in type(trainer).__mro__ if "_compute_loss" in c.__dict__ and c is not _Mixin)
     if owner is not trl.GRPOTrainer and not issubclass(owner, _Mixin):  # a user class between us and GRPOTrainer
-        raise LossplugError(f"{owner.__name__} overrides _compute_loss: lossplug replaces _compute_loss and would "
-                            "silently discard that code; attach to a class that does not override it")
+        raise LossplugError(
+            f"{owner.__name__} overrides _compute_loss: lossplug replaces _compute_loss and would "
+            "silently discard that code; attach to a class that does not override it"
+        )
     recipe_obj = Recipe.load(recipe)
     compiled = lossplug.compile_recipe(recipe_obj)
     provenance = provenance if provenance is not None else trl_provenance(trainer)
     problems = _refusals(trainer, compiled, provenance)
     if problems:
-        raise LossplugError("lossplug cannot run this recipe in this TRL trainer without changing its meaning:\n  - "
-                            + "\n  - ".join(problems))
-    trainer._lossplug = _State(recipe=recipe_obj, compiled=compiled, validate=validate, population=population,
-                               provenance=provenance, metrics=level, kl_sequence_level=compiled.update.plugin.level == "sequence")
+        raise LossplugError(
+            "lossplug cannot run this recipe in this TRL trainer without changing its meaning:\n  - "
+            + "\n  - ".join(problems)
+        )
+    trainer._lossplug = _State(
+        recipe=recipe_obj,
+        compiled=compiled,
+        validate=validate,
+        population=population,
+        provenance=provenance,
+        metrics=level,
+        kl_sequence_level=compiled.update.plugin.level == "sequence",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Advantages from the gathered rewards
 
 
-def group_advantages(trainer: GRPOTrainer, rewards_per_func: torch.Tensor, num_generations: int
-                     ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def group_advantages(
+    trainer: GRPOTrainer, rewards_per_func: torch.Tensor, num_generations: int
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``(advantages, rewards, group_ids, metrics)`` for the rows TRL gathered over all processes.
 
     ``rewards``: TRL's weighted sum of the reward functions (NaN where every function returned ``None``); groups are
@@ -498,17 +600,22 @@ def group_advantages(trainer: GRPOTrainer, rewards_per_func: torch.Tensor, num_g
         too_small = small
         valid = valid & ~small
         if bool(small.any()):
-            warnings.warn(f"lossplug: {int(small.sum())} completions are in groups with fewer than {min_size} "
-                          f"scorable completions, which recipe.advantage ({st.compiled.advantage.plugin.name}) "
-                          "needs; they get advantage 0 (metric lossplug/reward/too_small_group_frac)",
-                          stacklevel=2)
+            warnings.warn(
+                f"lossplug: {int(small.sum())} completions are in groups with fewer than {min_size} "
+                f"scorable completions, which recipe.advantage ({st.compiled.advantage.plugin.name}) "
+                "needs; they get advantage 0 (metric lossplug/reward/too_small_group_frac)",
+                stacklevel=2,
+            )
     everything = not some_unscorable and not bool(too_small.any())  # the usual case: no row left out
     advantages = torch.zeros_like(rewards)
     if everything or bool(valid.any()):
         r, ids = (rewards, group_ids) if everything else (rewards[valid], group_ids[valid])
-        batch = PolicyBatch.unchecked(logp=torch.zeros(r.shape[0], 1, dtype=r.dtype, device=device),
-                                      action_mask=torch.ones(r.shape[0], 1, dtype=torch.bool, device=device),
-                                      reward=r, group_id=ids)
+        batch = PolicyBatch.unchecked(
+            logp=torch.zeros(r.shape[0], 1, dtype=r.dtype, device=device),
+            action_mask=torch.ones(r.shape[0], 1, dtype=torch.bool, device=device),
+            reward=r,
+            group_id=ids,
+        )
         result = lossplug.estimate_advantages(batch, st.recipe, validate=st.validate)
         adv = result.advantage
         if adv.ndim == 2:  # a token-level estimator over the single placeholder position
@@ -549,8 +656,7 @@ def _log_metrics(trainer: GRPOTrainer, mode: str, metrics: dict[str, torch.Tenso
         return
     device = accelerator.device
     nan = torch.tensor(float("nan"), device=device)
-    values = torch.stack([metrics[k].detach().float().reshape(()).to(device) if k in metrics else nan
-                          for k in names])
+    values = torch.stack([metrics[k].detach().float().reshape(()).to(device) if k in metrics else nan for k in names])
     if accelerator.num_processes > 1:
         values = accelerator.gather(values.unsqueeze(0)).nanmean(0)
     for name, value in zip(names, values.tolist()):
@@ -579,15 +685,18 @@ class _Mixin(_TrainerBase):
         _state(self).rewards_per_func = rewards_per_func
         return rewards_per_func
 
-    def _generate_and_score_completions(self, inputs: list[dict[str, Union[torch.Tensor, Any]]]
-                                        ) -> dict[str, Union[torch.Tensor, Any]]:
+    def _generate_and_score_completions(
+        self, inputs: list[dict[str, torch.Tensor | Any]]
+    ) -> dict[str, torch.Tensor | Any]:
         st = _state(self)
         st.rewards_per_func = None
         output = super()._generate_and_score_completions(inputs)
         rewards_per_func, st.rewards_per_func = st.rewards_per_func, None
         if rewards_per_func is None:
-            raise LossplugError("TRL's _generate_and_score_completions did not call _calculate_rewards: this TRL "
-                                "version is not supported by lossplug.adapters.trl")
+            raise LossplugError(
+                "TRL's _generate_and_score_completions did not call _calculate_rewards: this TRL "
+                "version is not supported by lossplug.adapters.trl"
+            )
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         advantages, rewards, group_ids, metrics = group_advantages(self, rewards_per_func, num_generations)
@@ -597,7 +706,7 @@ class _Mixin(_TrainerBase):
             trl_adv = output["advantages"]
             output["advantages"] = advantages[local].to(device=trl_adv.device, dtype=trl_adv.dtype)
             logged = self._logs["advantages"]  # TRL's completions table: show the advantages actually used
-            values = advantages.tolist()[-len(logged):] if len(logged) else []
+            values = advantages.tolist()[-len(logged) :] if len(logged) else []
             for i, v in enumerate(values):
                 logged[len(logged) - len(values) + i] = v
         output["lossplug_group_id"] = group_ids[local]
@@ -616,8 +725,14 @@ class _Mixin(_TrainerBase):
         logits_to_keep = completion_ids.size(1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         out = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled, **{k: inputs.get(k) for k in _FORWARD_KEYS})
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+            **{k: inputs.get(k) for k in _FORWARD_KEYS},
+        )
         logps, entropies = out[0], out[1]
         aux_loss = out[2] if len(out) > 2 else None
 
@@ -641,9 +756,12 @@ class _Mixin(_TrainerBase):
         else:
             tokens = int(action.sum()) * steps * processes
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        normalizer = Normalizer(action_tokens=max(tokens, 1), sequences=sequences,
-                                groups=sequences // num_generations if sequences % num_generations == 0 else None,
-                                budget=float(self.max_completion_length))  # type: ignore[arg-type]
+        normalizer = Normalizer(
+            action_tokens=max(tokens, 1),
+            sequences=sequences,
+            groups=sequences // num_generations if sequences % num_generations == 0 else None,
+            budget=float(self.max_completion_length),  # type: ignore[arg-type]
+        )
 
         keep = action.any(-1)
         rows = keep.nonzero().squeeze(-1) if not bool(keep.all()) else None
@@ -664,9 +782,15 @@ class _Mixin(_TrainerBase):
             if reward is not None and not bool(torch.isfinite(take(reward)).all()):
                 reward = None
             batch = PolicyBatch.unchecked(
-                logp=take(logps), action_mask=take(action), old_logp=take(old), behavior_logp=take(behavior),
+                logp=take(logps),
+                action_mask=take(action),
+                old_logp=take(old),
+                behavior_logp=take(behavior),
                 ref_logp=take(inputs.get("ref_per_token_logps")) if self.beta != 0.0 else None,
-                advantage=take(advantages), group_id=take(inputs.get("lossplug_group_id")), reward=take(reward))
+                advantage=take(advantages),
+                group_id=take(inputs.get("lossplug_group_id")),
+                reward=take(reward),
+            )
             result = lossplug.policy_loss(batch, st.recipe, normalizer, validate=st.validate, metrics=st.metrics)
             loss = result.loss * scale
             metrics.update(result.metric_tensors)
@@ -718,7 +842,7 @@ class _Mixin(_TrainerBase):
 # Public entry points
 
 _CLASSES: dict[type, type] = {}
-_GRPO_CLASS: Optional[type] = None
+_GRPO_CLASS: type | None = None
 
 
 def _class_for(base: type) -> type:
@@ -758,9 +882,16 @@ def _grpo_class() -> type:
         * ``provenance``: a :class:`lossplug.Provenance` to record instead of the one derived from the config.
         """
 
-        def __init__(self, *args: Any, recipe: RecipeLike, validate: Validate = "full",
-                     population: Population = "generation", metrics: Union[bool, MetricLevel] = "basic",
-                     provenance: Optional[Provenance] = None, **kwargs: Any) -> None:
+        def __init__(
+            self,
+            *args: Any,
+            recipe: RecipeLike,
+            validate: Validate = "full",
+            population: Population = "generation",
+            metrics: bool | MetricLevel = "basic",
+            provenance: Provenance | None = None,
+            **kwargs: Any,
+        ) -> None:
             _check_options(validate, population, metrics)
             recipe_obj = Recipe.load(recipe)  # a bad recipe fails before any model is loaded
             lossplug.compile_recipe(recipe_obj)
@@ -773,8 +904,15 @@ def _grpo_class() -> type:
     return LossplugGRPOTrainer
 
 
-def attach(trainer: _T, recipe: RecipeLike, *, validate: Validate = "full", population: Population = "generation",
-           metrics: Union[bool, MetricLevel] = "basic", provenance: Optional[Provenance] = None) -> _T:
+def attach(
+    trainer: _T,
+    recipe: RecipeLike,
+    *,
+    validate: Validate = "full",
+    population: Population = "generation",
+    metrics: bool | MetricLevel = "basic",
+    provenance: Provenance | None = None,
+) -> _T:
     """Make an already-built ``GRPOTrainer`` (or subclass) run ``recipe``; returns the same object.
 
     Its class is swapped for a lossplug subclass of its own class (``LossplugGRPOTrainer`` for a plain
@@ -801,12 +939,20 @@ def attach(trainer: _T, recipe: RecipeLike, *, validate: Validate = "full", popu
 
 
 if TYPE_CHECKING:
+
     class LossplugGRPOTrainer(_Mixin, GRPOTrainer):
         """(For type checkers: the class is made on first access, once TRL is imported — see _grpo_class.)"""
 
-        def __init__(self, *args: Any, recipe: RecipeLike, validate: Validate = "full",
-                     population: Population = "generation", metrics: Union[bool, MetricLevel] = "basic",
-                     provenance: Optional[Provenance] = None, **kwargs: Any) -> None: ...
+        def __init__(
+            self,
+            *args: Any,
+            recipe: RecipeLike,
+            validate: Validate = "full",
+            population: Population = "generation",
+            metrics: bool | MetricLevel = "basic",
+            provenance: Provenance | None = None,
+            **kwargs: Any,
+        ) -> None: ...
 
 
 def __getattr__(name: str) -> type:

@@ -50,25 +50,34 @@ import os
 import sys
 import threading
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import numpy as np
 import torch
+from verl.trainer.ppo import core_algos
+from verl.workers.config import PolicyLossConfig
 
 import lossplug
 from lossplug.contracts import LossplugError, Normalizer, PolicyBatch, Recipe, RecipeError
 from lossplug.contracts.normalizer import whole_count
 from lossplug.pipeline import Validate, metric_level
 
-from verl.trainer.ppo import core_algos
-from verl.workers.config import PolicyLossConfig
-
 __all__ = [
-    "NAME", "POLICY_RECIPE_KEY", "ADVANTAGE_RECIPE_KEY", "LOSS_AGG_MODES", "LossplugPolicyLossConfig",
-    "check_registration", "compute_lossplug_advantage", "compute_policy_loss_lossplug", "group_ids", "load_recipe",
-    "register", "verl_normalizer",
+    "NAME",
+    "POLICY_RECIPE_KEY",
+    "ADVANTAGE_RECIPE_KEY",
+    "LOSS_AGG_MODES",
+    "LossplugPolicyLossConfig",
+    "check_registration",
+    "compute_lossplug_advantage",
+    "compute_policy_loss_lossplug",
+    "group_ids",
+    "load_recipe",
+    "register",
+    "verl_normalizer",
 ]
 
 #: the name under which lossplug is registered in both verl registries
@@ -119,7 +128,7 @@ def _keyed(err: LossplugError, key: str) -> LossplugError:
     """The same error with the recipe's config key in front ('recipe.gates[0]: …' → '<key>.gates[0]: …')."""
     message = str(err)
     if message.startswith("recipe"):
-        message = key + message[len("recipe"):]
+        message = key + message[len("recipe") :]
     else:
         message = f"{key}: {message}"
     try:
@@ -138,8 +147,10 @@ def load_recipe(source: Any, key: str) -> Recipe:
     """
     source = _plain(source)
     if source is None or source == "" or source == {}:
-        raise LossplugError(f"{key}: no recipe given; set it to a preset name (e.g. grpo, dapo), the path of a "
-                            f"recipe YAML file, or an inline mapping, e.g. +{key}=dapo")
+        raise LossplugError(
+            f"{key}: no recipe given; set it to a preset name (e.g. grpo, dapo), the path of a "
+            f"recipe YAML file, or an inline mapping, e.g. +{key}=dapo"
+        )
     if isinstance(source, Recipe):
         return source
     try:
@@ -150,9 +161,11 @@ def load_recipe(source: Any, key: str) -> Recipe:
     if cached is not None:
         return cached
     if isinstance(source, str) and source.endswith((".yaml", ".yml", ".json")) and not os.path.isfile(source):
-        raise LossplugError(f"{key}: no such recipe file: {source} (relative paths resolve against this process's "
-                            f"working directory {os.getcwd()}; Ray workers may run elsewhere — use an absolute path "
-                            f"present on every node, a preset name or an inline recipe)")
+        raise LossplugError(
+            f"{key}: no such recipe file: {source} (relative paths resolve against this process's "
+            f"working directory {os.getcwd()}; Ray workers may run elsewhere — use an absolute path "
+            f"present on every node, a preset name or an inline recipe)"
+        )
     try:
         recipe = Recipe.load(source)
         lossplug.compile_recipe(recipe)  # resolve every plugin now: an unknown one fails here, naming the key
@@ -188,12 +201,15 @@ class LossplugPolicyLossConfig(PolicyLossConfig):
         except LossplugError as err:
             raise LossplugError(f"actor_rollout_ref.actor.policy_loss.{err}") from None
         if self.validation not in ("full", "off"):
-            raise LossplugError(f"actor_rollout_ref.actor.policy_loss.validation must be 'full' or 'off', got "
-                                f"{self.validation!r}")
+            raise LossplugError(
+                f"actor_rollout_ref.actor.policy_loss.validation must be 'full' or 'off', got {self.validation!r}"
+            )
         if self.loss_mode != NAME:
             if self.recipe is not None:
-                raise LossplugError(f"{POLICY_RECIPE_KEY} is set but actor_rollout_ref.actor.policy_loss.loss_mode="
-                                    f"{self.loss_mode}: the recipe is only used with loss_mode={NAME}")
+                raise LossplugError(
+                    f"{POLICY_RECIPE_KEY} is set but actor_rollout_ref.actor.policy_loss.loss_mode="
+                    f"{self.loss_mode}: the recipe is only used with loss_mode={NAME}"
+                )
             return
         check_registration(estimator=False)
         load_recipe(self.recipe, POLICY_RECIPE_KEY)
@@ -203,32 +219,36 @@ class LossplugPolicyLossConfig(PolicyLossConfig):
 # Registration and its check
 
 
-def _entry_point() -> Optional[md.EntryPoint]:
+def _entry_point() -> md.EntryPoint | None:
     for ep in md.entry_points(group=ENTRY_POINT_GROUP):
         if ep.value.split(":")[0].strip() == MODULE:
             return ep
     return None
 
 
-def _loaded_by_import_verl(ep: Optional[md.EntryPoint]) -> tuple[bool, str]:
+def _loaded_by_import_verl(ep: md.EntryPoint | None) -> tuple[bool, str]:
     """Whether ``import verl`` imports this module in every process, and if not, why not."""
     modules = [m.strip() for m in os.getenv("VERL_USE_EXTERNAL_MODULES", "").split(",") if m.strip()]
     if MODULE in modules:
         return True, ""
     if ep is None:
-        return False, (f"lossplug's '{ENTRY_POINT_GROUP}' entry point is not installed in this environment "
-                       f"({sys.prefix}); install lossplug there — pip install 'lossplug[verl]' (or pip install -e "
-                       f"<lossplug checkout>) — in the environment of the driver and of every Ray worker")
+        return False, (
+            f"lossplug's '{ENTRY_POINT_GROUP}' entry point is not installed in this environment "
+            f"({sys.prefix}); install lossplug there — pip install 'lossplug[verl]' (or pip install -e "
+            f"<lossplug checkout>) — in the environment of the driver and of every Ray worker"
+        )
     policy = os.getenv("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower()
     if policy == "auto":
         return True, ""
     allowed = {n.strip() for n in policy.split(",") if n.strip()}
     if policy != "none" and ep.name in allowed:
         return True, ""
-    return False, (f"VERL_USE_EXTERNAL_PLUGINS={os.getenv('VERL_USE_EXTERNAL_PLUGINS')} stops `import verl` from "
-                   f"loading lossplug's '{ENTRY_POINT_GROUP}' entry point '{ep.name}'; unset it (or set it to 'auto'),"
-                   f" or list '{ep.name}' in it — in the driver's environment and the Ray workers' "
-                   f"(runtime_env env_vars) — or set VERL_USE_EXTERNAL_MODULES={MODULE}")
+    return False, (
+        f"VERL_USE_EXTERNAL_PLUGINS={os.getenv('VERL_USE_EXTERNAL_PLUGINS')} stops `import verl` from "
+        f"loading lossplug's '{ENTRY_POINT_GROUP}' entry point '{ep.name}'; unset it (or set it to 'auto'),"
+        f" or list '{ep.name}' in it — in the driver's environment and the Ray workers' "
+        f"(runtime_env env_vars) — or set VERL_USE_EXTERNAL_MODULES={MODULE}"
+    )
 
 
 def _describe(fn: Any) -> str:
@@ -244,33 +264,52 @@ def check_registration(*, policy_loss: bool = True, estimator: bool = True) -> N
         problems.append(why)
     slots: list[tuple[str, dict[str, Any], Callable[..., Any], str]] = []
     if policy_loss:
-        slots.append(("policy loss", core_algos.POLICY_LOSS_REGISTRY, compute_policy_loss_lossplug,
-                      "actor_rollout_ref.actor.policy_loss.loss_mode"))
+        slots.append(
+            (
+                "policy loss",
+                core_algos.POLICY_LOSS_REGISTRY,
+                compute_policy_loss_lossplug,
+                "actor_rollout_ref.actor.policy_loss.loss_mode",
+            )
+        )
     if estimator:
-        slots.append(("advantage estimator", core_algos.ADV_ESTIMATOR_REGISTRY, compute_lossplug_advantage,
-                      "algorithm.adv_estimator"))
+        slots.append(
+            (
+                "advantage estimator",
+                core_algos.ADV_ESTIMATOR_REGISTRY,
+                compute_lossplug_advantage,
+                "algorithm.adv_estimator",
+            )
+        )
     for what, table, fn, key in slots:
         found = table.get(NAME)
         if found is None:
-            problems.append(f"verl's {what} registry has no '{NAME}' in this process ({key}={NAME} cannot "
-                            f"resolve): the module {MODULE} was not imported by `import verl`")
+            problems.append(
+                f"verl's {what} registry has no '{NAME}' in this process ({key}={NAME} cannot "
+                f"resolve): the module {MODULE} was not imported by `import verl`"
+            )
         elif found is not fn:
-            problems.append(f"verl's {what} '{NAME}' is {_describe(found)}, not lossplug's {_describe(fn)}: another "
-                            f"package registered the same name")
+            problems.append(
+                f"verl's {what} '{NAME}' is {_describe(found)}, not lossplug's {_describe(fn)}: another "
+                f"package registered the same name"
+            )
     if problems:
         raise LossplugError("lossplug is not registered with verl: " + "; ".join(problems))
 
 
 def register() -> None:
     """Register lossplug's policy loss and advantage estimator with verl (idempotent; done on import)."""
-    for table, fn, what in ((core_algos.POLICY_LOSS_REGISTRY, compute_policy_loss_lossplug, "policy loss"),
-                            (core_algos.ADV_ESTIMATOR_REGISTRY, compute_lossplug_advantage, "advantage estimator")):
+    for table, fn, what in (
+        (core_algos.POLICY_LOSS_REGISTRY, compute_policy_loss_lossplug, "policy loss"),
+        (core_algos.ADV_ESTIMATOR_REGISTRY, compute_lossplug_advantage, "advantage estimator"),
+    ):
         found = table.get(NAME)
         if found is fn:
             continue
         if found is not None and not getattr(found, "__lossplug_verl__", False):
-            raise LossplugError(f"cannot register lossplug with verl: the {what} '{NAME}' is already taken by "
-                                f"{_describe(found)}")
+            raise LossplugError(
+                f"cannot register lossplug with verl: the {what} '{NAME}' is already taken by {_describe(found)}"
+            )
         if found is not None:  # an older copy of this very module (importlib.reload): replace it
             del table[NAME]
     core_algos.register_policy_loss(NAME)(compute_policy_loss_lossplug)
@@ -289,17 +328,17 @@ def group_ids(index: Any) -> Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
-def _count(info: Mapping[str, Any], key: str) -> Optional[int]:
+def _count(info: Mapping[str, Any], key: str) -> int | None:
     """A count of ``global_batch_info``, refused (never truncated) unless it is a whole number."""
     value = info.get(key)
     if value is None:
         return None
-    return whole_count(value.item() if isinstance(value, torch.Tensor) else value,
-                       f"config.global_batch_info[{key!r}]")
+    return whole_count(value.item() if isinstance(value, torch.Tensor) else value, f"config.global_batch_info[{key!r}]")
 
 
-def verl_normalizer(global_batch_info: Optional[Mapping[str, Any]], mask: Tensor, *,
-                    counts_needed: bool = True) -> tuple[Optional[Normalizer], int]:
+def verl_normalizer(
+    global_batch_info: Mapping[str, Any] | None, mask: Tensor, *, counts_needed: bool = True
+) -> tuple[Normalizer | None, int]:
     """``(Normalizer, dp_size)`` from verl's ``global_batch_info`` for a micro-batch whose kept action mask is ``mask``.
 
     With no global counts and ``dp_size == 1`` the micro-batch is its own population (verl's ``agg_loss`` fallback);
@@ -314,15 +353,18 @@ def verl_normalizer(global_batch_info: Optional[Mapping[str, Any]], mask: Tensor
     if tokens is None or sequences is None:
         if dp_size > 1 and counts_needed:
             missing = [k for k, v in (("batch_num_tokens", tokens), ("global_batch_size", sequences)) if v is None]
-            raise LossplugError(f"lossplug policy loss: config.global_batch_info has dp_size={dp_size} but no "
-                                f"{' / '.join(missing)}; without the global counts the loss cannot be normalised over "
-                                f"the whole optimizer step")
+            raise LossplugError(
+                f"lossplug policy loss: config.global_batch_info has dp_size={dp_size} but no "
+                f"{' / '.join(missing)}; without the global counts the loss cannot be normalised over "
+                f"the whole optimizer step"
+            )
         if tokens is None and sequences is None and budget is None:
             return None, dp_size
         tokens = tokens if tokens is not None else max(int(mask.sum()), 1)
         sequences = sequences if sequences is not None else max(mask.shape[0], 1)
-    return Normalizer(action_tokens=tokens, sequences=sequences,
-                      budget=float(budget) if budget is not None else None), dp_size
+    return Normalizer(
+        action_tokens=tokens, sequences=sequences, budget=float(budget) if budget is not None else None
+    ), dp_size
 
 
 def _policy_recipe(config: Any) -> Recipe:
@@ -333,7 +375,8 @@ def _policy_recipe(config: Any) -> Recipe:
     if source is None:
         raise LossplugError(
             f"loss_mode={NAME} needs a recipe: set actor_rollout_ref.actor.policy_loss._target_="
-            f"{MODULE}.LossplugPolicyLossConfig and +{POLICY_RECIPE_KEY}=<preset | /abs/path/recipe.yaml | {{…}}>")
+            f"{MODULE}.LossplugPolicyLossConfig and +{POLICY_RECIPE_KEY}=<preset | /abs/path/recipe.yaml | {{…}}>"
+        )
     return load_recipe(source, POLICY_RECIPE_KEY)
 
 
@@ -359,8 +402,8 @@ def compute_policy_loss_lossplug(
     response_mask: Tensor,
     loss_agg_mode: str = "token-mean",
     config: Any = None,
-    rollout_is_weights: Optional[Tensor] = None,
-    rollout_log_probs: Optional[Tensor] = None,
+    rollout_is_weights: Tensor | None = None,
+    rollout_log_probs: Tensor | None = None,
     **_: Any,
 ) -> tuple[Tensor, dict[str, Any]]:
     """verl policy loss ``lossplug``: the recipe's gates and reduction (``actor_rollout_ref.actor.policy_loss.recipe``).
@@ -379,10 +422,14 @@ def compute_policy_loss_lossplug(
     matching = LOSS_AGG_MODES.get(loss_agg_mode)
     if matching != reduction:
         wanted = next((m for m, r in LOSS_AGG_MODES.items() if r == reduction), "a matching mode")
-        _warn_once(f"agg:{loss_agg_mode}:{reduction}", (
-            f"lossplug: the recipe reduces the policy term with '{reduction}', but actor.loss_agg_mode="
-            f"{loss_agg_mode} (lossplug's {matching or 'no reduction'}) still reduces verl's entropy and KL terms; "
-            f"set loss_agg_mode to {wanted} to reduce them alike"))
+        _warn_once(
+            f"agg:{loss_agg_mode}:{reduction}",
+            (
+                f"lossplug: the recipe reduces the policy term with '{reduction}', but actor.loss_agg_mode="
+                f"{loss_agg_mode} (lossplug's {matching or 'no reduction'}) still reduces verl's entropy and KL terms; "
+                f"set loss_agg_mode to {wanted} to reduce them alike"
+            ),
+        )
 
     if compiled.corrections:
         names = ", ".join(f"recipe.gates[{i + 1}] ({s.plugin.name})" for i, s in enumerate(compiled.corrections))
@@ -390,13 +437,15 @@ def compute_policy_loss_lossplug(
             raise LossplugError(
                 f"{POLICY_RECIPE_KEY}: the recipe's corrections {names} and verl's rollout correction "
                 f"(rollout_is_weights, from algorithm.rollout_correction) would correct the engine mismatch twice; "
-                f"disable one (algorithm.rollout_correction.rollout_is=null, or drop the corrections from the recipe)")
+                f"disable one (algorithm.rollout_correction.rollout_is=null, or drop the corrections from the recipe)"
+            )
         if rollout_log_probs is None:
             raise LossplugError(
                 f"{POLICY_RECIPE_KEY}: the recipe's corrections {names} need the rollout engine's log-probs, but verl "
                 f"passes no rollout_log_probs to a policy loss; use verl's rollout correction instead "
                 f"(algorithm.rollout_correction.rollout_is=token|sequence, rollout_is_threshold=2.0 for TIS or "
-                f"\"0.5_5.0\" for IcePop), which reaches lossplug as rollout_is_weights")
+                f'"0.5_5.0" for IcePop), which reaches lossplug as rollout_is_weights'
+            )
 
     mask = response_mask.bool()
     keep = mask.any(-1)
@@ -404,8 +453,10 @@ def compute_policy_loss_lossplug(
     if not bool(keep.any()):  # nothing to learn from in this micro-batch; keep the graph connected
         return (log_prob * 0).sum(), {}
     if not bool(keep.all()):
-        def rows(t: Optional[Tensor]) -> Optional[Tensor]:
+
+        def rows(t: Tensor | None) -> Tensor | None:
             return None if t is None or t.ndim == 0 else t[keep]
+
         # (rows keeps a tensor a tensor)
         log_prob, old_log_prob = rows(log_prob), rows(old_log_prob)  # type: ignore[assignment]
         advantages, mask = rows(advantages), mask[keep]  # type: ignore[assignment]
@@ -414,14 +465,18 @@ def compute_policy_loss_lossplug(
     normalizer, dp_size = verl_normalizer(info, mask, counts_needed=reduction != "token_sum")
     params: Any = compiled.reduction.params  # (the reduction's own model: FixedParams for 'fixed')
     if reduction == "fixed" and params.budget is None and (normalizer is None or normalizer.budget is None):
-        raise LossplugError(f"{POLICY_RECIPE_KEY}: reduction 'fixed' needs a budget: set "
-                            f"actor_rollout_ref.actor.loss_scale_factor=<max response length> (verl's "
-                            f"seq-mean-token-sum-norm constant) or give the recipe one ({{name: fixed, budget: N}})")
+        raise LossplugError(
+            f"{POLICY_RECIPE_KEY}: reduction 'fixed' needs a budget: set "
+            f"actor_rollout_ref.actor.loss_scale_factor=<max response length> (verl's "
+            f"seq-mean-token-sum-norm constant) or give the recipe one ({{name: fixed, budget: N}})"
+        )
 
-    batch = PolicyBatch.unchecked(logp=log_prob, action_mask=mask, old_logp=old_log_prob, advantage=advantages,
-                                  behavior_logp=rollout_log_probs)
-    result = lossplug.policy_loss(batch, recipe, normalizer, validate=validate, metrics=level,
-                                  weight=rollout_is_weights)
+    batch = PolicyBatch.unchecked(
+        logp=log_prob, action_mask=mask, old_logp=old_log_prob, advantage=advantages, behavior_logp=rollout_log_probs
+    )
+    result = lossplug.policy_loss(
+        batch, recipe, normalizer, validate=validate, metrics=level, weight=rollout_is_weights
+    )
     loss = result.loss * dp_size
 
     metrics: dict[str, Any] = {}
@@ -447,14 +502,18 @@ def compute_policy_loss_lossplug(
 # The advantage estimator
 
 #: DataProto keys read for plugins that need more than rewards (verl passes only rewards, mask, index and config)
-_EXTRA_FIELDS = {"value": "values", "old_logp": "old_log_probs", "ref_logp": "ref_log_prob",
-                 "behavior_logp": "rollout_log_probs"}
+_EXTRA_FIELDS = {
+    "value": "values",
+    "old_logp": "old_log_probs",
+    "ref_logp": "ref_log_prob",
+    "behavior_logp": "rollout_log_probs",
+}
 
 
-def _caller_batch(token_level_rewards: Tensor) -> Optional[Any]:
+def _caller_batch(token_level_rewards: Tensor) -> Any | None:
     """The ``DataProto.batch`` that ``ray_trainer.compute_advantage`` is processing (its local ``data``), found up the
     call stack and accepted only if it holds this very ``token_level_rewards`` tensor."""
-    frame: Optional[FrameType] = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(6):
         if frame is None:
             return None
@@ -496,21 +555,28 @@ def compute_lossplug_advantage(
     _check_once("estimator")
     source = _algorithm_value(config, "lossplug")
     if source is None:
-        raise LossplugError(f"algorithm.adv_estimator={NAME} needs a recipe: +{ADVANTAGE_RECIPE_KEY}=<preset | "
-                            f"/abs/path/recipe.yaml | {{…}}> (its advantage stage is used)")
+        raise LossplugError(
+            f"algorithm.adv_estimator={NAME} needs a recipe: +{ADVANTAGE_RECIPE_KEY}=<preset | "
+            f"/abs/path/recipe.yaml | {{…}}> (its advantage stage is used)"
+        )
     recipe = load_recipe(source, ADVANTAGE_RECIPE_KEY)
     stage = lossplug.compile_recipe(recipe).advantage
     if stage is None:
-        raise LossplugError(f"{ADVANTAGE_RECIPE_KEY}: the recipe has no advantage stage; add one, e.g. "
-                            f"advantage: {{name: grpo}}")
+        raise LossplugError(
+            f"{ADVANTAGE_RECIPE_KEY}: the recipe has no advantage stage; add one, e.g. advantage: {{name: grpo}}"
+        )
     plugin = stage.plugin
     for name in ("gamma", "lam"):
         if name in type(stage.params).model_fields:
             ours, theirs = getattr(stage.params, name), _algorithm_value(config, name)
             if theirs is not None and float(theirs) != float(ours):
-                _warn_once(f"{name}:{ours}:{theirs}", (
-                    f"lossplug: {ADVANTAGE_RECIPE_KEY} uses {plugin.name} {name}={ours}; algorithm.{name}={theirs} is "
-                    f"not read under adv_estimator={NAME}"))
+                _warn_once(
+                    f"{name}:{ours}:{theirs}",
+                    (
+                        f"lossplug: {ADVANTAGE_RECIPE_KEY} uses {plugin.name} {name}={ours}; algorithm.{name}={theirs} is "
+                        f"not read under adv_estimator={NAME}"
+                    ),
+                )
 
     mask = response_mask.bool()
     B, T = mask.shape
@@ -524,9 +590,12 @@ def compute_lossplug_advantage(
     off = (token_level_rewards != 0) & ~mask
     if bool(off.any()):
         from lossplug.contracts.errors import describe_positions
-        raise LossplugError(f"token_level_rewards: non-zero rewards outside response_mask at "
-                            f"{describe_positions(off)}; lossplug credits rewards on action tokens only (verl's "
-                            f"outcome estimators sum every position) — place the score on the last response token")
+
+        raise LossplugError(
+            f"token_level_rewards: non-zero rewards outside response_mask at "
+            f"{describe_positions(off)}; lossplug credits rewards on action tokens only (verl's "
+            f"outcome estimators sum every position) — place the score on the last response token"
+        )
 
     extra: dict[str, Tensor] = {}
     required = plugin.required_fields(stage.params)
@@ -546,7 +615,8 @@ def compute_lossplug_advantage(
                 f"{ADVANTAGE_RECIPE_KEY}: advantage plugin '{plugin.name}' needs '{key}', which verl does not pass to "
                 f"a registered estimator and which was not found in the DataProto being processed by "
                 f"verl.trainer.ppo.ray_trainer.compute_advantage; a critic-based recipe needs critic.enable=True "
-                f"(verl enables a critic by itself only for adv_estimator=gae)")
+                f"(verl enables a critic by itself only for adv_estimator=gae)"
+            )
 
     def rows(t: Tensor) -> Tensor:
         return t if bool(keep.all()) else t[keep]

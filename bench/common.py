@@ -23,7 +23,7 @@ import random
 import statistics
 import tempfile
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -34,8 +34,9 @@ def summarize(times: list[float]) -> dict:
     return {"median_s": statistics.median(times), "min_s": times[0], "q1_s": q[0], "q3_s": q[2], "n": len(times)}
 
 
-def interleaved(candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
-                setup: Optional[Callable[[], None]] = None) -> dict[str, dict]:
+def interleaved(
+    candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 1, setup: Callable[[], None] | None = None
+) -> dict[str, dict]:
     """Time each candidate ``repeats`` times, interleaved; ``setup`` (untimed) runs before every call."""
     names = list(candidates)
     for _ in range(warmup):
@@ -92,8 +93,14 @@ def peak_bytes(fn: Callable[[], object]) -> int:
 def environment(threads: int) -> dict:
     import platform
 
-    info = {"torch": torch.__version__, "python": platform.python_version(), "threads": threads,
-            "cpu_count": os.cpu_count(), "machine": platform.machine(), "processor": platform.processor() or None}
+    info = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": threads,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+    }
     try:
         info["load_avg_at_start"] = os.getloadavg()
     except OSError:

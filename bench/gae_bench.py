@@ -10,7 +10,6 @@ from lossplug.testing.reference import seed_packed_gae
 
 from .common import interleaved, ratio
 
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Item 1: packed
 
@@ -32,8 +31,13 @@ def packed_inputs(tokens: int, trajectories: int, seed: int = 0) -> dict:
     value = torch.randn(tokens, generator=g)
     next_value = torch.cat((value[1:], torch.zeros(1))).masked_fill(terminated, float("nan"))
     next_value = torch.where(boundary & ~terminated, torch.randn(tokens, generator=g), next_value)
-    return dict(reward=torch.randn(tokens, generator=g) * 0.1, value=value, next_value=next_value,
-                terminated=terminated, boundary=boundary), lengths
+    return dict(
+        reward=torch.randn(tokens, generator=g) * 0.1,
+        value=value,
+        next_value=next_value,
+        terminated=terminated,
+        boundary=boundary,
+    ), lengths
 
 
 def bench_packed(tokens: int, trajectories: int, repeats: int, baseline_tokens: int) -> dict:
@@ -54,27 +58,40 @@ def bench_packed(tokens: int, trajectories: int, repeats: int, baseline_tokens: 
 
     times = interleaved({"lossplug": lambda: packed_gae(**kw, gamma=gamma, lam=lam)}, repeats)
     # the seed loop: fewer repetitions (each is seconds); per-token cost from two prefix sizes checks linearity
-    half = {name: t[:int(ends[max(k // 2, 1) - 1])] for name, t in kw.items()}
+    half = {name: t[: int(ends[max(k // 2, 1) - 1])] for name, t in kw.items()}
     base_reps = max(2, min(repeats, 3))
-    base = interleaved({"seed_loop": lambda: seed_packed_gae(**prefix, gamma=gamma, lam=lam),
-                        "seed_loop_half": lambda: seed_packed_gae(**half, gamma=gamma, lam=lam)},
-                       base_reps, warmup=0)
+    base = interleaved(
+        {
+            "seed_loop": lambda: seed_packed_gae(**prefix, gamma=gamma, lam=lam),
+            "seed_loop_half": lambda: seed_packed_gae(**half, gamma=gamma, lam=lam),
+        },
+        base_reps,
+        warmup=0,
+    )
     n_half = half["reward"].numel()
     per_token = base["seed_loop"]["median_s"] / n_base
     per_token_half = base["seed_loop_half"]["median_s"] / n_half
     extrapolated = {key: v * tokens / n_base if key.endswith("_s") else v for key, v in base["seed_loop"].items()}
     r = ratio(extrapolated, times["lossplug"])  # baseline / ours: the speed-up
     return {
-        "item": "packed_gae", "tokens": tokens, "trajectories": trajectories,
-        "length_min": int(lengths.min()), "length_max": int(lengths.max()), "dtype": "float32",
+        "item": "packed_gae",
+        "tokens": tokens,
+        "trajectories": trajectories,
+        "length_min": int(lengths.min()),
+        "length_max": int(lengths.max()),
+        "dtype": "float32",
         "lossplug": times["lossplug"],
         "seed_loop_measured": {"tokens": n_base, "trajectories": k, **base["seed_loop"]},
-        "seed_loop_per_token_us": per_token * 1e6, "seed_loop_per_token_us_half_size": per_token_half * 1e6,
+        "seed_loop_per_token_us": per_token * 1e6,
+        "seed_loop_per_token_us_half_size": per_token_half * 1e6,
         "seed_loop_extrapolated": extrapolated,
-        "speedup": r["ratio"], "speedup_min": r["ratio_min"], "goal": ">= 100x faster",
-        "met": r["ratio"] >= 100, "max_abs_diff_vs_seed": max_abs,
+        "speedup": r["ratio"],
+        "speedup_min": r["ratio_min"],
+        "goal": ">= 100x faster",
+        "met": r["ratio"] >= 100,
+        "max_abs_diff_vs_seed": max_abs,
         "note": f"seed loop timed on the first {k} trajectories ({n_base} tokens), extrapolated linearly to "
-                f"{tokens} tokens; lossplug timed at full size including PackedTransitions validation",
+        f"{tokens} tokens; lossplug timed at full size including PackedTransitions validation",
     }
 
 
@@ -99,9 +116,13 @@ def bench_padded(B: int, T: int, repeats: int) -> dict:
     mask, values, scores, token_rewards = padded_inputs(B, T)
     response_mask = mask.long()  # verl's response_mask: a slice of the int64 attention mask
     gamma, lam = 1.0, 1.0  # verl's defaults (algorithm.gamma / algorithm.lam)
-    recipe = lossplug.Recipe.model_validate({"advantage": {"name": "gae", "gamma": gamma, "lam": lam,
-                                                           "whiten": True},
-                                             "gates": ["ppo_clip"], "reduction": "token"})
+    recipe = lossplug.Recipe.model_validate(
+        {
+            "advantage": {"name": "gae", "gamma": gamma, "lam": lam, "whiten": True},
+            "gates": ["ppo_clip"],
+            "reduction": "token",
+        }
+    )
     logp = torch.zeros(B, T)
 
     def ours_off():
@@ -121,12 +142,22 @@ def bench_padded(B: int, T: int, repeats: int) -> dict:
     r = ratio(times["verl"], times["lossplug"])
     rv = ratio(times["verl"], times["lossplug_validated"])
     return {
-        "item": "padded_gae", "B": B, "T": T, "action_tokens": int(mask.sum()), "dtype": "float32",
-        "gamma": gamma, "lam": lam, "whiten": True, **times,
-        "speedup": r["ratio"], "speedup_min": r["ratio_min"],
-        "speedup_validated": rv["ratio"], "goal": ">= 2x faster", "met": r["ratio"] >= 2,
+        "item": "padded_gae",
+        "B": B,
+        "T": T,
+        "action_tokens": int(mask.sum()),
+        "dtype": "float32",
+        "gamma": gamma,
+        "lam": lam,
+        "whiten": True,
+        **times,
+        "speedup": r["ratio"],
+        "speedup_min": r["ratio_min"],
+        "speedup_validated": rv["ratio"],
+        "goal": ">= 2x faster",
+        "met": r["ratio"] >= 2,
         "max_abs_diff_vs_verl_on_actions": max_abs,
         "note": "verl.trainer.ppo.core_algos.compute_gae_advantage_return (Python loop over T) vs "
-                "lossplug.estimate_advantages(gae) with validate='off' (lossplug_validated: the PolicyBatch contract "
-                "and the recipe's checks included); advantages and returns, whitened",
+        "lossplug.estimate_advantages(gae) with validate='off' (lossplug_validated: the PolicyBatch contract "
+        "and the recipe's checks included); advantages and returns, whitened",
     }

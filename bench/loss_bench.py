@@ -28,8 +28,8 @@ agreement before timing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -50,9 +50,14 @@ def make_tensors(B: int, T: int, seed: int = 0) -> dict[str, torch.Tensor]:
     behavior = (old + 0.1 * torch.randn(B, T, generator=g)).clamp(max=0)
     adv = torch.randn(B, generator=g)
     # padding holds finite garbage (verl multiplies by the mask, so NaN there would poison its loss)
-    return {"logp": torch.where(mask, logp, 0.0), "old_logp": torch.where(mask, old, 0.0),
-            "behavior_logp": torch.where(mask, behavior, 0.0), "advantage": adv,
-            "advantage_bt": adv[:, None].expand(B, T).contiguous(), "mask": mask}
+    return {
+        "logp": torch.where(mask, logp, 0.0),
+        "old_logp": torch.where(mask, old, 0.0),
+        "behavior_logp": torch.where(mask, behavior, 0.0),
+        "advantage": adv,
+        "advantage_bt": adv[:, None].expand(B, T).contiguous(),
+        "mask": mask,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -73,24 +78,34 @@ def _verl_config(B: int, tokens: int, **kw):
     from verl.workers.config import ActorConfig
 
     config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=B, **kw)
-    config.global_batch_info.update({"dp_size": 1, "batch_num_tokens": tokens, "global_batch_size": B,
-                                     "loss_scale_factor": None})
+    config.global_batch_info.update(
+        {"dp_size": 1, "batch_num_tokens": tokens, "global_batch_size": B, "loss_scale_factor": None}
+    )
     return config
 
 
 def verl_cases(B: int, tokens: int) -> list[Case]:
     from verl.trainer.ppo import core_algos as ca
 
-    vanilla = _verl_config(B, tokens, clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
-                           loss_agg_mode="token-mean")
+    vanilla = _verl_config(
+        B, tokens, clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean"
+    )
     gspo = _verl_config(B, tokens, clip_ratio_low=3e-4, clip_ratio_high=4e-4, loss_agg_mode="seq-mean-token-mean")
     sapo = _verl_config(B, tokens, loss_agg_mode="seq-mean-token-mean")
     cispo = _verl_config(B, tokens, clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode="token-mean")
 
     def call(fn, config, mode):
         def native(t, logp, weights=None):
-            return fn(old_log_prob=t["old_logp"], log_prob=logp, advantages=t["advantage_bt"],
-                      response_mask=t["mask"], loss_agg_mode=mode, config=config, rollout_is_weights=weights)[0]
+            return fn(
+                old_log_prob=t["old_logp"],
+                log_prob=logp,
+                advantages=t["advantage_bt"],
+                response_mask=t["mask"],
+                loss_agg_mode=mode,
+                config=config,
+                rollout_is_weights=weights,
+            )[0]
+
         return native
 
     def cispo_tis(t, logp):
@@ -100,17 +115,41 @@ def verl_cases(B: int, tokens: int) -> list[Case]:
         return call(ca.compute_policy_loss_cispo, cispo, "token-mean")(t, logp, weights)
 
     return [
-        Case("ppo_clip+token", "verl", {"gates": [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2,
-                                                   "dual_clip_c": 3.0}], "reduction": "token"},
-             call(ca.compute_policy_loss_vanilla, vanilla, "token-mean"), True),
-        Case("gspo", "verl", {"gates": [{"name": "gspo_token", "eps_low": 3e-4, "eps_high": 4e-4}],
-                              "reduction": "response"},
-             call(ca.compute_policy_loss_gspo, gspo, "seq-mean-token-mean"), True),
-        Case("sapo", "verl", {"gates": ["sapo"], "reduction": "response"},
-             call(ca.compute_policy_loss_sapo, sapo, "seq-mean-token-mean"), True),
-        Case("cispo+tis", "verl", {"gates": [{"name": "cispo", "eps_low": 0.2, "eps_high": 0.2},
-                                             {"name": "tis", "cap": TIS_CAP}], "reduction": "token"},
-             cispo_tis, True, behavior=True),
+        Case(
+            "ppo_clip+token",
+            "verl",
+            {
+                "gates": [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0}],
+                "reduction": "token",
+            },
+            call(ca.compute_policy_loss_vanilla, vanilla, "token-mean"),
+            True,
+        ),
+        Case(
+            "gspo",
+            "verl",
+            {"gates": [{"name": "gspo_token", "eps_low": 3e-4, "eps_high": 4e-4}], "reduction": "response"},
+            call(ca.compute_policy_loss_gspo, gspo, "seq-mean-token-mean"),
+            True,
+        ),
+        Case(
+            "sapo",
+            "verl",
+            {"gates": ["sapo"], "reduction": "response"},
+            call(ca.compute_policy_loss_sapo, sapo, "seq-mean-token-mean"),
+            True,
+        ),
+        Case(
+            "cispo+tis",
+            "verl",
+            {
+                "gates": [{"name": "cispo", "eps_low": 0.2, "eps_high": 0.2}, {"name": "tis", "cap": TIS_CAP}],
+                "reduction": "token",
+            },
+            cispo_tis,
+            True,
+            behavior=True,
+        ),
     ]
 
 
@@ -147,6 +186,7 @@ def trl_cases() -> list[Case]:
                 seq_high = (is_high.float() * mask).sum(-1) / mask.sum(-1)
             metrics += [float(seq_low.min()), float(seq_high.max())]
             return loss
+
         return native
 
     def sapo(t, logp):
@@ -173,16 +213,35 @@ def trl_cases() -> list[Case]:
         return loss
 
     return [
-        Case("ppo_clip+token", "trl", {"gates": [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2}],
-                                 "reduction": "token"},
-             clip_loss("token", 0.2, 0.2, "dapo"), False),
-        Case("gspo", "trl", {"gates": [{"name": "gspo", "eps_low": 3e-4, "eps_high": 4e-4}], "reduction": "response"},
-             clip_loss("sequence", 3e-4, 4e-4, "grpo"), False),
+        Case(
+            "ppo_clip+token",
+            "trl",
+            {"gates": [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2}], "reduction": "token"},
+            clip_loss("token", 0.2, 0.2, "dapo"),
+            False,
+        ),
+        Case(
+            "gspo",
+            "trl",
+            {"gates": [{"name": "gspo", "eps_low": 3e-4, "eps_high": 4e-4}], "reduction": "response"},
+            clip_loss("sequence", 3e-4, 4e-4, "grpo"),
+            False,
+        ),
         Case("sapo", "trl", {"gates": ["sapo"], "reduction": "response"}, sapo, False),
-        Case("cispo+tis", "trl", {"gates": [{"name": "cispo", "eps_low": None, "ratio_max": 5.0,
-                                             "log_ratio_clamp": None}, {"name": "tis", "cap": TIS_CAP}],
-                                  "reduction": "token"},
-             cispo_tis, False, behavior=True),
+        Case(
+            "cispo+tis",
+            "trl",
+            {
+                "gates": [
+                    {"name": "cispo", "eps_low": None, "ratio_max": 5.0, "log_ratio_clamp": None},
+                    {"name": "tis", "cap": TIS_CAP},
+                ],
+                "reduction": "token",
+            },
+            cispo_tis,
+            False,
+            behavior=True,
+        ),
     ]
 
 
@@ -193,11 +252,15 @@ def trl_cases() -> list[Case]:
 def _lossplug_step(case: Case, t: dict, recipe: lossplug.Recipe, normalizer, metrics: bool, validate: str = "off"):
     def step(logp):
         batch = lossplug.PolicyBatch.unchecked(
-            logp=logp, action_mask=t["mask"], old_logp=t["old_logp"],
+            logp=logp,
+            action_mask=t["mask"],
+            old_logp=t["old_logp"],
             behavior_logp=t["behavior_logp"] if case.behavior else None,
-            advantage=t["advantage_bt"] if case.token_advantage else t["advantage"])
+            advantage=t["advantage_bt"] if case.token_advantage else t["advantage"],
+        )
         result = lossplug.policy_loss(batch, recipe, normalizer, validate=validate, metrics=metrics)
         return result.loss
+
     return step
 
 
@@ -206,6 +269,7 @@ def _with_backward(step, leaf: dict):
         loss = step(leaf["logp"])
         loss.backward()
         return loss
+
     return run
 
 
@@ -243,12 +307,22 @@ def bench_case(case: Case, t: dict, repeats: int) -> dict:
         fresh()
         peaks[name] = peak_bytes(run)
     out = {
-        "item": "loss_step", "case": case.name, "baseline": case.trainer, "B": B, "T": t["mask"].shape[1],
-        "action_tokens": tokens, "recipe": case.recipe, "loss_abs_diff": loss_diff, "grad_max_abs_diff": grad_diff,
+        "item": "loss_step",
+        "case": case.name,
+        "baseline": case.trainer,
+        "B": B,
+        "T": t["mask"].shape[1],
+        "action_tokens": tokens,
+        "recipe": case.recipe,
+        "loss_abs_diff": loss_diff,
+        "grad_max_abs_diff": grad_diff,
         **{name: {**times[name], "peak_bytes": peaks[name]} for name in runs},
     }
-    for name, suffix in (("lossplug", ""), ("lossplug_no_metrics", "_no_metrics"),
-                         ("lossplug_full_metrics", "_full_metrics")):
+    for name, suffix in (
+        ("lossplug", ""),
+        ("lossplug_no_metrics", "_no_metrics"),
+        ("lossplug_full_metrics", "_full_metrics"),
+    ):
         r = ratio(times[name], times["native"])
         out[f"time_ratio{suffix}"] = r["ratio"]
         out[f"time_ratio_min{suffix}"] = r["ratio_min"]
@@ -273,9 +347,12 @@ def bench_validation(case: Case, t: dict, repeats: int) -> dict:
     B = t["mask"].shape[0]
     recipe = lossplug.Recipe.model_validate(case.recipe)
     normalizer = lossplug.Normalizer(action_tokens=int(t["mask"].sum()), sequences=B)
-    fields = dict(action_mask=t["mask"], old_logp=t["old_logp"],
-                  behavior_logp=t["behavior_logp"] if case.behavior else None,
-                  advantage=t["advantage_bt"] if case.token_advantage else t["advantage"])
+    fields = dict(
+        action_mask=t["mask"],
+        old_logp=t["old_logp"],
+        behavior_logp=t["behavior_logp"] if case.behavior else None,
+        advantage=t["advantage_bt"] if case.token_advantage else t["advantage"],
+    )
     leaf = {}
 
     def fresh():
@@ -292,20 +369,39 @@ def bench_validation(case: Case, t: dict, repeats: int) -> dict:
     step_full = _with_backward(_lossplug_step(case, t, recipe, normalizer, metrics="basic", validate="full"), leaf)
     step_bare = _with_backward(_lossplug_step(case, t, recipe, normalizer, metrics="off", validate="off"), leaf)
     native = _with_backward(lambda logp: case.native(t, logp), leaf)
-    times = interleaved({"validate": construct, "validate_first": construct_first, "step_off": step_off,
-                         "step_full": step_full, "step_no_metrics": step_bare, "native": native}, repeats, warmup=2,
-                        setup=fresh)
+    times = interleaved(
+        {
+            "validate": construct,
+            "validate_first": construct_first,
+            "step_off": step_off,
+            "step_full": step_full,
+            "step_no_metrics": step_bare,
+            "native": native,
+        },
+        repeats,
+        warmup=2,
+        setup=fresh,
+    )
     v = times["validate"]["median_s"]
     frac = v / times["step_off"]["median_s"]
     overhead = (times["step_full"]["median_s"] - times["step_off"]["median_s"]) / times["step_off"]["median_s"]
-    return {"item": "validation", "case": case.name, "baseline": case.trainer, "B": B, "T": t["mask"].shape[1],
-            **times, "fraction_of_step": frac, "fraction_of_step_no_metrics": v / times["step_no_metrics"]["median_s"],
-            "fraction_of_native_step": v / times["native"]["median_s"],
-            "first_fraction_of_step": times["validate_first"]["median_s"] / times["step_off"]["median_s"],
-            "validate_full_overhead": overhead,
-            "goal": "<= 5% of the loss step", "met": frac <= 0.05,
-            "note": "validate: PolicyBatch(...) construction with its contract check in the hot loop (constant fields "
-                    "remembered, logp and the mask read), as a fraction of lossplug's loss step with basic metrics "
-                    "(what the adapters run), without metrics, and of the native step; validate_first: the same "
-                    "check reading every field (the first micro-batch of a step); step_full: policy_loss with "
-                    "validate='full' on an unchecked batch (contract + the recipe's needs) vs validate='off'"}
+    return {
+        "item": "validation",
+        "case": case.name,
+        "baseline": case.trainer,
+        "B": B,
+        "T": t["mask"].shape[1],
+        **times,
+        "fraction_of_step": frac,
+        "fraction_of_step_no_metrics": v / times["step_no_metrics"]["median_s"],
+        "fraction_of_native_step": v / times["native"]["median_s"],
+        "first_fraction_of_step": times["validate_first"]["median_s"] / times["step_off"]["median_s"],
+        "validate_full_overhead": overhead,
+        "goal": "<= 5% of the loss step",
+        "met": frac <= 0.05,
+        "note": "validate: PolicyBatch(...) construction with its contract check in the hot loop (constant fields "
+        "remembered, logp and the mask read), as a fraction of lossplug's loss step with basic metrics "
+        "(what the adapters run), without metrics, and of the native step; validate_first: the same "
+        "check reading every field (the first micro-batch of a step); step_full: policy_loss with "
+        "validate='full' on an unchecked batch (contract + the recipe's needs) vs validate='off'",
+    }

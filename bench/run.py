@@ -38,13 +38,30 @@ import torch  # noqa: E402
 
 from .common import environment  # noqa: E402
 
-FULL = {"packed_tokens": 1 << 20, "packed_trajectories": 4096, "packed_baseline_tokens": 1 << 16,
-        "padded_B": 256, "padded_T": 4096, "loss_B": 64, "loss_T": 4096,
-        "trl_steps": 12, "trl_rounds": 6, "trl_size": None}
-QUICK = {"packed_tokens": 8192, "packed_trajectories": 32, "packed_baseline_tokens": 1024,
-         "padded_B": 8, "padded_T": 256, "loss_B": 4, "loss_T": 256,
-         "trl_steps": 2, "trl_rounds": 1,
-         "trl_size": {"hidden": 32, "layers": 1, "batch": 4, "generations": 2, "completion": 4, "prompts": 8}}
+FULL = {
+    "packed_tokens": 1 << 20,
+    "packed_trajectories": 4096,
+    "packed_baseline_tokens": 1 << 16,
+    "padded_B": 256,
+    "padded_T": 4096,
+    "loss_B": 64,
+    "loss_T": 4096,
+    "trl_steps": 12,
+    "trl_rounds": 6,
+    "trl_size": None,
+}
+QUICK = {
+    "packed_tokens": 8192,
+    "packed_trajectories": 32,
+    "packed_baseline_tokens": 1024,
+    "padded_B": 8,
+    "padded_T": 256,
+    "loss_B": 4,
+    "loss_T": 256,
+    "trl_steps": 2,
+    "trl_rounds": 1,
+    "trl_size": {"hidden": 32, "layers": 1, "batch": 4, "generations": 2, "completion": 4, "prompts": 8},
+}
 
 
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
@@ -53,8 +70,11 @@ PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_
 def pin_allocator(argv: list[str]) -> None:
     """Re-execute this runner with glibc's allocator thresholds pinned (see the module docstring); returns only if
     they already are, if ``LOSSPLUG_BENCH_MALLOC=default``, or off Linux."""
-    if (sys.platform != "linux" or os.environ.get("LOSSPLUG_BENCH_MALLOC") == "default"
-            or all(os.environ.get(k) == v for k, v in PINNED_MALLOC.items())):
+    if (
+        sys.platform != "linux"
+        or os.environ.get("LOSSPLUG_BENCH_MALLOC") == "default"
+        or all(os.environ.get(k) == v for k, v in PINNED_MALLOC.items())
+    ):
         return
     sys.stdout.flush()
     sys.stderr.flush()
@@ -71,8 +91,9 @@ def run(items: set[int], quick: bool, repeats: int, threads: int, log=print, cas
         from .gae_bench import bench_packed
 
         log("[1] packed GAE …")
-        results["results"].append(bench_packed(sizes["packed_tokens"], sizes["packed_trajectories"], repeats,
-                                               sizes["packed_baseline_tokens"]))
+        results["results"].append(
+            bench_packed(sizes["packed_tokens"], sizes["packed_trajectories"], repeats, sizes["packed_baseline_tokens"])
+        )
     if 2 in items:
         from .gae_bench import bench_padded
 
@@ -111,44 +132,56 @@ def _fmt_s(s: float) -> str:
 
 def table(results: dict) -> str:
     """The Markdown table the README shows."""
-    rows = ["| # | benchmark | size | lossplug | baseline | ratio (median; min) | goal | met |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| # | benchmark | size | lossplug | baseline | ratio (median; min) | goal | met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results["results"]:
         item = r["item"]
         if item == "packed_gae":
             base = r["seed_loop_extrapolated"]
-            rows.append(f"| 1 | packed GAE vs seed loop | {r['tokens']:,} tokens, {r['trajectories']:,} traj. | "
-                        f"{_fmt_s(r['lossplug']['median_s'])} | {_fmt_s(base['median_s'])} (extrapolated from "
-                        f"{r['seed_loop_measured']['tokens']:,}) | **{r['speedup']:.0f}× faster**; "
-                        f"{r['speedup_min']:.0f}× | ≥ 100× | {'yes' if r['met'] else 'no'} |")
+            rows.append(
+                f"| 1 | packed GAE vs seed loop | {r['tokens']:,} tokens, {r['trajectories']:,} traj. | "
+                f"{_fmt_s(r['lossplug']['median_s'])} | {_fmt_s(base['median_s'])} (extrapolated from "
+                f"{r['seed_loop_measured']['tokens']:,}) | **{r['speedup']:.0f}× faster**; "
+                f"{r['speedup_min']:.0f}× | ≥ 100× | {'yes' if r['met'] else 'no'} |"
+            )
         elif item == "padded_gae":
-            rows.append(f"| 2 | padded GAE vs verl | B={r['B']}, T={r['T']} | {_fmt_s(r['lossplug']['median_s'])} "
-                        f"({_fmt_s(r['lossplug_validated']['median_s'])} validated) | {_fmt_s(r['verl']['median_s'])} "
-                        f"| **{r['speedup']:.1f}× faster**; {r['speedup_min']:.1f}× | ≥ 2× | "
-                        f"{'yes' if r['met'] else 'no'} |")
+            rows.append(
+                f"| 2 | padded GAE vs verl | B={r['B']}, T={r['T']} | {_fmt_s(r['lossplug']['median_s'])} "
+                f"({_fmt_s(r['lossplug_validated']['median_s'])} validated) | {_fmt_s(r['verl']['median_s'])} "
+                f"| **{r['speedup']:.1f}× faster**; {r['speedup_min']:.1f}× | ≥ 2× | "
+                f"{'yes' if r['met'] else 'no'} |"
+            )
         elif item == "loss_step":
-            rows.append(f"| 3 | {r['case']} fwd+bwd vs {r['baseline']} | B={r['B']}, T={r['T']} | "
-                        f"{_fmt_s(r['lossplug']['median_s'])} basic / {_fmt_s(r['lossplug_no_metrics']['median_s'])} "
-                        f"off / {_fmt_s(r['lossplug_full_metrics']['median_s'])} full | "
-                        f"{_fmt_s(r['native']['median_s'])} | time **{r['time_ratio']:.2f}×** / "
-                        f"**{r['time_ratio_no_metrics']:.2f}×** / {r['time_ratio_full_metrics']:.2f}× "
-                        f"({r['time_ratio_min']:.2f}× / {r['time_ratio_min_no_metrics']:.2f}× min); peak mem "
-                        f"{r['mem_ratio']:.2f}× / {r['mem_ratio_no_metrics']:.2f}× / {r['mem_ratio_full_metrics']:.2f}× "
-                        f"| ≤ 1.10× | {'yes' if r['met'] else 'no'} / {'yes' if r['met_no_metrics'] else 'no'} |")
+            rows.append(
+                f"| 3 | {r['case']} fwd+bwd vs {r['baseline']} | B={r['B']}, T={r['T']} | "
+                f"{_fmt_s(r['lossplug']['median_s'])} basic / {_fmt_s(r['lossplug_no_metrics']['median_s'])} "
+                f"off / {_fmt_s(r['lossplug_full_metrics']['median_s'])} full | "
+                f"{_fmt_s(r['native']['median_s'])} | time **{r['time_ratio']:.2f}×** / "
+                f"**{r['time_ratio_no_metrics']:.2f}×** / {r['time_ratio_full_metrics']:.2f}× "
+                f"({r['time_ratio_min']:.2f}× / {r['time_ratio_min_no_metrics']:.2f}× min); peak mem "
+                f"{r['mem_ratio']:.2f}× / {r['mem_ratio_no_metrics']:.2f}× / {r['mem_ratio_full_metrics']:.2f}× "
+                f"| ≤ 1.10× | {'yes' if r['met'] else 'no'} / {'yes' if r['met_no_metrics'] else 'no'} |"
+            )
         elif item == "validation":
-            rows.append(f"| 4 | validation, {r['case']} ({r['baseline']} tensors) | B={r['B']}, T={r['T']} | "
-                        f"{_fmt_s(r['validate']['median_s'])} ({_fmt_s(r['validate_first']['median_s'])} first) | "
-                        f"loss step {_fmt_s(r['step_off']['median_s'])} | "
-                        f"**{100 * r['fraction_of_step']:.0f}%** of the step ({100 * r['fraction_of_step_no_metrics']:.0f}% "
-                        f"without metrics, {100 * r['fraction_of_native_step']:.0f}% of native; first check "
-                        f"{100 * r['first_fraction_of_step']:.0f}%) | ≤ 5% | "
-                        f"{'yes' if r['met'] else 'no'} |")
+            rows.append(
+                f"| 4 | validation, {r['case']} ({r['baseline']} tensors) | B={r['B']}, T={r['T']} | "
+                f"{_fmt_s(r['validate']['median_s'])} ({_fmt_s(r['validate_first']['median_s'])} first) | "
+                f"loss step {_fmt_s(r['step_off']['median_s'])} | "
+                f"**{100 * r['fraction_of_step']:.0f}%** of the step ({100 * r['fraction_of_step_no_metrics']:.0f}% "
+                f"without metrics, {100 * r['fraction_of_native_step']:.0f}% of native; first check "
+                f"{100 * r['first_fraction_of_step']:.0f}%) | ≤ 5% | "
+                f"{'yes' if r['met'] else 'no'} |"
+            )
         elif item == "trl_e2e":
-            rows.append(f"| 5 | TRL train step ({r['loss_type']}) | {r['size_batch']} compl. × {r['size_completion']} "
-                        f"tok, hidden {r['size_hidden']} | {_fmt_s(r['lossplug']['median_s'])} | "
-                        f"{_fmt_s(r['native']['median_s'])} | **{r['time_ratio']:.3f}×** paired per step "
-                        f"(IQR {r['paired_ratio_q1_q3'][0]:.2f}–{r['paired_ratio_q1_q3'][1]:.2f}); "
-                        f"{r['time_ratio_unpaired']:.3f}× of medians | ±5% | {'yes' if r['met'] else 'no'} |")
+            rows.append(
+                f"| 5 | TRL train step ({r['loss_type']}) | {r['size_batch']} compl. × {r['size_completion']} "
+                f"tok, hidden {r['size_hidden']} | {_fmt_s(r['lossplug']['median_s'])} | "
+                f"{_fmt_s(r['native']['median_s'])} | **{r['time_ratio']:.3f}×** paired per step "
+                f"(IQR {r['paired_ratio_q1_q3'][0]:.2f}–{r['paired_ratio_q1_q3'][1]:.2f}); "
+                f"{r['time_ratio_unpaired']:.3f}× of medians | ±5% | {'yes' if r['met'] else 'no'} |"
+            )
     return "\n".join(rows)
 
 
@@ -156,26 +189,33 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="toy sizes (seconds)")
     parser.add_argument("--items", default="1,2,3,4,5", help="comma-separated items to run (default: all)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per candidate "
-                                                                   "(default 15, quick 3)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed repetitions per candidate (default 15, quick 3)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both sides (default 1)")
-    parser.add_argument("--cases", default=None, help="items 3/4: comma-separated case names (default: all of "
-                                                       "ppo_clip+token, gspo, sapo, cispo+tis)")
+    parser.add_argument(
+        "--cases",
+        default=None,
+        help="items 3/4: comma-separated case names (default: all of ppo_clip+token, gspo, sapo, cispo+tis)",
+    )
     parser.add_argument("--out", default=str(HERE / "results.json"), help="where to write the JSON")
     args = parser.parse_args(argv)
     items = {int(i) for i in args.items.split(",") if i.strip()}
     repeats = args.repeats or (3 if args.quick else 15)
     cases = set(args.cases.split(",")) if args.cases else None
-    results = run(items, args.quick, repeats, args.threads, log=lambda m: print(m, file=sys.stderr, flush=True),
-                  cases=cases)
+    results = run(
+        items, args.quick, repeats, args.threads, log=lambda m: print(m, file=sys.stderr, flush=True), cases=cases
+    )
     results["command"] = "python -m bench" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     results["table"] = table(results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2, default=float))
     print(results["table"])
-    print(f"\n{results['command']}: {results['seconds']:.0f} s, threads={args.threads}, load average "
-          f"{results['environment'].get('load_avg_at_start')} → {results['environment'].get('load_avg_at_end')}; "
-          f"written to {args.out}")
+    print(
+        f"\n{results['command']}: {results['seconds']:.0f} s, threads={args.threads}, load average "
+        f"{results['environment'].get('load_avg_at_start')} → {results['environment'].get('load_avg_at_end')}; "
+        f"written to {args.out}"
+    )
     return results
 
 

@@ -38,12 +38,23 @@ def _trainer(kind: str, steps: int, out_dir: str, size: dict):
 
     tok = tiny.tiny_tokenizer()
     model = tiny.tiny_model(tok, hidden_size=size["hidden"], layers=size["layers"])
-    args = tiny.tiny_grpo_config(out_dir, max_steps=steps, per_device_train_batch_size=size["batch"],
-                                 num_generations=size["generations"],
-                                 max_completion_length=size["completion"], logging_steps=1,
-                                 disable_tqdm=True)
-    common = dict(model=model, reward_funcs=[tiny.length_reward], args=args,
-                  train_dataset=tiny.tiny_dataset(size["prompts"]), processing_class=tok, callbacks=[StepTimer()])
+    args = tiny.tiny_grpo_config(
+        out_dir,
+        max_steps=steps,
+        per_device_train_batch_size=size["batch"],
+        num_generations=size["generations"],
+        max_completion_length=size["completion"],
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+    common = dict(
+        model=model,
+        reward_funcs=[tiny.length_reward],
+        args=args,
+        train_dataset=tiny.tiny_dataset(size["prompts"]),
+        processing_class=tok,
+        callbacks=[StepTimer()],
+    )
     if kind == "native":
         trainer = trl.GRPOTrainer(**common)
     else:
@@ -60,7 +71,7 @@ def bench_trl_e2e(steps: int, rounds: int, warmup: int = 1, size: dict | None = 
     losses: dict[str, list[float]] = {}
     loss_type = None
     for r in range(rounds):
-        for kind in (("native", "lossplug") if r % 2 == 0 else ("lossplug", "native")):
+        for kind in ("native", "lossplug") if r % 2 == 0 else ("lossplug", "native"):
             with tempfile.TemporaryDirectory() as out:
                 trainer, times = _trainer(kind, steps, out, size)
                 loss_type = trainer.args.loss_type
@@ -73,21 +84,32 @@ def bench_trl_e2e(steps: int, rounds: int, warmup: int = 1, size: dict | None = 
     paired = sorted(a / b for a, b in zip(step_times["lossplug"], step_times["native"]))
     r = statistics.median(paired)
     first_loss = {kind: (v[0] if v else float("nan")) for kind, v in losses.items()}
-    loss_diff = max((abs(a - b) for a, b in zip(losses.get("native", []), losses.get("lossplug", []))),
-                    default=float("nan"))
+    loss_diff = max(
+        (abs(a - b) for a, b in zip(losses.get("native", []), losses.get("lossplug", []))), default=float("nan")
+    )
     return {
-        "item": "trl_e2e", "loss_type": loss_type, **{f"size_{k}": v for k, v in size.items()},
-        "steps_per_run": steps, "rounds": rounds, "warmup_steps_dropped": warmup,
-        "native": native, "lossplug": ours, "time_ratio": r, "time_ratio_min": ours["min_s"] / native["min_s"],
+        "item": "trl_e2e",
+        "loss_type": loss_type,
+        **{f"size_{k}": v for k, v in size.items()},
+        "steps_per_run": steps,
+        "rounds": rounds,
+        "warmup_steps_dropped": warmup,
+        "native": native,
+        "lossplug": ours,
+        "time_ratio": r,
+        "time_ratio_min": ours["min_s"] / native["min_s"],
         "time_ratio_unpaired": ours["median_s"] / native["median_s"],
         "paired_ratio_q1_q3": [statistics.quantiles(paired, n=4)[0], statistics.quantiles(paired, n=4)[2]]
-        if len(paired) > 1 else [r, r],
-        "logged_loss_max_abs_diff": loss_diff, "first_step_loss": first_loss,
+        if len(paired) > 1
+        else [r, r],
+        "logged_loss_max_abs_diff": loss_diff,
+        "first_step_loss": first_loss,
         "first_step_loss_abs_diff": abs(first_loss.get("native", 0.0) - first_loss.get("lossplug", 0.0)),
-        "goal": "within 5%", "met": abs(r - 1) <= 0.05,
+        "goal": "within 5%",
+        "met": abs(r - 1) <= 0.05,
         "spread_native_rel": (native["q3_s"] - native["q1_s"]) / native["median_s"],
         "note": "per-step wall time of Trainer.train (generation included) on the tiny Qwen2 of "
-                "lossplug.testing.tiny; native GRPOTrainer vs LossplugGRPOTrainer with trl_equivalent(args); "
-                "time_ratio: median over steps of lossplug step i / native step i of the same round (identical "
-                "generations), time_ratio_unpaired: ratio of the medians",
+        "lossplug.testing.tiny; native GRPOTrainer vs LossplugGRPOTrainer with trl_equivalent(args); "
+        "time_ratio: median over steps of lossplug step i / native step i of the same round (identical "
+        "generations), time_ratio_unpaired: ratio of the medians",
     }

@@ -11,7 +11,19 @@ from .recipe import PluginSpec, Recipe
 from .results import AdvantageResult, LossResult
 
 __all__ = [
-    "AdvantageResult", "BatchValidationError", "LOGP_TOLERANCE", "LogProbSource", "LossResult", "LossplugError",
-    "Normalizer", "PackedTransitions", "PluginError", "PluginSpec", "PolicyBatch", "Provenance", "Recipe",
-    "RecipeError", "Violation",
+    "AdvantageResult",
+    "BatchValidationError",
+    "LOGP_TOLERANCE",
+    "LogProbSource",
+    "LossResult",
+    "LossplugError",
+    "Normalizer",
+    "PackedTransitions",
+    "PluginError",
+    "PluginSpec",
+    "PolicyBatch",
+    "Provenance",
+    "Recipe",
+    "RecipeError",
+    "Violation",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, ClassVar, Literal, Optional, TypeVar, overload
+from typing import Any, ClassVar, Literal, TypeVar, overload
 
 import torch
 from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
@@ -49,7 +49,7 @@ class _CheckedTensors:
     def __init__(self) -> None:
         self._entries: dict[int, tuple[weakref.ref[Tensor], int, bool, bool]] = {}
 
-    def get(self, t: Tensor) -> Optional[tuple[bool, bool]]:
+    def get(self, t: Tensor) -> tuple[bool, bool] | None:
         """``(finite, at_most_tolerance)`` of every element of ``t``, or None if ``t`` was not checked as it is now."""
         entry = self._entries.get(id(t))
         if entry is None or entry[0]() is not t or entry[1] != t._version:
@@ -58,8 +58,12 @@ class _CheckedTensors:
 
     def put(self, t: Tensor, finite: bool, below: bool) -> None:
         key = id(t)
-        self._entries[key] = (weakref.ref(t, lambda _, key=key: self._entries.pop(key, None)),  # type: ignore[misc]
-                              t._version, finite, below)
+        self._entries[key] = (
+            weakref.ref(t, lambda _, key=key: self._entries.pop(key, None)),  # type: ignore[misc]
+            t._version,
+            finite,
+            below,
+        )
 
     def clear(self) -> None:
         self._entries.clear()
@@ -76,8 +80,13 @@ def forget_checked() -> None:
 def _base_of(t: Tensor) -> Tensor:
     """The tensor whose whole-tensor check covers ``t``: its view base when that is not much larger, else ``t``."""
     base = t._base
-    if (base is None or base.dtype != t.dtype or base.device != t.device or base.layout != torch.strided
-            or base.numel() > _CheckedTensors.BASE_READ_LIMIT * max(t.numel(), 1)):
+    if (
+        base is None
+        or base.dtype != t.dtype
+        or base.device != t.device
+        or base.layout != torch.strided
+        or base.numel() > _CheckedTensors.BASE_READ_LIMIT * max(t.numel(), 1)
+    ):
         return t
     return base
 
@@ -99,8 +108,13 @@ def _token_value_rules(checks: Checks, name: str, t: Tensor, mask: Tensor, logpr
         if logprob:
             big = mask & (t > LOGP_TOLERANCE)
             if bool(big.any()):
-                found.append(Violation(name, f"log-probs must be <= 0 (tolerance {LOGP_TOLERANCE}) on action "
-                                             f"positions", describe_positions(big, noun="rows")))
+                found.append(
+                    Violation(
+                        name,
+                        f"log-probs must be <= 0 (tolerance {LOGP_TOLERANCE}) on action positions",
+                        describe_positions(big, noun="rows"),
+                    )
+                )
         return found
 
     if checks_module.on_host(t):  # the reductions' values are on the host already: Python tests, no flag kernels
@@ -123,8 +137,13 @@ def _token_value_rules(checks: Checks, name: str, t: Tensor, mask: Tensor, logpr
         return find() if not (bool(finite) and bool(below)) else []  # failures all off the actions: allowed
 
     finite, below = _extremes(whole, logprob, False)
-    checks.when_flag(~(finite & below), find_on_actions, resolved=None if fresh else (
-        lambda failed, whole=whole: _CHECKED.put(whole, not failed, not failed and logprob)))  # type: ignore[misc]
+    checks.when_flag(
+        ~(finite & below),
+        find_on_actions,
+        resolved=None
+        if fresh
+        else (lambda failed, whole=whole: _CHECKED.put(whole, not failed, not failed and logprob)),  # type: ignore[misc]
+    )
 
 
 def _values_pass_on_host(t: Tensor, mask: Tensor, logprob: bool) -> bool:
@@ -201,8 +220,14 @@ def _rows_of(t: Tensor) -> Tensor:
     """The tensor whose per-row outcome covers ``t``'s rows: its base when ``t`` is a range of the base's rows (a
     micro-batch sliced from the step's batch: same row layout), else ``t`` itself."""
     base = t._base
-    if (base is None or base.dtype != t.dtype or base.ndim != t.ndim or base.shape[1:] != t.shape[1:]
-            or base.stride() != t.stride() or base.numel() > _CheckedTensors.BASE_READ_LIMIT * max(t.numel(), 1)):
+    if (
+        base is None
+        or base.dtype != t.dtype
+        or base.ndim != t.ndim
+        or base.shape[1:] != t.shape[1:]
+        or base.stride() != t.stride()
+        or base.numel() > _CheckedTensors.BASE_READ_LIMIT * max(t.numel(), 1)
+    ):
         return t
     return base
 
@@ -221,8 +246,9 @@ def _empty_rows_of(mask: Tensor) -> list[Violation]:
     bad = ~any_of(mask, -1)
     if not bool(bad.any()):
         return []
-    return [Violation("action_mask", "every response needs at least one action token",
-                      describe_positions(bad, noun="rows"))]
+    return [
+        Violation("action_mask", "every response needs at least one action token", describe_positions(bad, noun="rows"))
+    ]
 
 
 def _finite_rule(checks: Checks, name: str, t: Tensor) -> None:
@@ -271,7 +297,9 @@ class _TensorModel(BaseModel):
         if isinstance(data, dict) and cls._plain_tensors(data):
             return data
         if not isinstance(data, dict):
-            raise BatchValidationError(cls.__name__, [Violation("<batch>", f"expected keyword fields, got {type(data).__name__}")])
+            raise BatchValidationError(
+                cls.__name__, [Violation("<batch>", f"expected keyword fields, got {type(data).__name__}")]
+            )
         checks = Checks(cls.__name__)
         fields = cls.model_fields
         for key in data:
@@ -288,8 +316,9 @@ class _TensorModel(BaseModel):
         fields = cls.__pydantic_fields__
         strided = torch.strided
         for key, value in data.items():
-            if key not in fields or (value is not None and (not isinstance(value, torch.Tensor)
-                                                            or value.layout != strided)):
+            if key not in fields or (
+                value is not None and (not isinstance(value, torch.Tensor) or value.layout != strided)
+            ):
                 return False
         return all(data.get(key) is not None for key in cls._required())
 
@@ -321,7 +350,7 @@ class _TensorModel(BaseModel):
         return self
 
     @classmethod
-    def unchecked(cls: type[_M], **fields: Optional[Tensor]) -> _M:
+    def unchecked(cls: type[_M], **fields: Tensor | None) -> _M:
         """Build without any validation (hot path). ``policy_loss(validate="full")`` still checks it later."""
         # None: _fields_set, as by default; the pydantic plugin types model_construct on the declaring class
         return cls.model_construct(None, **fields)  # type: ignore[return-value]
@@ -350,7 +379,7 @@ class _TensorModel(BaseModel):
     def _rules(self, checks: Checks) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def replace(self: _M, **fields: Optional[Tensor]) -> _M:
+    def replace(self: _M, **fields: Tensor | None) -> _M:
         """A copy with some fields replaced, validated again."""
         return type(self)(**{**self.fields(), **fields})
 
@@ -371,25 +400,25 @@ class PolicyBatch(_TensorModel):
     #: True where the position is a policy action (not prompt, observation/tool output or padding)
     action_mask: Tensor
     #: training engine, before this update (numerator of the engine ratio, denominator of the update ratio)
-    old_logp: Optional[Tensor] = None
+    old_logp: Tensor | None = None
     #: rollout engine (e.g. vLLM) that sampled the tokens
-    behavior_logp: Optional[Tensor] = None
+    behavior_logp: Tensor | None = None
     #: frozen reference policy (KL penalties)
-    ref_logp: Optional[Tensor] = None
+    ref_logp: Tensor | None = None
     #: ``[B]`` (sequence) or ``[B, T]`` (token) advantages
-    advantage: Optional[Tensor] = None
+    advantage: Tensor | None = None
     #: ``[B]`` sequence score or ``[B, T]`` token rewards
-    reward: Optional[Tensor] = None
+    reward: Tensor | None = None
     #: critic values V_old(s_t) at each position, ``[B, T]``
-    value: Optional[Tensor] = None
+    value: Tensor | None = None
     #: prompt group of each response, ``[B]`` integer; groups may be scattered and of unequal size
-    group_id: Optional[Tensor] = None
+    group_id: Tensor | None = None
     #: trajectory of each response, ``[B]`` integer (several rows may be turns of one trajectory)
-    trajectory_id: Optional[Tensor] = None
+    trajectory_id: Tensor | None = None
     #: ``[B]`` bool: the response ended in a terminal state (no bootstrap); False means time-limit truncation
-    terminated: Optional[Tensor] = None
+    terminated: Tensor | None = None
     #: ``[B]`` value of the real final observation of truncated responses (read only where ``terminated`` is False)
-    final_value: Optional[Tensor] = None
+    final_value: Tensor | None = None
 
     TOKEN_FLOATS: ClassVar[tuple[str, ...]] = ("logp", "old_logp", "behavior_logp", "ref_logp", "value")
     LOGPROBS: ClassVar[tuple[str, ...]] = ("logp", "old_logp", "behavior_logp", "ref_logp")
@@ -405,10 +434,16 @@ class PolicyBatch(_TensorModel):
 
     #: every field but logp: may it be [B, T], may it be [B], and its dtype kind
     _LAYOUT: ClassVar[dict[str, tuple[bool, bool, str]]] = {
-        "old_logp": (True, False, "float"), "behavior_logp": (True, False, "float"),
-        "ref_logp": (True, False, "float"), "value": (True, False, "float"), "action_mask": (True, False, "bool"),
-        "advantage": (True, True, "float"), "reward": (True, True, "float"), "group_id": (False, True, "int"),
-        "trajectory_id": (False, True, "int"), "terminated": (False, True, "bool"),
+        "old_logp": (True, False, "float"),
+        "behavior_logp": (True, False, "float"),
+        "ref_logp": (True, False, "float"),
+        "value": (True, False, "float"),
+        "action_mask": (True, False, "bool"),
+        "advantage": (True, True, "float"),
+        "reward": (True, True, "float"),
+        "group_id": (False, True, "int"),
+        "trajectory_id": (False, True, "int"),
+        "terminated": (False, True, "bool"),
         "final_value": (False, True, "float"),
     }
     #: the fields whose values are checked: finite on the actions (log-probs also ≤ LOGP_TOLERANCE), or finite per row
@@ -428,10 +463,17 @@ class PolicyBatch(_TensorModel):
                 continue
             per_token, per_row, kind = layout[name]
             t_shape = t.shape
-            if (not ((per_token and t_shape == shape) or (per_row and t_shape == row_shape))
-                    or not (t.is_floating_point() if kind == "float" else t.dtype is torch.bool if kind == "bool"
-                            else not (t.is_floating_point() or t.is_complex() or t.dtype is torch.bool))
-                    or not t.is_cpu):  # (logp is on the CPU: so must every field be)
+            if (
+                not ((per_token and t_shape == shape) or (per_row and t_shape == row_shape))
+                or not (
+                    t.is_floating_point()
+                    if kind == "float"
+                    else t.dtype is torch.bool
+                    if kind == "bool"
+                    else not (t.is_floating_point() or t.is_complex() or t.dtype is torch.bool)
+                )
+                or not t.is_cpu
+            ):  # (logp is on the CPU: so must every field be)
                 return False
         if not _rows_act_on_host(fields["action_mask"]):
             return False
@@ -510,11 +552,17 @@ class PolicyBatch(_TensorModel):
         if final_value is not None:
             terminated = fields.get("terminated")
             if terminated is None:
-                checks.fail("final_value", "is only read for truncated responses: give terminated [B] bool with it "
-                                           "(False where the response was cut by a time limit)")
+                checks.fail(
+                    "final_value",
+                    "is only read for truncated responses: give terminated [B] bool with it "
+                    "(False where the response was cut by a time limit)",
+                )
             else:
-                checks.when_any(~terminated & ~torch.isfinite(final_value), "final_value",
-                                "must be finite for truncated (not terminated) responses")
+                checks.when_any(
+                    ~terminated & ~torch.isfinite(final_value),
+                    "final_value",
+                    "must be finite for truncated (not terminated) responses",
+                )
 
 
 class PackedTransitions(_TensorModel):
@@ -531,16 +579,24 @@ class PackedTransitions(_TensorModel):
     next_value: Tensor
     terminated: Tensor
     boundary: Tensor
-    trajectory_id: Optional[Tensor] = None
+    trajectory_id: Tensor | None = None
 
     def _rules(self, checks: Checks) -> None:
         reward = self.reward
         if reward.ndim != 1 or reward.numel() == 0:
-            checks.fail("reward", f"packed fragments must be non-empty and one-dimensional, got shape {list(reward.shape)}")
+            checks.fail(
+                "reward", f"packed fragments must be non-empty and one-dimensional, got shape {list(reward.shape)}"
+            )
             return
         (N,) = reward.shape
-        kinds = {"reward": "float", "value": "float", "next_value": "float", "terminated": "bool",
-                 "boundary": "bool", "trajectory_id": "int"}
+        kinds = {
+            "reward": "float",
+            "value": "float",
+            "next_value": "float",
+            "terminated": "bool",
+            "boundary": "bool",
+            "trajectory_id": "int",
+        }
         aligned = True
         for name, kind in kinds.items():
             t = getattr(self, name)
@@ -554,16 +610,30 @@ class PackedTransitions(_TensorModel):
         if not aligned:
             return
         if not bool(self.boundary[-1]):
-            checks.fail("boundary", "packed fragments must be closed: the last transition must be a boundary",
-                        f"position {N - 1}")
-        checks.when_any(self.terminated & ~self.boundary, "terminated",
-                        "a terminal transition must close its trajectory (terminated ⇒ boundary)", noun="positions")
+            checks.fail(
+                "boundary",
+                "packed fragments must be closed: the last transition must be a boundary",
+                f"position {N - 1}",
+            )
+        checks.when_any(
+            self.terminated & ~self.boundary,
+            "terminated",
+            "a terminal transition must close its trajectory (terminated ⇒ boundary)",
+            noun="positions",
+        )
         checks.when_any(~torch.isfinite(self.reward), "reward", "must be finite", noun="positions")
         checks.when_any(~torch.isfinite(self.value), "value", "must be finite", noun="positions")
-        checks.when_any(~self.terminated & ~torch.isfinite(self.next_value), "next_value",
-                        "must be finite where the transition bootstraps (not terminated)", noun="positions")
+        checks.when_any(
+            ~self.terminated & ~torch.isfinite(self.next_value),
+            "next_value",
+            "must be finite where the transition bootstraps (not terminated)",
+            noun="positions",
+        )
         if self.trajectory_id is not None and N > 1:
             changes = self.trajectory_id[1:] != self.trajectory_id[:-1]
-            checks.when_any(changes & ~self.boundary[:-1], "trajectory_id",
-                            "a fragment must not mix trajectories: the id changes without a boundary after",
-                            noun="positions")
+            checks.when_any(
+                changes & ~self.boundary[:-1],
+                "trajectory_id",
+                "a fragment must not mix trajectories: the id changes without a boundary after",
+                noun="positions",
+            )

@@ -8,7 +8,7 @@ with a single device→host synchronisation; the offending positions are only lo
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Union
+from collections.abc import Callable
 
 import torch
 
@@ -31,7 +31,7 @@ def on_host(t: Tensor) -> bool:
     return t.device.type == "cpu"
 
 
-def any_of(bad: Tensor, dim: Optional[int] = None) -> Tensor:
+def any_of(bad: Tensor, dim: int | None = None) -> Tensor:
     """``bad.any(dim)``; for a bool tensor through a ``uint8`` max, which the CPU vectorises (its bool ``any`` is a
     scalar loop: ~30× slower on a million elements)."""
     if bad.dtype != torch.bool or bad.numel() == 0 or (dim is not None and bad.shape[dim] == 0):
@@ -46,9 +46,9 @@ class Checks:
     def __init__(self, contract: str):
         self.contract = contract
         self.violations: list[Violation] = []
-        self._pending: list[tuple[Union[Tensor, bool], Callable[[], list[Violation]]]] = []
+        self._pending: list[tuple[Tensor | bool, Callable[[], list[Violation]]]] = []
         self._resolved: dict[int, Callable[[bool], None]] = {}
-        self._device: Optional[torch.device] = None
+        self._device: torch.device | None = None
         self._device_of = ""
 
     def fail(self, field: str, rule: str, where: str = "") -> None:
@@ -73,15 +73,15 @@ class Checks:
 
         total = t.sum(dtype=torch.float64 if t.element_size() < 4 else t.dtype)
         # on the CPU the value is on the host already: a Python test, no flag kernels
-        self._pending.append((not math.isfinite(total.item()) if on_host(t) else ~torch.isfinite(total),
-                              find))
+        self._pending.append((not math.isfinite(total.item()) if on_host(t) else ~torch.isfinite(total), find))
 
     def when(self, flag: Tensor, field: str, rule: str, where: str = "") -> None:
         """Report ``rule`` for ``field`` if the 0-d boolean tensor ``flag`` is set (resolved with the same sync)."""
         self._pending.append((flag.reshape(()), lambda: [Violation(field, rule, where)]))
 
-    def when_flag(self, flag: Union[Tensor, bool], find: Callable[[], list[Violation]],
-                  resolved: Optional[Callable[[bool], None]] = None) -> None:
+    def when_flag(
+        self, flag: Tensor | bool, find: Callable[[], list[Violation]], resolved: Callable[[bool], None] | None = None
+    ) -> None:
         """If ``flag`` (a 0-d bool tensor, or a bool already known on the host) is set, report what ``find()``
         finds: a cheap combined test whose positions are only looked up when it fails. ``resolved(flag)`` is called
         with the flag's value once it is known (with the single synchronisation)."""
@@ -98,8 +98,16 @@ class Checks:
         self.fail(name, f"must be {noun} tensor, got {t.dtype}{hint}")
         return False
 
-    def tensor(self, name: str, t: object, *, kind: str = "float", ndim: Optional[tuple[int, ...]] = None,
-               shape: Optional[tuple[int, ...]] = None, like: str = "") -> bool:
+    def tensor(
+        self,
+        name: str,
+        t: object,
+        *,
+        kind: str = "float",
+        ndim: tuple[int, ...] | None = None,
+        shape: tuple[int, ...] | None = None,
+        like: str = "",
+    ) -> bool:
         """Type, dtype, rank, shape and device rules of one tensor argument; False if any failed."""
         if not isinstance(t, torch.Tensor):
             self.fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
@@ -119,8 +127,16 @@ class Checks:
             ok = False
         return ok
 
-    def number(self, name: str, value: object, *, ge: Optional[float] = None, gt: Optional[float] = None,
-               allow_inf: bool = False, integer: bool = False) -> bool:
+    def number(
+        self,
+        name: str,
+        value: object,
+        *,
+        ge: float | None = None,
+        gt: float | None = None,
+        allow_inf: bool = False,
+        integer: bool = False,
+    ) -> bool:
         """Rules of a scalar parameter: a real number, finite (unless ``allow_inf``), and bounded below."""
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
             self.fail(name, f"must be {'an int' if integer else 'a number'}, got {type(value).__name__} {value!r}")

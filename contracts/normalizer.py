@@ -10,7 +10,8 @@ micro-batch losses over all micro-batches and all ranks equals the full-batch re
 from __future__ import annotations
 
 import numbers
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -42,10 +43,10 @@ class Normalizer(BaseModel):
     #: responses (sequences) in the whole step
     sequences: int = Field(gt=0)
     #: prompt groups in the whole step, where known
-    groups: Optional[int] = Field(default=None, gt=0)
+    groups: int | None = Field(default=None, gt=0)
     #: the fixed generation budget per response (e.g. ``max_completion_length``) used by the ``fixed`` reduction
     #: when its recipe gives none
-    budget: Optional[float] = Field(default=None, gt=0)
+    budget: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -67,29 +68,36 @@ class Normalizer(BaseModel):
             else:
                 value = data[name] = whole_count(value, f"Normalizer.{name}")
             if not value > 0:
-                hint = (" — the step has no action tokens (every response fully masked?)" if name == "action_tokens"
-                        else "")
+                hint = (
+                    " — the step has no action tokens (every response fully masked?)" if name == "action_tokens" else ""
+                )
                 raise LossplugError(f"Normalizer.{name}: must be greater than 0, got {value!r}{hint}")
         return data
 
     @classmethod
-    def for_masks(cls, action_masks: Iterable[torch.Tensor], *, budget: Optional[float] = None,
-                  group_ids: Optional[Iterable[torch.Tensor]] = None,
-                  count_empty_responses: bool = False) -> "Normalizer":
+    def for_masks(
+        cls,
+        action_masks: Iterable[torch.Tensor],
+        *,
+        budget: float | None = None,
+        group_ids: Iterable[torch.Tensor] | None = None,
+        count_empty_responses: bool = False,
+    ) -> Normalizer:
         """The population of the micro-batches whose action masks are given (e.g. all micro-batches of a step).
 
         Responses without an action token are not counted unless ``count_empty_responses`` (TRL's convention)."""
         masks = list(action_masks)
         tokens = sum(int(m.sum()) for m in masks)
-        sequences = sum(int(m.shape[0]) if count_empty_responses else int(m.reshape(m.shape[0], -1).any(-1).sum())
-                        for m in masks)
+        sequences = sum(
+            int(m.shape[0]) if count_empty_responses else int(m.reshape(m.shape[0], -1).any(-1).sum()) for m in masks
+        )
         groups = None
         if group_ids is not None:
             groups = int(torch.unique(torch.cat([g.reshape(-1).cpu() for g in group_ids])).numel())
         return cls(action_tokens=tokens, sequences=sequences, groups=groups, budget=budget)
 
     @classmethod
-    def all_reduce(cls, local: "Normalizer", group: Any = None) -> "Normalizer":
+    def all_reduce(cls, local: Normalizer, group: Any = None) -> Normalizer:
         """Sum this rank's local population over a ``torch.distributed`` process group.
 
         ``groups`` is summed too, which is exact when every prompt group lives on one rank (as in TRL and verl,

@@ -8,8 +8,6 @@ convention; :meth:`Provenance.check` refuses mixed conventions on the ratios tha
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import LossplugError
@@ -20,15 +18,17 @@ class LogProbSource(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    checkpoint: Optional[str] = Field(default=None, description="checkpoint / weights version (path, step, hash)")
-    engine: Optional[str] = Field(default=None, description="what computed them, e.g. 'vllm 0.11', 'transformers 5.1'")
+    checkpoint: str | None = Field(default=None, description="checkpoint / weights version (path, step, hash)")
+    engine: str | None = Field(default=None, description="what computed them, e.g. 'vllm 0.11', 'transformers 5.1'")
     temperature: float = Field(default=1.0, gt=0, description="sampling temperature the logits were divided by")
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: Optional[int] = Field(default=None, gt=0)
-    processed: bool = Field(default=False, description="log-probs of the processed (truncated/renormalised) distribution")
-    dtype: Optional[str] = None
+    top_k: int | None = Field(default=None, gt=0)
+    processed: bool = Field(
+        default=False, description="log-probs of the processed (truncated/renormalised) distribution"
+    )
+    dtype: str | None = None
 
-    def convention(self) -> tuple[float, float, Optional[int], bool]:
+    def convention(self) -> tuple[float, float, int | None, bool]:
         return (self.temperature, self.top_p, self.top_k, self.processed)
 
 
@@ -37,16 +37,19 @@ class Provenance(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    behavior: Optional[LogProbSource] = None
-    old: Optional[LogProbSource] = None
-    current: Optional[LogProbSource] = None
-    reference: Optional[LogProbSource] = None
+    behavior: LogProbSource | None = None
+    old: LogProbSource | None = None
+    current: LogProbSource | None = None
+    reference: LogProbSource | None = None
 
-    def check(self) -> "Provenance":
+    def check(self) -> Provenance:
         """Ratios only compare log-probs of one convention: current/old (update ratio), old/behaviour (engine
         ratio), current/reference (KL). Raise naming both sides when they differ."""
-        pairs = (("current", "old", "update ratio"), ("old", "behavior", "engine ratio"),
-                 ("current", "reference", "KL to the reference"))
+        pairs = (
+            ("current", "old", "update ratio"),
+            ("old", "behavior", "engine ratio"),
+            ("current", "reference", "KL to the reference"),
+        )
         for a, b, what in pairs:
             sa, sb = getattr(self, a), getattr(self, b)
             if sa is not None and sb is not None and sa.convention() != sb.convention():

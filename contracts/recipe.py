@@ -27,9 +27,10 @@ its stage.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Protocol, Union
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
 
@@ -41,7 +42,7 @@ STAGES = ("advantage", "gates", "reduction")
 class Catalog(Protocol):
     """What a recipe's stages are checked against: the plugins and presets of an installed package."""
 
-    def check_stage(self, kind: str, spec: "PluginSpec", where: str, role: Optional[str] = None) -> "PluginSpec":
+    def check_stage(self, kind: str, spec: PluginSpec, where: str, role: str | None = None) -> PluginSpec:
         """``spec`` with its parameters validated and their defaults filled in. Raises a :class:`RecipeError`
         starting with ``where`` when no ``kind`` plugin has that name, a parameter is refused, or — with ``role`` —
         the gate has another role (``"update"`` / ``"correction"``)."""
@@ -52,10 +53,10 @@ class Catalog(Protocol):
         ...
 
 
-_catalog: Optional[Catalog] = None
+_catalog: Catalog | None = None
 
 
-def install_catalog(catalog: Optional[Catalog]) -> Optional[Catalog]:
+def install_catalog(catalog: Catalog | None) -> Catalog | None:
     """Install the catalogue recipes are checked against and return the previous one (``None`` uninstalls)."""
     global _catalog
     previous, _catalog = _catalog, catalog
@@ -64,9 +65,11 @@ def install_catalog(catalog: Optional[Catalog]) -> Optional[Catalog]:
 
 def installed_catalog() -> Catalog:
     if _catalog is None:
-        raise LossplugError("recipe: no plugin catalogue is installed, so plugin names and parameters cannot be "
-                            "checked (the lossplug package installs its plugin registry when lossplug.contracts is "
-                            "imported; install_catalog(None) removed it)")
+        raise LossplugError(
+            "recipe: no plugin catalogue is installed, so plugin names and parameters cannot be "
+            "checked (the lossplug package installs its plugin registry when lossplug.contracts is "
+            "imported; install_catalog(None) removed it)"
+        )
     return _catalog
 
 
@@ -82,7 +85,7 @@ class PluginSpec(BaseModel):
         return {"name": self.name, **self.params}
 
     @classmethod
-    def parse(cls, raw: Any, where: str) -> "PluginSpec":
+    def parse(cls, raw: Any, where: str) -> PluginSpec:
         if isinstance(raw, PluginSpec):
             return raw
         if isinstance(raw, str):
@@ -94,8 +97,10 @@ class PluginSpec(BaseModel):
                 if len(raw) > 2:
                     raise RecipeError(f"{where}: give parameters either flat or under 'params', not both")
                 if not isinstance(raw["params"], Mapping):
-                    raise RecipeError(f"{where}: params must be a mapping of parameter name → value, got "
-                                      f"{type(raw['params']).__name__} {raw['params']!r}")
+                    raise RecipeError(
+                        f"{where}: params must be a mapping of parameter name → value, got "
+                        f"{type(raw['params']).__name__} {raw['params']!r}"
+                    )
                 params = dict(raw["params"])
             else:
                 params = {k: v for k, v in raw.items() if k != "name"}
@@ -114,7 +119,9 @@ def _merge_stage(base: Any, override: Any) -> Any:
     base_spec = PluginSpec.parse(base, "preset")
     if override.get("name", base_spec.name) != base_spec.name:
         return override
-    extra = dict(override.get("params", {})) if "params" in override else {k: v for k, v in override.items() if k != "name"}
+    extra = (
+        dict(override.get("params", {})) if "params" in override else {k: v for k, v in override.items() if k != "name"}
+    )
     return {"name": base_spec.name, **base_spec.params, **extra}
 
 
@@ -142,7 +149,7 @@ class _StageErrors:
             raise kind(f"recipe: {len(self.found)} stages have errors:\n{lines}")
 
 
-def _check_stage(raw: Any, kind: str, where: str, role: Optional[str] = None) -> PluginSpec:
+def _check_stage(raw: Any, kind: str, where: str, role: str | None = None) -> PluginSpec:
     return installed_catalog().check_stage(kind, PluginSpec.parse(raw, where), where, role)
 
 
@@ -150,8 +157,7 @@ def _check_gates(gates: Any, errors: _StageErrors) -> tuple[PluginSpec, ...]:
     if isinstance(gates, (str, Mapping)):
         gates = [gates]
     if gates is not None and not isinstance(gates, (list, tuple)):
-        raise RecipeError(f"recipe.gates: must be a list of gates (or one gate), got {type(gates).__name__} "
-                          f"{gates!r}")
+        raise RecipeError(f"recipe.gates: must be a list of gates (or one gate), got {type(gates).__name__} {gates!r}")
     if not gates:
         raise RecipeError("recipe.gates: needs at least one gate (the update gate, e.g. ppo_clip)")
     resolved = []
@@ -169,8 +175,8 @@ class Recipe(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     #: the preset this recipe came from, if any (recorded for provenance)
-    name: Optional[str] = None
-    advantage: Optional[PluginSpec] = None
+    name: str | None = None
+    advantage: PluginSpec | None = None
     gates: tuple[PluginSpec, ...]
     reduction: PluginSpec
 
@@ -187,15 +193,17 @@ class Recipe(BaseModel):
         if "preset" in data:  # a preset with overrides: {preset: dapo, reduction: token}
             preset = data.pop("preset")
             if not isinstance(preset, str):
-                raise RecipeError(f"recipe.preset: must be a preset name (a string), got {type(preset).__name__} "
-                                  f"{preset!r}")
+                raise RecipeError(
+                    f"recipe.preset: must be a preset name (a string), got {type(preset).__name__} {preset!r}"
+                )
             base = dict(installed_catalog().preset(preset))
             data = {**base, **{k: _merge_stage(base.get(k), v) for k, v in data.items()}}
         allowed = ("name",) + STAGES
         for key in data:
             if key not in allowed:
-                raise RecipeError(f"recipe: unknown key '{key}'{did_you_mean(key, allowed)}; keys are: "
-                                  f"{', '.join(allowed)}, preset")
+                raise RecipeError(
+                    f"recipe: unknown key '{key}'{did_you_mean(key, allowed)}; keys are: {', '.join(allowed)}, preset"
+                )
         if data.get("name") is not None and not isinstance(data["name"], str):
             raise RecipeError(f"recipe.name: must be a string, got {type(data['name']).__name__} {data['name']!r}")
         out: dict[str, Any] = {"name": data.get("name")}
@@ -214,12 +222,12 @@ class Recipe(BaseModel):
 
     # ---- construction -------------------------------------------------------------------------------------------
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "Recipe":
+    def preset(cls, name: str, **overrides: Any) -> Recipe:
         """A named preset (``grpo``, ``dr_grpo``, ``dapo`` …), optionally with stages overridden."""
         return cls.model_validate({"preset": name, **overrides})
 
     @classmethod
-    def from_yaml(cls, text: str) -> "Recipe":
+    def from_yaml(cls, text: str) -> Recipe:
         import yaml
 
         try:
@@ -229,7 +237,7 @@ class Recipe(BaseModel):
         return cls.model_validate(data)
 
     @classmethod
-    def from_json(cls, text: str) -> "Recipe":
+    def from_json(cls, text: str) -> Recipe:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
@@ -237,7 +245,7 @@ class Recipe(BaseModel):
         return cls.model_validate(data)
 
     @classmethod
-    def from_file(cls, path: Union[str, Path]) -> "Recipe":
+    def from_file(cls, path: str | Path) -> Recipe:
         path = Path(path)
         if not path.is_file():
             raise RecipeError(f"recipe: no such file: {path}")
@@ -248,7 +256,7 @@ class Recipe(BaseModel):
             raise RecipeError(f"{path}: {err}") from None
 
     @classmethod
-    def load(cls, source: Union["Recipe", Mapping[str, Any], str, Path]) -> "Recipe":
+    def load(cls, source: Recipe | Mapping[str, Any] | str | Path) -> Recipe:
         """Anything that names a recipe: a Recipe, a mapping, a preset name, a YAML/JSON path or YAML text."""
         if isinstance(source, Recipe):
             return source

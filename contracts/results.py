@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
@@ -19,7 +17,7 @@ class LossResult(BaseModel):
 
     loss: torch.Tensor
     metric_tensors: dict[str, torch.Tensor] = {}
-    _metrics: Optional[dict[str, float]] = PrivateAttr(default=None)
+    _metrics: dict[str, float] | None = PrivateAttr(default=None)
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -39,5 +37,5 @@ class AdvantageResult(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
     advantage: torch.Tensor
-    returns: Optional[torch.Tensor] = None
+    returns: torch.Tensor | None = None
     metric_tensors: dict[str, torch.Tensor] = {}

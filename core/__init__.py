@@ -28,17 +28,42 @@ hookimpl = pluggy.HookimplMarker("lossplug")
 
 _EXPORTS = {
     "lossplug.contracts": (
-        "AdvantageResult", "BatchValidationError", "LogProbSource", "LossResult", "LossplugError", "Normalizer",
-        "PackedTransitions", "PluginError", "PluginSpec", "PolicyBatch", "Provenance", "Recipe", "RecipeError",
+        "AdvantageResult",
+        "BatchValidationError",
+        "LogProbSource",
+        "LossResult",
+        "LossplugError",
+        "Normalizer",
+        "PackedTransitions",
+        "PluginError",
+        "PluginSpec",
+        "PolicyBatch",
+        "Provenance",
+        "Recipe",
+        "RecipeError",
         "Violation",
     ),
     "lossplug.pipeline": ("compile_recipe", "compute_advantages", "estimate_advantages", "policy_loss", "reduce"),
     "lossplug.plugin": (
-        "AdvantagePlugin", "GateInput", "GateOutput", "GatePlugin", "NoParams", "Params", "Population",
-        "ReductionPlugin", "advantage", "gate", "reduction",
+        "AdvantagePlugin",
+        "GateInput",
+        "GateOutput",
+        "GatePlugin",
+        "NoParams",
+        "Params",
+        "Population",
+        "ReductionPlugin",
+        "advantage",
+        "gate",
+        "reduction",
     ),
     "lossplug.plugin_registry": (
-        "LossplugPluginWarning", "list_plugins", "plugin_manager", "register_plugin", "registry", "unregister_plugin",
+        "LossplugPluginWarning",
+        "list_plugins",
+        "plugin_manager",
+        "register_plugin",
+        "registry",
+        "unregister_plugin",
     ),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -88,23 +113,111 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are
     # `X as X`: an explicit re-export (mypy cannot read the computed __all__), so `lossplug.X` type-checks under
     # --strict (no_implicit_reexport) in a plugin author's project
     from lossplug.contracts import (
-        AdvantageResult as AdvantageResult, BatchValidationError as BatchValidationError,
-        LogProbSource as LogProbSource, LossplugError as LossplugError, LossResult as LossResult,
-        Normalizer as Normalizer, PackedTransitions as PackedTransitions, PluginError as PluginError,
-        PluginSpec as PluginSpec, PolicyBatch as PolicyBatch, Provenance as Provenance, Recipe as Recipe,
-        RecipeError as RecipeError, Violation as Violation,
+        AdvantageResult as AdvantageResult,
+    )
+    from lossplug.contracts import (
+        BatchValidationError as BatchValidationError,
+    )
+    from lossplug.contracts import (
+        LogProbSource as LogProbSource,
+    )
+    from lossplug.contracts import (
+        LossplugError as LossplugError,
+    )
+    from lossplug.contracts import (
+        LossResult as LossResult,
+    )
+    from lossplug.contracts import (
+        Normalizer as Normalizer,
+    )
+    from lossplug.contracts import (
+        PackedTransitions as PackedTransitions,
+    )
+    from lossplug.contracts import (
+        PluginError as PluginError,
+    )
+    from lossplug.contracts import (
+        PluginSpec as PluginSpec,
+    )
+    from lossplug.contracts import (
+        PolicyBatch as PolicyBatch,
+    )
+    from lossplug.contracts import (
+        Provenance as Provenance,
+    )
+    from lossplug.contracts import (
+        Recipe as Recipe,
+    )
+    from lossplug.contracts import (
+        RecipeError as RecipeError,
+    )
+    from lossplug.contracts import (
+        Violation as Violation,
+    )
+
+    from .pipeline import (
+        compile_recipe as compile_recipe,
     )
     from .pipeline import (
-        compile_recipe as compile_recipe, compute_advantages as compute_advantages,
-        estimate_advantages as estimate_advantages, policy_loss as policy_loss, reduce as reduce,
+        compute_advantages as compute_advantages,
+    )
+    from .pipeline import (
+        estimate_advantages as estimate_advantages,
+    )
+    from .pipeline import (
+        policy_loss as policy_loss,
+    )
+    from .pipeline import (
+        reduce as reduce,
     )
     from .plugin import (
-        AdvantagePlugin as AdvantagePlugin, GateInput as GateInput, GateOutput as GateOutput,
-        GatePlugin as GatePlugin, NoParams as NoParams, Params as Params, Population as Population,
-        ReductionPlugin as ReductionPlugin, advantage as advantage, gate as gate, reduction as reduction,
+        AdvantagePlugin as AdvantagePlugin,
+    )
+    from .plugin import (
+        GateInput as GateInput,
+    )
+    from .plugin import (
+        GateOutput as GateOutput,
+    )
+    from .plugin import (
+        GatePlugin as GatePlugin,
+    )
+    from .plugin import (
+        NoParams as NoParams,
+    )
+    from .plugin import (
+        Params as Params,
+    )
+    from .plugin import (
+        Population as Population,
+    )
+    from .plugin import (
+        ReductionPlugin as ReductionPlugin,
+    )
+    from .plugin import (
+        advantage as advantage,
+    )
+    from .plugin import (
+        gate as gate,
+    )
+    from .plugin import (
+        reduction as reduction,
     )
     from .plugin_registry import (
-        LossplugPluginWarning as LossplugPluginWarning, list_plugins as list_plugins,
-        plugin_manager as plugin_manager, register_plugin as register_plugin, registry as registry,
+        LossplugPluginWarning as LossplugPluginWarning,
+    )
+    from .plugin_registry import (
+        list_plugins as list_plugins,
+    )
+    from .plugin_registry import (
+        plugin_manager as plugin_manager,
+    )
+    from .plugin_registry import (
+        register_plugin as register_plugin,
+    )
+    from .plugin_registry import (
+        registry as registry,
+    )
+    from .plugin_registry import (
         unregister_plugin as unregister_plugin,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, TypeGuard, Union
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from lossplug.contracts import PackedTransitions, PolicyBatch, Recipe, Violation
     from lossplug.plugin import AdvantagePlugin, Params
 
-    Contract = Union[type[PolicyBatch], type[PackedTransitions]]
+    Contract = type[PolicyBatch] | type[PackedTransitions]
 
 from lossplug.contracts.errors import LossplugError
 
@@ -28,8 +28,10 @@ CONTRACTS = ("policy", "packed")
 #: how many group ids a warning names before it counts the rest
 SHOWN_GROUPS = 10
 
-_PICKLE_HINT = ("lossplug never unpickles a file (unpickling runs arbitrary code); save the tensors with "
-                "safetensors.torch.save_file(tensors, 'batch.safetensors') instead")
+_PICKLE_HINT = (
+    "lossplug never unpickles a file (unpickling runs arbitrary code); save the tensors with "
+    "safetensors.torch.save_file(tensors, 'batch.safetensors') instead"
+)
 _PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")
 #: a safetensors header larger than this is a corrupt length prefix, not a header to read into memory
 _MAX_HEADER_BYTES = 100_000_000
@@ -51,8 +53,9 @@ def _load_json(path: Path) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise UnreadableFile(f"{path} is not valid JSON: {err}") from None
     if not isinstance(data, dict):
-        raise UnreadableFile(f"{path}: expected a JSON object mapping field names to (nested) lists, got "
-                             f"{type(data).__name__}")
+        raise UnreadableFile(
+            f"{path}: expected a JSON object mapping field names to (nested) lists, got {type(data).__name__}"
+        )
     out = {}
     for name, value in data.items():
         dtype = None
@@ -70,8 +73,9 @@ def _load_json(path: Path) -> dict[str, Any]:
         try:
             out[name] = torch.tensor(value, dtype=dtype)
         except (TypeError, ValueError, RuntimeError) as err:
-            raise UnreadableFile(f"{path}: field '{name}' is not a rectangular array of numbers/booleans "
-                                 f"({err})") from None
+            raise UnreadableFile(
+                f"{path}: field '{name}' is not a rectangular array of numbers/booleans ({err})"
+            ) from None
     return out
 
 
@@ -93,8 +97,10 @@ def _load_safetensors(path: Path) -> dict[str, Any]:
         if len(head) < 9:
             raise UnreadableFile(f"{path} is {size} bytes: too short to be a safetensors file")
         if n > size - 8 or n > _MAX_HEADER_BYTES:
-            raise UnreadableFile(f"{path} is not a safetensors file, or it is truncated: its header claims "
-                                 f"{n} bytes but the file has {size - 8} after the length prefix")
+            raise UnreadableFile(
+                f"{path} is not a safetensors file, or it is truncated: its header claims "
+                f"{n} bytes but the file has {size - 8} after the length prefix"
+            )
         fh.seek(8)
         try:
             header = json.loads(fh.read(n))
@@ -110,8 +116,10 @@ def _load_safetensors(path: Path) -> dict[str, Any]:
         if not (isinstance(offsets, list) and len(offsets) == 2):
             raise UnreadableFile(f"{path}: tensor '{key}' has no valid data_offsets: not a safetensors file")
         if offsets[1] > data_size:
-            raise UnreadableFile(f"{path} is truncated: tensor '{key}' needs bytes up to {offsets[1]} of the data "
-                                 f"section, the file has {data_size}")
+            raise UnreadableFile(
+                f"{path} is truncated: tensor '{key}' needs bytes up to {offsets[1]} of the data "
+                f"section, the file has {data_size}"
+            )
     try:
         from safetensors.torch import load_file
     except ImportError:
@@ -164,8 +172,10 @@ def infer_contract(fields: set[str], choice: str = "auto") -> Contract:
         return PolicyBatch
     if fields & {"next_value", "boundary"}:
         return PackedTransitions
-    raise UnreadableFile(f"cannot tell the contract from the fields {sorted(fields)}: a PolicyBatch has logp and "
-                         "action_mask, PackedTransitions have next_value and boundary; pass --contract policy|packed")
+    raise UnreadableFile(
+        f"cannot tell the contract from the fields {sorted(fields)}: a PolicyBatch has logp and "
+        "action_mask, PackedTransitions have next_value and boundary; pass --contract policy|packed"
+    )
 
 
 @dataclass(frozen=True)
@@ -225,8 +235,13 @@ def _usable_ids(group_id: Any) -> TypeGuard[Tensor]:
     """A 1-D integer tensor: anything else is the contract's to report, not ours to count."""
     import torch
 
-    return (group_id is not None and group_id.ndim == 1 and group_id.dtype != torch.bool
-            and not group_id.dtype.is_floating_point and not group_id.is_complex())
+    return (
+        group_id is not None
+        and group_id.ndim == 1
+        and group_id.dtype != torch.bool
+        and not group_id.dtype.is_floating_point
+        and not group_id.is_complex()
+    )
 
 
 def name_values(values: list[Any], shown: int = SHOWN_GROUPS) -> str:
@@ -235,8 +250,9 @@ def name_values(values: list[Any], shown: int = SHOWN_GROUPS) -> str:
     return head if len(values) <= shown else f"{head} … and {len(values) - shown} more"
 
 
-def singleton_group_warning(group_id: Tensor, plugin: AdvantagePlugin, params: Optional[Params] = None
-                            ) -> Optional[BatchWarning]:
+def singleton_group_warning(
+    group_id: Tensor, plugin: AdvantagePlugin, params: Params | None = None
+) -> BatchWarning | None:
     """A warning naming the groups of one rollout, when ``plugin`` (with ``params``, or its defaults) scores
     rollouts against their group.
 
@@ -260,10 +276,12 @@ def singleton_group_warning(group_id: Tensor, plugin: AdvantagePlugin, params: O
         f"{len(lone)} of {len(ids)} groups have a single rollout: advantage '{plugin.name}' compares each rollout "
         "with the others of its group, so these get advantage 0 and teach nothing (sample several rollouts per "
         "prompt, or use an estimator that needs no groups)",
-        f"group_id {name_values(lone)}", tuple(lone))
+        f"group_id {name_values(lone)}",
+        tuple(lone),
+    )
 
 
-def _plugin_validator_violations(batch: Union[PolicyBatch, PackedTransitions], recipe: Recipe) -> list[Violation]:
+def _plugin_validator_violations(batch: PolicyBatch | PackedTransitions, recipe: Recipe) -> list[Violation]:
     """What the plugins' ``lossplug_validate_batch`` hooks find; a malformed answer is blamed on its plugin."""
     from lossplug.contracts import PluginError, Violation
     from lossplug.plugin_registry import call_hook
@@ -273,13 +291,14 @@ def _plugin_validator_violations(batch: Union[PolicyBatch, PackedTransitions], r
         if not isinstance(found, (list, tuple)) or not all(isinstance(v, Violation) for v in found):
             items = sorted({type(v).__name__ for v in found}) if isinstance(found, (list, tuple)) else []
             got = f"a {type(found).__name__}" + (f" of {', '.join(items)}" if items else "")
-            raise PluginError(f"{origin}: lossplug_validate_batch must return a list of lossplug.Violation or None, "
-                              f"got {got}")
+            raise PluginError(
+                f"{origin}: lossplug_validate_batch must return a list of lossplug.Violation or None, got {got}"
+            )
         violations.extend(found)
     return violations
 
 
-def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Optional[Recipe] = None) -> BatchCheck:
+def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Recipe | None = None) -> BatchCheck:
     """Every violation of ``contract`` at once, then what ``recipe`` (a :class:`Recipe` or None) adds: the fields
     its stages need, its advantage's group-size rule, its plugins' own validators — and warnings that do not make
     the batch invalid (groups of one rollout under a group-relative advantage).
@@ -300,8 +319,9 @@ def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Optional[Re
     if contract is PolicyBatch:
         for field_name, stages in recipe_needs(recipe).items():
             if field_name not in tensors:
-                violations.append(Violation(field_name, f"required by {'; '.join(stages)} ({name}), but the file "
-                                                        "has none"))
+                violations.append(
+                    Violation(field_name, f"required by {'; '.join(stages)} ({name}), but the file has none")
+                )
         if batch is not None and adv is not None and batch.group_id is not None:
             violations += _group_violations(batch, adv.plugin, "recipe.advantage")
         group_id = tensors.get("group_id")
@@ -310,13 +330,20 @@ def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Optional[Re
             if warning is not None:
                 result.warnings.append(warning)
     elif adv is None or "packed" not in adv.plugin.layouts:
-        what = (f"advantage '{adv.plugin.name}' works on {', '.join(adv.plugin.layouts)} batches" if adv
-                else "the recipe has no advantage stage")
-        violations.append(Violation("<batch>", f"packed transitions feed only an advantage stage that accepts "
-                                               f"them; {what} ({name})"))
+        what = (
+            f"advantage '{adv.plugin.name}' works on {', '.join(adv.plugin.layouts)} batches"
+            if adv
+            else "the recipe has no advantage stage"
+        )
+        violations.append(
+            Violation("<batch>", f"packed transitions feed only an advantage stage that accepts them; {what} ({name})")
+        )
     else:
-        violations += [Violation(f, f"required by advantage '{adv.plugin.name}' ({name}), but the file has none")
-                       for f in required_fields(adv.plugin, adv.params) if f not in tensors]
+        violations += [
+            Violation(f, f"required by advantage '{adv.plugin.name}' ({name}), but the file has none")
+            for f in required_fields(adv.plugin, adv.params)
+            if f not in tensors
+        ]
     if batch is not None and not violations and compiled.has_validators:
         violations += _plugin_validator_violations(batch, recipe)
     return result

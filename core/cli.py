@@ -15,10 +15,9 @@ Warnings go to stderr and never change the exit code.
 from __future__ import annotations
 
 import json
-import sys
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, List, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
@@ -36,9 +35,11 @@ if TYPE_CHECKING:
 
 app = typer.Typer(
     help="lossplug — a pluggable, validated loss layer for LLM RL inside TRL and verl.\n\n"
-         "Plugins (advantages, gates, reductions) are selected by name in a recipe; batches are checked against "
-         "one schema.",
-    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    "Plugins (advantages, gates, reductions) are selected by name in a recipe; batches are checked against "
+    "one schema.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 recipe_app = typer.Typer(help="Resolve recipes and say what a batch must contain for them.", no_args_is_help=True)
@@ -83,7 +84,7 @@ def _warn(message: str) -> None:
     _console(stderr=True).print(_text(f"warning: {message}", "bold yellow"), soft_wrap=True)
 
 
-def _parse_assignments(items: Optional[List[str]], what: str) -> dict[str, Any]:
+def _parse_assignments(items: list[str] | None, what: str) -> dict[str, Any]:
     from lossplug.gate_curves import parse_assignments
 
     try:
@@ -112,7 +113,7 @@ def _params_line(params: dict[str, Any]) -> str:
 
 @app.command("list")
 def list_cmd(
-    kind: Optional[Kind] = typer.Option(None, "--kind", "-k", help="Only this kind."),
+    kind: Kind | None = typer.Option(None, "--kind", "-k", help="Only this kind."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Every plugin by kind, with parameters, defaults and source distribution; broken plugins in red."""
@@ -162,8 +163,11 @@ def list_cmd(
         for b in broken:
             console.print(_text(f"  ✗ {b['origin']}: {b['error']}", "red"))
         for d in duplicates:
-            console.print(_text(f"  ✗ {d['kind']} '{d['name']}' is registered more than once: "
-                                f"{' and '.join(d['sources'])}", "red"))
+            console.print(
+                _text(
+                    f"  ✗ {d['kind']} '{d['name']}' is registered more than once: {' and '.join(d['sources'])}", "red"
+                )
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -186,9 +190,11 @@ def _print_plugin(console: Console, info: dict[str, Any], plugin: AnyPlugin) -> 
     if info["min_group_size"]:
         facts.append(f"needs ≥ {info['min_group_size']} rollouts per group")
     if info["needs"]:
-        facts.append("batch fields: " + ", ".join(info["needs"])
-                     + (" (with the default parameters; others may need more)"
-                        if info["requires_depends_on_params"] else ""))
+        facts.append(
+            "batch fields: "
+            + ", ".join(info["needs"])
+            + (" (with the default parameters; others may need more)" if info["requires_depends_on_params"] else "")
+        )
     for fact in facts:
         console.print(_text(fact, "magenta"))
     if info["module_doc"]:
@@ -204,15 +210,20 @@ def _print_plugin(console: Console, info: dict[str, Any], plugin: AnyPlugin) -> 
         table.add_column(col, overflow="fold")
     for row in parameters(plugin):
         default = "<required>" if row["required"] else repr(row["default"])
-        table.add_row(_text(row["name"], "bold cyan"), _text(row["type"]), _text(default), _text(row["constraint"]),
-                      _text(row["description"]))
+        table.add_row(
+            _text(row["name"], "bold cyan"),
+            _text(row["type"]),
+            _text(default),
+            _text(row["constraint"]),
+            _text(row["description"]),
+        )
     console.print(table)
 
 
 @app.command("show")
 def show_cmd(
     name: str = typer.Argument(..., help="Plugin or preset name."),
-    kind: Optional[Kind] = typer.Option(None, "--kind", "-k", help="Only this kind, when the name is ambiguous."),
+    kind: Kind | None = typer.Option(None, "--kind", "-k", help="Only this kind, when the name is ambiguous."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (with the JSON schema)."),
 ) -> None:
     """A plugin's formula (docstring), its parameter schema, and the batch fields it needs."""
@@ -293,8 +304,7 @@ def _print_explain(console: Console, data: dict[str, Any]) -> None:
         table.add_row(_text(n["field"], "bold green"), _text(n["shape"]), _text(n["needed_by"]))
     console.print(table)
     if data["packed_advantage"]:
-        console.print(_text("the advantage stage also accepts packed transitions (lossplug.PackedTransitions)",
-                            "dim"))
+        console.print(_text("the advantage stage also accepts packed transitions (lossplug.PackedTransitions)", "dim"))
     console.print(_text(f"per micro-batch: {data['normalizer']}", "dim"), soft_wrap=True)
 
 
@@ -326,25 +336,34 @@ class _ValidateError(Exception):
         self.kind = kind
 
 
-def _validate_report(file: Path, recipe: Optional[str], check: Optional[BatchCheck] = None,
-                     tensors: Optional[dict[str, Tensor]] = None,
-                     error: Optional[_ValidateError] = None) -> dict[str, Any]:
+def _validate_report(
+    file: Path,
+    recipe: str | None,
+    check: BatchCheck | None = None,
+    tensors: dict[str, Tensor] | None = None,
+    error: _ValidateError | None = None,
+) -> dict[str, Any]:
     """The JSON of ``validate --json``: the same keys whether the batch was judged or could not be."""
-    fields = {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
-              for k, v in (tensors or {}).items()}
+    fields = {
+        k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")} for k, v in (tensors or {}).items()
+    }
     return {
-        "file": str(file), "contract": check.contract.__name__ if check else None, "recipe": recipe,
-        "valid": check.valid if check else False, "fields": fields,
-        "violations": [{"field": v.field, "rule": v.rule, "where": v.where} for v in check.violations]
-        if check else [],
-        "warnings": [{"field": w.field, "message": w.message, "where": w.where, "values": list(w.values)}
-                     for w in check.warnings] if check else [],
+        "file": str(file),
+        "contract": check.contract.__name__ if check else None,
+        "recipe": recipe,
+        "valid": check.valid if check else False,
+        "fields": fields,
+        "violations": [{"field": v.field, "rule": v.rule, "where": v.where} for v in check.violations] if check else [],
+        "warnings": [
+            {"field": w.field, "message": w.message, "where": w.where, "values": list(w.values)} for w in check.warnings
+        ]
+        if check
+        else [],
         "error": {"kind": error.kind, "message": str(error)} if error else None,
     }
 
 
-def _check_file(file: Path, contract: str, recipe: Optional[str]
-                ) -> tuple[dict[str, Any], Optional[Recipe], BatchCheck]:
+def _check_file(file: Path, contract: str, recipe: str | None) -> tuple[dict[str, Any], Recipe | None, BatchCheck]:
     """(tensors, recipe, check) — or a _ValidateError naming what could not be read or run."""
     from lossplug.batch_files import UnreadableFile, check_batch, infer_contract, load_batch_file
     from lossplug.contracts import PluginError
@@ -366,13 +385,18 @@ def _check_file(file: Path, contract: str, recipe: Optional[str]
 
 @app.command("validate")
 def validate_cmd(
-    file: Path = typer.Argument(..., help="A batch dump: .safetensors, or .json (field → nested lists) for small "
-                                          "ones. Pickles are refused."),
-    contract: ContractChoice = typer.Option(ContractChoice.auto, "--contract", "-c",
-                                            help="policy (PolicyBatch) or packed (PackedTransitions); auto infers "
-                                                 "it from the field names."),
-    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", metavar="PRESET|FILE",
-                                         help="Also check the fields this recipe's plugins need."),
+    file: Path = typer.Argument(
+        ..., help="A batch dump: .safetensors, or .json (field → nested lists) for small ones. Pickles are refused."
+    ),
+    contract: ContractChoice = typer.Option(
+        ContractChoice.auto,
+        "--contract",
+        "-c",
+        help="policy (PolicyBatch) or packed (PackedTransitions); auto infers it from the field names.",
+    ),
+    recipe: str | None = typer.Option(
+        None, "--recipe", "-r", metavar="PRESET|FILE", help="Also check the fields this recipe's plugins need."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output, errors included."),
 ) -> None:
     """Check a batch dump against the contracts; exit 1 naming every violation (field, rule, rows).
@@ -414,8 +438,11 @@ def validate_cmd(
         console.print(_text(f"✓ valid against {against}{extra}", "bold green"))
         return
     violations = check.violations
-    table = Table(title=f"✗ {len(violations)} violation{'s' if len(violations) != 1 else ''} of {against}",
-                  title_justify="left", title_style="bold red")
+    table = Table(
+        title=f"✗ {len(violations)} violation{'s' if len(violations) != 1 else ''} of {against}",
+        title_justify="left",
+        title_style="bold red",
+    )
     for col in ("field", "rule", "where"):
         table.add_column(col, overflow="fold")
     for v in violations:
@@ -431,10 +458,11 @@ def validate_cmd(
 @app.command("check")
 def check_cmd(
     name: str = typer.Argument(..., help="A registered plugin name."),
-    kind: Optional[Kind] = typer.Option(None, "--kind", "-k", help="advantage, gate or reduction, if ambiguous."),
-    param: Optional[List[str]] = typer.Option(None, "--param", "-p", metavar="KEY=VALUE",
-                                              help="A parameter to test with (repeatable)."),
-    skip: Optional[List[str]] = typer.Option(None, "--skip", metavar="CHECK", help="A check to skip (repeatable)."),
+    kind: Kind | None = typer.Option(None, "--kind", "-k", help="advantage, gate or reduction, if ambiguous."),
+    param: list[str] | None = typer.Option(
+        None, "--param", "-p", metavar="KEY=VALUE", help="A parameter to test with (repeatable)."
+    ),
+    skip: list[str] | None = typer.Option(None, "--skip", metavar="CHECK", help="A check to skip (repeatable)."),
 ) -> None:
     """Run the conformance kit (lossplug.testing) against a plugin; exit 1 if any check fails."""
     from rich.table import Table
@@ -468,7 +496,7 @@ def check_cmd(
 # plot gates
 
 
-def _gate_specs(specs: Optional[List[str]]) -> list[dict[str, Any]]:
+def _gate_specs(specs: list[str] | None) -> list[dict[str, Any]]:
     """The --gate options as recipe specs; without any, every registered gate (see gate_curves)."""
     from lossplug.gate_curves import default_gate_specs, parse_gate_spec
 
@@ -483,9 +511,13 @@ def _gate_specs(specs: Optional[List[str]]) -> list[dict[str, Any]]:
 @plot_app.command("gates")
 def plot_gates_cmd(
     out: Path = typer.Option(Path("lossplug-gates.png"), "--out", "-o", help="Where to write the PNG."),
-    gate: Optional[List[str]] = typer.Option(None, "--gate", "-g", metavar="NAME[:K=V,...]",
-                                             help="A gate to plot, with parameters (repeatable; default: every "
-                                                  "registered gate, plus PPO dual-clip)."),
+    gate: list[str] | None = typer.Option(
+        None,
+        "--gate",
+        "-g",
+        metavar="NAME[:K=V,...]",
+        help="A gate to plot, with parameters (repeatable; default: every registered gate, plus PPO dual-clip).",
+    ),
     ratio_max: float = typer.Option(4.0, "--ratio-max", min=1.1, help="Right end of the ratio axis."),
 ) -> None:
     """A PNG of each gate's gradient coefficient ∂J/∂logp against the ratio, for A > 0 and A < 0."""
@@ -510,20 +542,37 @@ def plot_gates_cmd(
 
 @app.command("demo")
 def demo_cmd(
-    recipe: str = typer.Option("dapo", "--recipe", "-r", metavar="PRESET|FILE",
-                               help="The recipe to train with: a preset name or a YAML/JSON file."),
-    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Optimizer steps (default 200; 60 with --fast)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the model init, the prompts and the sampling (the same for "
-                                               "every recipe of --compare)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o",
-                                       help="The run folder (default runs/<timestamp>-<recipe>/); with --compare, the "
-                                            "folder for one sub-folder per recipe and compare.png."),
-    compare: Optional[str] = typer.Option(None, "--compare", metavar="R1,R2,...",
-                                          help="Train each of these recipes (comma-separated presets or files) on the "
-                                               "same seeds and plot them side by side, e.g. grpo,dapo,gspo,sapo,cispo."),
+    recipe: str = typer.Option(
+        "dapo",
+        "--recipe",
+        "-r",
+        metavar="PRESET|FILE",
+        help="The recipe to train with: a preset name or a YAML/JSON file.",
+    ),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="Optimizer steps (default 200; 60 with --fast)."),
+    seed: int = typer.Option(
+        0,
+        "--seed",
+        help="Seed of the model init, the prompts and the sampling (the same for every recipe of --compare).",
+    ),
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        "-o",
+        help="The run folder (default runs/<timestamp>-<recipe>/); with --compare, the "
+        "folder for one sub-folder per recipe and compare.png.",
+    ),
+    compare: str | None = typer.Option(
+        None,
+        "--compare",
+        metavar="R1,R2,...",
+        help="Train each of these recipes (comma-separated presets or files) on the "
+        "same seeds and plot them side by side, e.g. grpo,dapo,gspo,sapo,cispo.",
+    ),
     fast: bool = typer.Option(False, "--fast", help="The test settings: 60 steps and a smaller held-out set."),
-    quiet: bool = typer.Option(False, "--quiet", "-q",
-                               help="No live display: one plain line per held-out evaluation (for CI logs)."),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="No live display: one plain line per held-out evaluation (for CI logs)."
+    ),
 ) -> None:
     """Train a tiny model from scratch with TRL's GRPOTrainer and a lossplug recipe — on CPU, with no hub access —
     and show that it learns.
@@ -533,7 +582,6 @@ def demo_cmd(
     folder. Exit 1 if a run did not learn (reward up by less than 0.2 or no held-out gain).
     """
     import lossplug.demo as demo  # lazy: torch, transformers and TRL load only when the demo runs
-
     from lossplug.contracts import LossplugError
 
     settings = (demo.FAST if fast else demo.DEFAULT).replace(steps=steps, seed=seed)
@@ -553,17 +601,21 @@ def demo_cmd(
 
     from rich.table import Table
 
-    table = Table(title=f"lossplug demo · task successor · seed {settings.seed} · {settings.steps} steps",
-                  title_justify="left")
+    table = Table(
+        title=f"lossplug demo · task successor · seed {settings.seed} · {settings.steps} steps", title_justify="left"
+    )
     for col in ("recipe", "reward", "held-out", "time", "run folder"):
         table.add_column(col, overflow="fold")
     for run in runs:
         s = run.summary
         r, h = s["reward"], s["heldout"]
-        table.add_row(_text(s["recipe"], "bold"),
-                      _text("no reward logged" if r["start"] is None else f"{r['start']:.2f} → {r['end']:.2f}"),
-                      _text(f"{h['before']:.2f} → {h['after']:.2f}"),
-                      _text(f"{s['wall_s']:.0f}s ({s['cpu_s']:.0f}s CPU)"), _text(str(run.out_dir)))
+        table.add_row(
+            _text(s["recipe"], "bold"),
+            _text("no reward logged" if r["start"] is None else f"{r['start']:.2f} → {r['end']:.2f}"),
+            _text(f"{h['before']:.2f} → {h['after']:.2f}"),
+            _text(f"{s['wall_s']:.0f}s ({s['cpu_s']:.0f}s CPU)"),
+            _text(str(run.out_dir)),
+        )
     console.print(table)
     if path is not None:
         console.print(_text(f"wrote {path}", "green"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import re
 import sys
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from lossplug.contracts import Recipe
 
@@ -23,8 +23,15 @@ if TYPE_CHECKING:
     from .plugin_registry import Registry
 
 #: pydantic's constraint attributes and how a person reads them
-_CONSTRAINTS = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤", "multiple_of": "multiple of", "min_length": "min length",
-                "max_length": "max length"}
+_CONSTRAINTS = {
+    "gt": ">",
+    "ge": "≥",
+    "lt": "<",
+    "le": "≤",
+    "multiple_of": "multiple of",
+    "min_length": "min length",
+    "max_length": "max length",
+}
 
 
 def distribution(origin: str) -> str:
@@ -53,10 +60,17 @@ def type_name(annotation: Any) -> str:
 def parameters(plugin: AnyPlugin) -> list[dict[str, Any]]:
     """One row per parameter of the plugin: name, type, default (``None`` with ``required``), constraint,
     description."""
-    return [{"name": name, "type": type_name(f.annotation), "required": f.is_required(),
-             "default": None if f.is_required() else f.default, "constraint": constraints(f),
-             "description": f.description or ""}
-            for name, f in plugin.params.model_fields.items()]
+    return [
+        {
+            "name": name,
+            "type": type_name(f.annotation),
+            "required": f.is_required(),
+            "default": None if f.is_required() else f.default,
+            "constraint": constraints(f),
+            "description": f.description or "",
+        }
+        for name, f in plugin.params.model_fields.items()
+    ]
 
 
 def plugin_info(kind: str, name: str, plugin: AnyPlugin, source: str) -> dict[str, Any]:
@@ -64,22 +78,29 @@ def plugin_info(kind: str, name: str, plugin: AnyPlugin, source: str) -> dict[st
     needs, its layouts and group size, and its parameter schema."""
     module_doc = inspect.getdoc(sys.modules.get(getattr(plugin.fn, "__module__", ""), None)) or ""
     return {
-        "kind": kind, "name": name, "source": source, "distribution": distribution(source),
-        "role": getattr(plugin, "role", None), "level": getattr(plugin, "level", None),
+        "kind": kind,
+        "name": name,
+        "source": source,
+        "distribution": distribution(source),
+        "role": getattr(plugin, "role", None),
+        "level": getattr(plugin, "level", None),
         "requires": list(required_fields(plugin)),
         "requires_depends_on_params": callable(getattr(plugin, "requires", None)),
         "needs": list(batch_fields(plugin)),
         "layouts": list(getattr(plugin, "layouts", ())) or None,
         "min_group_size": getattr(plugin, "min_group_size", None),
-        "doc": plugin.doc, "module_doc": module_doc if module_doc.strip() != plugin.doc.strip() else "",
+        "doc": plugin.doc,
+        "module_doc": module_doc if module_doc.strip() != plugin.doc.strip() else "",
         "params_schema": plugin.params.model_json_schema(),
     }
 
 
 def recipe_fields(recipe: Recipe) -> list[dict[str, str]]:
     """What a PolicyBatch must contain for this recipe: field, shape and which stage needs it."""
-    return [{"field": f, "shape": FIELD_SHAPES.get(f, ""), "needed_by": "; ".join(stages)}
-            for f, stages in recipe_needs(recipe).items()]
+    return [
+        {"field": f, "shape": FIELD_SHAPES.get(f, ""), "needed_by": "; ".join(stages)}
+        for f, stages in recipe_needs(recipe).items()
+    ]
 
 
 def explain_recipe(recipe: Recipe) -> dict[str, Any]:
@@ -101,18 +122,32 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
         role = f"{p.role} · {p.level}" if p.kind == "gate" else ""  # (only gates have a role)
         if p.kind == "advantage":
             role = "layouts: " + ", ".join(p.layouts)
-        stage_rows.append({"stage": where, "plugin": p.name, "params": stage.params.model_dump(), "role": role,
-                           "source": distribution(reg.origin(p.kind, p.name)),
-                           "summary": p.doc.splitlines()[0] if p.doc else ""})
+        stage_rows.append(
+            {
+                "stage": where,
+                "plugin": p.name,
+                "params": stage.params.model_dump(),
+                "role": role,
+                "source": distribution(reg.origin(p.kind, p.name)),
+                "summary": p.doc.splitlines()[0] if p.doc else "",
+            }
+        )
     red = compiled.reduction
     normalizer = "Normalizer(action_tokens=…, sequences=…) over the whole optimizer step (all micro-batches, ranks)"
     if red.plugin.name == "fixed" and getattr(red.params, "budget", "absent") is None:
         normalizer += "; budget=… (e.g. max_completion_length) — the recipe sets none"
     preset_source = reg.presets[recipe.name].source if recipe.name in reg.presets else ""
     packed = compiled.advantage is not None and "packed" in compiled.advantage.plugin.layouts
-    return {"name": recipe.name, "source": preset_source, "recipe": recipe.to_dict(), "yaml": recipe.to_yaml(),
-            "stages": stage_rows, "needs": recipe_fields(recipe), "normalizer": normalizer,
-            "packed_advantage": packed}
+    return {
+        "name": recipe.name,
+        "source": preset_source,
+        "recipe": recipe.to_dict(),
+        "yaml": recipe.to_yaml(),
+        "stages": stage_rows,
+        "needs": recipe_fields(recipe),
+        "normalizer": normalizer,
+        "packed_advantage": packed,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -151,7 +186,7 @@ def formula(plugin: AnyPlugin) -> str:
     return "\n\n".join(p for p in _paragraphs(plugin.doc) if not _is_citation(p))
 
 
-def catalogue_problems(reg: Optional[Registry] = None, *, builtin_only: bool = True) -> list[str]:
+def catalogue_problems(reg: Registry | None = None, *, builtin_only: bool = True) -> list[str]:
     """What keeps the catalogue from being complete: a plugin without a formula (docstring), a parameter without a
     description, a plugin without a citation. Empty when every (built-in) plugin is fully documented."""
     from .plugin_registry import BUILTIN_SOURCE, registry
@@ -164,11 +199,16 @@ def catalogue_problems(reg: Optional[Registry] = None, *, builtin_only: bool = T
                 continue
             if not formula(plugin):
                 problems.append(f"{kind} '{name}': no docstring stating its formula")
-            problems += [f"{kind} '{name}': parameter '{row['name']}' has no description"
-                         for row in parameters(plugin) if not row["description"].strip()]
+            problems += [
+                f"{kind} '{name}': parameter '{row['name']}' has no description"
+                for row in parameters(plugin)
+                if not row["description"].strip()
+            ]
             if not citations(plugin):
-                problems.append(f"{kind} '{name}': no citation (a 'Paper: …' or 'Reference: …' paragraph in its "
-                                "docstring or its module's)")
+                problems.append(
+                    f"{kind} '{name}': no citation (a 'Paper: …' or 'Reference: …' paragraph in its "
+                    "docstring or its module's)"
+                )
     return problems
 
 
@@ -202,14 +242,20 @@ def _plugin_markdown(kind: str, name: str, plugin: AnyPlugin, source: str, detai
     rows = parameters(plugin)
     if rows:
         out += ["| parameter | type | default | constraint | description |", "|---|---|---|---|---|"]
-        out += [f"| `{r['name']}` | `{_cell(r['type'])}` | "
-                f"{'required' if r['required'] else '`' + _cell(repr(r['default'])) + '`'} | {_cell(r['constraint'])} | "
-                f"{_cell(_md(r['description']))} |" for r in rows]
+        out += [
+            f"| `{r['name']}` | `{_cell(r['type'])}` | "
+            f"{'required' if r['required'] else '`' + _cell(repr(r['default'])) + '`'} | {_cell(r['constraint'])} | "
+            f"{_cell(_md(r['description']))} |"
+            for r in rows
+        ]
     else:
         out.append("No parameters.")
     out.append("")
-    needs = ", ".join(f"`{f}`" for f in info["needs"]) or "none: it reads the gates' objective, the action mask and " \
+    needs = (
+        ", ".join(f"`{f}`" for f in info["needs"])
+        or "none: it reads the gates' objective, the action mask and "
         "the step's population (a Normalizer), not batch fields"
+    )
     extra = " (depends on the parameters; shown for the defaults)" if info["requires_depends_on_params"] else ""
     out += [f"**Batch fields** — {needs}{extra}"]
     if info["layouts"]:
@@ -230,39 +276,56 @@ def _plugin_markdown(kind: str, name: str, plugin: AnyPlugin, source: str, detai
     return out
 
 
-def catalogue_markdown(reg: Optional[Registry] = None, *, builtin_only: bool = True,
-                       title: str = "Plugin catalogue") -> str:
+def catalogue_markdown(
+    reg: Registry | None = None, *, builtin_only: bool = True, title: str = "Plugin catalogue"
+) -> str:
     """The plugin catalogue as one Markdown page: for every (built-in) advantage, gate and reduction its kind, role
     and level, formula, parameter table (type, default, constraint, description), the batch fields it needs, its
     citations and its module's documentation; then the presets with their sources."""
     from .plugin_registry import BUILTIN_SOURCE, registry
 
     reg = reg or registry()
-    out = [f"# {title}", "",
-           "Generated from the plugin registry when the documentation is built (`lossplug.describe."
-           "catalogue_markdown`): every built-in plugin as `lossplug show NAME` describes it. Gates return per-token "
-           "**objectives** (to maximise); the loss is `−reduce(objective)`.", ""]
+    out = [
+        f"# {title}",
+        "",
+        "Generated from the plugin registry when the documentation is built (`lossplug.describe."
+        "catalogue_markdown`): every built-in plugin as `lossplug show NAME` describes it. Gates return per-token "
+        "**objectives** (to maximise); the loss is `−reduce(objective)`.",
+        "",
+    ]
     details_of: dict[str, str] = {}
     for kind in ("advantage", "gate", "reduction"):
-        plugins = {n: p for n, p in reg.plugins.get(kind, {}).items()
-                   if not builtin_only or reg.origin(kind, n) == BUILTIN_SOURCE}
+        plugins = {
+            n: p
+            for n, p in reg.plugins.get(kind, {}).items()
+            if not builtin_only or reg.origin(kind, n) == BUILTIN_SOURCE
+        }
         if not plugins:
             continue
-        out += [f"## {_KIND_TITLES[kind]}", "",
-                " · ".join(f"[`{n}`](#{n})" for n in plugins), ""]
+        out += [f"## {_KIND_TITLES[kind]}", "", " · ".join(f"[`{n}`](#{n})" for n in plugins), ""]
         for name, plugin in plugins.items():
             out += _plugin_markdown(kind, name, plugin, reg.origin(kind, name), details_of)
     presets = {n: p for n, p in reg.presets.items() if not builtin_only or p.origin == BUILTIN_SOURCE}
     if presets:
-        out += ["## Presets", "", "Named recipes: `Recipe.preset(NAME)`, `recipe=NAME` in the adapters, "
-                "`lossplug recipe explain NAME`.", "",
-                "| preset | advantage | gates | reduction | source |", "|---|---|---|---|---|"]
+        out += [
+            "## Presets",
+            "",
+            "Named recipes: `Recipe.preset(NAME)`, `recipe=NAME` in the adapters, `lossplug recipe explain NAME`.",
+            "",
+            "| preset | advantage | gates | reduction | source |",
+            "|---|---|---|---|---|",
+        ]
         for name, preset in presets.items():
             recipe = Recipe.load(preset.recipe).to_dict()
-            stage = lambda s: "—" if not s else (f"`{s['name']}` " + ", ".join(  # noqa: E731
-                f"{k}={v}" for k, v in s.items() if k != "name")).strip()
-            out.append(f"| `{name}` | {_cell(stage(recipe.get('advantage')))} | "
-                       f"{_cell('; '.join(stage(g) for g in recipe.get('gates') or []))} | "
-                       f"{_cell(stage(recipe.get('reduction')))} | {_cite(_cell(preset.source))} |")
+            stage = lambda s: (
+                "—"
+                if not s
+                else (f"`{s['name']}` " + ", ".join(f"{k}={v}" for k, v in s.items() if k != "name")).strip()
+            )
+            out.append(
+                f"| `{name}` | {_cell(stage(recipe.get('advantage')))} | "
+                f"{_cell('; '.join(stage(g) for g in recipe.get('gates') or []))} | "
+                f"{_cell(stage(recipe.get('reduction')))} | {_cite(_cell(preset.source))} |"
+            )
         out.append("")
     return "\n".join(out)

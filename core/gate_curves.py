@@ -8,8 +8,9 @@ imported inside the functions.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from lossplug.plugin_registry import Registry
 
 
-def parse_assignments(items: Optional[Iterable[str]], what: str) -> dict[str, Any]:
+def parse_assignments(items: Iterable[str] | None, what: str) -> dict[str, Any]:
     """``["eps_low=0.1", "mode=token"]`` → ``{"eps_low": 0.1, "mode": "token"}``; values are read as YAML scalars.
 
     Raises ``ValueError`` naming ``what`` (e.g. ``--param``) for an item without ``key=``.
@@ -85,9 +86,14 @@ def gate_coefficients(spec: dict[str, Any], ratios: npt.ArrayLike, advantage: fl
         logp, old, behavior = base + r.log(), base, base
     logp.requires_grad_(True)
     n = r.shape[0]
-    batch = lossplug.PolicyBatch(logp=logp, old_logp=old, behavior_logp=behavior, ref_logp=old,
-                                 action_mask=torch.ones_like(r, dtype=torch.bool),
-                                 advantage=torch.full((n,), float(advantage), dtype=torch.float64))
+    batch = lossplug.PolicyBatch(
+        logp=logp,
+        old_logp=old,
+        behavior_logp=behavior,
+        ref_logp=old,
+        action_mask=torch.ones_like(r, dtype=torch.bool),
+        advantage=torch.full((n,), float(advantage), dtype=torch.float64),
+    )
     recipe = lossplug.Recipe.model_validate({"gates": gates, "reduction": "token"})
     loss = lossplug.policy_loss(batch, recipe, metrics=False).loss  # = −Σ J / n
     (grad,) = torch.autograd.grad(loss, logp)
@@ -118,8 +124,9 @@ def plot_gates(path: Path, specs: list[dict[str, Any]], ratio_max: float = 4.0, 
             ax.plot(ratios, coef, color=color, lw=2, label=label)
             ax.plot(ratios, ratios * adv, color=color, lw=0.8, ls=":", alpha=0.6)
         params = ", ".join(f"{k}={v}" for k, v in spec.items() if k != "name")
-        ax.set_title(spec["name"] + (f" ({params})" if params else "") + (" · correction" if correction else ""),
-                     fontsize=10)
+        ax.set_title(
+            spec["name"] + (f" ({params})" if params else "") + (" · correction" if correction else ""), fontsize=10
+        )
         ax.axhline(0, color="0.6", lw=0.6)
         ax.axvline(1, color="0.6", lw=0.6)
         xlabel = "engine ratio ρ = π_old / π_behaviour" if correction else "ratio r = π_θ / π_old"
@@ -128,13 +135,16 @@ def plot_gates(path: Path, specs: list[dict[str, Any]], ratio_max: float = 4.0, 
         ax.set_xlabel(xlabel, fontsize=8)
         ax.grid(alpha=0.25)
         ax.set_ylim(-ratio_max - 0.2, ratio_max + 0.2)
-    for ax in axes.flat[len(specs):]:
+    for ax in axes.flat[len(specs) :]:
         ax.axis("off")
     for ax in axes[:, 0]:
         ax.set_ylabel("∂J/∂logp (gradient coefficient)", fontsize=8)
     axes.flat[0].legend(fontsize=8, loc="upper left")
-    fig.suptitle("Gradient coefficient ∂J/∂logp of each gate vs the ratio, by autograd through the plugins "
-                 "(dotted: unclipped r·A)", fontsize=11)
+    fig.suptitle(
+        "Gradient coefficient ∂J/∂logp of each gate vs the ratio, by autograd through the plugins "
+        "(dotted: unclipped r·A)",
+        fontsize=11,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,8 @@ A hook implementation may take any subset of a hook's arguments, by name. Hook w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Union
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
 
@@ -119,7 +120,7 @@ def lossplug_register_presets(register: RegisterPreset) -> None:
 
 
 @hookspec
-def lossplug_validate_batch(batch: Union[PolicyBatch, PackedTransitions], recipe: Recipe) -> Optional[list[Violation]]:
+def lossplug_validate_batch(batch: PolicyBatch | PackedTransitions, recipe: Recipe) -> list[Violation] | None:
     """Extra batch checks beyond the contract.
 
     Called on every ``policy_loss``, ``compute_advantages`` and ``estimate_advantages`` call with
@@ -142,8 +143,9 @@ def lossplug_validate_batch(batch: Union[PolicyBatch, PackedTransitions], recipe
 
 
 @hookspec
-def lossplug_extra_metrics(batch: PolicyBatch, objective: torch.Tensor,
-                           recipe: Recipe) -> Optional[dict[str, torch.Tensor]]:
+def lossplug_extra_metrics(
+    batch: PolicyBatch, objective: torch.Tensor, recipe: Recipe
+) -> dict[str, torch.Tensor] | None:
     """Extra metrics for a policy-loss call.
 
     Called once per ``policy_loss`` call with metrics on (``metrics="basic"`` or ``"full"``), after the gates and the

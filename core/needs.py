@@ -8,7 +8,7 @@ parameters when none are given, the fields every policy batch carries anyway, an
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 #: what each batch field is, for people reading ``recipe explain`` and ``validate`` output
 FIELD_SHAPES = {
@@ -32,7 +32,7 @@ FIELD_SHAPES = {
 ALWAYS = ("logp", "action_mask")
 
 
-def required_fields(plugin: Any, params: Optional[Any] = None) -> tuple[str, ...]:
+def required_fields(plugin: Any, params: Any | None = None) -> tuple[str, ...]:
     """The optional batch fields ``plugin`` reads with ``params``, or with its default parameters when none are given.
 
     ``requires`` may be a function of the parameters. When no parameters are given and the plugin's parameter model
@@ -53,7 +53,7 @@ def required_fields(plugin: Any, params: Optional[Any] = None) -> tuple[str, ...
         return () if callable(plugin.requires) else tuple(plugin.requires)
 
 
-def batch_fields(plugin: Any, params: Optional[Any] = None) -> tuple[str, ...]:
+def batch_fields(plugin: Any, params: Any | None = None) -> tuple[str, ...]:
     """Every field a batch must carry for ``plugin`` alone (with ``params``, or its defaults), in a stable order.
 
     A gate also needs the log-probs, the mask and the advantages it weights; a padded advantage estimator the

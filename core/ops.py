@@ -7,8 +7,9 @@ work from ``group_id`` through ``torch.unique(..., return_inverse=True)`` and sc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ class Groups:
     num_groups: int
 
     @classmethod
-    def from_ids(cls, group_id: Tensor) -> "Groups":
+    def from_ids(cls, group_id: Tensor) -> Groups:
         _, inverse, counts = torch.unique(group_id, return_inverse=True, return_counts=True)
         return cls(inverse, counts, int(counts.numel()))
 
@@ -97,7 +98,7 @@ class _ZeroOff(torch.autograd.Function):
         return (out if out.shape == ctx.shape else out.sum_to_size(ctx.shape)), None, None
 
 
-def zero_off(x: Tensor, mask: Tensor, bits: Optional[Tensor] = None) -> Tensor:
+def zero_off(x: Tensor, mask: Tensor, bits: Tensor | None = None) -> Tensor:
     """``torch.where(mask, x, 0)``, bit for bit and gradient for gradient — whatever ``x`` holds off the mask (NaN,
     inf) is replaced by +0 in the value, and the gradient there is exactly 0.
 
@@ -108,8 +109,13 @@ def zero_off(x: Tensor, mask: Tensor, bits: Optional[Tensor] = None) -> Tensor:
     int32 pattern (+1 MB). Elsewhere (accelerators, where ``torch.where`` is as cheap as any elementwise op) and
     for anything but a floating tensor of ``mask``'s shape it is ``torch.where``.
     """
-    if (x.device.type != "cpu" or x.numel() < ZERO_OFF_MIN or not x.is_floating_point() or x.shape != mask.shape
-            or x.element_size() not in _BITS):
+    if (
+        x.device.type != "cpu"
+        or x.numel() < ZERO_OFF_MIN
+        or not x.is_floating_point()
+        or x.shape != mask.shape
+        or x.element_size() not in _BITS
+    ):
         return torch.where(mask, x, 0)
     if bits is None or bits.element_size() != x.element_size():
         bits = action_bits(mask, x.dtype)
@@ -134,8 +140,9 @@ def clamp_exact(x: Tensor, low: float, high: float) -> Tensor:
     return x.clamp(low, high)
 
 
-def count_actions(hit: Tensor, mask: Tensor, lengths: Tensor, where: Optional[Tensor] = None, *,
-                  false_off_actions: bool = False) -> Tensor:
+def count_actions(
+    hit: Tensor, mask: Tensor, lengths: Tensor, where: Tensor | None = None, *, false_off_actions: bool = False
+) -> Tensor:
     """How many action tokens ``hit`` (and ``where``) mark — the numerator of a gate's cut fraction, in as few
     passes over ``[B, T]`` as the shapes allow.
 
@@ -173,12 +180,12 @@ def any_rows(mask: Tensor) -> Tensor:
     return mask.view(torch.uint8).amax(-1).bool()
 
 
-def masked_sum(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     x = torch.where(mask, x, 0)
     return x.sum() if dim is None else x.sum(dim)
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean over masked positions; NaN-safe (unmasked positions are never read)."""
     count = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(x, mask, dim) / count.clamp(min=1)
@@ -239,8 +246,9 @@ _SELECT_BINS = 2048
 _SELECT_MIN = 4 * _SELECT_BINS
 
 
-def _select_quantiles(values: Tensor, qs: tuple[float, ...], low: float, high: float,
-                      bins: int = _SELECT_BINS) -> Tensor:
+def _select_quantiles(
+    values: Tensor, qs: tuple[float, ...], low: float, high: float, bins: int = _SELECT_BINS
+) -> Tensor:
     """``torch.quantile(values, qs)`` of a 1-D NaN-free CPU tensor, bit for bit, without sorting it.
 
     The values are bucketed by ``floor((v − min) · bins / (max − min))`` — monotone in ``v``, so every bucket holds

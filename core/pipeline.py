@@ -9,20 +9,28 @@ every check and every host synchronisation.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Iterable, Literal, Mapping, Optional, TypeVar, Union, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
 import torch
 
-from lossplug.contracts import (AdvantageResult, BatchValidationError, LossResult, Normalizer, PackedTransitions,
-                                PolicyBatch, Recipe, Violation)
+from lossplug.contracts import (
+    AdvantageResult,
+    BatchValidationError,
+    LossResult,
+    Normalizer,
+    PackedTransitions,
+    PolicyBatch,
+    Recipe,
+    Violation,
+)
 from lossplug.contracts.errors import LossplugError, PluginError, describe_positions
 from lossplug.contracts.recipe import PluginSpec, installed_catalog
 
 from . import plugin_registry as _registry
 from .ops import Groups, any_rows, masked_quantiles, quantiles_of, zero_off
-from .plugin import (AdvantagePlugin, GateInput, GateOutput, GatePlugin, Params, Population, ReductionPlugin,
-                     evaluate)
+from .plugin import AdvantagePlugin, GateInput, GateOutput, GatePlugin, Params, Population, ReductionPlugin, evaluate
 
 if TYPE_CHECKING:
     from .plugin import Lazy
@@ -39,7 +47,7 @@ QUANTILE_NAMES = ("min", "p05", "p50", "p95", "max")
 
 
 #: the plugin class of a stage: a CompiledRecipe's advantage stage holds an AdvantagePlugin, and so on
-_P = TypeVar("_P", bound=Union[AdvantagePlugin, GatePlugin, ReductionPlugin], covariant=True)
+_P = TypeVar("_P", bound=AdvantagePlugin | GatePlugin | ReductionPlugin, covariant=True)
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,7 @@ class Stage(Generic[_P]):
 @dataclass(frozen=True)
 class CompiledRecipe:
     recipe: Recipe
-    advantage: Optional[Stage[AdvantagePlugin]]
+    advantage: Stage[AdvantagePlugin] | None
     update: Stage[GatePlugin]
     corrections: tuple[Stage[GatePlugin], ...]
     reduction: Stage[ReductionPlugin]
@@ -81,7 +89,7 @@ def _stage(reg: Registry, kind: str, spec: PluginSpec, where: str) -> Stage[Any]
 def compile_recipe(recipe: Recipe) -> CompiledRecipe:
     """Resolve the recipe's plugins and parameter models once; cached on the recipe object."""
     reg = _registry.registry()
-    cached: Optional[CompiledRecipe] = recipe._compiled
+    cached: CompiledRecipe | None = recipe._compiled
     if cached is not None and cached.generation == reg.generation:
         return cached
     pm = _registry.plugin_manager()
@@ -105,7 +113,7 @@ def _recipe_from_name(name: str) -> Recipe:
     return Recipe.load(name)
 
 
-def as_recipe(recipe: Union[Recipe, str]) -> Recipe:
+def as_recipe(recipe: Recipe | str) -> Recipe:
     if isinstance(recipe, Recipe):
         return recipe
     if isinstance(recipe, str):
@@ -117,7 +125,7 @@ def as_recipe(recipe: Union[Recipe, str]) -> Recipe:
 # Validation
 
 
-def _missing(batch: Union[PolicyBatch, PackedTransitions], fields: Iterable[str], who: str) -> list[Violation]:
+def _missing(batch: PolicyBatch | PackedTransitions, fields: Iterable[str], who: str) -> list[Violation]:
     contract = type(batch)
     out: list[Violation] = []
     for name in fields:
@@ -129,7 +137,7 @@ def _missing(batch: Union[PolicyBatch, PackedTransitions], fields: Iterable[str]
     return out
 
 
-def _who(stage: Stage[Union[AdvantagePlugin, GatePlugin]]) -> str:
+def _who(stage: Stage[AdvantagePlugin | GatePlugin]) -> str:
     """'recipe.gates[0] (ppo_clip)', with the parameters that differ from the defaults when those decide what the
     plugin needs (``requires`` given as a function of the parameters)."""
     plugin = stage.plugin
@@ -149,20 +157,25 @@ def _group_violations(batch: Any, plugin: AdvantagePlugin, where: str) -> list[V
     if not bool(small.any()):
         return []
     ids = torch.unique(batch.group_id)[small]
-    return [Violation("group_id", f"{where} ({plugin.name}) needs at least {plugin.min_group_size} rollouts per "
-                                  f"group", f"groups {ids.tolist()[:8]} have fewer (sizes "
-                                            f"{groups.counts[small].tolist()[:8]})")]
+    return [
+        Violation(
+            "group_id",
+            f"{where} ({plugin.name}) needs at least {plugin.min_group_size} rollouts per group",
+            f"groups {ids.tolist()[:8]} have fewer (sizes {groups.counts[small].tolist()[:8]})",
+        )
+    ]
 
 
-def _check(batch: Union[PolicyBatch, PackedTransitions], compiled: CompiledRecipe, violations: list[Violation]
-           ) -> None:
+def _check(batch: PolicyBatch | PackedTransitions, compiled: CompiledRecipe, violations: list[Violation]) -> None:
     if not batch.validated:
         batch.check()
     if compiled.has_validators:
         for origin, found in _registry.call_hook("lossplug_validate_batch", batch=batch, recipe=compiled.recipe):
             if not isinstance(found, (list, tuple)) or not all(isinstance(v, Violation) for v in found):
-                raise PluginError(f"{origin}: lossplug_validate_batch must return a list of "
-                                  f"lossplug.Violation or None, got {_describe_value(found)}")
+                raise PluginError(
+                    f"{origin}: lossplug_validate_batch must return a list of "
+                    f"lossplug.Violation or None, got {_describe_value(found)}"
+                )
             violations.extend(found)
     if violations:
         raise BatchValidationError(type(batch).__name__, violations)
@@ -185,8 +198,11 @@ def _describe_value(value: object) -> str:
 def _plugin_failed(stage: Stage[Any], err: Exception, validate: str, what: str = "") -> PluginError:
     plugin = stage.plugin
     origin = _registry.registry().origin(plugin.kind, plugin.name)
-    hint = (" (the batch was not validated: run once with validate='full' to rule out bad input)"
-            if validate == "off" else "")
+    hint = (
+        " (the batch was not validated: run once with validate='full' to rule out bad input)"
+        if validate == "off"
+        else ""
+    )
     what = f" {what}" if what else ""
     return PluginError(f"{stage.where} ({plugin.name}, from {origin}){what} raised {type(err).__name__}: {err}{hint}")
 
@@ -205,24 +221,29 @@ def _run(stage: Stage[Any], validate: str, *args: Any) -> Any:
 # Advantages
 
 
-def estimate_advantages(batch: Union[PolicyBatch, PackedTransitions], recipe: Union[Recipe, str], *,
-                        validate: Validate = "full") -> AdvantageResult:
+def estimate_advantages(
+    batch: PolicyBatch | PackedTransitions, recipe: Recipe | str, *, validate: Validate = "full"
+) -> AdvantageResult:
     """Run the recipe's advantage plugin: advantages and, for critic-based estimators, returns ``A + V_old``."""
     compiled = compile_recipe(as_recipe(recipe))
     stage = compiled.advantage
     if stage is None:
         raise LossplugError("recipe has no advantage stage: advantages must come with the batch")
     if validate == "full" and not isinstance(batch, (PolicyBatch, PackedTransitions)):
-        raise LossplugError(f"compute_advantages: batch must be a lossplug.PolicyBatch or PackedTransitions, got "
-                            f"{type(batch).__name__}")
+        raise LossplugError(
+            f"compute_advantages: batch must be a lossplug.PolicyBatch or PackedTransitions, got {type(batch).__name__}"
+        )
     plugin: AdvantagePlugin = stage.plugin
     layout = "packed" if isinstance(batch, PackedTransitions) else "padded"
     if layout not in plugin.layouts:
-        raise LossplugError(f"{stage.where} ({plugin.name}) works on the {' / '.join(plugin.layouts)} layout, "
-                            f"got a {type(batch).__name__}")
+        raise LossplugError(
+            f"{stage.where} ({plugin.name}) works on the {' / '.join(plugin.layouts)} layout, "
+            f"got a {type(batch).__name__}"
+        )
     if validate == "full":
         violations = _missing(batch, plugin.required_fields(stage.params), _who(stage)) + (
-            _group_violations(batch, plugin, stage.where) if layout == "padded" else [])
+            _group_violations(batch, plugin, stage.where) if layout == "padded" else []
+        )
         _check(batch, compiled, violations)
     elif validate != "off":
         raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
@@ -235,17 +256,19 @@ def estimate_advantages(batch: Union[PolicyBatch, PackedTransitions], recipe: Un
     return result
 
 
-def compute_advantages(batch: Union[PolicyBatch, PackedTransitions], recipe: Union[Recipe, str], *,
-                       validate: Validate = "full") -> Tensor:
+def compute_advantages(
+    batch: PolicyBatch | PackedTransitions, recipe: Recipe | str, *, validate: Validate = "full"
+) -> Tensor:
     """The recipe's advantages for ``batch``: ``[B]``, ``[B, T]`` or ``[N]`` (packed)."""
     return estimate_advantages(batch, recipe, validate=validate).advantage
 
 
-def _check_advantage_output(adv: Tensor, batch: Union[PolicyBatch, PackedTransitions], stage: Stage[AdvantagePlugin],
-                            what: str) -> None:
+def _check_advantage_output(
+    adv: Tensor, batch: PolicyBatch | PackedTransitions, stage: Stage[AdvantagePlugin], what: str
+) -> None:
     where = f"{stage.where} ({stage.plugin.name}) returned {what} that"
     shapes: tuple[tuple[int, ...], ...]
-    mask: Optional[Tensor]
+    mask: Tensor | None
     if isinstance(batch, PackedTransitions):
         shapes, mask = ((batch.reward.shape[0],),), None
     else:
@@ -263,19 +286,27 @@ def _check_advantage_output(adv: Tensor, batch: Union[PolicyBatch, PackedTransit
 # Policy loss
 
 
-def metric_level(metrics: Union[bool, str]) -> MetricLevel:
+def metric_level(metrics: bool | str) -> MetricLevel:
     """``"off"``, ``"basic"`` or ``"full"`` from a level or a bool (``True`` is ``"full"``, ``False`` ``"off"``)."""
     if metrics is True or metrics is False:
         return "full" if metrics else "off"
     if isinstance(metrics, str) and metrics in METRIC_LEVELS:
         return metrics  # type: ignore[return-value]  # one of METRIC_LEVELS
-    raise LossplugError(f"metrics must be one of {', '.join(repr(m) for m in METRIC_LEVELS)} (or True = 'full', "
-                        f"False = 'off'), got {metrics!r}")
+    raise LossplugError(
+        f"metrics must be one of {', '.join(repr(m) for m in METRIC_LEVELS)} (or True = 'full', "
+        f"False = 'off'), got {metrics!r}"
+    )
 
 
-def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Optional[Normalizer] = None, *,
-                validate: Validate = "full", metrics: Union[bool, MetricLevel] = "basic",
-                weight: Optional[Tensor] = None) -> LossResult:
+def policy_loss(
+    batch: PolicyBatch,
+    recipe: Recipe | str,
+    normalizer: Normalizer | None = None,
+    *,
+    validate: Validate = "full",
+    metrics: bool | MetricLevel = "basic",
+    weight: Tensor | None = None,
+) -> LossResult:
     """The recipe's policy loss for one micro-batch.
 
     Without a ``normalizer`` the micro-batch is the whole population. With one, the returned loss is this
@@ -300,8 +331,9 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
         if not isinstance(batch, PolicyBatch):
             raise LossplugError(f"policy_loss: batch must be a lossplug.PolicyBatch, got {type(batch).__name__}")
         if normalizer is not None and not isinstance(normalizer, Normalizer):
-            raise LossplugError(f"policy_loss: normalizer must be a lossplug.Normalizer (or None), got "
-                                f"{type(normalizer).__name__}")
+            raise LossplugError(
+                f"policy_loss: normalizer must be a lossplug.Normalizer (or None), got {type(normalizer).__name__}"
+            )
         violations = _missing(batch, ("advantage",), "policy_loss (compute it with lossplug.compute_advantages)")
         for stage in compiled.gates:
             violations += _missing(batch, stage.plugin.required_fields(stage.params), _who(stage))
@@ -343,11 +375,14 @@ def policy_loss(batch: PolicyBatch, recipe: Union[Recipe, str], normalizer: Opti
             if level == "full":
                 _full_metrics(inp, reports, objective, metric_tensors)
             if compiled.has_metric_hooks:
-                for origin, extra in _registry.call_hook("lossplug_extra_metrics", batch=batch,
-                                                         objective=objective.detach(), recipe=compiled.recipe):
+                for origin, extra in _registry.call_hook(
+                    "lossplug_extra_metrics", batch=batch, objective=objective.detach(), recipe=compiled.recipe
+                ):
                     if not isinstance(extra, dict):
-                        raise PluginError(f"{origin}: lossplug_extra_metrics must return a dict of metric name → 0-d "
-                                          f"tensor or None, got {_describe_value(extra)}")
+                        raise PluginError(
+                            f"{origin}: lossplug_extra_metrics must return a dict of metric name → 0-d "
+                            f"tensor or None, got {_describe_value(extra)}"
+                        )
                     metric_tensors.update(extra)
     return LossResult.model_construct(loss=loss, metric_tensors=metric_tensors)
 
@@ -364,32 +399,43 @@ def _check_gate_output(stage: Stage[GatePlugin], out: object, batch: PolicyBatch
         got = out.objective
         if not isinstance(got, Tensor) or list(got.shape) != shape:
             what = f"shape {list(got.shape)}" if isinstance(got, Tensor) else repr(got)
-            raise PluginError(f"{where}: an update gate's objective must be a tensor of shape {shape} like logp, "
-                              f"got {what}")
+            raise PluginError(
+                f"{where}: an update gate's objective must be a tensor of shape {shape} like logp, got {what}"
+            )
     else:
         got = out.weight
         if not isinstance(got, Tensor) or list(got.shape) not in (shape, shape[:1]):
             what = f"shape {list(got.shape)}" if isinstance(got, Tensor) else repr(got)
-            raise PluginError(f"{where}: a correction's weight must be a tensor of shape {shape[:1]} or {shape}, "
-                              f"got {what}")
+            raise PluginError(
+                f"{where}: a correction's weight must be a tensor of shape {shape[:1]} or {shape}, got {what}"
+            )
         if got.requires_grad:
-            raise PluginError(f"{where}: a correction's weight must be detached (.detach()): gradient flows through "
-                              "logp only, via the update gate")
+            raise PluginError(
+                f"{where}: a correction's weight must be detached (.detach()): gradient flows through "
+                "logp only, via the update gate"
+            )
     for name in ("metrics", "details"):
         value = getattr(out, name)
         if not isinstance(value, Mapping):
-            raise PluginError(f"{where}: GateOutput.{name} must be a mapping of metric name → 0-d tensor (or a "
-                              f"function returning one), got {_describe_value(value)}")
+            raise PluginError(
+                f"{where}: GateOutput.{name} must be a mapping of metric name → 0-d tensor (or a "
+                f"function returning one), got {_describe_value(value)}"
+            )
     if out.active is not None and not (isinstance(out.active, Tensor) or callable(out.active)):
-        raise PluginError(f"{where}: GateOutput.active must be a bool tensor, a function returning one, or None, got "
-                          f"{_describe_value(out.active)}")
+        raise PluginError(
+            f"{where}: GateOutput.active must be a bool tensor, a function returning one, or None, got "
+            f"{_describe_value(out.active)}"
+        )
 
 
 def _weight_violations(weight: Tensor, batch: PolicyBatch) -> list[Violation]:
     shapes = ((batch.batch_size,), tuple(batch.logp.shape))
     if tuple(weight.shape) not in shapes:
-        return [Violation("weight", f"shape must be [B] or [B, T] like logp {list(batch.logp.shape)}, got "
-                                    f"{list(weight.shape)}")]
+        return [
+            Violation(
+                "weight", f"shape must be [B] or [B, T] like logp {list(batch.logp.shape)}, got {list(weight.shape)}"
+            )
+        ]
     bad = ~torch.isfinite(weight) | (weight < 0)
     if weight.ndim == 2:
         bad = bad & batch.action_mask
@@ -398,7 +444,7 @@ def _weight_violations(weight: Tensor, batch: PolicyBatch) -> list[Violation]:
     return []
 
 
-def population_of(mask: Tensor, normalizer: Optional[Normalizer], lengths: Optional[Tensor] = None) -> Population:
+def population_of(mask: Tensor, normalizer: Normalizer | None, lengths: Tensor | None = None) -> Population:
     """The reduction denominators: the normaliser's global counts, else this micro-batch's own (no host sync).
 
     The default population counts the action tokens and the responses **with at least one action token**: a
@@ -411,12 +457,11 @@ def population_of(mask: Tensor, normalizer: Optional[Normalizer], lengths: Optio
     if normalizer is None:
         per_row = torch.count_nonzero(mask, -1) if lengths is None else lengths
         # at least 1: a batch without any action token reduces to 0 (its numerators are all 0), never to 0/0
-        return Population(torch.count_nonzero(mask).clamp(min=1), torch.count_nonzero(per_row).clamp(min=1),
-                          None, None)
+        return Population(torch.count_nonzero(mask).clamp(min=1), torch.count_nonzero(per_row).clamp(min=1), None, None)
     return Population(normalizer.action_tokens, normalizer.sequences, normalizer.groups, normalizer.budget)
 
 
-ReductionSpec = Union[str, Mapping[str, Any], PluginSpec]
+ReductionSpec = str | Mapping[str, Any] | PluginSpec
 
 
 def compile_reduction(reduction: ReductionSpec, where: str = "reduction") -> Stage[ReductionPlugin]:
@@ -439,8 +484,14 @@ def compile_reduction(reduction: ReductionSpec, where: str = "reduction") -> Sta
 _reduction_stages: dict[tuple[str, str, str], tuple[int, Stage[ReductionPlugin]]] = {}
 
 
-def reduce(values: Tensor, action_mask: Tensor, recipe: Union[Recipe, str, None] = None,
-           normalizer: Optional[Normalizer] = None, *, reduction: Optional[ReductionSpec] = None) -> Tensor:
+def reduce(
+    values: Tensor,
+    action_mask: Tensor,
+    recipe: Recipe | str | None = None,
+    normalizer: Normalizer | None = None,
+    *,
+    reduction: ReductionSpec | None = None,
+) -> Tensor:
     """Reduce any per-token quantity ``[B, T]`` (a KL penalty, an entropy bonus, a value loss…) exactly as the
     recipe reduces its objective — same denominators, same population. Reductions are linear, so a loss built as
     ``policy_loss(...).loss + β · reduce(kl, ...)`` equals reducing ``objective − β·kl`` in one go.
@@ -458,18 +509,23 @@ def reduce(values: Tensor, action_mask: Tensor, recipe: Union[Recipe, str, None]
     elif recipe is not None and reduction is None:
         red = compile_recipe(as_recipe(recipe)).reduction
     else:
-        raise LossplugError("reduce: give either recipe (its reduction is used) or reduction (e.g. 'token'), "
-                            "not both or neither")
+        raise LossplugError(
+            "reduce: give either recipe (its reduction is used) or reduction (e.g. 'token'), not both or neither"
+        )
     if not isinstance(action_mask, Tensor) or action_mask.dtype != torch.bool or action_mask.ndim != 2:
-        what = f"{action_mask.dtype} tensor of shape {list(action_mask.shape)}" if isinstance(action_mask, Tensor) \
+        what = (
+            f"{action_mask.dtype} tensor of shape {list(action_mask.shape)}"
+            if isinstance(action_mask, Tensor)
             else type(action_mask).__name__
+        )
         raise LossplugError(f"reduce: action_mask must be a [B, T] bool tensor, got a {what}")
     if not isinstance(values, Tensor) or values.shape != action_mask.shape:
         what = f"shape {list(values.shape)}" if isinstance(values, Tensor) else type(values).__name__
         raise LossplugError(f"reduce: values must have action_mask's shape {list(action_mask.shape)}, got {what}")
     if normalizer is not None and not isinstance(normalizer, Normalizer):
-        raise LossplugError(f"reduce: normalizer must be a lossplug.Normalizer (or None), got "
-                            f"{type(normalizer).__name__}")
+        raise LossplugError(
+            f"reduce: normalizer must be a lossplug.Normalizer (or None), got {type(normalizer).__name__}"
+        )
     values = zero_off(values, action_mask)
     lengths = torch.count_nonzero(action_mask, -1)
     reduced: Tensor = _run(red, "full", values, action_mask, lengths, population_of(action_mask, normalizer, lengths))
@@ -495,7 +551,7 @@ class _GateReport:
 
     name: str
     metrics: dict[str, Tensor]
-    active: Optional[Tensor]
+    active: Tensor | None
 
 
 def _report(stage: Stage[GatePlugin], out: GateOutput, level: str, validate: str) -> _GateReport:
@@ -506,8 +562,9 @@ def _report(stage: Stage[GatePlugin], out: GateOutput, level: str, validate: str
     declared = {**out.metrics, **out.details} if level == "full" else out.metrics
     with torch.no_grad():
         values = {key: _evaluate(stage, f"its metric {key!r}", value, validate) for key, value in declared.items()}
-        active = None if level != "full" or out.active is None else \
-            _evaluate(stage, "its active mask", out.active, validate)
+        active = (
+            None if level != "full" or out.active is None else _evaluate(stage, "its active mask", out.active, validate)
+        )
     return _GateReport(stage.plugin.name, values, active)
 
 

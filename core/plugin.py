@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Optional, Union, cast
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -42,7 +43,7 @@ class NoParams(Params):
     """For plugins without parameters."""
 
 
-def _doc(fn: Callable[..., Any], doc: Optional[str]) -> str:
+def _doc(fn: Callable[..., Any], doc: str | None) -> str:
     return inspect.cleandoc(doc or fn.__doc__ or "")
 
 
@@ -51,7 +52,7 @@ def _doc(fn: Callable[..., Any], doc: Optional[str]) -> str:
 
 #: a metric value: a 0-d tensor, or a function of no arguments returning one, evaluated only when the caller's metric
 #: level asks for it (``policy_loss(metrics=...)``), under ``torch.no_grad()``
-Lazy = Union[Tensor, Callable[[], Tensor]]
+Lazy = Tensor | Callable[[], Tensor]
 
 
 def evaluate(value: Lazy) -> Tensor:
@@ -100,13 +101,13 @@ class GateInput:
         self._log_ratios: dict[tuple[str, str], Tensor] = {}
 
     @classmethod
-    def from_batch(cls, batch: PolicyBatch) -> "GateInput":
+    def from_batch(cls, batch: PolicyBatch) -> GateInput:
         """The gate input of a micro-batch: the one way the pipeline, the conformance kit and tests build it."""
         return cls(batch)
 
     # -- cleaned per-token fields -------------------------------------------------------------------------------------
 
-    def _clean(self, name: str) -> Optional[Tensor]:
+    def _clean(self, name: str) -> Tensor | None:
         raw = getattr(self.batch, name)
         if raw is None:
             return None
@@ -114,8 +115,9 @@ class GateInput:
         cleaned = self._cleaned.get(key)
         if cleaned is None:
             with torch.set_grad_enabled(self._grad_mode):
-                cleaned = zero_off((raw if name == "logp" else raw.detach()).to(self.compute_dtype), self.mask,
-                                   self._bits)
+                cleaned = zero_off(
+                    (raw if name == "logp" else raw.detach()).to(self.compute_dtype), self.mask, self._bits
+                )
             self._cleaned[key] = cleaned
         return cleaned if name == "logp" else cleaned.detach()
 
@@ -125,17 +127,17 @@ class GateInput:
         return cast(Tensor, self._clean("logp"))  # a required field of every PolicyBatch
 
     @functools.cached_property
-    def old_logp(self) -> Optional[Tensor]:
+    def old_logp(self) -> Tensor | None:
         """Log-probs of the policy before the update (the training engine's), detached."""
         return self._clean("old_logp")
 
     @functools.cached_property
-    def behavior_logp(self) -> Optional[Tensor]:
+    def behavior_logp(self) -> Tensor | None:
         """Log-probs from the rollout engine that sampled the tokens, detached."""
         return self._clean("behavior_logp")
 
     @functools.cached_property
-    def ref_logp(self) -> Optional[Tensor]:
+    def ref_logp(self) -> Tensor | None:
         """Log-probs of the frozen reference policy, detached."""
         return self._clean("ref_logp")
 
@@ -177,14 +179,18 @@ class GateInput:
         batch = self.batch
         for name in (top, bottom):
             if getattr(batch, name) is None:
-                raise LossplugError(f"the {top} − {bottom} log-ratio needs {name}, but the batch has none: declare it "
-                                    f"in the gate's requires=(...) so that such a batch fails validation")
+                raise LossplugError(
+                    f"the {top} − {bottom} log-ratio needs {name}, but the batch has none: declare it "
+                    f"in the gate's requires=(...) so that such a batch fails validation"
+                )
         ratio: Tensor
         with torch.set_grad_enabled(self._grad_mode):
             if top in self.__dict__ or bottom in self.__dict__:
                 ratio = getattr(self, top) - getattr(self, bottom)
             else:
-                raw = getattr(batch, top).to(self.compute_dtype) - getattr(batch, bottom).detach().to(self.compute_dtype)
+                raw = getattr(batch, top).to(self.compute_dtype) - getattr(batch, bottom).detach().to(
+                    self.compute_dtype
+                )
                 ratio = zero_off(raw if top == "logp" else raw.detach(), self.mask, self._bits)
         ratio = ratio if top == "logp" else ratio.detach()
         self._log_ratios[(top, bottom)] = ratio
@@ -197,14 +203,14 @@ class GateInput:
         """The number of action tokens of the micro-batch (0-d, at least 1: a denominator for fractions)."""
         return self.lengths.sum().clamp(min=1)
 
-    def token_fraction(self, hit: Tensor, where: Optional[Tensor] = None, *, false_off_actions: bool = False
-                       ) -> Tensor:
+    def token_fraction(self, hit: Tensor, where: Tensor | None = None, *, false_off_actions: bool = False) -> Tensor:
         """The fraction of action tokens where ``hit`` (and ``where``) hold: :func:`lossplug.ops.count_actions` over
         :attr:`action_tokens`. ``hit``/``where`` are ``[B, T]`` or per-response ``[B, 1]`` columns;
         ``false_off_actions``: the caller knows ``hit & where`` is False off the actions (cleaned inputs make a
         ratio exactly 1 there), which saves the mask pass."""
-        return count_actions(hit, self.mask, self.lengths, where, false_off_actions=false_off_actions) / \
-            self.action_tokens
+        return (
+            count_actions(hit, self.mask, self.lengths, where, false_off_actions=false_off_actions) / self.action_tokens
+        )
 
     def response_fraction(self, hit: Tensor) -> Tensor:
         """The fraction of non-empty responses where the per-response ``hit`` ``[B]`` holds."""
@@ -247,18 +253,18 @@ class GateOutput:
     With ``metrics="off"`` none of them is evaluated, so a gate costs only its objective.
     """
 
-    objective: Optional[Tensor] = None
-    weight: Optional[Tensor] = None
+    objective: Tensor | None = None
+    weight: Tensor | None = None
     metrics: Mapping[str, Lazy] = field(default_factory=dict)
     details: Mapping[str, Lazy] = field(default_factory=dict)
-    active: Optional[Lazy] = None
+    active: Lazy | None = None
 
 
 #: ``fn(inp, p)``: ``p`` is an instance of the plugin's own ``params`` model (hence Any: a function annotated with
 #: that subclass is what authors write)
 GateFn = Callable[[GateInput, Any], GateOutput]
 #: the batch fields a plugin reads: fixed, or a function of its parameters (e.g. ``kl_coef`` set → ``ref_logp``)
-Requires = Union[tuple[str, ...], Callable[[Any], tuple[str, ...]]]
+Requires = tuple[str, ...] | Callable[[Any], tuple[str, ...]]
 
 
 def _requires(requires: Requires) -> Requires:
@@ -288,9 +294,15 @@ class GatePlugin(_RequiresMixin):
         return self.fn(inp, p)
 
 
-def gate(name: str, *, params: type[Params] = NoParams, requires: Requires = (),
-         role: Literal["update", "correction"] = "update", level: Literal["token", "sequence"] = "token",
-         doc: Optional[str] = None) -> Callable[[GateFn], GatePlugin]:
+def gate(
+    name: str,
+    *,
+    params: type[Params] = NoParams,
+    requires: Requires = (),
+    role: Literal["update", "correction"] = "update",
+    level: Literal["token", "sequence"] = "token",
+    doc: str | None = None,
+) -> Callable[[GateFn], GatePlugin]:
     """Declare a gate. ``requires`` names the optional :class:`PolicyBatch` fields it reads (e.g. ``old_logp``), or
     is a function of the parameters returning them."""
     return lambda fn: GatePlugin(name, fn, params, _requires(requires), role, level, _doc(fn, doc))
@@ -299,7 +311,7 @@ def gate(name: str, *, params: type[Params] = NoParams, requires: Requires = (),
 # ---------------------------------------------------------------------------------------------------------------------
 # Advantages
 
-AdvantageFn = Callable[[Any, Any], Union[Tensor, AdvantageResult]]  # (PolicyBatch | PackedTransitions, its params)
+AdvantageFn = Callable[[Any, Any], Tensor | AdvantageResult]  # (PolicyBatch | PackedTransitions, its params)
 
 
 @dataclass(frozen=True)
@@ -314,21 +326,28 @@ class AdvantagePlugin(_RequiresMixin):
     kind: Literal["advantage"] = "advantage"
     role: None = None
 
-    def __call__(self, batch: Union[PolicyBatch, PackedTransitions], p: Params) -> AdvantageResult:
+    def __call__(self, batch: PolicyBatch | PackedTransitions, p: Params) -> AdvantageResult:
         out = self.fn(batch, p)
         return out if isinstance(out, AdvantageResult) else AdvantageResult(advantage=out)
 
 
-def advantage(name: str, *, params: type[Params] = NoParams, requires: Requires = (),
-              layouts: tuple[str, ...] = ("padded",), min_group_size: int = 0,
-              doc: Optional[str] = None) -> Callable[[AdvantageFn], AdvantagePlugin]:
+def advantage(
+    name: str,
+    *,
+    params: type[Params] = NoParams,
+    requires: Requires = (),
+    layouts: tuple[str, ...] = ("padded",),
+    min_group_size: int = 0,
+    doc: str | None = None,
+) -> Callable[[AdvantageFn], AdvantagePlugin]:
     """Declare an advantage estimator.
 
     ``layouts``: ``"padded"`` (:class:`PolicyBatch`) and/or ``"packed"`` (:class:`PackedTransitions`).
     ``min_group_size``: the smallest prompt group it can work with (checked from ``group_id`` before it runs).
     """
-    return lambda fn: AdvantagePlugin(name, fn, params, _requires(requires), tuple(layouts), min_group_size,
-                                      _doc(fn, doc))
+    return lambda fn: AdvantagePlugin(
+        name, fn, params, _requires(requires), tuple(layouts), min_group_size, _doc(fn, doc)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -339,10 +358,10 @@ def advantage(name: str, *, params: type[Params] = NoParams, requires: Requires 
 class Population:
     """Denominators of a reduction: the global population when a Normalizer is given, else this micro-batch's."""
 
-    action_tokens: Union[int, Tensor]
-    sequences: Union[int, Tensor]
-    groups: Optional[int]
-    budget: Optional[float]
+    action_tokens: int | Tensor
+    sequences: int | Tensor
+    groups: int | None
+    budget: float | None
 
 
 ReductionFn = Callable[[Tensor, Tensor, Tensor, Population, Any], Tensor]  # the last argument: its params
@@ -367,10 +386,11 @@ class ReductionPlugin:
         return self.fn(objective, mask, lengths, population, p)
 
 
-def reduction(name: str, *, params: type[Params] = NoParams,
-              doc: Optional[str] = None) -> Callable[[ReductionFn], ReductionPlugin]:
+def reduction(
+    name: str, *, params: type[Params] = NoParams, doc: str | None = None
+) -> Callable[[ReductionFn], ReductionPlugin]:
     """Declare a reduction."""
     return lambda fn: ReductionPlugin(name, fn, params, _doc(fn, doc))
 
 
-AnyPlugin = Union[AdvantagePlugin, GatePlugin, ReductionPlugin]
+AnyPlugin = AdvantagePlugin | GatePlugin | ReductionPlugin

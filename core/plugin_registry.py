@@ -23,8 +23,9 @@ import importlib.metadata as md
 import os
 import threading
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Optional, overload
+from typing import Any, Literal, overload
 
 import pluggy
 
@@ -44,7 +45,10 @@ ENTRY_POINT_PREFIX = "entrypoint:"
 IMPORT_FAILED = "failed to import"
 
 KINDS: dict[str, type[AdvantagePlugin] | type[GatePlugin] | type[ReductionPlugin]] = {
-    "advantage": AdvantagePlugin, "gate": GatePlugin, "reduction": ReductionPlugin}
+    "advantage": AdvantagePlugin,
+    "gate": GatePlugin,
+    "reduction": ReductionPlugin,
+}
 HOOKS = {
     "advantage": "lossplug_register_advantages",
     "gate": "lossplug_register_gates",
@@ -104,8 +108,10 @@ class Registry:
     def add(self, kind: str, plugin: Any, origin: str) -> None:
         cls = KINDS[kind]
         if not isinstance(plugin, cls):
-            raise PluginError(f"{origin}: {HOOKS[kind]} registered {plugin!r}, which is not a {cls.__name__} "
-                              f"(decorate the function with @lossplug.{kind}(...))")
+            raise PluginError(
+                f"{origin}: {HOOKS[kind]} registered {plugin!r}, which is not a {cls.__name__} "
+                f"(decorate the function with @lossplug.{kind}(...))"
+            )
         key = (kind, plugin.name)
         if key in self.duplicates:
             self.duplicates[key].append(origin)
@@ -138,13 +144,17 @@ class Registry:
     def lookup(self, kind: str, name: str, where: str = "") -> AnyPlugin:
         prefix = f"{where}: " if where else ""
         if (kind, name) in self.duplicates:
-            raise PluginError(f"{prefix}{kind} '{name}' is registered more than once, by "
-                              f"{' and by '.join(self.duplicates[(kind, name)])}; uninstall or disable one")
+            raise PluginError(
+                f"{prefix}{kind} '{name}' is registered more than once, by "
+                f"{' and by '.join(self.duplicates[(kind, name)])}; uninstall or disable one"
+            )
         found = self.plugins[kind].get(name)
         if found is None:
             known = sorted(self.plugins[kind])
-            msg = (f"{prefix}unknown {kind} plugin '{name}'{did_you_mean(name, known)}; "
-                   f"available: {', '.join(known) or 'none'}")
+            msg = (
+                f"{prefix}unknown {kind} plugin '{name}'{did_you_mean(name, known)}; "
+                f"available: {', '.join(known) or 'none'}"
+            )
             if self.broken:
                 msg += "; note that these plugins failed to load: " + "; ".join(map(str, self.broken))
             raise RecipeError(msg)
@@ -152,8 +162,9 @@ class Registry:
 
     def preset(self, name: str) -> Mapping[str, Any]:
         if ("preset", name) in self.duplicates:
-            raise PluginError(f"preset '{name}' is registered more than once, by "
-                              f"{' and by '.join(self.duplicates[('preset', name)])}")
+            raise PluginError(
+                f"preset '{name}' is registered more than once, by {' and by '.join(self.duplicates[('preset', name)])}"
+            )
         if name not in self.presets:
             known = sorted(self.presets)
             raise RecipeError(f"unknown preset '{name}'{did_you_mean(name, known)}; presets: {', '.join(known)}")
@@ -167,8 +178,8 @@ class Registry:
 
 _lock = threading.RLock()
 _in_process: list[tuple[object, str]] = []
-_pm: Optional[pluggy.PluginManager] = None
-_registry: Optional[Registry] = None
+_pm: pluggy.PluginManager | None = None
+_registry: Registry | None = None
 _generation = 0
 
 
@@ -178,7 +189,7 @@ def _describe(ep: md.EntryPoint) -> str:
     return f"entry point '{ep.name} = {ep.value}'{dist_text}"
 
 
-def _allowed(ep: md.EntryPoint, allow: Optional[set[str]]) -> bool:
+def _allowed(ep: md.EntryPoint, allow: set[str] | None) -> bool:
     if allow is None:
         return True
     dist = getattr(ep, "dist", None)
@@ -199,8 +210,10 @@ def _register(pm: pluggy.PluginManager, obj: object, name: str, origin: str, reg
         known = [n for n in dir(hookspecs) if n.startswith("lossplug_")]
         problem = "implements unknown hook(s) " + ", ".join(f"'{u}'{did_you_mean(u, known)}" for u in unknown)
     elif not callers:
-        problem = ("implements no lossplug hook (mark functions with @lossplug.hookimpl and name them after a hook "
-                   "in lossplug.hookspecs)")
+        problem = (
+            "implements no lossplug hook (mark functions with @lossplug.hookimpl and name them after a hook "
+            "in lossplug.hookspecs)"
+        )
     if problem:
         pm.unregister(obj)
         registry.broken.append(BrokenPlugin(origin, problem))
@@ -242,8 +255,12 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
             if _register(pm, obj, f"{ENTRY_POINT_PREFIX}{ep.name}", origin, registry):
                 origins[f"{ENTRY_POINT_PREFIX}{ep.name}"] = origin
         for name in sorted((allow or set()) - matched):
-            warnings.warn(f"{ALLOW_ENV} names '{name}', but no installed distribution or entry point in the "
-                          f"'{ENTRY_POINT_GROUP}' group has that name", LossplugPluginWarning, stacklevel=3)
+            warnings.warn(
+                f"{ALLOW_ENV} names '{name}', but no installed distribution or entry point in the "
+                f"'{ENTRY_POINT_GROUP}' group has that name",
+                LossplugPluginWarning,
+                stacklevel=3,
+            )
 
     def contain(failure: HookError) -> None:
         if failure.origin == BUILTIN_SOURCE:  # a bug in lossplug itself must not be filed as a broken plugin
@@ -254,18 +271,34 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
         return origins.get(plugin_name, plugin_name)
 
     for kind, hook_name in HOOKS.items():
-        call_hook(hook_name, pm=pm, origin_of=origin_of, on_error=contain,
-                  arguments_for=lambda origin, kind=kind: {  # type: ignore[misc]
-                      "register": lambda plugin: registry.add(kind, plugin, origin)})
-    call_hook("lossplug_register_presets", pm=pm, origin_of=origin_of, on_error=contain,
-              arguments_for=lambda origin: {
-                  "register": lambda name, recipe, source="": registry.add_preset(name, recipe, source, origin)})
+        call_hook(
+            hook_name,
+            pm=pm,
+            origin_of=origin_of,
+            on_error=contain,
+            arguments_for=lambda origin, kind=kind: {  # type: ignore[misc]
+                "register": lambda plugin: registry.add(kind, plugin, origin)
+            },
+        )
+    call_hook(
+        "lossplug_register_presets",
+        pm=pm,
+        origin_of=origin_of,
+        on_error=contain,
+        arguments_for=lambda origin: {
+            "register": lambda name, recipe, source="": registry.add_preset(name, recipe, source, origin)
+        },
+    )
 
     for b in registry.broken:
         warnings.warn(f"lossplug plugin not loaded — {b}", LossplugPluginWarning, stacklevel=3)
     for (kind, name), where in registry.duplicates.items():
-        warnings.warn(f"lossplug {kind} '{name}' is registered more than once ({' and '.join(where)}); "
-                      "it cannot be used until one is removed", LossplugPluginWarning, stacklevel=3)
+        warnings.warn(
+            f"lossplug {kind} '{name}' is registered more than once ({' and '.join(where)}); "
+            "it cannot be used until one is removed",
+            LossplugPluginWarning,
+            stacklevel=3,
+        )
     return pm, registry
 
 
@@ -273,7 +306,7 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
 # Calling hooks with blame
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pass_through() -> tuple[type[BaseException], ...]:
     """Exceptions no hook call wraps: trainers handle memory exhaustion themselves (e.g. skip the batch)."""
     import torch
@@ -287,18 +320,24 @@ def hook_origin(plugin_name: str) -> str:
     origin = registry().hook_origins.get(plugin_name)
     if plugin_name.startswith(ENTRY_POINT_PREFIX):
         if origin is None:
-            ep_name = plugin_name[len(ENTRY_POINT_PREFIX):]
-            origin = next((_describe(ep) for ep in md.entry_points(group=ENTRY_POINT_GROUP) if ep.name == ep_name),
-                          f"entry point '{ep_name}'")
+            ep_name = plugin_name[len(ENTRY_POINT_PREFIX) :]
+            origin = next(
+                (_describe(ep) for ep in md.entry_points(group=ENTRY_POINT_GROUP) if ep.name == ep_name),
+                f"entry point '{ep_name}'",
+            )
         return f"{origin} (leave it out with the {ALLOW_ENV} allow-list, or uninstall it)"
     return origin or (BUILTIN_SOURCE if plugin_name == BUILTIN_NAME else f"in-process plugin '{plugin_name}'")
 
 
-def call_hook(name: str, *, pm: Optional[pluggy.PluginManager] = None,
-              origin_of: Callable[[str], str] = hook_origin,
-              on_error: Optional[Callable[[HookError], None]] = None,
-              arguments_for: Optional[Callable[[str], Mapping[str, Any]]] = None,
-              **arguments: Any) -> list[tuple[str, Any]]:
+def call_hook(
+    name: str,
+    *,
+    pm: pluggy.PluginManager | None = None,
+    origin_of: Callable[[str], str] = hook_origin,
+    on_error: Callable[[HookError], None] | None = None,
+    arguments_for: Callable[[str], Mapping[str, Any]] | None = None,
+    **arguments: Any,
+) -> list[tuple[str, Any]]:
     """Call hook ``name``'s implementations one by one, in pluggy's order; ``(origin, result)`` for every result
     that is not None.
 
@@ -314,8 +353,9 @@ def call_hook(name: str, *, pm: Optional[pluggy.PluginManager] = None,
     name; ``pm`` defaults to :func:`plugin_manager`.
     """
     pm = pm if pm is not None else plugin_manager()
-    pass_through: tuple[type[BaseException], ...] = (_pass_through() if on_error is not None
-                                                     else (LossplugError, *_pass_through()))
+    pass_through: tuple[type[BaseException], ...] = (
+        _pass_through() if on_error is not None else (LossplugError, *_pass_through())
+    )
     results = []
     for impl in reversed(getattr(pm.hook, name).get_hookimpls()):  # pluggy calls the last registered first
         origin = origin_of(impl.plugin_name)
@@ -369,7 +409,7 @@ def reset() -> None:
         _pm, _registry = None, None
 
 
-def register_plugin(plugin: object, name: Optional[str] = None) -> None:
+def register_plugin(plugin: object, name: str | None = None) -> None:
     """Register a plugin object or module from code (a notebook, a test, a trainer script) — the in-process
     counterpart of an entry point. It survives registry rebuilds until :func:`unregister_plugin`."""
     name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
@@ -391,17 +431,36 @@ def list_plugins() -> list[dict[str, Any]]:
     for kind in KINDS:
         for name, plugin in sorted(reg.plugins[kind].items()):
             params = {
-                pname: {"default": f.default if not f.is_required() else None, "required": f.is_required(),
-                        "type": getattr(f.annotation, "__name__", str(f.annotation))}
+                pname: {
+                    "default": f.default if not f.is_required() else None,
+                    "required": f.is_required(),
+                    "type": getattr(f.annotation, "__name__", str(f.annotation)),
+                }
                 for pname, f in plugin.params.model_fields.items()
             }
-            rows.append({
-                "kind": kind, "name": name, "source": reg.origin(kind, name), "params": params,
-                "summary": plugin.doc.splitlines()[0] if plugin.doc else "",
-                "role": getattr(plugin, "role", None), "level": getattr(plugin, "level", None),
-                "requires": list(required_fields(plugin)),
-            })
+            rows.append(
+                {
+                    "kind": kind,
+                    "name": name,
+                    "source": reg.origin(kind, name),
+                    "params": params,
+                    "summary": plugin.doc.splitlines()[0] if plugin.doc else "",
+                    "role": getattr(plugin, "role", None),
+                    "level": getattr(plugin, "level", None),
+                    "requires": list(required_fields(plugin)),
+                }
+            )
     for name, preset in sorted(reg.presets.items()):
-        rows.append({"kind": "preset", "name": name, "source": preset.origin, "params": {},
-                     "summary": preset.source, "role": None, "level": None, "requires": []})
+        rows.append(
+            {
+                "kind": "preset",
+                "name": name,
+                "source": preset.origin,
+                "params": {},
+                "summary": preset.source,
+                "role": None,
+                "level": None,
+                "requires": [],
+            }
+        )
     return rows

@@ -9,7 +9,8 @@ registry are only loaded when the first recipe is checked.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -30,7 +31,9 @@ def format_param_errors(err: ValidationError, where: str, plugin: str, allowed: 
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<params>"
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown parameter '{loc}'{did_you_mean(loc, allowed)}; allowed: {', '.join(allowed) or 'none'}")
+            lines.append(
+                f"unknown parameter '{loc}'{did_you_mean(loc, allowed)}; allowed: {', '.join(allowed) or 'none'}"
+            )
         else:
             lines.append(f"parameter '{loc}': {e['msg']} (got {e.get('input')!r})")
     return f"{where} ({plugin}): " + "; ".join(lines)
@@ -39,7 +42,7 @@ def format_param_errors(err: ValidationError, where: str, plugin: str, allowed: 
 class RegistryCatalog:
     """The :class:`~lossplug.contracts.recipe.Catalog` of the plugin registry, rebuilt registries included."""
 
-    def check_stage(self, kind: str, spec: PluginSpec, where: str, role: Optional[str] = None) -> PluginSpec:
+    def check_stage(self, kind: str, spec: PluginSpec, where: str, role: str | None = None) -> PluginSpec:
         plugin = plugin_registry.registry().lookup(kind, spec.name, where)
         allowed = list(plugin.params.model_fields)
         try:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import lossplug
 from lossplug.plugins import reductions
@@ -29,16 +30,31 @@ def lossplug_register_advantages(register: Callable[[lossplug.AdvantagePlugin], 
 def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> None:
     from lossplug.plugins.gates import cispo, corrections, dis, gspo, reinforce, sapo
 
-    for plugin in (ppo_clip.ppo_clip, gspo.gspo, gspo.gspo_token, sapo.sapo, cispo.cispo, dis.dis,
-                   reinforce.reinforce, corrections.tis, corrections.tis_seq, corrections.icepop,
-                   corrections.icepop_seq):
+    for plugin in (
+        ppo_clip.ppo_clip,
+        gspo.gspo,
+        gspo.gspo_token,
+        sapo.sapo,
+        cispo.cispo,
+        dis.dis,
+        reinforce.reinforce,
+        corrections.tis,
+        corrections.tis_seq,
+        corrections.icepop,
+        corrections.icepop_seq,
+    ):
         register(plugin)
 
 
 @lossplug.hookimpl
 def lossplug_register_reductions(register: Callable[[lossplug.ReductionPlugin], None]) -> None:
-    for plugin in (reductions.response_mean, reductions.token_mean, reductions.fixed_budget, reductions.sequence_sum,
-                   reductions.token_sum):
+    for plugin in (
+        reductions.response_mean,
+        reductions.token_mean,
+        reductions.fixed_budget,
+        reductions.sequence_sum,
+        reductions.token_sum,
+    ):
         register(plugin)
 
 

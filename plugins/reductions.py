@@ -21,8 +21,6 @@ the whole step — which is why the denominators come from the step's population
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pydantic import Field
 from torch import Tensor
 
@@ -31,8 +29,9 @@ from lossplug.contracts import LossplugError
 
 
 @lossplug.reduction("response")
-def response_mean(objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population,
-                  p: lossplug.NoParams) -> Tensor:
+def response_mean(
+    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: lossplug.NoParams
+) -> Tensor:
     """Mean over responses of each response's token mean (every response weighs the same).
 
     Paper: GRPO's per-response mean, Shao et al., 2024, arXiv:2402.03300.
@@ -45,8 +44,9 @@ def response_mean(objective: Tensor, mask: Tensor, lengths: Tensor, population: 
 
 
 @lossplug.reduction("token")
-def token_mean(objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population,
-               p: lossplug.NoParams) -> Tensor:
+def token_mean(
+    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: lossplug.NoParams
+) -> Tensor:
     """Global action-token mean (every action token weighs the same; DAPO).
 
     Paper: DAPO's token-level policy-gradient loss, Yu et al., 2025, arXiv:2503.14476.
@@ -58,12 +58,13 @@ def token_mean(objective: Tensor, mask: Tensor, lengths: Tensor, population: los
 
 
 class FixedParams(lossplug.Params):
-    budget: Optional[float] = Field(None, gt=0, description="tokens per response; default: the Normalizer's budget")
+    budget: float | None = Field(None, gt=0, description="tokens per response; default: the Normalizer's budget")
 
 
 @lossplug.reduction("fixed", params=FixedParams)
-def fixed_budget(objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population,
-                 p: FixedParams) -> Tensor:
+def fixed_budget(
+    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: FixedParams
+) -> Tensor:
     """Per-response sums divided by a fixed token budget, averaged over responses (Dr. GRPO).
 
     Paper: Dr. GRPO, Liu et al., 2025, *Understanding R1-Zero-Like Training: A Critical Perspective*,
@@ -74,14 +75,17 @@ def fixed_budget(objective: Tensor, mask: Tensor, lengths: Tensor, population: l
     """
     budget = p.budget if p.budget is not None else population.budget
     if budget is None:
-        raise LossplugError("reduction 'fixed' needs a positive budget: set it in the recipe "
-                            "({name: fixed, budget: 1024}) or pass Normalizer(budget=...)")
+        raise LossplugError(
+            "reduction 'fixed' needs a positive budget: set it in the recipe "
+            "({name: fixed, budget: 1024}) or pass Normalizer(budget=...)"
+        )
     return objective.sum() / (budget * population.sequences)
 
 
 @lossplug.reduction("sequence_sum")
-def sequence_sum(objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population,
-                 p: lossplug.NoParams) -> Tensor:
+def sequence_sum(
+    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: lossplug.NoParams
+) -> Tensor:
     """Mean over responses of each response's token sum.
 
     Reference: verl, ``verl.trainer.ppo.core_algos.agg_loss`` with ``loss_agg_mode="seq-mean-token-sum"``; TRL
@@ -91,8 +95,9 @@ def sequence_sum(objective: Tensor, mask: Tensor, lengths: Tensor, population: l
 
 
 @lossplug.reduction("token_sum")
-def token_sum(objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population,
-              p: lossplug.NoParams) -> Tensor:
+def token_sum(
+    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: lossplug.NoParams
+) -> Tensor:
     """Sum over every action token, no denominator (verl's ``token-sum``): the population is not read.
 
     Reference: verl, ``verl.trainer.ppo.core_algos.agg_loss`` with ``loss_agg_mode="token-sum"``.

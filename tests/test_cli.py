@@ -68,12 +68,13 @@ def test_broken_plugins_are_listed_in_red(fresh_registry):
     try:
         with pytest.warns(lossplug.LossplugPluginWarning):
             lossplug.registry()
-        out = CliRunner().invoke(app, ["list", "--kind", "gate"], env={"COLUMNS": "200", "FORCE_COLOR": "1",
-                                                                        "TERM": "xterm-256color"})
+        out = CliRunner().invoke(
+            app, ["list", "--kind", "gate"], env={"COLUMNS": "200", "FORCE_COLOR": "1", "TERM": "xterm-256color"}
+        )
         assert out.exit_code == 0
         text = out.output
         assert "plugins that cannot be used" in text and "boom: cannot reach the tokenizer" in text
-        line = next(l for l in text.splitlines() if "broken_pkg" in l)
+        line = next(row for row in text.splitlines() if "broken_pkg" in row)
         assert "\x1b[31m" in line or "\x1b[1;31m" in line or "\x1b[91m" in line, repr(line)
         data = json.loads(run("list", "--json").output)
         assert data["broken"][0]["origin"] == "in-process plugin 'broken_pkg'"
@@ -119,8 +120,14 @@ def batch_tensors(**overrides):
     mask = torch.ones(4, 5, dtype=torch.bool)
     mask[1, 3:] = False
     logp = -torch.rand(4, 5, generator=g) - 0.1
-    tensors = dict(logp=logp, old_logp=logp - 0.05, action_mask=mask, advantage=torch.tensor([1.0, -1.0, 0.5, 0.0]),
-                   reward=torch.tensor([1.0, 0.0, 1.0, 0.0]), group_id=torch.tensor([0, 0, 1, 1]))
+    tensors = dict(
+        logp=logp,
+        old_logp=logp - 0.05,
+        action_mask=mask,
+        advantage=torch.tensor([1.0, -1.0, 0.5, 0.0]),
+        reward=torch.tensor([1.0, 0.0, 1.0, 0.0]),
+        group_id=torch.tensor([0, 0, 1, 1]),
+    )
     tensors.update(overrides)
     return {k: v for k, v in tensors.items() if v is not None}
 
@@ -180,25 +187,45 @@ def test_validate_small_json_and_packed_transitions(tmp_path):
     policy.write_text(json.dumps({"logp": [[-0.5, -1.0]], "action_mask": [[True, False]], "advantage": [1.0]}))
     assert run("validate", str(policy)).exit_code == 0
     packed = tmp_path / "packed.json"
-    packed.write_text(json.dumps({"reward": [1.0, 0.0, 2.0], "value": [0.1, 0.2, 0.3],
-                                  "next_value": [0.2, 0.0, 0.0], "terminated": [False, False, True],
-                                  "boundary": [False, True, True]}))
+    packed.write_text(
+        json.dumps(
+            {
+                "reward": [1.0, 0.0, 2.0],
+                "value": [0.1, 0.2, 0.3],
+                "next_value": [0.2, 0.0, 0.0],
+                "terminated": [False, False, True],
+                "boundary": [False, True, True],
+            }
+        )
+    )
     out = run("validate", str(packed), "--recipe", "ppo")
     assert out.exit_code == 0, out.output
     assert "PackedTransitions" in out.output
-    packed.write_text(json.dumps({"reward": [1.0, 0.0], "value": [0.1, 0.2], "next_value": [0.2, 0.1],
-                                  "terminated": [True, False], "boundary": [False, False]}))
+    packed.write_text(
+        json.dumps(
+            {
+                "reward": [1.0, 0.0],
+                "value": [0.1, 0.2],
+                "next_value": [0.2, 0.1],
+                "terminated": [True, False],
+                "boundary": [False, False],
+            }
+        )
+    )
     out = run("validate", str(packed), "--json")
     assert out.exit_code == 1
     rules = " ".join(v["rule"] for v in json.loads(out.output)["violations"])
     assert "terminated ⇒ boundary" in rules and "must be closed" in rules
 
 
-@pytest.mark.parametrize("content,phrase", [
-    (b"", "too short to be a safetensors file"),
-    (b"hello, this is not a tensor file at all", "not a safetensors file"),
-    (struct.pack("<Q", 20) + b"[1, 2, 3]           ", "header is not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "content,phrase",
+    [
+        (b"", "too short to be a safetensors file"),
+        (b"hello, this is not a tensor file at all", "not a safetensors file"),
+        (struct.pack("<Q", 20) + b"[1, 2, 3]           ", "header is not a JSON object"),
+    ],
+)
 def test_validate_unreadable_files_give_a_clear_error(tmp_path, content, phrase):
     path = tmp_path / "x.safetensors"
     path.write_bytes(content)
@@ -277,9 +304,13 @@ def test_validate_warns_about_groups_of_one_rollout_under_grpo_and_dapo(tmp_path
 
 def test_validate_names_the_first_lone_groups_and_counts_the_rest(tmp_path):
     n = 30
-    tensors = dict(logp=torch.full((n, 2), -1.0), old_logp=torch.full((n, 2), -1.0),
-                   action_mask=torch.ones(n, 2, dtype=torch.bool), reward=torch.zeros(n),
-                   group_id=torch.arange(100, 100 + n))
+    tensors = dict(
+        logp=torch.full((n, 2), -1.0),
+        old_logp=torch.full((n, 2), -1.0),
+        action_mask=torch.ones(n, 2, dtype=torch.bool),
+        reward=torch.zeros(n),
+        group_id=torch.arange(100, 100 + n),
+    )
     out = run("validate", str(save(tmp_path / "lone.safetensors", tensors)), "--recipe", "dapo", "--json")
     assert out.exit_code == 0
     assert "30 of 30 groups" in out.stderr and "group_id 100, 101," in out.stderr and "… and 20 more" in out.stderr
@@ -316,8 +347,12 @@ def test_validate_json_reports_errors_as_json_on_stdout(tmp_path):
 
 def test_validate_help_documents_the_exit_codes():
     text = " ".join(run("validate", "--help").output.split())
-    for phrase in ("0 — the batch is valid", "1 — it has violations", "2 — it could not be judged",
-                   "never change the exit code"):
+    for phrase in (
+        "0 — the batch is valid",
+        "1 — it has violations",
+        "2 — it could not be judged",
+        "never change the exit code",
+    ):
         assert phrase in text
 
 

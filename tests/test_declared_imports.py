@@ -23,11 +23,11 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -49,7 +49,7 @@ def _requirement_name(spec: str) -> str:
     return _canonical(re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", spec).group(1))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _modules_of() -> dict[str, set[str]]:
     """distribution (canonical name) → the top-level modules it installs."""
     out: dict[str, set[str]] = {}
@@ -95,8 +95,11 @@ def package_files() -> dict[str, Path]:
     modules = {}
     for package in PYPROJECT["tool"]["setuptools"]["packages"]:
         prefix = max((p for p in mapping if package == p or package.startswith(p + ".")), key=len)
-        folder = ROOT / mapping[prefix] / Path(*package[len(prefix):].lstrip(".").split(".")) \
-            if package != prefix else ROOT / mapping[prefix]
+        folder = (
+            ROOT / mapping[prefix] / Path(*package[len(prefix) :].lstrip(".").split("."))
+            if package != prefix
+            else ROOT / mapping[prefix]
+        )
         for path in folder.glob("*.py"):
             modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
     return modules
@@ -108,8 +111,9 @@ def _guards_imports(handler: ast.ExceptHandler) -> bool:
 
 
 def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports(module: str, source: str, is_package: bool = False) -> list[tuple[int, str, bool]]:
@@ -144,12 +148,20 @@ def imports(module: str, source: str, is_package: bool = False) -> list[tuple[in
         elif isinstance(node, ast.ImportFrom):
             name = absolute(node)
             # `from lossplug.adapters import verl` may import the submodule lossplug.adapters.verl
-            found.extend((node.lineno, f"{name}.{a.name}" if name.split(".")[0] == "lossplug" else name, deferred)
-                         for a in node.names)
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str) and (
-                    (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
-                    or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__"))):
+            found.extend(
+                (node.lineno, f"{name}.{a.name}" if name.split(".")[0] == "lossplug" else name, deferred)
+                for a in node.names
+            )
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and (
+                (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__"))
+            )
+        ):
             found.append((node.lineno, node.args[0].value, deferred))
         for child in ast.iter_child_nodes(node):
             visit(child, deferred)
@@ -159,7 +171,7 @@ def imports(module: str, source: str, is_package: bool = False) -> list[tuple[in
 
 
 def test_the_scan_sees_what_runs_at_import_time():
-    source = '''
+    source = """
 import os
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:
@@ -175,12 +187,22 @@ def f():
     from .sibling import x
 lazy = lambda: __import__("in_a_lambda")
 importlib.import_module("by_name")
-'''
+"""
     found = {name: deferred for _, name, deferred in imports("lossplug.tools.kl", source)}
-    assert found == {"os": False, "typing": False, "optional_thing": True, "in_a_class_body": False,
-                     "in_a_function": True, "lossplug.tools.sibling.x": True, "in_a_lambda": True, "by_name": False}
-    assert [n for _, n, _ in imports("lossplug.tools", "from . import kl\nfrom ..ops import zero_off", True)] == \
-        ["lossplug.tools.kl", "lossplug.ops.zero_off"]
+    assert found == {
+        "os": False,
+        "typing": False,
+        "optional_thing": True,
+        "in_a_class_body": False,
+        "in_a_function": True,
+        "lossplug.tools.sibling.x": True,
+        "in_a_lambda": True,
+        "by_name": False,
+    }
+    assert [n for _, n, _ in imports("lossplug.tools", "from . import kl\nfrom ..ops import zero_off", True)] == [
+        "lossplug.tools.kl",
+        "lossplug.ops.zero_off",
+    ]
 
 
 def test_every_import_is_declared():
@@ -196,27 +218,34 @@ def test_every_import_is_declared():
             if top in stdlib or top == "lossplug":
                 needs_extra = next((m for m in OPTIONAL_MODULES if name == m or name.startswith(m + ".")), None)
                 if needs_extra and not deferred and module not in OPTIONAL_MODULES:
-                    problems.append(f"{where}:{line}: imports {needs_extra} at import time — it needs an extra "
-                                    f"({OPTIONAL_MODULES[needs_extra]}); import it inside the function that uses it")
+                    problems.append(
+                        f"{where}:{line}: imports {needs_extra} at import time — it needs an extra "
+                        f"({OPTIONAL_MODULES[needs_extra]}); import it inside the function that uses it"
+                    )
                 continue
             if not deferred and module not in OPTIONAL_MODULES:
                 if top not in core:
-                    problems.append(f"{where}:{line}: imports {name} at import time; {top} is neither the standard "
-                                    "library nor a declared dependency (declare it, or import it lazily on the "
-                                    "optional path that needs it)")
+                    problems.append(
+                        f"{where}:{line}: imports {name} at import time; {top} is neither the standard "
+                        "library nor a declared dependency (declare it, or import it lazily on the "
+                        "optional path that needs it)"
+                    )
             elif top not in core and top not in extras:
-                problems.append(f"{where}:{line}: imports {name}; {top} is not brought by any declared dependency "
-                                "or extra")
+                problems.append(
+                    f"{where}:{line}: imports {name}; {top} is not brought by any declared dependency or extra"
+                )
     assert not problems, "\n".join(problems)
 
 
 def test_core_paths_run_with_every_extra_hidden():
     hidden = sorted(extra_modules() - _closure_of_core())
     assert "numpy" in hidden and "trl" in hidden  # the point: what only the extras bring
-    code = ("import runpy, sys\n"
-            f"for name in {hidden!r}:\n"
-            "    sys.modules[name] = None  # `import name` raises ModuleNotFoundError, as in a core-only install\n"
-            f"runpy.run_path({str(ROOT / '.ci' / 'core_only_smoke.py')!r}, run_name='__main__')\n")
+    code = (
+        "import runpy, sys\n"
+        f"for name in {hidden!r}:\n"
+        "    sys.modules[name] = None  # `import name` raises ModuleNotFoundError, as in a core-only install\n"
+        f"runpy.run_path({str(ROOT / '.ci' / 'core_only_smoke.py')!r}, run_name='__main__')\n"
+    )
     env = {**os.environ, "LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD": "1"}  # the package alone, not what else is installed
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout + out.stderr

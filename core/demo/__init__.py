@@ -47,7 +47,26 @@ from .settings import DEFAULT, DEFAULT_RECIPE, FAST, LEARNED_MARGIN, DemoSetting
 from .task import HELDOUT_FILLERS, TRAIN_FILLERS, SuccessorTask, score, successor_reward
 from .training import run_demo
 
-__all__ = ["DEFAULT", "DEFAULT_RECIPE", "FAST", "HELDOUT_FILLERS", "LEARNED_MARGIN", "TRAIN_FILLERS", "DemoSettings",
-           "GateFraction", "RunResult", "SuccessorTask", "compare_figure", "default_out_dir", "gate_fractions",
-           "plot_compare", "plot_run", "recipe_label", "run_compare", "run_demo", "run_figure", "score",
-           "successor_reward"]
+__all__ = [
+    "DEFAULT",
+    "DEFAULT_RECIPE",
+    "FAST",
+    "HELDOUT_FILLERS",
+    "LEARNED_MARGIN",
+    "TRAIN_FILLERS",
+    "DemoSettings",
+    "GateFraction",
+    "RunResult",
+    "SuccessorTask",
+    "compare_figure",
+    "default_out_dir",
+    "gate_fractions",
+    "plot_compare",
+    "plot_run",
+    "recipe_label",
+    "run_compare",
+    "run_demo",
+    "run_figure",
+    "score",
+    "successor_reward",
+]

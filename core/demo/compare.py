@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 from .display import LiveDisplay
 from .figures import plot_compare
@@ -32,15 +33,22 @@ def preflight(recipes: Sequence[tuple[str, Any]], settings: DemoSettings) -> Non
         for label, recipe in recipes:
             display = LiveDisplay(label, settings, True, Console(file=null))
             try:
-                build_trainer(recipe, settings.replace(heldout_prompts=10, train_prompts=16), Path(tmp) / label,
-                              display)
+                build_trainer(
+                    recipe, settings.replace(heldout_prompts=10, train_prompts=16), Path(tmp) / label, display
+                )
             except LossplugError as err:
                 raise LossplugError(f"recipe {label!r}: {err}") from None
 
 
-def run_compare(recipes: Sequence[Any], settings: DemoSettings = DEFAULT, out_dir: Optional[Union[str, Path]] = None,
-                *, quiet: bool = False, console: Optional[Console] = None,
-                on_result: Optional[Callable[[RunResult], None]] = None) -> tuple[Path, dict[str, RunResult]]:
+def run_compare(
+    recipes: Sequence[Any],
+    settings: DemoSettings = DEFAULT,
+    out_dir: str | Path | None = None,
+    *,
+    quiet: bool = False,
+    console: Console | None = None,
+    on_result: Callable[[RunResult], None] | None = None,
+) -> tuple[Path, dict[str, RunResult]]:
     """Train each recipe on the same seeds (same initial model, prompts and sampling seed); one folder per recipe
     under ``out_dir`` and ``compare.png`` with their curves side by side. Returns ``(compare.png, results)``."""
     from lossplug import Recipe, compile_recipe
@@ -59,8 +67,11 @@ def run_compare(recipes: Sequence[Any], settings: DemoSettings = DEFAULT, out_di
         results[label] = run_demo(recipe, settings, out / label, quiet=quiet, console=console, label=label)
         if on_result is not None:
             on_result(results[label])
-    path = plot_compare({k: v.rows for k, v in results.items()}, out / "compare.png",
-                        title=f"lossplug demo · task successor · seed {settings.seed} · {settings.steps} steps",
-                        gates={k: v.summary["gates"] for k, v in results.items()})
+    path = plot_compare(
+        {k: v.rows for k, v in results.items()},
+        out / "compare.png",
+        title=f"lossplug demo · task successor · seed {settings.seed} · {settings.steps} steps",
+        gates={k: v.summary["gates"] for k, v in results.items()},
+    )
     (out / "compare.json").write_text(json.dumps({k: v.summary for k, v in results.items()}, indent=2) + "\n")
     return path, results

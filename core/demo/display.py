@@ -5,8 +5,9 @@ line per held-out evaluation elsewhere (CI logs, pipes) or with ``quiet``."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from itertools import groupby
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -16,11 +17,10 @@ from .gate_metrics import gate_fractions
 from .record import mean
 from .settings import DemoSettings
 
-
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
-def _sparkline(history: Sequence[Optional[float]], width: int = 40, lo: float = 0.0, hi: float = 1.0) -> str:
+def _sparkline(history: Sequence[float | None], width: int = 40, lo: float = 0.0, hi: float = 1.0) -> str:
     """The whole history in at most ``width`` characters (bucket means when longer)."""
     values = [v for v in history if v is not None]
     if len(values) > width:
@@ -40,14 +40,20 @@ class LiveDisplay:
     ``gates``: the recipe's gate names, whose fraction metrics get a row each (see :mod:`lossplug.demo.gate_metrics`);
     None takes every gate found in the logs."""
 
-    def __init__(self, label: str, settings: DemoSettings, quiet: bool, console: Optional[Console] = None,
-                 gates: Optional[Sequence[str]] = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        settings: DemoSettings,
+        quiet: bool,
+        console: Console | None = None,
+        gates: Sequence[str] | None = None,
+    ) -> None:
         from rich.console import Console
 
         self.label, self.settings, self.quiet, self.gates = label, settings, quiet, gates
         self.console = console or Console(highlight=False)
         self.animate = not quiet and self.console.is_terminal
-        self.live: Optional[Live] = None
+        self.live: Live | None = None
         self.stopped = False
         self.t0 = time.perf_counter()
         self.rows: list[dict[str, Any]] = []
@@ -91,7 +97,9 @@ class LiveDisplay:
             f"reward {'—' if reward is None else f'{reward:.3f}'}  "
             f"held-out {row['heldout/score']:.3f}  "
             f"{'' if tps is None else f'{tps:,.0f} tok/s  '}{time.perf_counter() - self.t0:.0f}s",
-            markup=False, soft_wrap=True)
+            markup=False,
+            soft_wrap=True,
+        )
 
     def _render(self) -> RenderableType:
         from rich.console import Group
@@ -107,8 +115,10 @@ class LiveDisplay:
         head = Table.grid(expand=True)
         head.add_column(ratio=1)
         head.add_column(justify="right")
-        head.add_row(Text(f"lossplug demo · recipe {self.label} · task successor · seed {s.seed}", style="bold"),
-                     Text(f"step {step}/{s.steps} · {elapsed:.0f}s", style="cyan"))
+        head.add_row(
+            Text(f"lossplug demo · recipe {self.label} · task successor · seed {s.seed}", style="bold"),
+            Text(f"step {step}/{s.steps} · {elapsed:.0f}s", style="cyan"),
+        )
         bar = Table.grid(expand=True)  # a ProgressBar on its own in a Group ends no line: the next row is lost
         bar.add_column(ratio=1)
         bar.add_row(ProgressBar(total=s.steps, completed=step, width=None))
@@ -123,32 +133,49 @@ class LiveDisplay:
         table.add_column()
         rewards = [r.get("reward") for r in self.rows]
         first = mean(rewards[:3]) if rewards else None
-        table.add_row("reward", fmt("reward"),
-                      Text(_sparkline(rewards, width=20), style="green")
-                      + Text("" if first is None else f"  from {first:.2f}", style="dim"))
+        table.add_row(
+            "reward",
+            fmt("reward"),
+            Text(_sparkline(rewards, width=20), style="green")
+            + Text("" if first is None else f"  from {first:.2f}", style="dim"),
+        )
         if self.heldout:
             h0, hn = self.heldout[0], self.heldout[-1]
-            table.add_row("held-out", f"{hn[1]:.3f}",
-                          Text(_sparkline([h[1] for h in self.heldout], width=20), style="magenta")
-                          + Text(f"  from {h0[1]:.2f}", style="dim"))
+            table.add_row(
+                "held-out",
+                f"{hn[1]:.3f}",
+                Text(_sparkline([h[1] for h in self.heldout], width=20), style="magenta")
+                + Text(f"  from {h0[1]:.2f}", style="dim"),
+            )
         cut = [f for f in gate_fractions(last, self.gates) if not f.kept]
         for (gate, _), same in groupby(cut, key=lambda f: (f.gate, f.stem)):
             group = list(same)
             sides = [f.side for f in group if f.side]
-            table.add_row(group[0].label, " ".join(fmt(f.key) for f in group),
-                          Text(f"{gate}: {' · '.join(sides)}" if sides else gate, style="dim"))
+            table.add_row(
+                group[0].label,
+                " ".join(fmt(f.key) for f in group),
+                Text(f"{gate}: {' · '.join(sides)}" if sides else gate, style="dim"),
+            )
         if "lossplug/effective/token_frac" in last:
-            table.add_row("effective rate", f"{fmt('lossplug/effective/token_frac')} "
-                                                   f"{fmt('lossplug/effective/seq_frac')}",
-                          Text("token · sequence", style="dim"))
+            table.add_row(
+                "effective rate",
+                f"{fmt('lossplug/effective/token_frac')} {fmt('lossplug/effective/seq_frac')}",
+                Text("token · sequence", style="dim"),
+            )
         if "lossplug/ratio/update/p50" in last:
-            table.add_row("update ratio", " ".join(fmt(f"lossplug/ratio/update/{q}")
-                                                              for q in ("p05", "p50", "p95")),
-                          Text(f"p05 · p50 · p95, max {fmt('lossplug/ratio/update/max')}", style="dim"))
+            table.add_row(
+                "update ratio",
+                " ".join(fmt(f"lossplug/ratio/update/{q}") for q in ("p05", "p50", "p95")),
+                Text(f"p05 · p50 · p95, max {fmt('lossplug/ratio/update/max')}", style="dim"),
+            )
         if "demo/tokens_per_s" in last:
-            table.add_row("tokens/s", f"{last['demo/tokens_per_s']:,.0f}",
-                          Text(f"rollout {fmt('demo/rollout_tokens_per_s', ',.0f')} generated/s", style="dim"))
+            table.add_row(
+                "tokens/s",
+                f"{last['demo/tokens_per_s']:,.0f}",
+                Text(f"rollout {fmt('demo/rollout_tokens_per_s', ',.0f')} generated/s", style="dim"),
+            )
         if "entropy" in last:
-            table.add_row("entropy", fmt("entropy"), Text(f"mean length {fmt('completions/mean_length', '.2f')}",
-                                                          style="dim"))
+            table.add_row(
+                "entropy", fmt("entropy"), Text(f"mean length {fmt('completions/mean_length', '.2f')}", style="dim")
+            )
         return Panel(Group(head, bar, table), border_style="blue", width=min(self.console.width, 88))

@@ -8,8 +8,9 @@ rates, SAPO's mean gate weight, the gates' kept fractions — go on a second, fi
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -29,8 +30,17 @@ _SIDE_STYLES = {"high": "-", "low": "--"}
 _OTHER_SIDE_STYLE = "-."
 _UNSIDED_STYLE = "-"
 # orange and black mark the effective sample rates on the second axis
-_CUT_COLORS = ("tab:red", "tab:blue", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:green",
-               "tab:gray")
+_CUT_COLORS = (
+    "tab:red",
+    "tab:blue",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:olive",
+    "tab:cyan",
+    "tab:green",
+    "tab:gray",
+)
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -46,7 +56,7 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[flo
 def _smooth(ys: list[float], window: int = 5) -> list[float]:
     out = []
     for i in range(len(ys)):
-        part = ys[max(0, i - window + 1):i + 1]
+        part = ys[max(0, i - window + 1) : i + 1]
         out.append(sum(part) / len(part))
     return out
 
@@ -74,7 +84,7 @@ def _line_style(fraction: GateFraction) -> str:
     return _SIDE_STYLES.get(fraction.side, _OTHER_SIDE_STYLE)
 
 
-def _gate_panel(ax: Axes, rows: list[dict[str, Any]], gates: Optional[Sequence[str]], legend_size: int) -> None:
+def _gate_panel(ax: Axes, rows: list[dict[str, Any]], gates: Sequence[str] | None, legend_size: int) -> None:
     """Cut fractions on ``ax`` (y-axis fitted to them), shares kept on a twin axis (0–1), one legend for both in
     the room left free above the lines."""
     fractions = gate_fractions({k for r in rows for k in r}, gates)
@@ -83,16 +93,19 @@ def _gate_panel(ax: Axes, rows: list[dict[str, Any]], gates: Optional[Sequence[s
     plotted: list[float] = []
     for i, f in enumerate(cut):
         gx, gy = _series(rows, f.key)
-        ax.plot(gx, gy, color=_CUT_COLORS[i % len(_CUT_COLORS)], ls=_line_style(f), lw=1.6,
-                label=f"{f.gate}/{f.metric}")
+        ax.plot(
+            gx, gy, color=_CUT_COLORS[i % len(_CUT_COLORS)], ls=_line_style(f), lw=1.6, label=f"{f.gate}/{f.metric}"
+        )
         plotted += gy
     bottom, top = fraction_axis_limits(plotted)
     ax.set_ylim(bottom, bottom + (top - bottom) / (1 - LEGEND_ROOM))
     ax.set_ylabel("fraction of action tokens cut")
 
     rates = ax.twinx()
-    for key, color, label in (("lossplug/effective/token_frac", "black", "effective sample rate (tokens)"),
-                              ("lossplug/effective/seq_frac", "tab:orange", "effective sample rate (sequences)")):
+    for key, color, label in (
+        ("lossplug/effective/token_frac", "black", "effective sample rate (tokens)"),
+        ("lossplug/effective/seq_frac", "tab:orange", "effective sample rate (sequences)"),
+    ):
         gx, gy = _series(rows, key)
         if gy:
             rates.plot(gx, gy, color=color, lw=1.2, ls="--", label=label)
@@ -118,8 +131,7 @@ def _gate_panel(ax: Axes, rows: list[dict[str, Any]], gates: Optional[Sequence[s
         ax.legend(handles + more_handles, labels + more_labels, fontsize=legend_size, loc="upper center", ncol=2)
 
 
-def run_figure(rows: list[dict[str, Any]], title: str = "lossplug demo", gates: Optional[Sequence[str]] = None
-               ) -> Figure:
+def run_figure(rows: list[dict[str, Any]], title: str = "lossplug demo", gates: Sequence[str] | None = None) -> Figure:
     """The figure of ``curves.png``: learning signal, gate activity, throughput and held-out score, each on its own
     panel. ``gates``: the recipe's gate names (None: every gate in the rows). The caller closes it."""
     plt = _pyplot()
@@ -132,8 +144,14 @@ def run_figure(rows: list[dict[str, Any]], title: str = "lossplug demo", gates: 
     ax_r.plot(xs, _smooth(ys), color="tab:green", lw=2.2, label="reward (running mean of 5)")
     sx, sy = _series(rows, "frac_reward_zero_std")
     if sy:
-        ax_r.plot(sx, [1.0 - y for y in sy], color="0.45", lw=1, ls=":",
-                  label="groups with a learning signal (reward std > 0)")
+        ax_r.plot(
+            sx,
+            [1.0 - y for y in sy],
+            color="0.45",
+            lw=1,
+            ls=":",
+            label="groups with a learning signal (reward std > 0)",
+        )
     ax_r.set_title("Learning signal: training reward (sampled, temperature 1)")
     ax_r.set_ylim(-0.02, 1.02)
     ax_r.set_ylabel("reward")
@@ -160,14 +178,18 @@ def run_figure(rows: list[dict[str, Any]], title: str = "lossplug demo", gates: 
     return fig
 
 
-def plot_run(rows: list[dict[str, Any]], path: Union[str, Path], title: str = "lossplug demo",
-             gates: Optional[Sequence[str]] = None) -> Path:
+def plot_run(
+    rows: list[dict[str, Any]], path: str | Path, title: str = "lossplug demo", gates: Sequence[str] | None = None
+) -> Path:
     """Write ``curves.png`` (:func:`run_figure`) to ``path``."""
     return _write(run_figure(rows, title, gates), path)
 
 
-def compare_figure(runs: dict[str, list[dict[str, Any]]], title: str = "lossplug demo · recipes compared",
-                   gates: Optional[Mapping[str, Sequence[str]]] = None) -> Figure:
+def compare_figure(
+    runs: dict[str, list[dict[str, Any]]],
+    title: str = "lossplug demo · recipes compared",
+    gates: Mapping[str, Sequence[str]] | None = None,
+) -> Figure:
     """The figure of ``compare.png``: one colour per recipe on each panel — reward, held-out score, gate cut
     fractions, throughput. ``gates``: each recipe's gate names by label (missing: every gate in its rows)."""
     plt = _pyplot()
@@ -203,9 +225,12 @@ def compare_figure(runs: dict[str, list[dict[str, Any]]], title: str = "lossplug
     return fig
 
 
-def plot_compare(runs: dict[str, list[dict[str, Any]]], path: Union[str, Path],
-                 title: str = "lossplug demo · recipes compared",
-                 gates: Optional[Mapping[str, Sequence[str]]] = None) -> Path:
+def plot_compare(
+    runs: dict[str, list[dict[str, Any]]],
+    path: str | Path,
+    title: str = "lossplug demo · recipes compared",
+    gates: Mapping[str, Sequence[str]] | None = None,
+) -> Path:
     """Write ``compare.png`` (:func:`compare_figure`) to ``path``."""
     return _write(compare_figure(runs, title, gates), path)
 
@@ -222,7 +247,7 @@ def _finish(fig: Figure, axes: Iterable[Axes], title: str, *, legend_size: int, 
     fig.tight_layout(rect=(0, 0, 1, top))
 
 
-def _write(fig: Figure, path: Union[str, Path]) -> Path:
+def _write(fig: Figure, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     path = Path(path)

@@ -16,8 +16,8 @@ Names under lossplug's own namespaces (``update/``, ``ratio/``, ``effective/``, 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
 
 #: the namespaces under ``lossplug/`` that the pipeline and the adapters use for their own metrics
 LOSSPLUG_NAMESPACES = frozenset({"update", "ratio", "effective", "objective", "reward", "advantage", "behavior_logp"})
@@ -34,7 +34,7 @@ class GateFraction:
     gate: str
     metric: str
     stem: str
-    side: Optional[str]
+    side: str | None
 
     @property
     def kept(self) -> bool:
@@ -47,11 +47,11 @@ class GateFraction:
         return self.stem.removesuffix("_frac").replace("_", " ") + " fraction"
 
 
-def parse(key: str) -> Optional[GateFraction]:
+def parse(key: str) -> GateFraction | None:
     """The :class:`GateFraction` that ``key`` names, or None when it is not a gate's fraction metric."""
     if not key.startswith(PREFIX):
         return None
-    parts = key[len(PREFIX):].split("/")
+    parts = key[len(PREFIX) :].split("/")
     if len(parts) != 2 or parts[0] in LOSSPLUG_NAMESPACES:
         return None
     gate, metric = parts
@@ -61,7 +61,7 @@ def parse(key: str) -> Optional[GateFraction]:
     return GateFraction(key=key, gate=gate, metric=metric, stem=match["stem"], side=match["side"])
 
 
-def gate_fractions(keys: Iterable[str], gates: Optional[Sequence[str]] = None) -> list[GateFraction]:
+def gate_fractions(keys: Iterable[str], gates: Sequence[str] | None = None) -> list[GateFraction]:
     """Every gate fraction metric among ``keys``, in display order: by gate (``gates``' order when given, else by
     name), then by stem, ``high`` before ``low`` before other sides.
 
@@ -74,5 +74,14 @@ def gate_fractions(keys: Iterable[str], gates: Optional[Sequence[str]] = None) -
     sided = {(f.gate, f.stem) for f in found.values() if f.side is not None}
     chosen = [f for f in found.values() if f.side is not None or (f.gate, f.stem) not in sided]
     gate_rank = {g: i for i, g in enumerate(gates)} if gates is not None else {}
-    return sorted(chosen, key=lambda f: (gate_rank.get(f.gate, len(gate_rank)), f.gate, f.kept, f.stem,
-                                         _SIDE_ORDER.get(f.side or "", 2), f.side or ""))
+    return sorted(
+        chosen,
+        key=lambda f: (
+            gate_rank.get(f.gate, len(gate_rank)),
+            f.gate,
+            f.kept,
+            f.stem,
+            _SIDE_ORDER.get(f.side or "", 2),
+            f.side or "",
+        ),
+    )

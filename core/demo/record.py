@@ -8,9 +8,10 @@ import dataclasses
 import math
 import re
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lossplug import Recipe
@@ -22,13 +23,13 @@ from .task import SuccessorTask
 RUN_FILES = ("recipe.yaml", "provenance.json", "versions.json", "metrics.jsonl", "summary.json", "curves.png")
 
 
-def default_out_dir(label: str, root: Union[str, Path] = "runs") -> Path:
+def default_out_dir(label: str, root: str | Path = "runs") -> Path:
     """``runs/<timestamp>-<label>/`` (the label made file-name safe)."""
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-") or "run"
     return Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}"
 
 
-def recipe_label(recipe: Union[Recipe, Mapping[str, Any], str, Path]) -> str:
+def recipe_label(recipe: Recipe | Mapping[str, Any] | str | Path) -> str:
     """A short name for a recipe argument: the preset name, the file stem, or the recipe's own name."""
     from lossplug import Recipe
 
@@ -46,7 +47,7 @@ def finite_or_none(value: Any) -> Any:
     return value
 
 
-def mean(xs: Sequence[Optional[float]]) -> float:
+def mean(xs: Sequence[float | None]) -> float:
     """The mean of the values that are not None (NaN when there are none)."""
     values = [x for x in xs if x is not None]
     return sum(values) / len(values) if values else float("nan")
@@ -66,8 +67,16 @@ class RunResult:
         return bool(self.summary["learned"])
 
 
-def summarise(label: str, recipe: Recipe, settings: DemoSettings, task: SuccessorTask, rows: list[dict[str, Any]],
-              wall: float, cpu: float, threads: int) -> dict[str, Any]:
+def summarise(
+    label: str,
+    recipe: Recipe,
+    settings: DemoSettings,
+    task: SuccessorTask,
+    rows: list[dict[str, Any]],
+    wall: float,
+    cpu: float,
+    threads: int,
+) -> dict[str, Any]:
     """``summary.json``: reward start/end, held-out before/after, whether the run learned, time, settings."""
     rewards = [r["reward"] for r in rows if r.get("reward") is not None]
     k = max(1, min(3, len(rewards) // 5))
@@ -76,20 +85,38 @@ def summarise(label: str, recipe: Recipe, settings: DemoSettings, task: Successo
     start, end = (mean(rewards[:k]), mean(rewards[-k:])) if rewards else (None, None)
     before, after = heldout[0], heldout[-1]
     # (start and end are set when there are rewards)
-    learned = bool(rewards and end - start > LEARNED_MARGIN  # type: ignore[operator]
-                   and after["heldout/score"] > before["heldout/score"])
+    learned = bool(
+        rewards
+        and end - start > LEARNED_MARGIN  # type: ignore[operator]
+        and after["heldout/score"] > before["heldout/score"]
+    )
     return {
-        "recipe": label, "recipe_name": recipe.name, "task": task.name, "task_description": task.description,
+        "recipe": label,
+        "recipe_name": recipe.name,
+        "task": task.name,
+        "task_description": task.description,
         "learned": learned,
-        "reward": {"start": start, "end": end, "first": rewards[0] if rewards else None,
-                   "last": rewards[-1] if rewards else None, "max": max(rewards) if rewards else None,
-                   "averaged_over_logs": k},
-        "heldout": {"before": before["heldout/score"], "after": after["heldout/score"],
-                    "prompts": settings.heldout_prompts, "what": "greedy decoding, fraction answered correctly"},
+        "reward": {
+            "start": start,
+            "end": end,
+            "first": rewards[0] if rewards else None,
+            "last": rewards[-1] if rewards else None,
+            "max": max(rewards) if rewards else None,
+            "averaged_over_logs": k,
+        },
+        "heldout": {
+            "before": before["heldout/score"],
+            "after": after["heldout/score"],
+            "prompts": settings.heldout_prompts,
+            "what": "greedy decoding, fraction answered correctly",
+        },
         "provenance": "behaviour = old (TRL samples with the training model via transformers generate); no "
-                      "reference policy (beta = 0, no KL term): see provenance.json",
+        "reference policy (beta = 0, no KL term): see provenance.json",
         "gates": [gate.name for gate in recipe.gates],
-        "steps": settings.steps, "wall_s": wall, "cpu_s": cpu, "torch_threads": threads,
+        "steps": settings.steps,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "torch_threads": threads,
         "tokens_per_s_mean": mean(tps) if tps else None,
         "settings": dataclasses.asdict(settings),
         "files": list(RUN_FILES),

@@ -17,20 +17,20 @@ LEARNED_MARGIN = 0.2
 class DemoSettings:
     """Everything that decides a demo run (recorded in ``summary.json``)."""
 
-    steps: int = 200                  # optimizer steps
-    seed: int = 0                     # model init, prompt order, sampling
+    steps: int = 200  # optimizer steps
+    seed: int = 0  # model init, prompt order, sampling
     prompts_per_generation: int = 16  # prompts per rollout batch
-    num_generations: int = 16         # completions per prompt (the group)
-    steps_per_generation: int = 2     # optimizer steps per rollout batch: the 2nd is off-policy (ratios ≠ 1)
+    num_generations: int = 16  # completions per prompt (the group)
+    steps_per_generation: int = 2  # optimizer steps per rollout batch: the 2nd is off-policy (ratios ≠ 1)
     max_completion_length: int = 3
     learning_rate: float = 3e-3
     hidden_size: int = 64
     layers: int = 2
     temperature: float = 1.0
-    eval_every: int = 10              # held-out evaluation every … optimizer steps
+    eval_every: int = 10  # held-out evaluation every … optimizer steps
     heldout_prompts: int = 100
     train_prompts: int = 2000
-    threads: int = 1                  # torch intra-op threads: 1 is fastest for this model size
+    threads: int = 1  # torch intra-op threads: 1 is fastest for this model size
 
     def __post_init__(self) -> None:
         if (self.prompts_per_generation * self.num_generations) % self.steps_per_generation:
@@ -40,7 +40,7 @@ class DemoSettings:
     def logging_steps(self) -> int:
         return self.steps_per_generation  # every log holds exactly one rollout batch (so always a reward)
 
-    def replace(self, **changes: Any) -> "DemoSettings":
+    def replace(self, **changes: Any) -> DemoSettings:
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 

@@ -9,9 +9,10 @@ prompts ``n``–``z``, so the held-out score measures ability apart from the lea
 from __future__ import annotations
 
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-TRAIN_FILLERS = tuple(chr(c) for c in range(ord("a"), ord("n")))   # a … m
+TRAIN_FILLERS = tuple(chr(c) for c in range(ord("a"), ord("n")))  # a … m
 HELDOUT_FILLERS = tuple(chr(c) for c in range(ord("n"), ord("z") + 1))  # n … z
 
 
@@ -24,17 +25,21 @@ def score(prompt: str, completion: str) -> float:
 
 def successor_reward(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
     """TRL reward function: :func:`score` for every (prompt, completion)."""
-    return [score(p if isinstance(p, str) else p[-1]["content"], c if isinstance(c, str) else c[-1]["content"])
-            for p, c in zip(prompts, completions)]
+    return [
+        score(p if isinstance(p, str) else p[-1]["content"], c if isinstance(c, str) else c[-1]["content"])
+        for p, c in zip(prompts, completions)
+    ]
 
 
 class SuccessorTask:
     """Prompts ``"<1–3 filler letters> <digit d>"``; answer ``(d + 1) mod 10`` as the first completion word."""
 
     name = "successor"
-    description = ("prompt: 1-3 filler letters then a digit d; reward 1 if the first word of the completion is "
-                   "(d+1) mod 10, else 0. Held-out: greedy decoding on prompts whose filler letters (n-z) never "
-                   "occur in training (a-m), fraction answered correctly")
+    description = (
+        "prompt: 1-3 filler letters then a digit d; reward 1 if the first word of the completion is "
+        "(d+1) mod 10, else 0. Held-out: greedy decoding on prompts whose filler letters (n-z) never "
+        "occur in training (a-m), fraction answered correctly"
+    )
 
     def __init__(self, seed: int = 0):
         self.seed = seed
@@ -64,9 +69,14 @@ class SuccessorTask:
             enc = tok(list(prompts), return_tensors="pt", padding=True)
             enc = {k: v.to(model.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
             with torch.no_grad():
-                out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
-                                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                out = model.generate(
+                    **enc,
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=tok.pad_token_id,
+                    eos_token_id=tok.eos_token_id,
+                )
         finally:
             model.train(was_training)
-        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         return sum(score(p, t) for p, t in zip(prompts, texts)) / len(prompts)

@@ -12,8 +12,9 @@ import json
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -33,8 +34,15 @@ def _callback_class() -> Any:  # (a TrainerCallback subclass, made when transfor
     class DemoCallback(TrainerCallback):
         """Writes ``metrics.jsonl``, evaluates held-out ability and drives the display at every logging step."""
 
-        def __init__(self, task: SuccessorTask, tok: Any, heldout: list[str], settings: DemoSettings,
-                     metrics_path: Path, display: LiveDisplay) -> None:
+        def __init__(
+            self,
+            task: SuccessorTask,
+            tok: Any,
+            heldout: list[str],
+            settings: DemoSettings,
+            metrics_path: Path,
+            display: LiveDisplay,
+        ) -> None:
             self.task, self.tok, self.heldout, self.settings = task, tok, heldout, settings
             self.metrics_path, self.display = metrics_path, display
             self.rows: list[dict[str, Any]] = []
@@ -68,8 +76,9 @@ def _callback_class() -> Any:  # (a TrainerCallback subclass, made when transfor
             self.t_start = self.t_last = time.perf_counter()
             self._write(row)
 
-        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, model: Any = None,
-                   **kwargs: Any) -> None:
+        def on_log(
+            self, args: Any, state: Any, control: Any, logs: Any = None, model: Any = None, **kwargs: Any
+        ) -> None:
             logs = dict(logs or {})
             if "train_runtime" in logs:  # the end-of-training summary, not a step
                 return
@@ -99,8 +108,13 @@ def _callback_class() -> Any:  # (a TrainerCallback subclass, made when transfor
 
         def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
             if self.last_eval_step != state.global_step:
-                self._write({"step": state.global_step, "time_s": time.perf_counter() - self.t_start,
-                             **self._evaluate(model, state.global_step)})
+                self._write(
+                    {
+                        "step": state.global_step,
+                        "time_s": time.perf_counter() - self.t_start,
+                        **self._evaluate(model, state.global_step),
+                    }
+                )
             self.display.stop()
 
     return DemoCallback
@@ -137,8 +151,9 @@ def quiet_libraries() -> Iterator[None]:
         yield
 
 
-def build_trainer(recipe: Any, settings: DemoSettings, out: Path, display: LiveDisplay
-                  ) -> tuple[Any, Any, SuccessorTask]:
+def build_trainer(
+    recipe: Any, settings: DemoSettings, out: Path, display: LiveDisplay
+) -> tuple[Any, Any, SuccessorTask]:
     """The trainer (recipe attached, provenance recorded) and its callback; nothing is trained or written yet."""
     from datasets import Dataset
     from transformers import PrinterCallback, ProgressCallback
@@ -146,22 +161,41 @@ def build_trainer(recipe: Any, settings: DemoSettings, out: Path, display: LiveD
     task = SuccessorTask(seed=settings.seed)
     tok = tiny.tiny_tokenizer()
     model = tiny.tiny_model(tok, hidden_size=settings.hidden_size, layers=settings.layers, seed=settings.seed)
-    model.config._name_or_path = (f"tiny-qwen2-h{settings.hidden_size}-l{settings.layers}-seed{settings.seed} "
-                                  "(random init, built locally)")
+    model.config._name_or_path = (
+        f"tiny-qwen2-h{settings.hidden_size}-l{settings.layers}-seed{settings.seed} (random init, built locally)"
+    )
     dataset = Dataset.from_dict({"prompt": task.train_prompts(settings.train_prompts)})
     heldout = task.heldout_prompts(settings.heldout_prompts)
     per_device = settings.prompts_per_generation * settings.num_generations // settings.steps_per_generation
     args = tiny.tiny_grpo_config(
-        out, max_steps=settings.steps, seed=settings.seed, data_seed=settings.seed,
-        per_device_train_batch_size=per_device, num_generations=settings.num_generations,
-        steps_per_generation=settings.steps_per_generation, gradient_accumulation_steps=1,
-        max_completion_length=settings.max_completion_length, learning_rate=settings.learning_rate,
-        lr_scheduler_type="constant", temperature=settings.temperature, beta=0.0,
-        logging_steps=settings.logging_steps, disable_tqdm=True, log_completions=False)
+        out,
+        max_steps=settings.steps,
+        seed=settings.seed,
+        data_seed=settings.seed,
+        per_device_train_batch_size=per_device,
+        num_generations=settings.num_generations,
+        steps_per_generation=settings.steps_per_generation,
+        gradient_accumulation_steps=1,
+        max_completion_length=settings.max_completion_length,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="constant",
+        temperature=settings.temperature,
+        beta=0.0,
+        logging_steps=settings.logging_steps,
+        disable_tqdm=True,
+        log_completions=False,
+    )
     callback = _callback_class()(task, tok, heldout, settings, out / "metrics.jsonl", display)
-    trainer = _trainer_class()(model=model, reward_funcs=[successor_reward], args=args, train_dataset=dataset,
-                               processing_class=tok, callbacks=[callback], recipe=recipe,
-                               metrics="full")  # the panels show ratio quantiles and effective rates
+    trainer = _trainer_class()(
+        model=model,
+        reward_funcs=[successor_reward],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        callbacks=[callback],
+        recipe=recipe,
+        metrics="full",
+    )  # the panels show ratio quantiles and effective rates
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)
     # the four log-prob sources (trl_provenance records behaviour = old: TRL samples with the training model);
@@ -170,8 +204,15 @@ def build_trainer(recipe: Any, settings: DemoSettings, out: Path, display: LiveD
     return trainer, callback, task
 
 
-def run_demo(recipe: Any = DEFAULT_RECIPE, settings: DemoSettings = DEFAULT, out_dir: Optional[Union[str, Path]] = None,
-             *, quiet: bool = False, console: Optional[Console] = None, label: Optional[str] = None) -> RunResult:
+def run_demo(
+    recipe: Any = DEFAULT_RECIPE,
+    settings: DemoSettings = DEFAULT,
+    out_dir: str | Path | None = None,
+    *,
+    quiet: bool = False,
+    console: Console | None = None,
+    label: str | None = None,
+) -> RunResult:
     """Train the tiny model on :class:`SuccessorTask` with ``recipe`` (a preset name, YAML/JSON path, mapping or
     :class:`lossplug.Recipe`) and write the run folder (default ``runs/<timestamp>-<recipe>/``).
 
@@ -181,8 +222,15 @@ def run_demo(recipe: Any = DEFAULT_RECIPE, settings: DemoSettings = DEFAULT, out
         return _run_demo(recipe, settings, out_dir, quiet=quiet, console=console, label=label)
 
 
-def _run_demo(recipe: Any, settings: DemoSettings, out_dir: Optional[Union[str, Path]], *, quiet: bool,
-              console: Optional[Console], label: Optional[str]) -> RunResult:
+def _run_demo(
+    recipe: Any,
+    settings: DemoSettings,
+    out_dir: str | Path | None,
+    *,
+    quiet: bool,
+    console: Console | None,
+    label: str | None,
+) -> RunResult:
     import torch
 
     import lossplug
@@ -220,6 +268,10 @@ def _run_demo(recipe: Any, settings: DemoSettings, out_dir: Optional[Union[str, 
     rows = callback.rows
     summary = summarise(label, recipe_obj, settings, task, rows, wall, cpu, settings.threads)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_run(rows, out / "curves.png", title=f"lossplug demo · recipe {label} · task {task.name} · "
-                                            f"seed {settings.seed}", gates=summary["gates"])
+    plot_run(
+        rows,
+        out / "curves.png",
+        title=f"lossplug demo · recipe {label} · task {task.name} · seed {settings.seed}",
+        gates=summary["gates"],
+    )
     return RunResult(out_dir=out, summary=summary, rows=rows)

@@ -38,22 +38,39 @@ gradient) is skipped with a reason: ``conformance_tests("my_gate", skip={"ratio_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Union
-
 import importlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names are resolved lazily (_LAZY)
     from lossplug.plugin import AnyPlugin
 
     from . import batches, reference, tiny
     from .install import install_isolated
-    from .kit import (CHECKS, CheckResult, ConformanceError, ConformanceReport, assert_conforms, check_plugin,
-                      checks_for, run_check)
+    from .kit import (
+        CHECKS,
+        CheckResult,
+        ConformanceError,
+        ConformanceReport,
+        assert_conforms,
+        check_plugin,
+        checks_for,
+        run_check,
+    )
 
 _LAZY = {  # imported on first use, so that loading the pytest plugin costs nothing
-    "CHECKS": "kit", "CheckResult": "kit", "ConformanceError": "kit", "ConformanceReport": "kit",
-    "assert_conforms": "kit", "check_plugin": "kit", "checks_for": "kit", "run_check": "kit",
-    "install_isolated": "install", "batches": None, "reference": None, "tiny": None,
+    "CHECKS": "kit",
+    "CheckResult": "kit",
+    "ConformanceError": "kit",
+    "ConformanceReport": "kit",
+    "assert_conforms": "kit",
+    "check_plugin": "kit",
+    "checks_for": "kit",
+    "run_check": "kit",
+    "install_isolated": "install",
+    "batches": None,
+    "reference": None,
+    "tiny": None,
 }
 
 
@@ -66,9 +83,13 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def conformance_tests(plugin: Union[str, AnyPlugin], *, kind: Optional[str] = None,
-                      params: Optional[Mapping[str, Any]] = None,
-                      skip: Union[Iterable[str], Mapping[str, str]] = ()) -> Callable[..., None]:
+def conformance_tests(
+    plugin: str | AnyPlugin,
+    *,
+    kind: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    skip: Iterable[str] | Mapping[str, str] = (),
+) -> Callable[..., None]:
     """A pytest test function, parametrized over every check that applies to ``plugin`` (one test item per check).
 
     Bind it to a module-level name starting with ``test``::
@@ -100,8 +121,14 @@ def conformance_tests(plugin: Union[str, AnyPlugin], *, kind: Optional[str] = No
     return test_lossplug_conformance
 
 
-def run_as_test(plugin: Union[str, AnyPlugin], check: str, *, kind: Optional[str] = None,
-                params: Optional[Mapping[str, Any]] = None, skip_reason: Optional[str] = None) -> CheckResult:
+def run_as_test(
+    plugin: str | AnyPlugin,
+    check: str,
+    *,
+    kind: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    skip_reason: str | None = None,
+) -> CheckResult:
     """Run one check as the body of a pytest test: skipped with a reason, or raising
     :class:`ConformanceError` with the whole report when it fails. Returns the :class:`CheckResult`."""
     import pytest
@@ -119,5 +146,19 @@ def run_as_test(plugin: Union[str, AnyPlugin], check: str, *, kind: Optional[str
     return result
 
 
-__all__ = ["CHECKS", "batches", "CheckResult", "ConformanceError", "ConformanceReport", "assert_conforms", "check_plugin",
-           "checks_for", "conformance_tests", "install_isolated", "reference", "run_as_test", "run_check", "tiny"]
+__all__ = [
+    "CHECKS",
+    "batches",
+    "CheckResult",
+    "ConformanceError",
+    "ConformanceReport",
+    "assert_conforms",
+    "check_plugin",
+    "checks_for",
+    "conformance_tests",
+    "install_isolated",
+    "reference",
+    "run_as_test",
+    "run_check",
+    "tiny",
+]

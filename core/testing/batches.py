@@ -8,7 +8,7 @@ arguments give bit-identical tensors.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lossplug.contracts import LossResult, Normalizer, Recipe
@@ -30,7 +30,7 @@ def _action_mask(B: int, T: int, g: torch.Generator) -> Tensor:
         mask[i, start:end] = True
         if i % 3 == 1 and end - start > 4:  # a masked tool-output block inside the response
             mid = start + (end - start) // 2
-            mask[i, mid:mid + 2] = False
+            mask[i, mid : mid + 2] = False
         if i == B - 1:  # one short response
             mask[i] = False
             mask[i, start] = True
@@ -49,9 +49,16 @@ def group_ids(B: int, group_size: int = 3, *, seed: int = 0) -> Tensor:
     return (ids[torch.randperm(B, generator=g)] * 7 + 3).to(torch.int64)  # non-contiguous ids too
 
 
-def policy_fields(B: int = 6, T: int = 10, *, seed: int = 0, dtype: torch.dtype = torch.float64,
-                  group_size: int = 3, log_ratio_scale: float = 0.4, token_advantage: bool = False,
-                  ) -> dict[str, Tensor]:
+def policy_fields(
+    B: int = 6,
+    T: int = 10,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    group_size: int = 3,
+    log_ratio_scale: float = 0.4,
+    token_advantage: bool = False,
+) -> dict[str, Tensor]:
     """Every :class:`~lossplug.PolicyBatch` field, filled and consistent (build one with ``PolicyBatch(**fields)``).
 
     ``logp`` is a leaf that does not yet require grad (call ``.requires_grad_()``). Log-ratios ``logp − old_logp``
@@ -76,7 +83,11 @@ def policy_fields(B: int = 6, T: int = 10, *, seed: int = 0, dtype: torch.dtype 
         advantage = sign * magnitude
     terminated = torch.arange(B) % 3 != 2  # every third response was truncated by a time limit
     fields = dict(
-        logp=logp, old_logp=old_logp, behavior_logp=behavior_logp, ref_logp=ref_logp, advantage=advantage,
+        logp=logp,
+        old_logp=old_logp,
+        behavior_logp=behavior_logp,
+        ref_logp=ref_logp,
+        advantage=advantage,
         action_mask=mask,
         reward=torch.randn(B, generator=g, dtype=torch.float64),
         value=torch.randn(B, T, generator=g, dtype=torch.float64),
@@ -99,12 +110,17 @@ def packed_fields(N: int = 12, *, seed: int = 0, dtype: torch.dtype = torch.floa
     terminated[cuts[-1]] = True  # the middle fragment is a time-limit truncation: boundary, not terminated
     trajectory_id = torch.zeros(N, dtype=torch.int64)
     for k, c in enumerate(cuts[:-1]):
-        trajectory_id[c + 1:] = k + 1
+        trajectory_id[c + 1 :] = k + 1
     next_value = torch.randn(N, generator=g, dtype=torch.float64)
     next_value[terminated] = float("nan")  # ignored where terminated: the contract allows anything there
-    fields = dict(reward=torch.randn(N, generator=g, dtype=torch.float64),
-                  value=torch.randn(N, generator=g, dtype=torch.float64), next_value=next_value,
-                  terminated=terminated, boundary=boundary, trajectory_id=trajectory_id)
+    fields = dict(
+        reward=torch.randn(N, generator=g, dtype=torch.float64),
+        value=torch.randn(N, generator=g, dtype=torch.float64),
+        next_value=next_value,
+        terminated=terminated,
+        boundary=boundary,
+        trajectory_id=trajectory_id,
+    )
     return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in fields.items()}
 
 
@@ -116,8 +132,9 @@ def poison(t: Tensor, where: Tensor, *, seed: int = 0) -> Tensor:
     return torch.where(where, choices[pick], t.detach()).detach()
 
 
-def insert_masked_columns(fields: dict[str, Tensor], before: int = 2, after: int = 3,
-                          fill: Optional[float] = None) -> dict[str, Tensor]:
+def insert_masked_columns(
+    fields: dict[str, Tensor], before: int = 2, after: int = 3, fill: float | None = None
+) -> dict[str, Tensor]:
     """The same batch with ``before`` masked columns in front (a prompt) and ``after`` behind (padding).
 
     Per-token fields get ``fill`` (default: poison) in the new columns; ``[B]`` fields are unchanged.
@@ -139,9 +156,15 @@ def insert_masked_columns(fields: dict[str, Tensor], before: int = 2, after: int
     return out
 
 
-def loss_and_grad(recipe: Union[Recipe, str], *, logp: Tensor, action_mask: Optional[Tensor] = None,
-                  normalizer: Optional[Normalizer] = None, metrics: Union[bool, MetricLevel] = "full",
-                  **fields: Optional[Tensor]) -> tuple[LossResult, Optional[Tensor]]:
+def loss_and_grad(
+    recipe: Recipe | str,
+    *,
+    logp: Tensor,
+    action_mask: Tensor | None = None,
+    normalizer: Normalizer | None = None,
+    metrics: bool | MetricLevel = "full",
+    **fields: Tensor | None,
+) -> tuple[LossResult, Tensor | None]:
     """Run ``policy_loss`` on these tensors (all-True mask by default) and return ``(LossResult, d loss / d logp)``:
     the two things a plugin's own tests usually assert on. Every metric is computed (``metrics="full"``): a test
     wants to see them all."""
@@ -149,7 +172,8 @@ def loss_and_grad(recipe: Union[Recipe, str], *, logp: Tensor, action_mask: Opti
 
     logp = logp.detach().clone().requires_grad_()
     mask = torch.ones_like(logp, dtype=torch.bool) if action_mask is None else action_mask
-    result = lossplug.policy_loss(lossplug.PolicyBatch(logp=logp, action_mask=mask, **fields), recipe, normalizer,
-                                  metrics=metrics)
+    result = lossplug.policy_loss(
+        lossplug.PolicyBatch(logp=logp, action_mask=mask, **fields), recipe, normalizer, metrics=metrics
+    )
     result.loss.backward()
     return result, logp.grad

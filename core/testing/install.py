@@ -12,14 +12,16 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def install_isolated(project: PathLike, target: PathLike, *, env: Optional[Mapping[str, str]] = None,
-                     timeout: float = 300) -> dict[str, str]:
+def install_isolated(
+    project: PathLike, target: PathLike, *, env: Mapping[str, str] | None = None, timeout: float = 300
+) -> dict[str, str]:
     """``pip install`` the project at ``project`` into ``target``; return an environment for subprocesses.
 
     The project is copied first (setuptools builds in the source tree; the copy keeps ``build/`` and
@@ -28,15 +30,31 @@ def install_isolated(project: PathLike, target: PathLike, *, env: Optional[Mappi
     """
     project, target = Path(project), Path(target)
     source = target.parent / f"{target.name}-src"
-    shutil.copytree(project, source, ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__",
-                                                                   ".pytest_cache"), dirs_exist_ok=True)
+    shutil.copytree(
+        project,
+        source,
+        ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".pytest_cache"),
+        dirs_exist_ok=True,
+    )
     base = dict(os.environ if env is None else env)
     base.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-           "--target", str(target), str(source)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "--target",
+        str(target),
+        str(source),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=base, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"pip install of {project} into {target} failed (exit {proc.returncode}):\n"
-                           f"{proc.stdout}\n{proc.stderr}")
+        raise RuntimeError(
+            f"pip install of {project} into {target} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
     base["PYTHONPATH"] = os.pathsep.join(p for p in (str(target), base.get("PYTHONPATH", "")) if p)
     return base

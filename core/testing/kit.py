@@ -13,17 +13,33 @@ import contextlib
 import json
 import traceback
 import types
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Optional, Union, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 import lossplug
-from lossplug.contracts import (BatchValidationError, LossplugError, Normalizer, PackedTransitions, PolicyBatch, Recipe,
-                                RecipeError)
+from lossplug.contracts import (
+    BatchValidationError,
+    LossplugError,
+    Normalizer,
+    PackedTransitions,
+    PolicyBatch,
+    Recipe,
+    RecipeError,
+)
 from lossplug.needs import required_fields
-from lossplug.plugin import (AdvantagePlugin, GateInput, GateOutput, GatePlugin, Params, Population, ReductionPlugin,
-                             evaluate)
+from lossplug.plugin import (
+    AdvantagePlugin,
+    GateInput,
+    GateOutput,
+    GatePlugin,
+    Params,
+    Population,
+    ReductionPlugin,
+    evaluate,
+)
 
 from . import batches as _b
 
@@ -31,7 +47,7 @@ if TYPE_CHECKING:
     from lossplug.pipeline import MetricLevel
 
 Tensor = torch.Tensor
-AnyPlugin = Union[AdvantagePlugin, GatePlugin, ReductionPlugin]
+AnyPlugin = AdvantagePlugin | GatePlugin | ReductionPlugin
 KINDS = ("advantage", "gate", "reduction")
 RTOL, ATOL = 1e-9, 1e-12  # float64 comparisons
 
@@ -50,7 +66,7 @@ class CheckSkipped(Exception):
 class ConformanceError(AssertionError):
     """A plugin failed one or more conformance checks; the message lists each with what was observed."""
 
-    def __init__(self, report: "ConformanceReport"):
+    def __init__(self, report: ConformanceReport):
         self.report = report
         super().__init__(str(report))
 
@@ -92,8 +108,11 @@ class ConformanceReport:
 
     def __str__(self) -> str:
         n_fail = len(self.failures)
-        head = (f"{self.title} passes all {len(self.results)} conformance checks" if not n_fail else
-                f"{self.title} failed {n_fail} of {len(self.results)} conformance checks:")
+        head = (
+            f"{self.title} passes all {len(self.results)} conformance checks"
+            if not n_fail
+            else f"{self.title} failed {n_fail} of {len(self.results)} conformance checks:"
+        )
         lines = [head]
         for r in self.results:
             if r.status == "failed":
@@ -101,7 +120,7 @@ class ConformanceReport:
                 lines.append(f"  ✗ {r.check} — {r.summary}\n      {body}")
         return "\n".join(lines)
 
-    def raise_for_failures(self) -> "ConformanceReport":
+    def raise_for_failures(self) -> ConformanceReport:
         if not self.ok:
             raise ConformanceError(self)
         return self
@@ -131,10 +150,10 @@ class Subject:
         return {"name": self.name, **self.params}
 
     @property
-    def role(self) -> Optional[str]:
+    def role(self) -> str | None:
         return getattr(self.plugin, "role", None)
 
-    def recipe(self, reduction: Union[str, Mapping[str, Any]] = "token") -> Recipe:
+    def recipe(self, reduction: str | Mapping[str, Any] = "token") -> Recipe:
         ref = reference_update_gate()
         if self.kind == "gate":
             gates = [self.spec] if self.role == "update" else [ref, self.spec]
@@ -168,11 +187,13 @@ class Check:
 CHECKS: dict[str, Check] = {}
 
 
-def _check(name: str, kinds: tuple[str, ...], summary: str
-           ) -> Callable[[Callable[[Subject], None]], Callable[[Subject], None]]:
+def _check(
+    name: str, kinds: tuple[str, ...], summary: str
+) -> Callable[[Callable[[Subject], None]], Callable[[Subject], None]]:
     def deco(fn: Callable[[Subject], None]) -> Callable[[Subject], None]:
         CHECKS[name] = Check(name, kinds, summary, fn)
         return fn
+
     return deco
 
 
@@ -194,7 +215,7 @@ def _normalizer(fields: Mapping[str, Tensor]) -> Normalizer:
 @dataclass
 class Run:
     loss: Tensor
-    grads: dict[str, Optional[Tensor]]
+    grads: dict[str, Tensor | None]
     metrics: dict[str, Tensor]
 
     @property
@@ -203,9 +224,15 @@ class Run:
         return cast(Tensor, self.grads["logp"])
 
 
-def _run(subject: Subject, fields: Mapping[str, Optional[Tensor]], *,
-         reduction: Union[str, Mapping[str, Any]] = "token", normalizer: Optional[Normalizer] = None,
-         grad: Iterable[str] = ("logp",), metrics: MetricLevel = "full") -> Run:
+def _run(
+    subject: Subject,
+    fields: Mapping[str, Tensor | None],
+    *,
+    reduction: str | Mapping[str, Any] = "token",
+    normalizer: Normalizer | None = None,
+    grad: Iterable[str] = ("logp",),
+    metrics: MetricLevel = "full",
+) -> Run:
     """``policy_loss`` of the subject's recipe on ``fields``; backward; the gradients of the ``grad`` fields."""
     leaves = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in fields.items() if v is not None}
     for name in grad:
@@ -222,8 +249,9 @@ def _run(subject: Subject, fields: Mapping[str, Optional[Tensor]], *,
     return Run(loss.detach(), grads, dict(result.metric_tensors))
 
 
-def _gate_input(fields: Mapping[str, Optional[Tensor]], grad: Iterable[str] = ("logp",)
-                ) -> tuple[GateInput, dict[str, Tensor]]:
+def _gate_input(
+    fields: Mapping[str, Tensor | None], grad: Iterable[str] = ("logp",)
+) -> tuple[GateInput, dict[str, Tensor]]:
     """The pipeline's own gate input for ``fields`` (``grad``: the fields made leaves that require gradient)."""
     leaves = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in fields.items() if v is not None}
     for name in grad:
@@ -246,8 +274,7 @@ def _where(bad: Tensor) -> str:
     return describe_positions(bad, noun="rows")
 
 
-def _first_diff(a: Tensor, b: Tensor, mask: Optional[Tensor] = None, rtol: float = RTOL, atol: float = ATOL
-                ) -> Optional[str]:
+def _first_diff(a: Tensor, b: Tensor, mask: Tensor | None = None, rtol: float = RTOL, atol: float = ATOL) -> str | None:
     """'' when allclose on ``mask``; else a description of the first differing places."""
     a, b = a.detach().double(), b.detach().double()
     close = torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=False)
@@ -257,7 +284,9 @@ def _first_diff(a: Tensor, b: Tensor, mask: Optional[Tensor] = None, rtol: float
     if a.ndim == 0:
         return f"expected {b.item():.10g}, got {a.item():.10g}"
     idx = bad.nonzero()[0].tolist()
-    return f"at {_where(bad)}: first at {tuple(idx)} expected {b[tuple(idx)].item():.6g}, got {a[tuple(idx)].item():.6g}"
+    return (
+        f"at {_where(bad)}: first at {tuple(idx)} expected {b[tuple(idx)].item():.6g}, got {a[tuple(idx)].item():.6g}"
+    )
 
 
 def _fmt_exc(err: BaseException) -> str:
@@ -268,7 +297,7 @@ def _fmt_exc(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}{where}"
 
 
-def _advantage_of(subject: Subject, batch: Union[PolicyBatch, PackedTransitions]) -> Tensor:
+def _advantage_of(subject: Subject, batch: PolicyBatch | PackedTransitions) -> Tensor:
     return lossplug.estimate_advantages(batch, subject.recipe()).advantage
 
 
@@ -294,20 +323,26 @@ def _adv_fields(subject: Subject, token_reward: bool = False, **kw: Any) -> dict
 def _docstring(s: Subject) -> None:
     doc = (s.plugin.doc or "").strip()
     if not doc:
-        raise CheckFailed(f"'{s.name}' has no docstring. Write one: its first line is the summary `lossplug list` "
-                          "shows, and the formula belongs there (or in the module docstring `lossplug show` prints).")
+        raise CheckFailed(
+            f"'{s.name}' has no docstring. Write one: its first line is the summary `lossplug list` "
+            "shows, and the formula belongs there (or in the module docstring `lossplug show` prints)."
+        )
 
 
 @_check("params_schema", KINDS, "parameters are a lossplug.Params model with a JSON schema, defaults and descriptions")
 def _params_schema(s: Subject) -> None:
     model = s.plugin.params
     if not (isinstance(model, type) and issubclass(model, Params)):
-        raise CheckFailed(f"params is {model!r}: it must be a subclass of lossplug.Params (a pydantic model that "
-                          "rejects unknown parameter names and is immutable)")
+        raise CheckFailed(
+            f"params is {model!r}: it must be a subclass of lossplug.Params (a pydantic model that "
+            "rejects unknown parameter names and is immutable)"
+        )
     if model.model_config.get("extra") != "forbid":
-        raise CheckFailed(f"{model.__name__} accepts unknown parameters (model_config extra="
-                          f"{model.model_config.get('extra')!r}); keep lossplug.Params' extra='forbid' so a typo "
-                          "in a recipe is an error")
+        raise CheckFailed(
+            f"{model.__name__} accepts unknown parameters (model_config extra="
+            f"{model.model_config.get('extra')!r}); keep lossplug.Params' extra='forbid' so a typo "
+            "in a recipe is an error"
+        )
     problems = []
     try:
         json.dumps(model.model_json_schema())
@@ -315,12 +350,16 @@ def _params_schema(s: Subject) -> None:
         problems.append(f"its JSON schema cannot be generated: {_fmt_exc(err)}")
     required = [n for n, f in model.model_fields.items() if f.is_required()]
     if required:
-        problems.append(f"parameter(s) {', '.join(required)} have no default: a recipe that names the plugin "
-                        f"without parameters ({{name: {s.name}}}) fails")
+        problems.append(
+            f"parameter(s) {', '.join(required)} have no default: a recipe that names the plugin "
+            f"without parameters ({{name: {s.name}}}) fails"
+        )
     undocumented = [n for n, f in model.model_fields.items() if not (f.description or "").strip()]
     if undocumented:
-        problems.append(f"parameter(s) {', '.join(undocumented)} have no description "
-                        "(Field(..., description=...)); `lossplug show` prints it")
+        problems.append(
+            f"parameter(s) {', '.join(undocumented)} have no description "
+            "(Field(..., description=...)); `lossplug show` prints it"
+        )
     if not required:
         try:
             model()
@@ -347,8 +386,10 @@ def _output_contract(s: Subject) -> None:
         pop = Population(int(mask.sum()), mask.shape[0], 2, BUDGET)
         out = s.plugin(objective, mask, mask.sum(-1), pop, s.param_model())
         if not isinstance(out, Tensor) or out.ndim != 0 or not out.is_floating_point():
-            raise CheckFailed(f"a reduction must return a 0-d float tensor, got "
-                              f"{type(out).__name__}{'' if not isinstance(out, Tensor) else list(out.shape)}")
+            raise CheckFailed(
+                f"a reduction must return a 0-d float tensor, got "
+                f"{type(out).__name__}{'' if not isinstance(out, Tensor) else list(out.shape)}"
+            )
         return None
     # advantage
     layouts = tuple(s.plugin.layouts)
@@ -376,11 +417,14 @@ def _output_contract(s: Subject) -> None:
 def _gate_output_contract(s: Subject) -> None:
     unknown = set(s.requires) - set(PolicyBatch.model_fields)
     if unknown:
-        raise CheckFailed(f"requires names fields PolicyBatch does not have: {sorted(unknown)} "
-                          f"(fields are {', '.join(PolicyBatch.model_fields)})")
+        raise CheckFailed(
+            f"requires names fields PolicyBatch does not have: {sorted(unknown)} "
+            f"(fields are {', '.join(PolicyBatch.model_fields)})"
+        )
     if s.plugin.role not in ("update", "correction") or s.plugin.level not in ("token", "sequence"):
-        raise CheckFailed(f"role must be update|correction and level token|sequence, got {s.plugin.role!r}, "
-                          f"{s.plugin.level!r}")
+        raise CheckFailed(
+            f"role must be update|correction and level token|sequence, got {s.plugin.role!r}, {s.plugin.level!r}"
+        )
     f = _fields()
     inp, _ = _gate_input(f)
     out = s.plugin(inp, s.param_model())
@@ -390,8 +434,10 @@ def _gate_output_contract(s: Subject) -> None:
     problems = []
     if s.plugin.role == "update":
         if not isinstance(out.objective, Tensor) or tuple(out.objective.shape) != (B, T):
-            problems.append(f"an update gate must set objective [B, T] = [{B}, {T}], got "
-                            f"{None if out.objective is None else list(out.objective.shape)}")
+            problems.append(
+                f"an update gate must set objective [B, T] = [{B}, {T}], got "
+                f"{None if out.objective is None else list(out.objective.shape)}"
+            )
         elif not out.objective.is_floating_point():
             problems.append(f"objective must be a float tensor, got {out.objective.dtype}")
         if out.weight is not None:
@@ -399,14 +445,18 @@ def _gate_output_contract(s: Subject) -> None:
     else:
         want = (B, T) if s.plugin.level == "token" else (B,)
         if not isinstance(out.weight, Tensor) or tuple(out.weight.shape) != want:
-            problems.append(f"a {s.plugin.level}-level correction must set weight {list(want)}, got "
-                            f"{None if out.weight is None else list(out.weight.shape)}")
+            problems.append(
+                f"a {s.plugin.level}-level correction must set weight {list(want)}, got "
+                f"{None if out.weight is None else list(out.weight.shape)}"
+            )
         if out.objective is not None:
             problems.append("a correction sets weight, not objective (it multiplies the update gate's objective)")
     for part in ("metrics", "details"):
         if not isinstance(getattr(out, part), Mapping):
-            problems.append(f"GateOutput.{part} must be a mapping of metric name → 0-d tensor or a function "
-                            f"returning one, got {type(getattr(out, part)).__name__}")
+            problems.append(
+                f"GateOutput.{part} must be a mapping of metric name → 0-d tensor or a function "
+                f"returning one, got {type(getattr(out, part)).__name__}"
+            )
     if problems:
         raise CheckFailed("; ".join(problems))
     values, active = _declared(out)
@@ -416,14 +466,19 @@ def _gate_output_contract(s: Subject) -> None:
             problems.append(f"active must be a bool [B, T] or [B] tensor (or a function returning one), got {what}")
     for key, value in values.items():
         if not isinstance(key, str) or not isinstance(value, Tensor) or value.ndim != 0:
-            problems.append(f"metric {key!r} must be a 0-d tensor, got "
-                            f"{type(value).__name__}{list(value.shape) if isinstance(value, Tensor) else ''}")
+            problems.append(
+                f"metric {key!r} must be a 0-d tensor, got "
+                f"{type(value).__name__}{list(value.shape) if isinstance(value, Tensor) else ''}"
+            )
     if problems:
         raise CheckFailed("; ".join(problems))
 
 
-@_check("requires_declared", ("gate", "advantage"),
-        "the plugin runs on a batch holding only the fields it declares in requires=")
+@_check(
+    "requires_declared",
+    ("gate", "advantage"),
+    "the plugin runs on a batch holding only the fields it declares in requires=",
+)
 def _requires_declared(s: Subject) -> None:
     full = _adv_fields(s) if s.kind == "advantage" else _fields()
     keep = {"logp", "action_mask", *s.requires}
@@ -445,17 +500,22 @@ def _requires_declared(s: Subject) -> None:
     except (BatchValidationError, RecipeError):
         raise  # the kit's own batch or recipe is wrong: reported as an error, not blamed on the plugin
     except Exception as err:
-        raise CheckFailed(f"with only the fields {sorted(keep)} it raised {_fmt_exc(err)} — declare every optional "
-                          f"PolicyBatch field it reads in requires=(...), so that a batch without it fails "
-                          f"validation with a clear message instead") from None
+        raise CheckFailed(
+            f"with only the fields {sorted(keep)} it raised {_fmt_exc(err)} — declare every optional "
+            f"PolicyBatch field it reads in requires=(...), so that a batch without it fails "
+            f"validation with a clear message instead"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Gates
 
 
-@_check("ratio_one", ("gate",),
-        "identical log-probs give ratio 1: an update gate reduces to the policy gradient A, a correction to weight 1")
+@_check(
+    "ratio_one",
+    ("gate",),
+    "identical log-probs give ratio 1: an update gate reduces to the policy gradient A, a correction to weight 1",
+)
 def _ratio_one(s: Subject) -> None:
     f = _fields()
     f["old_logp"] = f["logp"].clone()
@@ -468,8 +528,10 @@ def _ratio_one(s: Subject) -> None:
         where = mask if weight.ndim == 2 else torch.ones_like(weight, dtype=torch.bool)
         diff = _first_diff(weight, torch.ones_like(weight), where, rtol=1e-6, atol=1e-9)
         if diff:
-            raise CheckFailed(f"with old_logp = behavior_logp every engine ratio is 1, so the correction's weight "
-                              f"must be 1; it is not {diff}")
+            raise CheckFailed(
+                f"with old_logp = behavior_logp every engine ratio is 1, so the correction's weight "
+                f"must be 1; it is not {diff}"
+            )
         return
     run = _run(s, f, normalizer=_normalizer(f))
     n = int(mask.sum())
@@ -477,9 +539,11 @@ def _ratio_one(s: Subject) -> None:
     expected = torch.where(mask, f["advantage"].unsqueeze(-1).expand_as(mask), 0)
     diff = _first_diff(coefficient, expected, mask, rtol=1e-6, atol=1e-9)
     if diff:
-        raise CheckFailed("with logp = old_logp = behavior_logp (every ratio 1) an update gate must give the plain "
-                          f"policy gradient ∂J/∂logp = A on every action token; it does not {diff}. "
-                          + _scaling_cause(coefficient, expected, mask))
+        raise CheckFailed(
+            "with logp = old_logp = behavior_logp (every ratio 1) an update gate must give the plain "
+            f"policy gradient ∂J/∂logp = A on every action token; it does not {diff}. "
+            + _scaling_cause(coefficient, expected, mask)
+        )
 
 
 def _scaling_cause(coefficient: Tensor, expected: Tensor, mask: Tensor) -> str:
@@ -493,26 +557,40 @@ def _scaling_cause(coefficient: Tensor, expected: Tensor, mask: Tensor) -> str:
     rows = used.any(-1)
     low = torch.where(used, factor, float("inf")).amin(-1)[rows]
     high = torch.where(used, factor, float("-inf")).amax(-1)[rows]
-    reductions = ("Reductions own every denominator: a gate returns the per-token objective and the recipe's "
-                  "reduction (token, response, sequence_sum…) divides by the global population of the step — a "
-                  "denominator inside the gate is applied twice and is wrong under micro-batching.")
+    reductions = (
+        "Reductions own every denominator: a gate returns the per-token objective and the recipe's "
+        "reduction (token, response, sequence_sum…) divides by the global population of the step — a "
+        "denominator inside the gate is applied twice and is wrong under micro-batching."
+    )
     if not bool(torch.allclose(low, high, rtol=1e-6, atol=1e-12)):
-        return ("The factor ∂J/∂logp ÷ A varies within a response: the objective is not A·r at r = 1 (check the "
-                "formula's value and derivative at ratio 1).")
+        return (
+            "The factor ∂J/∂logp ÷ A varies within a response: the objective is not A·r at r = 1 (check the "
+            "formula's value and derivative at ratio 1)."
+        )
     per_row = low
     if bool(torch.allclose(per_row, 1 / lengths[rows], rtol=1e-6)):
-        return ("The gradient is A divided by each response's own action-token count: the gate divides by "
-                "|y_i|. " + reductions + " For a per-response mean use reduction: {name: response}.")
+        return (
+            "The gradient is A divided by each response's own action-token count: the gate divides by "
+            "|y_i|. " + reductions + " For a per-response mean use reduction: {name: response}."
+        )
     if bool(torch.allclose(per_row, per_row[:1].expand_as(per_row), rtol=1e-6)):
         c = float(per_row[0])
         n = int(mask.sum())
-        what = (f" = 1/{n}, the micro-batch's action-token count" if abs(c * n - 1) < 1e-6 else
-                f" = 1/{int(mask.shape[0])}, the micro-batch's response count" if abs(c * mask.shape[0] - 1) < 1e-6
-                else "")
-        return (f"The gradient is A scaled by the constant {c:.6g}{what}: most likely a denominator or a "
-                f"coefficient inside the gate. " + reductions)
-    return "The gradient is A scaled by a different factor in each response: most likely a denominator inside " \
-           "the gate. " + reductions
+        what = (
+            f" = 1/{n}, the micro-batch's action-token count"
+            if abs(c * n - 1) < 1e-6
+            else f" = 1/{int(mask.shape[0])}, the micro-batch's response count"
+            if abs(c * mask.shape[0] - 1) < 1e-6
+            else ""
+        )
+        return (
+            f"The gradient is A scaled by the constant {c:.6g}{what}: most likely a denominator or a "
+            f"coefficient inside the gate. " + reductions
+        )
+    return (
+        "The gradient is A scaled by a different factor in each response: most likely a denominator inside "
+        "the gate. " + reductions
+    )
 
 
 @_check("zero_advantage", ("gate", "reduction"), "zero advantage gives exactly zero gradient")
@@ -523,15 +601,20 @@ def _zero_advantage(s: Subject) -> None:
     grad = run.logp_grad
     bad = (grad != 0) | ~torch.isfinite(grad)
     if bool(bad.any()):
-        raise CheckFailed(f"with A = 0 everywhere the gradient must be exactly 0, but it is not at {_where(bad)} "
-                          f"(max |grad| {grad.abs().max().item():.3g}) — is there a term independent of the "
-                          "advantage, or an inf/NaN weight multiplying it?")
+        raise CheckFailed(
+            f"with A = 0 everywhere the gradient must be exactly 0, but it is not at {_where(bad)} "
+            f"(max |grad| {grad.abs().max().item():.3g}) — is there a term independent of the "
+            "advantage, or an inf/NaN weight multiplying it?"
+        )
     if s.kind == "reduction" and float(run.loss) != 0.0:
         raise CheckFailed(f"a zero objective must reduce to 0, got {float(run.loss):.6g}")
 
 
-@_check("masked_poison", KINDS,
-        "masked positions never influence the result or the gradient (they are poisoned with NaN/±inf/1e30)")
+@_check(
+    "masked_poison",
+    KINDS,
+    "masked positions never influence the result or the gradient (they are poisoned with NaN/±inf/1e30)",
+)
 def _masked_poison(s: Subject) -> None:
     _padded_only(s)
     if s.kind == "advantage":
@@ -545,8 +628,10 @@ def _masked_poison(s: Subject) -> None:
         where = mask if adv_a.ndim == 2 else None
         diff = _first_diff(adv_b, adv_a, where)
         if diff:
-            raise CheckFailed(f"poisoning non-action positions changed the advantages {diff}: read token inputs "
-                              "only where action_mask is True (torch.where(mask, x, 0), not x * mask)")
+            raise CheckFailed(
+                f"poisoning non-action positions changed the advantages {diff}: read token inputs "
+                "only where action_mask is True (torch.where(mask, x, 0), not x * mask)"
+            )
         return
     for token_adv in (False, True):
         clean = _fields(token_advantage=token_adv)
@@ -559,24 +644,32 @@ def _masked_poison(s: Subject) -> None:
         b = _run(s, dirty, normalizer=norm)
         what = "token-level" if token_adv else "sequence-level"
         if not bool(torch.isfinite(b.loss)):
-            raise CheckFailed(f"with NaN/±inf at masked positions (non-action tokens; {what} advantages) the loss "
-                              f"is {float(b.loss)} — something reads the raw batch (inp.batch.*) or masks by "
-                              "multiplication (0·NaN = NaN); read GateInput's tensors, which are zero off actions")
+            raise CheckFailed(
+                f"with NaN/±inf at masked positions (non-action tokens; {what} advantages) the loss "
+                f"is {float(b.loss)} — something reads the raw batch (inp.batch.*) or masks by "
+                "multiplication (0·NaN = NaN); read GateInput's tensors, which are zero off actions"
+            )
         if _first_diff(b.loss, a.loss) is not None:
-            raise CheckFailed(f"poisoning masked positions changed the loss ({what} advantages): "
-                              f"{float(a.loss):.10g} → {float(b.loss):.10g}")
+            raise CheckFailed(
+                f"poisoning masked positions changed the loss ({what} advantages): "
+                f"{float(a.loss):.10g} → {float(b.loss):.10g}"
+            )
         grad = b.logp_grad
         leak = ~mask & ((grad != 0) | ~torch.isfinite(grad))
         if bool(leak.any()):
-            raise CheckFailed(f"the gradient reaches masked positions {_where(leak)} (it must be exactly 0 off "
-                              "actions)")
+            raise CheckFailed(
+                f"the gradient reaches masked positions {_where(leak)} (it must be exactly 0 off actions)"
+            )
         diff = _first_diff(grad, a.logp_grad, mask)
         if diff:
             raise CheckFailed(f"poisoning masked positions changed the gradient on action tokens {diff}")
 
 
-@_check("masked_layout", KINDS,
-        "adding masked columns (a prompt in front, padding behind) changes neither the result nor the gradient")
+@_check(
+    "masked_layout",
+    KINDS,
+    "adding masked columns (a prompt in front, padding behind) changes neither the result nor the gradient",
+)
 def _masked_layout(s: Subject) -> None:
     _padded_only(s)
     before, after = 2, 3
@@ -586,67 +679,91 @@ def _masked_layout(s: Subject) -> None:
         adv_a = _advantage_of(s, PolicyBatch(**clean))
         adv_b = _advantage_of(s, PolicyBatch(**wide))
         if adv_a.ndim == 2:
-            adv_b = adv_b[:, before:before + adv_a.shape[1]]
+            adv_b = adv_b[:, before : before + adv_a.shape[1]]
         diff = _first_diff(adv_b, adv_a, clean["action_mask"] if adv_a.ndim == 2 else None)
         if diff:
-            raise CheckFailed(f"adding {before} masked columns in front and {after} behind changed the advantages "
-                              f"{diff} — statistics must be taken over action tokens only")
+            raise CheckFailed(
+                f"adding {before} masked columns in front and {after} behind changed the advantages "
+                f"{diff} — statistics must be taken over action tokens only"
+            )
         return
     clean = _fields()
     wide = _b.insert_masked_columns(clean, before, after)
     a = _run(s, clean, normalizer=_normalizer(clean))
     b = _run(s, wide, normalizer=_normalizer(wide))
     if _first_diff(b.loss, a.loss) is not None:
-        raise CheckFailed(f"adding {before} masked columns in front and {after} behind changed the loss "
-                          f"{float(a.loss):.10g} → {float(b.loss):.10g} — does it average over all T positions "
-                          "instead of the action tokens (use the mask / inp.lengths)?")
+        raise CheckFailed(
+            f"adding {before} masked columns in front and {after} behind changed the loss "
+            f"{float(a.loss):.10g} → {float(b.loss):.10g} — does it average over all T positions "
+            "instead of the action tokens (use the mask / inp.lengths)?"
+        )
     T = clean["logp"].shape[1]
-    diff = _first_diff(b.logp_grad[:, before:before + T], a.logp_grad, clean["action_mask"])
+    diff = _first_diff(b.logp_grad[:, before : before + T], a.logp_grad, clean["action_mask"])
     if diff:
         raise CheckFailed(f"adding masked columns changed the gradient on action tokens {diff}")
 
 
-@_check("detached", ("gate",),
-        "gradient flows only through logp: corrections' weights, metrics and `active` carry none, and nothing "
-        "reaches old_logp, behavior_logp, ref_logp or the advantage")
+@_check(
+    "detached",
+    ("gate",),
+    "gradient flows only through logp: corrections' weights, metrics and `active` carry none, and nothing "
+    "reaches old_logp, behavior_logp, ref_logp or the advantage",
+)
 def _detached(s: Subject) -> None:
     f = _fields()
     everything = ("logp", "old_logp", "behavior_logp", "ref_logp", "advantage")
     inp, _ = _gate_input(f, grad=everything)
     out = s.plugin(inp, s.param_model())
     if s.role == "correction" and out.weight is not None and out.weight.requires_grad:
-        raise CheckFailed("the correction's weight carries gradient (requires_grad=True): compute it under "
-                          "torch.no_grad() or .detach() it — a correction is a detached coefficient, gradient must "
-                          "flow only through the update gate's logp")
+        raise CheckFailed(
+            "the correction's weight carries gradient (requires_grad=True): compute it under "
+            "torch.no_grad() or .detach() it — a correction is a detached coefficient, gradient must "
+            "flow only through the update gate's logp"
+        )
     if isinstance(out.active, Tensor) and out.active.requires_grad:
         raise CheckFailed("`active` carries gradient; it must be a bool mask")
     # a metric given as a tensor was computed when the gate ran (a function is evaluated under no_grad)
-    live = sorted(k for part in (out.metrics, out.details) for k, v in part.items()
-                  if isinstance(v, Tensor) and v.requires_grad)
+    live = sorted(
+        k for part in (out.metrics, out.details) for k, v in part.items() if isinstance(v, Tensor) and v.requires_grad
+    )
     if live:
-        raise CheckFailed(f"metric(s) {', '.join(live)} carry gradient: declare them as functions (evaluated under "
-                          "torch.no_grad() only when a metric level asks for them) or detach them (a logged metric "
-                          "with a graph keeps the whole graph alive)")
+        raise CheckFailed(
+            f"metric(s) {', '.join(live)} carry gradient: declare them as functions (evaluated under "
+            "torch.no_grad() only when a metric level asks for them) or detach them (a logged metric "
+            "with a graph keeps the whole graph alive)"
+        )
     run = _run(s, f, normalizer=_normalizer(f), grad=everything)
-    leaks = {k: float(g.abs().sum()) for k, g in run.grads.items() if k != "logp" and g is not None
-             and bool((g != 0).any())}
+    leaks = {
+        k: float(g.abs().sum()) for k, g in run.grads.items() if k != "logp" and g is not None and bool((g != 0).any())
+    }
     if leaks:
         names = ", ".join(f"{k} (Σ|grad| = {v:.3g})" for k, v in leaks.items())
-        raise CheckFailed(f"gradient reached {names}: only logp may carry gradient. Treat the other inputs as "
-                          "constants — .detach() them (inp.old_logp.detach(), inp.advantage.detach()); otherwise "
-                          "a batch built with old_logp=logp (without .detach()) silently cancels the ratio's "
-                          "gradient")
+        raise CheckFailed(
+            f"gradient reached {names}: only logp may carry gradient. Treat the other inputs as "
+            "constants — .detach() them (inp.old_logp.detach(), inp.advantage.detach()); otherwise "
+            "a batch built with old_logp=logp (without .detach()) silently cancels the ratio's "
+            "gradient"
+        )
 
 
 EXTREME_ROWS = (  # (logp, old_logp, behavior_logp): update and engine log-ratios up to ±1000
-    (-1e-6, -100.0, -100.0), (-100.0, -1e-6, -1e-6), (-1e-6, -1000.0, -1e-6), (-1000.0, -1e-6, -1000.0),
-    (-30.0, -1e-6, -80.0), (-1e-6, -50.0, -1e-6), (-1e-8, -1e-8, -700.0), (-700.0, -700.0, -1e-8),
+    (-1e-6, -100.0, -100.0),
+    (-100.0, -1e-6, -1e-6),
+    (-1e-6, -1000.0, -1e-6),
+    (-1000.0, -1e-6, -1000.0),
+    (-30.0, -1e-6, -80.0),
+    (-1e-6, -50.0, -1e-6),
+    (-1e-8, -1e-8, -700.0),
+    (-700.0, -700.0, -1e-8),
 )
 
 
-@_check("metric_levels", ("gate",),
-        "metrics 'off', 'basic' and 'full' give the same loss and gradient; 'basic' reports a subset of 'full' with "
-        "the same values")
+@_check(
+    "metric_levels",
+    ("gate",),
+    "metrics 'off', 'basic' and 'full' give the same loss and gradient; 'basic' reports a subset of 'full' with "
+    "the same values",
+)
 def _metric_levels(s: Subject) -> None:
     f = _fields()
     runs = {}
@@ -656,39 +773,52 @@ def _metric_levels(s: Subject) -> None:
         except Exception as err:
             if level == "off":
                 raise
-            raise CheckFailed(f"with metrics='{level}' the loss step raised {_fmt_exc(err)}, with metrics='off' it "
-                              "did not: the loss must not depend on the metric level — declared metrics are "
-                              "evaluated right after the gate, and must not modify the tensors the gate computed (no "
-                              "in-place writes)") from None
+            raise CheckFailed(
+                f"with metrics='{level}' the loss step raised {_fmt_exc(err)}, with metrics='off' it "
+                "did not: the loss must not depend on the metric level — declared metrics are "
+                "evaluated right after the gate, and must not modify the tensors the gate computed (no "
+                "in-place writes)"
+            ) from None
     for level in ("basic", "full"):
         if not torch.equal(runs[level].loss, runs["off"].loss):
-            raise CheckFailed(f"the loss with metrics='{level}' ({float(runs[level].loss):.10g}) differs from "
-                              f"metrics='off' ({float(runs['off'].loss):.10g}): the loss must not depend on the "
-                              "metric level, only the diagnostics may")
+            raise CheckFailed(
+                f"the loss with metrics='{level}' ({float(runs[level].loss):.10g}) differs from "
+                f"metrics='off' ({float(runs['off'].loss):.10g}): the loss must not depend on the "
+                "metric level, only the diagnostics may"
+            )
         if not torch.equal(runs[level].logp_grad, runs["off"].logp_grad):
-            raise CheckFailed(f"the gradient with metrics='{level}' differs from metrics='off' "
-                              f"{_first_diff(runs[level].logp_grad, runs['off'].logp_grad, rtol=0, atol=0)}")
+            raise CheckFailed(
+                f"the gradient with metrics='{level}' differs from metrics='off' "
+                f"{_first_diff(runs[level].logp_grad, runs['off'].logp_grad, rtol=0, atol=0)}"
+            )
     if runs["off"].metrics:
         raise CheckFailed(f"metrics='off' still reported {sorted(runs['off'].metrics)}")
     basic, full = runs["basic"].metrics, runs["full"].metrics
     missing = sorted(set(basic) - set(full))
     if missing:
-        raise CheckFailed(f"metric(s) {', '.join(missing)} appear with metrics='basic' but not with 'full': 'full' "
-                          "must report everything 'basic' does")
+        raise CheckFailed(
+            f"metric(s) {', '.join(missing)} appear with metrics='basic' but not with 'full': 'full' "
+            "must report everything 'basic' does"
+        )
     differ = [k for k in basic if _first_diff(basic[k], full[k], rtol=1e-6, atol=1e-9) is not None]
     if differ:
-        raise CheckFailed("metric(s) differ between metrics='basic' and 'full': " + ", ".join(
-            f"{k} {float(basic[k]):.6g} vs {float(full[k]):.6g}" for k in differ))
+        raise CheckFailed(
+            "metric(s) differ between metrics='basic' and 'full': "
+            + ", ".join(f"{k} {float(basic[k]):.6g} vs {float(full[k]):.6g}" for k in differ)
+        )
 
 
-@_check("extreme_ratios", ("gate",),
-        "log-ratios of ±50 to ±1000 (update and engine) give a finite loss, gradient and metrics in fp32 and bf16")
+@_check(
+    "extreme_ratios",
+    ("gate",),
+    "log-ratios of ±50 to ±1000 (update and engine) give a finite loss, gradient and metrics in fp32 and bf16",
+)
 def _extreme_ratios(s: Subject) -> None:
     rows = len(EXTREME_ROWS)
     T = 4
     base = torch.tensor(EXTREME_ROWS, dtype=torch.float64)  # [rows, 3]
     jitter = torch.linspace(0, 1e-3, T, dtype=torch.float64)
-    logp, old, beh = (base[:, i:i + 1] - jitter for i in range(3))
+    logp, old, beh = (base[:, i : i + 1] - jitter for i in range(3))
     mask = torch.ones(rows, T, dtype=torch.bool)
     mask[1, -1] = False
     adv = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0).to(torch.float64)
@@ -700,9 +830,11 @@ def _extreme_ratios(s: Subject) -> None:
             g = dict(f, advantage=f["advantage"] * a_sign)
             run = _run(s, g, normalizer=_normalizer(g))
             if not bool(torch.isfinite(run.loss)):
-                raise CheckFailed(f"loss is {float(run.loss)} in {dtype} for log-ratios up to ±1000 — clamp the "
-                                  "log-ratio before exp (log_ratio_clamp) and keep every branch of a torch.where "
-                                  "finite (NaN in an unselected branch still poisons the gradient)")
+                raise CheckFailed(
+                    f"loss is {float(run.loss)} in {dtype} for log-ratios up to ±1000 — clamp the "
+                    "log-ratio before exp (log_ratio_clamp) and keep every branch of a torch.where "
+                    "finite (NaN in an unselected branch still poisons the gradient)"
+                )
             grad = run.logp_grad
             bad = ~torch.isfinite(grad)
             if bool(bad.any()):
@@ -716,14 +848,17 @@ def _splits(B: int) -> list[list[list[int]]]:
     g = torch.Generator().manual_seed(5)
     perm = torch.randperm(B, generator=g).tolist()
     return [
-        [[i] for i in range(B)],                      # one row per micro-batch
-        [list(range(0, 1)), list(range(1, B - 1)), [B - 1]],   # uneven
-        [sorted(perm[: B // 2]), sorted(perm[B // 2:])],  # scattered rows (a shuffled trainer batch)
+        [[i] for i in range(B)],  # one row per micro-batch
+        [list(range(1)), list(range(1, B - 1)), [B - 1]],  # uneven
+        [sorted(perm[: B // 2]), sorted(perm[B // 2 :])],  # scattered rows (a shuffled trainer batch)
     ]
 
 
-@_check("microbatch_split", ("gate", "reduction"),
-        "under a Normalizer, the losses and gradients of any split into micro-batches add up to the full batch's")
+@_check(
+    "microbatch_split",
+    ("gate", "reduction"),
+    "under a Normalizer, the losses and gradients of any split into micro-batches add up to the full batch's",
+)
 def _microbatch_split(s: Subject) -> None:
     f = _fields(B=6)
     norm = _normalizer(f)
@@ -734,16 +869,19 @@ def _microbatch_split(s: Subject) -> None:
         grad = torch.zeros_like(f["logp"])
         for rows in split:
             idx = torch.tensor(rows)
-            part = {k: (v[idx] if isinstance(v, Tensor) and v.ndim >= 1 and v.shape[0] == B else v)
-                    for k, v in f.items()}
+            part = {
+                k: (v[idx] if isinstance(v, Tensor) and v.ndim >= 1 and v.shape[0] == B else v) for k, v in f.items()
+            }
             run = _run(s, part, normalizer=norm)
             total = total + run.loss.double()
             grad[idx] += run.logp_grad
         if _first_diff(total, full.loss) is not None:
-            raise CheckFailed(f"split into micro-batches {split} (same Normalizer), the losses add up to "
-                              f"{float(total):.10g}, but the full batch gives {float(full.loss):.10g} — "
-                              "denominators must come from the Normalizer's population, and statistics must not "
-                              "span rows of the micro-batch")
+            raise CheckFailed(
+                f"split into micro-batches {split} (same Normalizer), the losses add up to "
+                f"{float(total):.10g}, but the full batch gives {float(full.loss):.10g} — "
+                "denominators must come from the Normalizer's population, and statistics must not "
+                "span rows of the micro-batch"
+            )
         diff = _first_diff(grad, full.logp_grad, f["action_mask"])
         if diff:
             raise CheckFailed(f"split into micro-batches {split}, the gradients differ from the full batch's {diff}")
@@ -753,8 +891,11 @@ def _microbatch_split(s: Subject) -> None:
 # Reductions
 
 
-@_check("positive_weights", ("reduction",),
-        "every action token gets a positive weight and nothing else any (the sign convention: objective, not loss)")
+@_check(
+    "positive_weights",
+    ("reduction",),
+    "every action token gets a positive weight and nothing else any (the sign convention: objective, not loss)",
+)
 def _positive_weights(s: Subject) -> None:
     f = _fields()
     run = _run(s, f, normalizer=_normalizer(f))
@@ -763,10 +904,14 @@ def _positive_weights(s: Subject) -> None:
     weight = torch.where(mask, -run.logp_grad / adv, 0)  # reference gate J = A·logp; loss = −reduce(J)
     bad = mask & ~(weight > 0)
     if bool(bad.any()):
-        hint = (" The sign is flipped: a reduction returns the reduced objective; the pipeline negates it."
-                if bool((weight[mask] < 0).all()) else "")
-        raise CheckFailed(f"action tokens at {_where(bad)} get a weight ≤ 0 (min {weight[mask].min().item():.3g})."
-                          f"{hint}")
+        hint = (
+            " The sign is flipped: a reduction returns the reduced objective; the pipeline negates it."
+            if bool((weight[mask] < 0).all())
+            else ""
+        )
+        raise CheckFailed(
+            f"action tokens at {_where(bad)} get a weight ≤ 0 (min {weight[mask].min().item():.3g}).{hint}"
+        )
     off = ~mask & (run.logp_grad != 0)
     if bool(off.any()):
         raise CheckFailed(f"non-action positions get gradient at {_where(off)}")
@@ -776,8 +921,11 @@ def _positive_weights(s: Subject) -> None:
 # Advantages
 
 
-@_check("row_permutation", ("advantage",),
-        "shuffling the rows (groups scattered differently) shuffles the advantages the same way")
+@_check(
+    "row_permutation",
+    ("advantage",),
+    "shuffling the rows (groups scattered differently) shuffles the advantages the same way",
+)
 def _row_permutation(s: Subject) -> None:
     _padded_only(s)
     f = _adv_fields(s)
@@ -789,15 +937,17 @@ def _row_permutation(s: Subject) -> None:
     mask = f["action_mask"][perm] if a.ndim == 2 else None
     diff = _first_diff(b, a[perm], mask)
     if diff:
-        raise CheckFailed(f"after shuffling the rows the advantages are not the shuffled advantages {diff} — group "
-                          "statistics must come from group_id, never from row order")
+        raise CheckFailed(
+            f"after shuffling the rows the advantages are not the shuffled advantages {diff} — group "
+            "statistics must come from group_id, never from row order"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Resolving plugins and running checks
 
 
-def _find(plugin: Union[str, AnyPlugin], kind: Optional[str]) -> tuple[str, str, AnyPlugin, str, bool]:
+def _find(plugin: str | AnyPlugin, kind: str | None) -> tuple[str, str, AnyPlugin, str, bool]:
     """(kind, name, plugin, source, registered)."""
     reg = lossplug.registry()
     if isinstance(plugin, str):
@@ -815,12 +965,16 @@ def _find(plugin: Union[str, AnyPlugin], kind: Optional[str]) -> tuple[str, str,
                 raise LookupError(
                     f"unknown {k} plugin '{plugin}'{did_you_mean(plugin, sorted(reg.plugins[k]))}. It may be "
                     "provided by an installed plugin whose import failed, so nothing it registers exists: "
-                    + "; ".join(map(str, failed_imports)) + ". Fix that import error and run again") from None
+                    + "; ".join(map(str, failed_imports))
+                    + ". Fix that import error and run again"
+                ) from None
             try:
                 reg.lookup(k, plugin, "lossplug.testing")
             except LossplugError as err:
-                raise LookupError(f"{err}. Is the distribution that provides it installed (pip install -e .), "
-                                  f"with a [project.entry-points.lossplug] entry?") from None
+                raise LookupError(
+                    f"{err}. Is the distribution that provides it installed (pip install -e .), "
+                    f"with a [project.entry-points.lossplug] entry?"
+                ) from None
         if len(found) > 1:
             raise LookupError(f"'{plugin}' names plugins of several kinds ({', '.join(found)}); pass kind=")
         k = found[0]
@@ -828,14 +982,17 @@ def _find(plugin: Union[str, AnyPlugin], kind: Optional[str]) -> tuple[str, str,
         return k, plugin, obj, reg.origin(k, plugin), True
     k = getattr(plugin, "kind", "")
     if k not in KINDS or not hasattr(plugin, "params"):
-        raise TypeError(f"expected a plugin name or an object made by @lossplug.gate/advantage/reduction, "
-                        f"got {plugin!r}")
+        raise TypeError(
+            f"expected a plugin name or an object made by @lossplug.gate/advantage/reduction, got {plugin!r}"
+        )
     registered = reg.plugins[k].get(plugin.name)
     if registered is plugin:
         return k, plugin.name, plugin, reg.origin(k, plugin.name), True
     if registered is not None or (k, plugin.name) in reg.duplicates:
-        raise LookupError(f"a different {k} is already registered as '{plugin.name}' ({reg.origin(k, plugin.name)}); "
-                          "rename yours or test the registered one by name")
+        raise LookupError(
+            f"a different {k} is already registered as '{plugin.name}' ({reg.origin(k, plugin.name)}); "
+            "rename yours or test the registered one by name"
+        )
     return k, plugin.name, plugin, "unregistered, checked in-process", False
 
 
@@ -860,7 +1017,7 @@ def _registered(kind: str, plugin: AnyPlugin, needed: bool) -> Iterator[None]:
         lossplug.unregister_plugin(shim)
 
 
-def checks_for(plugin: Union[str, AnyPlugin], *, kind: Optional[str] = None) -> list[str]:
+def checks_for(plugin: str | AnyPlugin, *, kind: str | None = None) -> list[str]:
     """The names of the checks that apply to this plugin's kind."""
     k = _find(plugin, kind)[0] if isinstance(plugin, str) else plugin.kind
     return [name for name, c in CHECKS.items() if k in c.kinds]
@@ -879,9 +1036,14 @@ def _run_one(subject: Subject, name: str) -> CheckResult:
     return CheckResult(name, "passed", "", check.summary)
 
 
-def check_plugin(plugin: Union[str, AnyPlugin], *, kind: Optional[str] = None,
-                 params: Optional[Mapping[str, Any]] = None, checks: Optional[Iterable[str]] = None,
-                 skip: Union[Iterable[str], Mapping[str, str]] = ()) -> ConformanceReport:
+def check_plugin(
+    plugin: str | AnyPlugin,
+    *,
+    kind: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    checks: Iterable[str] | None = None,
+    skip: Iterable[str] | Mapping[str, str] = (),
+) -> ConformanceReport:
     """Run the conformance checks against one plugin and return a :class:`ConformanceReport` (never raises for a
     failing check; see :func:`assert_conforms`).
 
@@ -911,14 +1073,20 @@ def check_plugin(plugin: Union[str, AnyPlugin], *, kind: Optional[str] = None,
     return report
 
 
-def run_check(plugin: Union[str, AnyPlugin], check: str, *, kind: Optional[str] = None,
-              params: Optional[Mapping[str, Any]] = None) -> CheckResult:
+def run_check(
+    plugin: str | AnyPlugin, check: str, *, kind: str | None = None, params: Mapping[str, Any] | None = None
+) -> CheckResult:
     """Run one named check; returns its :class:`CheckResult`."""
     return check_plugin(plugin, kind=kind, params=params, checks=[check]).results[0]
 
 
-def assert_conforms(plugin: Union[str, AnyPlugin], *, kind: Optional[str] = None,
-                    params: Optional[Mapping[str, Any]] = None, checks: Optional[Iterable[str]] = None,
-                    skip: Union[Iterable[str], Mapping[str, str]] = ()) -> ConformanceReport:
+def assert_conforms(
+    plugin: str | AnyPlugin,
+    *,
+    kind: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    checks: Iterable[str] | None = None,
+    skip: Iterable[str] | Mapping[str, str] = (),
+) -> ConformanceReport:
     """:func:`check_plugin`, raising :class:`ConformanceError` (an ``AssertionError``) listing every failure."""
     return check_plugin(plugin, kind=kind, params=params, checks=checks, skip=skip).raise_for_failures()

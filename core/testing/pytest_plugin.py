@@ -13,7 +13,8 @@ entirely with ``-p no:lossplug``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -29,15 +30,23 @@ MARKER = "lossplug_conformance"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("lossplug", "lossplug plugin conformance kit")
-    group.addoption(OPTION, action="append", default=[], metavar="NAME[,NAME...]",
-                    help="run lossplug's conformance checks against these registered plugins "
-                         "('all': every registered plugin, 'third-party': every plugin that is not built in); "
-                         "a name may be written kind:name when it is ambiguous")
+    group.addoption(
+        OPTION,
+        action="append",
+        default=[],
+        metavar="NAME[,NAME...]",
+        help="run lossplug's conformance checks against these registered plugins "
+        "('all': every registered plugin, 'third-party': every plugin that is not built in); "
+        "a name may be written kind:name when it is ambiguous",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", f"{MARKER}(plugin, kind=None, params=None, skip=()): parametrize a test "
-                                       "taking `lossplug_check` over lossplug's conformance checks for `plugin`")
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}(plugin, kind=None, params=None, skip=()): parametrize a test "
+        "taking `lossplug_check` over lossplug's conformance checks for `plugin`",
+    )
 
 
 def _selected(config: pytest.Config) -> list[tuple[str, str]]:
@@ -82,15 +91,16 @@ class ConformanceItem(pytest.Item):
         if result.status == "failed":
             raise ConformanceError(report)
 
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Optional[TracebackStyle] = None
-                     ) -> Union[str, TerminalRepr]:
+    def repr_failure(
+        self, excinfo: pytest.ExceptionInfo[BaseException], style: TracebackStyle | None = None
+    ) -> str | TerminalRepr:
         from lossplug.testing import ConformanceError
 
         if isinstance(excinfo.value, (ConformanceError, LookupError)):
             return str(excinfo.value)
         return super().repr_failure(excinfo, style=style)
 
-    def reportinfo(self) -> tuple[str, Optional[int], str]:
+    def reportinfo(self) -> tuple[str, int | None, str]:
         return "lossplug-conformance", None, f"{self.kind} {self.plugin}: {self.check}"
 
 
@@ -102,17 +112,15 @@ class _Missing(pytest.Item):
     def runtest(self) -> None:
         raise LookupError(self.message)
 
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Optional[TracebackStyle] = None
-                     ) -> str:
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: TracebackStyle | None = None) -> str:
         return self.message
 
-    def reportinfo(self) -> tuple[str, Optional[int], str]:
+    def reportinfo(self) -> tuple[str, int | None, str]:
         return "lossplug-conformance", None, self.name
 
 
 @pytest.hookimpl(tryfirst=True)  # before -k / -m deselection, so those filter our items too
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
-                                  ) -> None:
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     selected = _selected(config)
     if not selected:
         return
@@ -125,8 +133,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             items.append(_Missing.from_parent(session, name=f"lossplug-conformance[{name}]", message=str(err)))
             continue
         for check in checks:
-            items.append(ConformanceItem.from_parent(session, name=f"lossplug-conformance[{kind}:{name}:{check}]",
-                                                     plugin=name, kind=kind, check=check))
+            items.append(
+                ConformanceItem.from_parent(
+                    session, name=f"lossplug-conformance[{kind}:{name}:{check}]", plugin=name, kind=kind, check=check
+                )
+            )
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -141,15 +152,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     skip = marker.kwargs.get("skip", ())
     reasons = dict(skip) if isinstance(skip, dict) else {n: "skipped by the marker" for n in skip}
     names = checks_for(plugin, kind=kind)
-    metafunc.parametrize("lossplug_check", [_Runner(plugin, kind, params, n, reasons.get(n)) for n in names],
-                         ids=names)
+    metafunc.parametrize("lossplug_check", [_Runner(plugin, kind, params, n, reasons.get(n)) for n in names], ids=names)
 
 
 class _Runner:
     """The ``lossplug_check`` argument: call it to run one check (fails the test with the kit's message)."""
 
-    def __init__(self, plugin: Union[str, AnyPlugin], kind: Optional[str], params: Optional[Mapping[str, Any]],
-                 check: str, skip_reason: Optional[str]) -> None:
+    def __init__(
+        self,
+        plugin: str | AnyPlugin,
+        kind: str | None,
+        params: Mapping[str, Any] | None,
+        check: str,
+        skip_reason: str | None,
+    ) -> None:
         self.plugin, self.kind, self.params, self.check, self.skip_reason = plugin, kind, params, check, skip_reason
 
     def __call__(self) -> CheckResult:

@@ -11,8 +11,15 @@ Tensor = torch.Tensor
 
 
 @torch.no_grad()
-def seed_packed_gae(reward: Tensor, value: Tensor, next_value: Tensor, terminated: Tensor, boundary: Tensor,
-                    gamma: float = 0.99, lam: float = 0.95) -> Tensor:
+def seed_packed_gae(
+    reward: Tensor,
+    value: Tensor,
+    next_value: Tensor,
+    terminated: Tensor,
+    boundary: Tensor,
+    gamma: float = 0.99,
+    lam: float = 0.95,
+) -> Tensor:
     """Seed 1's ``packed_gae``: a Python loop over time. ``terminated`` decides the bootstrap, ``boundary`` resets
     the trace."""
     if not all(x.shape == reward.shape for x in (value, next_value, terminated, boundary)):

@@ -55,8 +55,9 @@ Importing this module is cheap: transformers, tokenizers, datasets and TRL are i
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -66,8 +67,20 @@ if TYPE_CHECKING:
     from lossplug.adapters.trl import LossplugGRPOTrainer
     from lossplug.pipeline import MetricLevel, Validate
 
-__all__ = ["VOCAB", "PROMPTS", "TinyRollout", "digit_reward", "length_reward", "offline", "tiny_dataset",
-           "tiny_grpo_config", "tiny_grpo_trainer", "tiny_model", "tiny_model_and_tokenizer", "tiny_tokenizer"]
+__all__ = [
+    "VOCAB",
+    "PROMPTS",
+    "TinyRollout",
+    "digit_reward",
+    "length_reward",
+    "offline",
+    "tiny_dataset",
+    "tiny_grpo_config",
+    "tiny_grpo_trainer",
+    "tiny_model",
+    "tiny_model_and_tokenizer",
+    "tiny_tokenizer",
+]
 
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
@@ -75,8 +88,13 @@ WORDS = ["the", "answer", "is", "yes", "no", "what", "plus", "minus", "equals", 
 #: the tokenizer's vocabulary: special tokens, digits, lower-case letters and a few words (54 tokens)
 VOCAB = SPECIAL + [str(d) for d in range(10)] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + WORDS
 
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "WANDB_MODE": "disabled", "TRL_EXPERIMENTAL_SILENCE": "1"}
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "WANDB_MODE": "disabled",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+}
 
 
 def offline() -> None:
@@ -96,13 +114,15 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##")  # joins word-level tokens with spaces
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                                  padding_side="left")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
     return tok
 
 
-def tiny_model(tok: PreTrainedTokenizerBase, *, hidden_size: int = 32, layers: int = 2, seed: int = 0
-               ) -> PreTrainedModel:
+def tiny_model(
+    tok: PreTrainedTokenizerBase, *, hidden_size: int = 32, layers: int = 2, seed: int = 0
+) -> PreTrainedModel:
     """A randomly initialised ``Qwen2ForCausalLM`` (float32) for the tokenizer ``tok``: ``layers`` layers of width
     ``hidden_size``, 4 attention heads; the same ``seed`` gives the same weights, and the global torch RNG is left as
     it was. Its generation config knows ``tok``'s pad and eos ids."""
@@ -111,10 +131,19 @@ def tiny_model(tok: PreTrainedTokenizerBase, *, hidden_size: int = 32, layers: i
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
-        attention_dropout=0.0, use_cache=True,
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        attention_dropout=0.0,
+        use_cache=True,
     )
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
@@ -127,8 +156,9 @@ def tiny_model(tok: PreTrainedTokenizerBase, *, hidden_size: int = 32, layers: i
     return as_float
 
 
-def tiny_model_and_tokenizer(path: Optional[Union[str, Path]] = None, *, hidden_size: int = 32, layers: int = 2,
-                             seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+def tiny_model_and_tokenizer(
+    path: str | Path | None = None, *, hidden_size: int = 32, layers: int = 2, seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """``(model, tokenizer)``; with ``path`` both are saved there and the model is reloaded from it, so that its
     ``config._name_or_path`` points at the folder (TRL rebuilds the reference model from it when ``beta != 0``)."""
     tok = tiny_tokenizer()
@@ -147,8 +177,16 @@ def tiny_model_and_tokenizer(path: Optional[Union[str, Path]] = None, *, hidden_
 
 
 #: the prompts of :func:`tiny_dataset`, in order (every word is in :data:`VOCAB`)
-PROMPTS = ["what is 1 plus 2", "say yes", "count to 3", "what is 4 minus 1", "say no", "the answer is",
-           "count to 5", "what is 2 plus 2"]
+PROMPTS = [
+    "what is 1 plus 2",
+    "say yes",
+    "count to 3",
+    "what is 4 minus 1",
+    "say no",
+    "the answer is",
+    "count to 5",
+    "what is 2 plus 2",
+]
 
 
 def tiny_dataset(n: int = 8) -> Dataset:
@@ -173,25 +211,46 @@ def digit_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
     return out
 
 
-def tiny_grpo_config(output_dir: Union[str, Path], **overrides: Any) -> GRPOConfig:
+def tiny_grpo_config(output_dir: str | Path, **overrides: Any) -> GRPOConfig:
     """A ``GRPOConfig`` that runs on CPU in seconds: 4 completions of at most 8 tokens per prompt, micro-batches of
     4, float32, no gradient checkpointing, no reporting, no checkpoints. ``overrides`` win."""
     offline()
     from trl import GRPOConfig
 
-    kwargs: dict[str, Any] = dict(output_dir=str(output_dir), bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False,
-                  report_to="none", save_strategy="no", per_device_train_batch_size=4, num_generations=4,
-                  max_completion_length=8, logging_steps=1, max_steps=2, learning_rate=1e-3, seed=0,
-                  dataloader_num_workers=0)
+    kwargs: dict[str, Any] = dict(
+        output_dir=str(output_dir),
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        logging_steps=1,
+        max_steps=2,
+        learning_rate=1e-3,
+        seed=0,
+        dataloader_num_workers=0,
+    )
     kwargs.update(overrides)
     return GRPOConfig(**kwargs)
 
 
-def tiny_grpo_trainer(recipe: Any, output_dir: Union[str, Path], *,
-                      reward_funcs: Optional[Sequence[Callable[..., Any]]] = None, dataset: Any = None,
-                      model: Any = None, tokenizer: Any = None, metrics: Union[bool, MetricLevel] = "basic",
-                      validate: Validate = "full", trainer_kwargs: Optional[dict[str, Any]] = None,
-                      **config_overrides: Any) -> LossplugGRPOTrainer:
+def tiny_grpo_trainer(
+    recipe: Any,
+    output_dir: str | Path,
+    *,
+    reward_funcs: Sequence[Callable[..., Any]] | None = None,
+    dataset: Any = None,
+    model: Any = None,
+    tokenizer: Any = None,
+    metrics: bool | MetricLevel = "basic",
+    validate: Validate = "full",
+    trainer_kwargs: dict[str, Any] | None = None,
+    **config_overrides: Any,
+) -> LossplugGRPOTrainer:
     """A ``LossplugGRPOTrainer`` running ``recipe`` (a preset name, mapping, YAML/JSON path or
     :class:`lossplug.Recipe`) on the tiny model, tokenizer and dataset; call ``.train()`` on it.
 
@@ -210,10 +269,17 @@ def tiny_grpo_trainer(recipe: Any, output_dir: Union[str, Path], *,
     tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
     model = model if model is not None else tiny_model(tokenizer)
     args = tiny_grpo_config(output_dir, **config_overrides)
-    return LossplugGRPOTrainer(model=model, reward_funcs=list(reward_funcs or [length_reward]), args=args,
-                               train_dataset=dataset if dataset is not None else tiny_dataset(),
-                               processing_class=tokenizer, recipe=recipe, metrics=metrics, validate=validate,
-                               **(trainer_kwargs or {}))
+    return LossplugGRPOTrainer(
+        model=model,
+        reward_funcs=list(reward_funcs or [length_reward]),
+        args=args,
+        train_dataset=dataset if dataset is not None else tiny_dataset(),
+        processing_class=tokenizer,
+        recipe=recipe,
+        metrics=metrics,
+        validate=validate,
+        **(trainer_kwargs or {}),
+    )
 
 
 class TinyRollout:
@@ -225,8 +291,16 @@ class TinyRollout:
     the 2nd and 3rd completion tokens of every other row are marked as tool output (``env_mask`` 0).
     """
 
-    def __init__(self, tok: PreTrainedTokenizerBase, max_len: int = 8, *, seed: int = 0, unscored: bool = True,
-                 tools: bool = True, truncate_every: int = 3) -> None:
+    def __init__(
+        self,
+        tok: PreTrainedTokenizerBase,
+        max_len: int = 8,
+        *,
+        seed: int = 0,
+        unscored: bool = True,
+        tools: bool = True,
+        truncate_every: int = 3,
+    ) -> None:
         self.tok, self.max_len, self.seed = tok, max_len, seed
         self.unscored, self.tools, self.truncate_every = unscored, tools, truncate_every
         self.calls = 0

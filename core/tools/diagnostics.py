@@ -27,8 +27,9 @@ passes stay in lock-step, and every gradient is exactly 0 as long as the loss gr
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
 import torch
 
@@ -40,13 +41,22 @@ from .value_loss import value_loss
 
 Tensor = torch.Tensor
 
-__all__ = ["RatioGuard", "RatioGuardWarning", "approx_kl", "entropy_from_logits", "masked_mean_var", "policy_kl",
-           "policy_clip_fraction", "ppo_diagnostics", "ratio_guard"]
+__all__ = [
+    "RatioGuard",
+    "RatioGuardWarning",
+    "approx_kl",
+    "entropy_from_logits",
+    "masked_mean_var",
+    "policy_kl",
+    "policy_clip_fraction",
+    "ppo_diagnostics",
+    "ratio_guard",
+]
 
 LOG_RATIO_CLAMP = 20.0
 
 
-def _check_token_args(c: Checks, named: Mapping[str, Optional[Tensor]], action_mask: Any) -> bool:
+def _check_token_args(c: Checks, named: Mapping[str, Tensor | None], action_mask: Any) -> bool:
     """Every given tensor in ``named`` is a float [B, T] aligned with the first; ``action_mask`` bool [B, T]."""
     shape, first, ok = None, "", True
     for name, t in named.items():
@@ -59,13 +69,18 @@ def _check_token_args(c: Checks, named: Mapping[str, Optional[Tensor]], action_m
             ok &= good
         else:
             ok &= c.tensor(name, t, shape=shape, like=first)
-    ok &= c.tensor("action_mask", action_mask, kind="bool", shape=shape, ndim=None if shape else (2,),
-                   like=first if shape else "")
+    ok &= c.tensor(
+        "action_mask", action_mask, kind="bool", shape=shape, ndim=None if shape else (2,), like=first if shape else ""
+    )
     if ok:
         for name, t in named.items():
             if t is not None:
-                c.when_any(action_mask & ~torch.isfinite(t.detach()), name, "must be finite on action positions",
-                           noun="positions")
+                c.when_any(
+                    action_mask & ~torch.isfinite(t.detach()),
+                    name,
+                    "must be finite on action positions",
+                    noun="positions",
+                )
     return ok
 
 
@@ -104,8 +119,9 @@ def _check_eps(c: Checks, eps_low: Any, eps_high: Any) -> None:
         c.number("eps_high", eps_high, ge=0.0)
 
 
-def _policy_clipped(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, eps_low: float,
-                    eps_high: Optional[float]) -> Tensor:
+def _policy_clipped(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float | None
+) -> Tensor:
     ratio = _log_ratio(logp, old_logp, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     adv = zero_off(advantages.detach(), mask)
     high = eps_low if eps_high is None else eps_high
@@ -115,8 +131,16 @@ def _policy_clipped(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
     return hit
 
 
-def policy_clip_fraction(logp: Tensor, old_logp: Tensor, advantages: Tensor, action_mask: Tensor, *,
-                         eps_low: float = 0.2, eps_high: Optional[float] = None, validate: bool = True) -> Tensor:
+def policy_clip_fraction(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    validate: bool = True,
+) -> Tensor:
     """Share of action tokens where PPO's clipped loss ``−A·clip(r, 1−ε_low, 1+ε_high)`` is strictly larger than
     ``−A·r`` (the seed's ``pg_clipfrac``; ``eps_high`` defaults to ``eps_low``), detached. ``advantages`` is
     ``[B, T]`` or ``[B]``."""
@@ -124,8 +148,7 @@ def policy_clip_fraction(logp: Tensor, old_logp: Tensor, advantages: Tensor, act
         advantages = advantages.unsqueeze(-1).expand_as(logp)
     if validate:
         c = Checks("policy_clip_fraction")
-        _check_token_args(c, {"logp": logp, "old_logp": old_logp, "advantages": advantages},
-                          action_mask)
+        _check_token_args(c, {"logp": logp, "old_logp": old_logp, "advantages": advantages}, action_mask)
         _check_eps(c, eps_low, eps_high)
         c.raise_if_any()
     with torch.no_grad():
@@ -133,8 +156,9 @@ def policy_clip_fraction(logp: Tensor, old_logp: Tensor, advantages: Tensor, act
         return clipped.sum() / action_mask.sum().clamp(min=1)
 
 
-def entropy_from_logits(logits: Tensor, action_mask: Optional[Tensor] = None, *, chunk_tokens: int = 1024,
-                        validate: bool = True) -> Tensor:
+def entropy_from_logits(
+    logits: Tensor, action_mask: Tensor | None = None, *, chunk_tokens: int = 1024, validate: bool = True
+) -> Tensor:
     """Per-token entropy ``[B, T]`` of ``softmax(logits)``, zero off ``action_mask``, detached, float32 or wider.
 
     Only action positions are visited, ``chunk_tokens`` at a time: peak extra memory is ``O(chunk_tokens · V)``,
@@ -143,8 +167,14 @@ def entropy_from_logits(logits: Tensor, action_mask: Optional[Tensor] = None, *,
         c = Checks("entropy_from_logits")
         ok = c.tensor("logits", logits, ndim=(3,))
         if action_mask is not None:
-            c.tensor("action_mask", action_mask, kind="bool", shape=tuple(logits.shape[:2]) if ok else None,
-                     ndim=None if ok else (2,), like="logits [B, T]")
+            c.tensor(
+                "action_mask",
+                action_mask,
+                kind="bool",
+                shape=tuple(logits.shape[:2]) if ok else None,
+                ndim=None if ok else (2,),
+                like="logits [B, T]",
+            )
         c.number("chunk_tokens", chunk_tokens, ge=1, integer=True)
         c.raise_if_any()
     B, T, _ = logits.shape
@@ -157,7 +187,7 @@ def entropy_from_logits(logits: Tensor, action_mask: Optional[Tensor] = None, *,
             index = action_mask.nonzero()
         bad = []
         for start in range(0, index.shape[0], chunk_tokens):
-            rows, cols = index[start:start + chunk_tokens].unbind(-1)
+            rows, cols = index[start : start + chunk_tokens].unbind(-1)
             chunk = logits[rows, cols].detach().to(dtype)  # [c, V]: the only copy, chunk-sized
             logq = torch.log_softmax(chunk, dim=-1)
             # −Σ q·log q; a −inf logit (a masked vocabulary entry) contributes 0, not 0·(−inf) = NaN
@@ -168,9 +198,12 @@ def entropy_from_logits(logits: Tensor, action_mask: Optional[Tensor] = None, *,
             c = Checks("entropy_from_logits")
             nonfinite = torch.zeros(B, T, dtype=torch.bool, device=logits.device)
             nonfinite[index[:, 0], index[:, 1]] = torch.cat(bad)
-            c.when_any(nonfinite, "logits", "must give a finite entropy on action positions (no NaN or +inf logits, "
-                       "not all −inf)",
-                       noun="positions")
+            c.when_any(
+                nonfinite,
+                "logits",
+                "must give a finite entropy on action positions (no NaN or +inf logits, not all −inf)",
+                noun="positions",
+            )
             c.raise_if_any()
     return out
 
@@ -192,11 +225,22 @@ def masked_mean_var(x: Tensor, action_mask: Tensor, *, name: str = "x") -> tuple
     return mean, var
 
 
-def ppo_diagnostics(logp: Tensor, old_logp: Tensor, action_mask: Tensor, *, advantages: Optional[Tensor] = None,
-                    eps_low: float = 0.2, eps_high: Optional[float] = None, logits: Optional[Tensor] = None,
-                    entropy: Optional[Tensor] = None, values: Optional[Tensor] = None,
-                    old_values: Optional[Tensor] = None, returns: Optional[Tensor] = None,
-                    value_clip_eps: Optional[float] = None, entropy_chunk_tokens: int = 1024) -> dict[str, Tensor]:
+def ppo_diagnostics(
+    logp: Tensor,
+    old_logp: Tensor,
+    action_mask: Tensor,
+    *,
+    advantages: Tensor | None = None,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    logits: Tensor | None = None,
+    entropy: Tensor | None = None,
+    values: Tensor | None = None,
+    old_values: Tensor | None = None,
+    returns: Tensor | None = None,
+    value_clip_eps: float | None = None,
+    entropy_chunk_tokens: int = 1024,
+) -> dict[str, Tensor]:
     """The seed's PPO-epoch statistics for one micro-batch, as detached 0-d tensors.
 
     Always: ``policy/approx_kl``, ``policy/policy_kl``, ``policy/ratio_mean``. With ``advantages``:
@@ -206,12 +250,24 @@ def ppo_diagnostics(logp: Tensor, old_logp: Tensor, action_mask: Tensor, *, adva
     ``returns``: ``value/vpred_mean``, ``value/error``; plus ``old_values`` and ``value_clip_eps``:
     ``value/clip_frac``.
     """
-    if advantages is not None and isinstance(advantages, Tensor) and advantages.ndim == 1 \
-            and isinstance(logp, Tensor) and logp.ndim == 2:
+    if (
+        advantages is not None
+        and isinstance(advantages, Tensor)
+        and advantages.ndim == 1
+        and isinstance(logp, Tensor)
+        and logp.ndim == 2
+    ):
         advantages = advantages.unsqueeze(-1).expand_as(logp)
     c = Checks("ppo_diagnostics")
-    named = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "entropy": entropy, "values": values,
-             "old_values": old_values, "returns": returns}
+    named = {
+        "logp": logp,
+        "old_logp": old_logp,
+        "advantages": advantages,
+        "entropy": entropy,
+        "values": values,
+        "old_values": old_values,
+        "returns": returns,
+    }
     ok = _check_token_args(c, named, action_mask)
     if advantages is not None:
         _check_eps(c, eps_low, eps_high)
@@ -252,8 +308,14 @@ def ppo_diagnostics(logp: Tensor, old_logp: Tensor, action_mask: Tensor, *, adva
             out["value/vpred_mean"] = _mean(values.detach(), mask)
             out["value/error"] = _mean((values.detach() - returns.detach()).square(), mask)
             if value_clip_eps is not None:
-                vl = value_loss(values.detach(), old_values, returns, mask,  # type: ignore[arg-type]  # checked
-                                clip_eps=value_clip_eps, validate=False)
+                vl = value_loss(
+                    values.detach(),
+                    old_values,  # type: ignore[arg-type]  # checked
+                    returns,
+                    mask,
+                    clip_eps=value_clip_eps,
+                    validate=False,
+                )
                 out["value/clip_frac"] = vl.clip_frac
     return out
 
@@ -266,7 +328,7 @@ class RatioGuardWarning(UserWarning):
     """The mean update ratio of a micro-batch exceeded the guard's threshold: the batch was skipped."""
 
 
-LossLike = Union[Tensor, Mapping[str, Tensor]]
+LossLike = Tensor | Mapping[str, Tensor]
 
 
 @dataclass(frozen=True)
@@ -280,8 +342,15 @@ class RatioGuard:
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
-def ratio_guard(loss: LossLike, logp: Tensor, old_logp: Tensor, action_mask: Tensor, *, threshold: float = 10.0,
-                validate: bool = True) -> RatioGuard:
+def ratio_guard(
+    loss: LossLike,
+    logp: Tensor,
+    old_logp: Tensor,
+    action_mask: Tensor,
+    *,
+    threshold: float = 10.0,
+    validate: bool = True,
+) -> RatioGuard:
     """Skip the batch (loss × 0, warning, ``skipped=1``) when ``mean(exp(logp − old_logp))`` over action tokens
     exceeds ``threshold`` (the seed's ``ratio_threshold``; TRL's PPO default is 10)."""
     if validate:
@@ -302,8 +371,12 @@ def ratio_guard(loss: LossLike, logp: Tensor, old_logp: Tensor, action_mask: Ten
     mean_value = float(mean_ratio)
     skipped = mean_value > threshold
     if skipped:
-        warnings.warn(f"ratio_guard: the mean update ratio of the batch ({mean_value:.2f}) exceeds the threshold "
-                      f"{threshold:.2f}; skipping the batch (loss multiplied by 0)", RatioGuardWarning, stacklevel=2)
+        warnings.warn(
+            f"ratio_guard: the mean update ratio of the batch ({mean_value:.2f}) exceeds the threshold "
+            f"{threshold:.2f}; skipping the batch (loss multiplied by 0)",
+            RatioGuardWarning,
+            stacklevel=2,
+        )
         loss = {k: v * 0.0 for k, v in loss.items()} if isinstance(loss, Mapping) else loss * 0.0
     metrics = {
         "ratio_guard/skipped": torch.tensor(1.0 if skipped else 0.0, device=mean_ratio.device),

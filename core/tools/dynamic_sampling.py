@@ -26,22 +26,21 @@ is full) add up with ``+`` / :meth:`SamplingCost.merge`. Nothing here carries a 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from lossplug.contracts import LossplugError
-from lossplug.ops import Groups
-
 from lossplug.contracts.checks import Checks
+from lossplug.ops import Groups
 
 Tensor = torch.Tensor
 
 __all__ = ["BucketCost", "DynamicSample", "SamplingCost", "difficulty_buckets", "keep_mixed_groups"]
 
 
-def _rate(num: Optional[int], den: Optional[int]) -> Optional[float]:
+def _rate(num: int | None, den: int | None) -> float | None:
     if num is None or den is None:
         return None
     return num / den if den else None
@@ -50,7 +49,7 @@ def _rate(num: Optional[int], den: Optional[int]) -> Optional[float]:
 _N = TypeVar("_N", int, float)
 
 
-def _add_opt(a: Optional[_N], b: Optional[_N]) -> Optional[_N]:
+def _add_opt(a: _N | None, b: _N | None) -> _N | None:
     return None if a is None or b is None else a + b
 
 
@@ -73,8 +72,9 @@ class _Report(BaseModel):
             gen = getattr(self, f"generated_{kind}", getattr(self, kind, None))
             kept = getattr(self, f"retained_{kind}")
             if (gen is None) != (kept is None) or (gen is not None and kept > gen):
-                raise LossplugError(f"{type(self).__name__}: retained_{kind}: must be <= the generated count "
-                                    f"({gen}), got {kept}")
+                raise LossplugError(
+                    f"{type(self).__name__}: retained_{kind}: must be <= the generated count ({gen}), got {kept}"
+                )
         return self
 
 
@@ -85,22 +85,24 @@ class BucketCost(_Report):
     retained_groups: int = Field(ge=0)
     sequences: int = Field(ge=0)
     retained_sequences: int = Field(ge=0)
-    tokens: Optional[int] = Field(None, ge=0)
-    retained_tokens: Optional[int] = Field(None, ge=0)
+    tokens: int | None = Field(None, ge=0)
+    retained_tokens: int | None = Field(None, ge=0)
 
     @computed_field  # type: ignore[prop-decorator]  # (pydantic's documented form)
     @property
-    def retention(self) -> Optional[float]:
+    def retention(self) -> float | None:
         """Retained share of this bucket's groups (``None`` for an empty bucket: nothing to retain)."""
         return _rate(self.retained_groups, self.groups)
 
-    def __add__(self, other: "BucketCost") -> "BucketCost":
-        return BucketCost(groups=self.groups + other.groups,
-                          retained_groups=self.retained_groups + other.retained_groups,
-                          sequences=self.sequences + other.sequences,
-                          retained_sequences=self.retained_sequences + other.retained_sequences,
-                          tokens=_add_opt(self.tokens, other.tokens),
-                          retained_tokens=_add_opt(self.retained_tokens, other.retained_tokens))
+    def __add__(self, other: BucketCost) -> BucketCost:
+        return BucketCost(
+            groups=self.groups + other.groups,
+            retained_groups=self.retained_groups + other.retained_groups,
+            sequences=self.sequences + other.sequences,
+            retained_sequences=self.retained_sequences + other.retained_sequences,
+            tokens=_add_opt(self.tokens, other.tokens),
+            retained_tokens=_add_opt(self.retained_tokens, other.retained_tokens),
+        )
 
 
 class SamplingCost(_Report):
@@ -112,10 +114,10 @@ class SamplingCost(_Report):
     generated_sequences: int = Field(ge=0)
     retained_sequences: int = Field(ge=0)
     #: generated response tokens (``None`` when neither ``lengths`` nor ``action_mask`` was given)
-    generated_tokens: Optional[int] = Field(None, ge=0)
-    retained_tokens: Optional[int] = Field(None, ge=0)
+    generated_tokens: int | None = Field(None, ge=0)
+    retained_tokens: int | None = Field(None, ge=0)
     #: generation wall-clock of the round(s), when the caller measured it
-    generation_seconds: Optional[float] = Field(None, ge=0)
+    generation_seconds: float | None = Field(None, ge=0)
     pass_threshold: float
     by_difficulty: dict[str, BucketCost]
 
@@ -131,27 +133,27 @@ class SamplingCost(_Report):
 
     @computed_field  # type: ignore[prop-decorator]  # (pydantic's documented form)
     @property
-    def rejected_tokens(self) -> Optional[int]:
+    def rejected_tokens(self) -> int | None:
         if self.generated_tokens is None:
             return None
         return self.generated_tokens - self.retained_tokens  # type: ignore[operator]  # both set (the validator)
 
     @computed_field  # type: ignore[prop-decorator]  # (pydantic's documented form)
     @property
-    def group_retention(self) -> Optional[float]:
+    def group_retention(self) -> float | None:
         return _rate(self.retained_groups, self.generated_groups)
 
     @computed_field  # type: ignore[prop-decorator]  # (pydantic's documented form)
     @property
-    def sequence_retention(self) -> Optional[float]:
+    def sequence_retention(self) -> float | None:
         return _rate(self.retained_sequences, self.generated_sequences)
 
     @computed_field  # type: ignore[prop-decorator]  # (pydantic's documented form)
     @property
-    def token_retention(self) -> Optional[float]:
+    def token_retention(self) -> float | None:
         return _rate(self.retained_tokens, self.generated_tokens)
 
-    def merge(self, other: "SamplingCost") -> "SamplingCost":
+    def merge(self, other: SamplingCost) -> SamplingCost:
         """The cost of both rounds together (buckets must match: same ``bins`` and ``pass_threshold``)."""
         if not isinstance(other, SamplingCost):
             raise LossplugError(f"SamplingCost.merge: other must be a SamplingCost, got {type(other).__name__}")
@@ -159,7 +161,8 @@ class SamplingCost(_Report):
             raise LossplugError(
                 "SamplingCost.merge: by_difficulty: the reports use different buckets "
                 f"({list(self.by_difficulty)} at pass_threshold {self.pass_threshold} vs "
-                f"{list(other.by_difficulty)} at {other.pass_threshold}); merge reports made with the same settings")
+                f"{list(other.by_difficulty)} at {other.pass_threshold}); merge reports made with the same settings"
+            )
         return SamplingCost(
             rounds=self.rounds + other.rounds,
             generated_groups=self.generated_groups + other.generated_groups,
@@ -204,9 +207,17 @@ def difficulty_buckets(bins: int = 4) -> list[str]:
     return ["all_wrong"] + [f"mixed_{edges[k]}-{edges[k + 1]}" for k in range(bins)] + ["all_right"]
 
 
-def keep_mixed_groups(reward: Tensor, group_id: Optional[Tensor] = None, *, action_mask: Optional[Tensor] = None,
-                      lengths: Optional[Tensor] = None, pass_threshold: float = 0.5, bins: int = 4,
-                      generation_seconds: Optional[float] = None, validate: bool = True) -> DynamicSample:
+def keep_mixed_groups(
+    reward: Tensor,
+    group_id: Tensor | None = None,
+    *,
+    action_mask: Tensor | None = None,
+    lengths: Tensor | None = None,
+    pass_threshold: float = 0.5,
+    bins: int = 4,
+    generation_seconds: float | None = None,
+    validate: bool = True,
+) -> DynamicSample:
     """Keep the groups whose rewards are not all equal; return the keep mask and the full :class:`SamplingCost`.
 
     * ``reward [B]`` with ``group_id [B]`` (int; scattered, unequal groups): ``keep`` is ``[B]`` per row;
@@ -243,29 +254,41 @@ def keep_mixed_groups(reward: Tensor, group_id: Optional[Tensor] = None, *, acti
     if flat_len is not None:
         group_tokens = groups.sum(flat_len)
         rows += [group_tokens, group_tokens * kg]
-    table = torch.stack([torch.zeros(nb, dtype=torch.long, device=kg.device).index_add_(0, bucket, r.long())
-                         for r in rows])
+    table = torch.stack(
+        [torch.zeros(nb, dtype=torch.long, device=kg.device).index_add_(0, bucket, r.long()) for r in rows]
+    )
     on_host: list[list[int]] = table.tolist()  # the one host sync
     names = difficulty_buckets(bins)
     by_difficulty: dict[str, BucketCost] = {}
     for b, name in enumerate(names):
         col = [row[b] for row in on_host]
-        by_difficulty[name] = BucketCost(groups=col[0], retained_groups=col[1], sequences=col[2],
-                                         retained_sequences=col[3], tokens=col[4] if flat_len is not None else None,
-                                         retained_tokens=col[5] if flat_len is not None else None)
+        by_difficulty[name] = BucketCost(
+            groups=col[0],
+            retained_groups=col[1],
+            sequences=col[2],
+            retained_sequences=col[3],
+            tokens=col[4] if flat_len is not None else None,
+            retained_tokens=col[5] if flat_len is not None else None,
+        )
     totals = [sum(row) for row in on_host]
     report = SamplingCost(
-        generated_groups=totals[0], retained_groups=totals[1], generated_sequences=totals[2],
-        retained_sequences=totals[3], generated_tokens=totals[4] if flat_len is not None else None,
-        retained_tokens=totals[5] if flat_len is not None else None, generation_seconds=generation_seconds,
-        pass_threshold=pass_threshold, by_difficulty=by_difficulty,
+        generated_groups=totals[0],
+        retained_groups=totals[1],
+        generated_sequences=totals[2],
+        retained_sequences=totals[3],
+        generated_tokens=totals[4] if flat_len is not None else None,
+        retained_tokens=totals[5] if flat_len is not None else None,
+        generation_seconds=generation_seconds,
+        pass_threshold=pass_threshold,
+        by_difficulty=by_difficulty,
     )
     keep = keep_group if per_group_layout else keep_row
     return DynamicSample(keep=keep, report=report)
 
 
-def _check(reward: Any, group_id: Any, action_mask: Any, lengths: Any, pass_threshold: Any, bins: Any,
-           generation_seconds: Any) -> None:
+def _check(
+    reward: Any, group_id: Any, action_mask: Any, lengths: Any, pass_threshold: Any, bins: Any, generation_seconds: Any
+) -> None:
     c = Checks("keep_mixed_groups")
     ok = c.tensor("reward", reward, kind="number", ndim=(1, 2))
     if ok:
@@ -273,8 +296,11 @@ def _check(reward: Any, group_id: Any, action_mask: Any, lengths: Any, pass_thre
             c.fail("group_id", "is required with [B] rewards (or pass reward as [prompt, rollout] without group_id)")
             ok = False
         elif group_id is not None and reward.ndim == 2:
-            c.fail("group_id", f"must be omitted with [prompt, rollout] rewards (got reward {list(reward.shape)}); "
-                               "pass reward as [B] with group_id [B] for scattered groups")
+            c.fail(
+                "group_id",
+                f"must be omitted with [prompt, rollout] rewards (got reward {list(reward.shape)}); "
+                "pass reward as [B] with group_id [B] for scattered groups",
+            )
             ok = False
         elif reward.numel() == 0:
             c.fail("reward", f"needs at least one response, got shape {list(reward.shape)}")
@@ -288,8 +314,14 @@ def _check(reward: Any, group_id: Any, action_mask: Any, lengths: Any, pass_thre
         want = None
         if shape is not None and isinstance(action_mask, Tensor) and action_mask.ndim >= 1:
             want = shape + tuple(action_mask.shape[-1:])
-        ok &= c.tensor("action_mask", action_mask, kind="bool", ndim=None if want else (2, 3), shape=want,
-                       like="reward's shape + [T]")
+        ok &= c.tensor(
+            "action_mask",
+            action_mask,
+            kind="bool",
+            ndim=None if want else (2, 3),
+            shape=want,
+            like="reward's shape + [T]",
+        )
     elif lengths is not None:
         ok &= c.tensor("lengths", lengths, kind="int", shape=shape, like="reward")
         if ok:

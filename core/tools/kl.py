@@ -52,8 +52,9 @@ All three expose ``.value`` and ``.update(current_kl, n_steps)`` like verl's, so
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
 import torch
 
@@ -64,8 +65,18 @@ from lossplug.ops import zero_off
 
 Tensor = torch.Tensor
 
-__all__ = ["AdaptiveKLController", "FixedKLController", "KL_PENALTY_MODES", "KLShapedRewards",
-           "ProportionalKLController", "k1", "k2", "k3", "kl_penalty", "kl_shaped_rewards"]
+__all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KL_PENALTY_MODES",
+    "KLShapedRewards",
+    "ProportionalKLController",
+    "k1",
+    "k2",
+    "k3",
+    "kl_penalty",
+    "kl_shaped_rewards",
+]
 
 _BASE_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 #: every mode name verl 0.9.1's ``kl_penalty`` accepts ("full" is declared there but raises NotImplementedError)
@@ -83,23 +94,25 @@ def _check(contract: str, logp: Any, ref_logp: Any, action_mask: Any) -> None:
         where = action_mask if action_mask is not None else torch.ones_like(logp, dtype=torch.bool)
         noun = "positions" if logp.ndim >= 2 else "rows"
         c.when_any(where & ~torch.isfinite(logp.detach()), "logp", "must be finite on action positions", noun=noun)
-        c.when_any(where & ~torch.isfinite(ref_logp.detach()), "ref_logp", "must be finite on action positions",
-                   noun=noun)
+        c.when_any(
+            where & ~torch.isfinite(ref_logp.detach()), "ref_logp", "must be finite on action positions", noun=noun
+        )
     c.raise_if_any()
 
 
-def _prepare(logp: Tensor, ref_logp: Tensor, action_mask: Optional[Tensor], detach_ref: bool = True
-             ) -> tuple[Tensor, Tensor]:
+def _prepare(
+    logp: Tensor, ref_logp: Tensor, action_mask: Tensor | None, detach_ref: bool = True
+) -> tuple[Tensor, Tensor]:
     if action_mask is not None:
         logp, ref_logp = zero_off(logp, action_mask), zero_off(ref_logp, action_mask)
     return logp, (ref_logp.detach() if detach_ref else ref_logp)
 
 
-def _finish(kl: Tensor, action_mask: Optional[Tensor]) -> Tensor:
+def _finish(kl: Tensor, action_mask: Tensor | None) -> Tensor:
     return kl if action_mask is None else zero_off(kl, action_mask)
 
 
-def k1(logp: Tensor, ref_logp: Tensor, action_mask: Optional[Tensor] = None, *, validate: bool = True) -> Tensor:
+def k1(logp: Tensor, ref_logp: Tensor, action_mask: Tensor | None = None, *, validate: bool = True) -> Tensor:
     """``logp − ref`` per token (zero off ``action_mask`` when given); unbiased, may be negative."""
     if validate:
         _check("k1", logp, ref_logp, action_mask)
@@ -107,7 +120,7 @@ def k1(logp: Tensor, ref_logp: Tensor, action_mask: Optional[Tensor] = None, *, 
     return _finish(lp - ref, action_mask)
 
 
-def k2(logp: Tensor, ref_logp: Tensor, action_mask: Optional[Tensor] = None, *, validate: bool = True) -> Tensor:
+def k2(logp: Tensor, ref_logp: Tensor, action_mask: Tensor | None = None, *, validate: bool = True) -> Tensor:
     """``½ (logp − ref)²`` per token (zero off ``action_mask`` when given); ≥ 0."""
     if validate:
         _check("k2", logp, ref_logp, action_mask)
@@ -115,8 +128,14 @@ def k2(logp: Tensor, ref_logp: Tensor, action_mask: Optional[Tensor] = None, *, 
     return _finish(0.5 * (lp - ref).square(), action_mask)
 
 
-def k3(logp: Tensor, ref_logp: Tensor, action_mask: Optional[Tensor] = None, *, max_log_ratio: float = 20.0,
-       validate: bool = True) -> Tensor:
+def k3(
+    logp: Tensor,
+    ref_logp: Tensor,
+    action_mask: Tensor | None = None,
+    *,
+    max_log_ratio: float = 20.0,
+    validate: bool = True,
+) -> Tensor:
     """``exp(δ) − δ − 1`` with ``δ = min(ref − logp, max_log_ratio)`` per token; ≥ 0 and finite for any finite input."""
     if validate:
         _check("k3", logp, ref_logp, action_mask)
@@ -142,8 +161,14 @@ def _verl_forward(logp: Tensor, ref: Tensor, mode: str) -> Tensor:
     return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
 
 
-def kl_penalty(logp: Tensor, ref_logp: Tensor, mode: str = "low_var_kl", action_mask: Optional[Tensor] = None, *,
-               validate: bool = True) -> Tensor:
+def kl_penalty(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mode: str = "low_var_kl",
+    action_mask: Tensor | None = None,
+    *,
+    validate: bool = True,
+) -> Tensor:
     """verl 0.9.1's ``kl_penalty(logprob, ref_logprob, kl_penalty)``, value and gradient, for every mode in
     :data:`KL_PENALTY_MODES`; zero off ``action_mask`` when one is given (verl leaves masking to ``agg_loss``).
 
@@ -152,8 +177,9 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, mode: str = "low_var_kl", action_
     if validate:
         if not isinstance(mode, str) or mode not in KL_PENALTY_MODES:
             hint = did_you_mean(mode, KL_PENALTY_MODES) if isinstance(mode, str) else ""
-            raise LossplugError(f"kl_penalty: mode: unknown KL penalty {mode!r}{hint}; "
-                                f"known modes: {', '.join(KL_PENALTY_MODES)}")
+            raise LossplugError(
+                f"kl_penalty: mode: unknown KL penalty {mode!r}{hint}; known modes: {', '.join(KL_PENALTY_MODES)}"
+            )
         _check("kl_penalty", logp, ref_logp, action_mask)
     lp, ref = _prepare(logp, ref_logp, action_mask, detach_ref=False)
     straight_through = mode.endswith("+")
@@ -176,8 +202,9 @@ class KLShapedRewards:
     kl_mean: Tensor
 
 
-def kl_shaped_rewards(scores: Tensor, logp: Tensor, ref_logp: Tensor, action_mask: Tensor, *, kl_coef: float,
-                      mode: str = "kl") -> KLShapedRewards:
+def kl_shaped_rewards(
+    scores: Tensor, logp: Tensor, ref_logp: Tensor, action_mask: Tensor, *, kl_coef: float, mode: str = "kl"
+) -> KLShapedRewards:
     """Per-token rewards with the KL penalty folded in (seed 003's ``compute_rewards``; verl's ``apply_kl_penalty``).
 
     ``scores`` ``[B]`` (one reward-model score per response, added at its last action token) or ``[B, T]``
@@ -192,15 +219,27 @@ def kl_shaped_rewards(scores: Tensor, logp: Tensor, ref_logp: Tensor, action_mas
         if tuple(scores.shape) != want:
             c.fail("scores", f"must be [B] or [B, T] aligned with logp {list(logp.shape)}, got {list(scores.shape)}")
         else:
-            rows = ~action_mask.any(-1) if isinstance(action_mask, Tensor) and action_mask.dtype == torch.bool \
-                and tuple(action_mask.shape) == tuple(logp.shape) else None
+            rows = (
+                ~action_mask.any(-1)
+                if isinstance(action_mask, Tensor)
+                and action_mask.dtype == torch.bool
+                and tuple(action_mask.shape) == tuple(logp.shape)
+                else None
+            )
             if rows is not None:
-                c.when_any(rows, "action_mask", "every response needs at least one action token (its score goes on "
-                                                "the last one)")
+                c.when_any(
+                    rows,
+                    "action_mask",
+                    "every response needs at least one action token (its score goes on the last one)",
+                )
             finite_where = action_mask if scores.ndim == 2 and rows is not None else None
             bad = ~torch.isfinite(scores) if finite_where is None else finite_where & ~torch.isfinite(scores)
-            c.when_any(bad, "scores", "must be finite" + (" on action positions" if finite_where is not None else ""),
-                       noun="rows" if scores.ndim == 1 else "positions")
+            c.when_any(
+                bad,
+                "scores",
+                "must be finite" + (" on action positions" if finite_where is not None else ""),
+                noun="rows" if scores.ndim == 1 else "positions",
+            )
     c.raise_if_any()
     with torch.no_grad():
         kl = kl_penalty(logp.detach(), ref_logp.detach(), mode, action_mask)
@@ -243,8 +282,16 @@ class AdaptiveKLController:
     tolerance`` (``tolerance = 1.5``, ``factor = 2`` in the paper). ``n_steps`` is accepted and ignored, for verl's
     ``update(current_kl, n_steps)`` call."""
 
-    def __init__(self, init_kl_coef: float, target_kl: float, *, tolerance: float = 1.5, factor: float = 2.0,
-                 min_kl_coef: float = 0.0, max_kl_coef: float = float("inf")):
+    def __init__(
+        self,
+        init_kl_coef: float,
+        target_kl: float,
+        *,
+        tolerance: float = 1.5,
+        factor: float = 2.0,
+        min_kl_coef: float = 0.0,
+        max_kl_coef: float = float("inf"),
+    ):
         c = Checks("AdaptiveKLController")
         c.number("init_kl_coef", init_kl_coef, gt=0.0)
         c.number("target_kl", target_kl, gt=0.0)
@@ -254,14 +301,15 @@ class AdaptiveKLController:
         c.number("max_kl_coef", max_kl_coef, gt=0.0, allow_inf=True)
         c.raise_if_any()
         if min_kl_coef > max_kl_coef:
-            raise LossplugError(f"AdaptiveKLController: min_kl_coef ({min_kl_coef}) must be <= max_kl_coef "
-                                f"({max_kl_coef})")
+            raise LossplugError(
+                f"AdaptiveKLController: min_kl_coef ({min_kl_coef}) must be <= max_kl_coef ({max_kl_coef})"
+            )
         self.value = float(init_kl_coef)
         self.target = float(target_kl)
         self.tolerance, self.factor = float(tolerance), float(factor)
         self.min_kl_coef, self.max_kl_coef = float(min_kl_coef), float(max_kl_coef)
 
-    def update(self, current_kl: Union[float, Tensor], n_steps: Optional[int] = None) -> float:
+    def update(self, current_kl: float | Tensor, n_steps: int | None = None) -> float:
         """Apply the rule for the measured KL ``d = current_kl``; return the new β."""
         d = _as_kl(current_kl, "AdaptiveKLController.update")
         if d < self.target / self.tolerance:
@@ -295,7 +343,7 @@ class ProportionalKLController:
         self.target = float(target_kl)
         self.horizon = horizon
 
-    def update(self, current_kl: Union[float, Tensor], n_steps: int) -> float:
+    def update(self, current_kl: float | Tensor, n_steps: int) -> float:
         d = _as_kl(current_kl, "ProportionalKLController.update")
         c = Checks("ProportionalKLController.update")
         c.number("n_steps", n_steps, ge=0)
@@ -307,7 +355,8 @@ class ProportionalKLController:
             raise LossplugError(
                 f"ProportionalKLController.update: n_steps: {n_steps} steps over horizon {self.horizon} with KL {d} "
                 f"(target {self.target}) would make the coefficient non-positive (multiplier {float(mult):.3g}); "
-                "use a horizon of at least n_steps / 5")
+                "use a horizon of at least n_steps / 5"
+            )
         self.value = float(self.value * mult)
         return self.value
 
@@ -327,7 +376,7 @@ class FixedKLController:
         c.raise_if_any()
         self.value = float(kl_coef)
 
-    def update(self, current_kl: Union[float, Tensor, None] = None, n_steps: Optional[int] = None) -> float:
+    def update(self, current_kl: float | Tensor | None = None, n_steps: int | None = None) -> float:
         return self.value
 
     def state_dict(self) -> dict[str, Any]:

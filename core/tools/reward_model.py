@@ -22,13 +22,12 @@ loss of a micro-batch its share, so micro-batch losses add up to the full-batch 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from lossplug.contracts import LossplugError
-
 from lossplug.contracts.checks import Checks
 
 Tensor = torch.Tensor
@@ -67,8 +66,9 @@ def last_token_scores(values: Tensor, attention_mask: Tensor, *, validate: bool 
         if _check_scores_args(c, values, attention_mask, "values", "attention_mask"):
             c.raise_if_any()
             scores = _scores(values, attention_mask)
-            c.when_any(~torch.isfinite(scores.detach()), "values", "the score at the last non-padding token must be "
-                       "finite")
+            c.when_any(
+                ~torch.isfinite(scores.detach()), "values", "the score at the last non-padding token must be finite"
+            )
         c.raise_if_any()
     return _scores(values, attention_mask)
 
@@ -85,10 +85,17 @@ class RewardModelOutput:
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
-def pairwise_reward_loss(values: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None, *,
-                         chosen_values: Optional[Tensor] = None, chosen_mask: Optional[Tensor] = None,
-                         rejected_values: Optional[Tensor] = None, rejected_mask: Optional[Tensor] = None,
-                         num_pairs: Optional[int] = None, validate: bool = True) -> RewardModelOutput:
+def pairwise_reward_loss(
+    values: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    *,
+    chosen_values: Tensor | None = None,
+    chosen_mask: Tensor | None = None,
+    rejected_values: Tensor | None = None,
+    rejected_mask: Tensor | None = None,
+    num_pairs: int | None = None,
+    validate: bool = True,
+) -> RewardModelOutput:
     """``−log σ(r_chosen − r_rejected)`` averaged over pairs, scores at the last non-padding token.
 
     Either the seed's layout — ``values [2P, T]`` (or ``[2P, T, 1]``) and ``attention_mask [2P, T]`` bool, the first
@@ -98,8 +105,10 @@ def pairwise_reward_loss(values: Optional[Tensor] = None, attention_mask: Option
     combined = values is not None or attention_mask is not None
     separate = any(x is not None for x in (chosen_values, chosen_mask, rejected_values, rejected_mask))
     if combined == separate:
-        raise LossplugError("pairwise_reward_loss: give either values + attention_mask (chosen rows first, then "
-                            "rejected rows) or chosen_values, chosen_mask, rejected_values and rejected_mask")
+        raise LossplugError(
+            "pairwise_reward_loss: give either values + attention_mask (chosen rows first, then "
+            "rejected rows) or chosen_values, chosen_mask, rejected_values and rejected_mask"
+        )
     c = Checks("pairwise_reward_loss")
     if combined:
         # set: a None is reported below when validating; without validation, set is the caller's promise
@@ -110,8 +119,11 @@ def pairwise_reward_loss(values: Optional[Tensor] = None, attention_mask: Option
                 c.fail(name, "is required with the combined [2P, T] layout")
             if not missing and _check_scores_args(c, values, attention_mask, "values", "attention_mask"):
                 if values.shape[0] % 2:
-                    c.fail("values", "the combined layout needs an even number of rows (P chosen, then P rejected), "
-                                     f"got {values.shape[0]}")
+                    c.fail(
+                        "values",
+                        "the combined layout needs an even number of rows (P chosen, then P rejected), "
+                        f"got {values.shape[0]}",
+                    )
             c.raise_if_any()
         half = values.shape[0] // 2
         chosen_values, rejected_values = values[:half], values[half:]
@@ -120,8 +132,12 @@ def pairwise_reward_loss(values: Optional[Tensor] = None, attention_mask: Option
         chosen_values, chosen_mask = cast(Tensor, chosen_values), cast(Tensor, chosen_mask)
         rejected_values, rejected_mask = cast(Tensor, rejected_values), cast(Tensor, rejected_mask)
     if not combined and validate:
-        pairs = (("chosen_values", chosen_values), ("chosen_mask", chosen_mask),
-                 ("rejected_values", rejected_values), ("rejected_mask", rejected_mask))
+        pairs = (
+            ("chosen_values", chosen_values),
+            ("chosen_mask", chosen_mask),
+            ("rejected_values", rejected_values),
+            ("rejected_mask", rejected_mask),
+        )
         missing = [n for n, t in pairs if t is None]
         for name in missing:
             c.fail(name, "is required with the separate chosen/rejected layout")
@@ -129,16 +145,22 @@ def pairwise_reward_loss(values: Optional[Tensor] = None, attention_mask: Option
             ok = _check_scores_args(c, chosen_values, chosen_mask, "chosen_values", "chosen_mask")
             ok &= _check_scores_args(c, rejected_values, rejected_mask, "rejected_values", "rejected_mask")
             if ok and chosen_values.shape[0] != rejected_values.shape[0]:
-                c.fail("rejected_values", f"must have one row per chosen row: {chosen_values.shape[0]} chosen, "
-                                          f"{rejected_values.shape[0]} rejected")
+                c.fail(
+                    "rejected_values",
+                    f"must have one row per chosen row: {chosen_values.shape[0]} chosen, "
+                    f"{rejected_values.shape[0]} rejected",
+                )
         c.raise_if_any()
     if validate:
         if chosen_values.shape[0] == 0:
             c.fail("values" if combined else "chosen_values", "needs at least one preference pair, got none")
         if num_pairs is not None and c.number("num_pairs", num_pairs, gt=0, integer=True):
             if num_pairs < chosen_values.shape[0]:
-                c.fail("num_pairs", f"the global population ({num_pairs} pairs) is smaller than this micro-batch "
-                                    f"({chosen_values.shape[0]} pairs); it must count the whole optimizer step")
+                c.fail(
+                    "num_pairs",
+                    f"the global population ({num_pairs} pairs) is smaller than this micro-batch "
+                    f"({chosen_values.shape[0]} pairs); it must count the whole optimizer step",
+                )
         c.raise_if_any()
 
     chosen = _scores(chosen_values, chosen_mask)

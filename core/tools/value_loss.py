@@ -47,8 +47,9 @@ rows/positions.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
 import torch
 
@@ -77,10 +78,18 @@ class ValueLossOutput:
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor, *,
-               clip_eps: Optional[float] = 0.2, reduction: Union[str, Mapping[str, Any]] = "token",
-               normalizer: Optional[Normalizer] = None, action_tokens: Optional[int] = None,
-               validate: bool = True) -> ValueLossOutput:
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    action_mask: Tensor,
+    *,
+    clip_eps: float | None = 0.2,
+    reduction: str | Mapping[str, Any] = "token",
+    normalizer: Normalizer | None = None,
+    action_tokens: int | None = None,
+    validate: bool = True,
+) -> ValueLossOutput:
     """PPO clipped value loss ``½·max((V−R)², (clip(V, V_old±ε)−R)²)`` reduced over action tokens.
 
     ``values`` ``[B, T]`` are the current predictions ``V`` (gradient), ``old_values`` the rollout critic's ``V_old``,
@@ -128,16 +137,27 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask:
     return ValueLossOutput(loss=loss, clip_frac=clip_frac, per_token=per_token, clipped=clipped, metrics=metrics)
 
 
-def value_clip_fraction(values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor, *,
-                        clip_eps: float, validate: bool = True) -> Tensor:
+def value_clip_fraction(
+    values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor, *, clip_eps: float, validate: bool = True
+) -> Tensor:
     """Fraction of this micro-batch's action tokens where ``(clip(V, V_old±ε) − R)² > (V − R)²`` (detached)."""
     with torch.no_grad():
-        return value_loss(values.detach(), old_values, returns, action_mask, clip_eps=clip_eps,
-                          validate=validate).clip_frac
+        return value_loss(
+            values.detach(), old_values, returns, action_mask, clip_eps=clip_eps, validate=validate
+        ).clip_frac
 
 
-def _check_value_args(values: Any, old_values: Any, returns: Any, action_mask: Any, clip_eps: Any, reduction: Any,
-                      normalizer: Any, action_tokens: Any, contract: str = "value_loss") -> None:
+def _check_value_args(
+    values: Any,
+    old_values: Any,
+    returns: Any,
+    action_mask: Any,
+    clip_eps: Any,
+    reduction: Any,
+    normalizer: Any,
+    action_tokens: Any,
+    contract: str = "value_loss",
+) -> None:
     c = Checks(contract)
     aligned = c.tensor("values", values, ndim=(2,))
     shape = tuple(values.shape) if aligned else None
@@ -167,22 +187,31 @@ def _check_value_args(values: Any, old_values: Any, returns: Any, action_mask: A
         c.when_any(mask & ~torch.isfinite(t.detach()), name, "must be finite on action positions", noun="positions")
     population = normalizer.action_tokens if normalizer is not None else action_tokens
     if isinstance(population, int) and population > 0:
-        c.when(mask.sum() > population, "normalizer" if normalizer is not None else "action_tokens",
-               f"the global population ({population} action tokens) is smaller than this micro-batch alone; "
-               "it must count the whole optimizer step (all micro-batches and ranks)")
+        c.when(
+            mask.sum() > population,
+            "normalizer" if normalizer is not None else "action_tokens",
+            f"the global population ({population} action tokens) is smaller than this micro-batch alone; "
+            "it must count the whole optimizer step (all micro-batches and ranks)",
+        )
     if normalizer is not None and mask.shape[0] > normalizer.sequences:
-        c.fail("normalizer", f"the global population ({normalizer.sequences} sequences) is smaller than this "
-                             f"micro-batch ({mask.shape[0]} sequences)")
+        c.fail(
+            "normalizer",
+            f"the global population ({normalizer.sequences} sequences) is smaller than this "
+            f"micro-batch ({mask.shape[0]} sequences)",
+        )
     c.raise_if_any()
 
 
-def _reduction_name(c: Checks, reduction: Any) -> Optional[str]:
+def _reduction_name(c: Checks, reduction: Any) -> str | None:
     """The registered reduction's name, or a violation that says what is registered."""
     from lossplug.pipeline import compile_reduction
 
     try:
         return compile_reduction(reduction, "reduction").plugin.name
     except LossplugError as err:
-        c.fail("reduction", f"must be 'token' or 'response' or another registered reduction, got {reduction!r} "
-                            f"({str(err).split(': ', 1)[-1]})")
+        c.fail(
+            "reduction",
+            f"must be 'token' or 'response' or another registered reduction, got {reduction!r} "
+            f"({str(err).split(': ', 1)[-1]})",
+        )
         return None

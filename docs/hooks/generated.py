@@ -37,7 +37,6 @@ from mkdocs.structure.files import File
 log = logging.getLogger("mkdocs.hooks.generated")
 
 
-
 def catalogue_page() -> str:
     from lossplug.describe import catalogue_markdown, catalogue_problems
 
@@ -54,10 +53,13 @@ def cli_page() -> str:
     from lossplug.cli import app
 
     command = typer.main.get_command(app)
-    text = get_docs_for_click(obj=command, ctx=click.Context(command, info_name="lossplug"), name="lossplug",
-                              title="Command line")
-    intro = ("Generated from the Typer app (`lossplug.cli`) when the documentation is built: the same text as "
-             "`lossplug COMMAND --help`.\n\n")
+    text = get_docs_for_click(
+        obj=command, ctx=click.Context(command, info_name="lossplug"), name="lossplug", title="Command line"
+    )
+    intro = (
+        "Generated from the Typer app (`lossplug.cli`) when the documentation is built: the same text as "
+        "`lossplug COMMAND --help`.\n\n"
+    )
     head, _, rest = text.partition("\n\n")
     return f"{head}\n\n{intro}{rest}"
 
@@ -74,21 +76,35 @@ def api_page() -> str:
             modules.setdefault(module, []).append(name)
         else:
             prose.append(name)
-    out = ["# `lossplug`", "",
-           "Generated from `lossplug.__all__` when the documentation is built: every public name of the package, "
-           "documented where it is defined. `import lossplug` resolves them lazily (PEP 562), so importing the "
-           "package stays cheap.", ""]
+    out = [
+        "# `lossplug`",
+        "",
+        "Generated from `lossplug.__all__` when the documentation is built: every public name of the package, "
+        "documented where it is defined. `import lossplug` resolves them lazily (PEP 562), so importing the "
+        "package stays cheap.",
+        "",
+    ]
     if "hookimpl" in prose:
-        out += ["`lossplug.hookimpl` — the pluggy marker of hook implementations: "
-                "`@lossplug.hookimpl def lossplug_register_gates(register): ...` (see [Plugin hooks](../plugin-hooks.md)).",
-                ""]
+        out += [
+            "`lossplug.hookimpl` — the pluggy marker of hook implementations: "
+            "`@lossplug.hookimpl def lossplug_register_gates(register): ...` (see [Plugin hooks](../plugin-hooks.md)).",
+            "",
+        ]
         prose.remove("hookimpl")
     for name in prose:
         out += [f"`lossplug.{name}`", ""]
     for module in sorted(modules):
         members = "".join(f"\n        - {n}" for n in sorted(modules[module]))
-        out += [f"## `{module}`", "", f"::: {module}", "    options:", "      show_root_heading: false",
-                "      heading_level: 3", f"      members:{members}", ""]
+        out += [
+            f"## `{module}`",
+            "",
+            f"::: {module}",
+            "    options:",
+            "      show_root_heading: false",
+            "      heading_level: 3",
+            f"      members:{members}",
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -112,8 +128,10 @@ def trl_equivalent_table() -> str:
         recipe, population = trl_equivalent(types.SimpleNamespace(**{**defaults, **overrides}))
         data = recipe.to_dict()
         name = f"`{loss_type}`" + (" (`epsilon_high=5.0`)" if loss_type == "cispo" else "")
-        rows.append(f"| {name} | {stage(data['advantage'])} | {'; '.join(stage(g) for g in data['gates'])} | "
-                    f"{stage(data['reduction'])} | `{population}` |")
+        rows.append(
+            f"| {name} | {stage(data['advantage'])} | {'; '.join(stage(g) for g in data['gates'])} | "
+            f"{stage(data['reduction'])} | `{population}` |"
+        )
     return "\n".join(rows)
 
 

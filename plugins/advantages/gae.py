@@ -55,7 +55,8 @@ Reference: verl ``compute_gae_advantage_return``; TRL's PPO trainer (whitened GA
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union, cast
+from collections.abc import Callable
+from typing import cast
 
 import torch
 from pydantic import Field
@@ -63,11 +64,10 @@ from pydantic import Field
 import lossplug
 from lossplug.contracts import LossplugError
 from lossplug.contracts.errors import describe_positions
-
 from lossplug.tools.kl import kl_shaped_rewards
 
 Tensor = torch.Tensor
-Lam = Union[float, Tensor]
+Lam = float | Tensor
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def reverse_linear_scan(delta: Tensor, coef: Tensor, block: int = SCAN_BLOCK) ->
     return a.addcmul_(prod, carry.unsqueeze(-1)).reshape(-1)[:n]
 
 
-def _compute_dtype(*ts: Optional[Tensor]) -> torch.dtype:
+def _compute_dtype(*ts: Tensor | None) -> torch.dtype:
     dtype = torch.float32
     for t in ts:
         if t is not None and t.is_floating_point():
@@ -138,8 +138,9 @@ def _compute_dtype(*ts: Optional[Tensor]) -> torch.dtype:
     return dtype
 
 
-def _gae(reward: Tensor, value: Tensor, bootstrap: Tensor, boundary: Tensor, gamma: float, lam: Lam,
-         critic_lam: Optional[Lam]) -> tuple[Tensor, Tensor]:
+def _gae(
+    reward: Tensor, value: Tensor, bootstrap: Tensor, boundary: Tensor, gamma: float, lam: Lam, critic_lam: Lam | None
+) -> tuple[Tensor, Tensor]:
     """Advantages (λ = ``lam``) and returns (λ = ``critic_lam``, default ``lam``) of packed 1-D transitions.
 
     ``bootstrap`` is V_next already zeroed where terminated; ``lam``/``critic_lam`` are floats or per-transition
@@ -147,8 +148,9 @@ def _gae(reward: Tensor, value: Tensor, bootstrap: Tensor, boundary: Tensor, gam
     """
     delta = reward + gamma * bootstrap - value
     zero = torch.zeros((), dtype=delta.dtype, device=delta.device)
-    advantage = reverse_linear_scan(delta, torch.where(boundary, zero, gamma * torch.as_tensor(lam, dtype=delta.dtype,
-                                                                                                 device=delta.device)))
+    advantage = reverse_linear_scan(
+        delta, torch.where(boundary, zero, gamma * torch.as_tensor(lam, dtype=delta.dtype, device=delta.device))
+    )
     if critic_lam is None or critic_lam is lam:
         target = advantage
     else:
@@ -175,13 +177,20 @@ def _segments(boundary: Tensor) -> Tensor:
 # Layouts
 
 
-def _packed(batch: lossplug.PackedTransitions, gamma: float, lam: Optional[Lam], critic_lam: Optional[Lam],
-            whiten: bool, lam_of: Optional[Callable[[Tensor], Tensor]] = None) -> lossplug.AdvantageResult:
+def _packed(
+    batch: lossplug.PackedTransitions,
+    gamma: float,
+    lam: Lam | None,
+    critic_lam: Lam | None,
+    whiten: bool,
+    lam_of: Callable[[Tensor], Tensor] | None = None,
+) -> lossplug.AdvantageResult:
     """``lam``: λ, or None with ``lam_of``, the λ of a fragment length; ``critic_lam`` None: ``lam``."""
     dtype = _compute_dtype(batch.reward, batch.value, batch.next_value)
     reward, value = batch.reward.to(dtype), batch.value.to(dtype)
-    bootstrap = torch.where(batch.terminated, torch.zeros((), dtype=dtype, device=value.device),
-                            batch.next_value.to(dtype))
+    bootstrap = torch.where(
+        batch.terminated, torch.zeros((), dtype=dtype, device=value.device), batch.next_value.to(dtype)
+    )
     metrics = {}
     if lam_of is not None:  # per-fragment λ from the fragment length (length-adaptive GAE)
         seg = _segments(batch.boundary)
@@ -194,9 +203,15 @@ def _packed(batch: lossplug.PackedTransitions, gamma: float, lam: Optional[Lam],
     return lossplug.AdvantageResult(advantage=advantage, returns=returns, metric_tensors=metrics)
 
 
-def _padded(batch: lossplug.PolicyBatch, gamma: float, lam: Optional[Lam], critic_lam: Optional[Lam], whiten: bool,
-            kl_coef: Optional[float] = None, lam_of: Optional[Callable[[Tensor], Tensor]] = None
-            ) -> lossplug.AdvantageResult:
+def _padded(
+    batch: lossplug.PolicyBatch,
+    gamma: float,
+    lam: Lam | None,
+    critic_lam: Lam | None,
+    whiten: bool,
+    kl_coef: float | None = None,
+    lam_of: Callable[[Tensor], Tensor] | None = None,
+) -> lossplug.AdvantageResult:
     mask = batch.action_mask
     B, T = mask.shape
     dtype = _compute_dtype(batch.reward, batch.value)
@@ -224,11 +239,18 @@ def _padded(batch: lossplug.PolicyBatch, gamma: float, lam: Optional[Lam], criti
     if kl_coef:
         missing = [n for n in ("old_logp", "ref_logp") if getattr(batch, n) is None]
         if missing:
-            raise LossplugError(f"gae with kl_coef={kl_coef} needs {' and '.join(missing)}: the KL-shaped reward is "
-                                f"−kl_coef·(old_logp − ref_logp) (for a single on-policy step pass "
-                                f"old_logp=logp.detach())")
-        shaped = kl_shaped_rewards(torch.zeros(B, dtype=dtype, device=mask.device), cast(Tensor, batch.old_logp),
-                                   cast(Tensor, batch.ref_logp), mask, kl_coef=kl_coef)  # (checked just above)
+            raise LossplugError(
+                f"gae with kl_coef={kl_coef} needs {' and '.join(missing)}: the KL-shaped reward is "
+                f"−kl_coef·(old_logp − ref_logp) (for a single on-policy step pass "
+                f"old_logp=logp.detach())"
+            )
+        shaped = kl_shaped_rewards(
+            torch.zeros(B, dtype=dtype, device=mask.device),
+            cast(Tensor, batch.old_logp),
+            cast(Tensor, batch.ref_logp),
+            mask,
+            kl_coef=kl_coef,
+        )  # (checked just above)
         non_score, kl = shaped.non_score_rewards, shaped.kl
         reward = reward + torch.masked_select(non_score, mask).to(dtype)
         kl_flat = torch.masked_select(kl, mask)
@@ -241,14 +263,18 @@ def _padded(batch: lossplug.PolicyBatch, gamma: float, lam: Optional[Lam], criti
         truncated = ~batch.terminated
         if batch.final_value is None:
             if bool(truncated.any()):
-                raise LossplugError(f"gae: final_value is required where terminated is False (time-limit truncation "
-                                    f"bootstraps from the real final observation's value) — "
-                                    f"{describe_positions(truncated)}")
+                raise LossplugError(
+                    f"gae: final_value is required where terminated is False (time-limit truncation "
+                    f"bootstraps from the real final observation's value) — "
+                    f"{describe_positions(truncated)}"
+                )
         else:
             end_value = torch.where(truncated, batch.final_value.to(dtype), end_value)
     elif batch.final_value is not None:
-        raise LossplugError("gae: final_value given without terminated: set terminated ([B] bool) to say which "
-                            "responses were truncated (bootstrap from final_value) and which ended (no bootstrap)")
+        raise LossplugError(
+            "gae: final_value given without terminated: set terminated ([B] bool) to say which "
+            "responses were truncated (bootstrap from final_value) and which ended (no bootstrap)"
+        )
     bootstrap = torch.cat((value[1:], value.new_zeros(1)))  # the next action's value within a row ...
     bootstrap[ends] = end_value if end_value.shape[0] == ends.shape[0] else end_value[nonempty]  # ... or the end's
 
@@ -274,35 +300,45 @@ def _lambda_metrics(lam: Tensor) -> dict[str, Tensor]:
 # Public functions and the plugin
 
 
-def packed_gae(reward: Tensor, value: Tensor, next_value: Tensor, terminated: Tensor, boundary: Tensor,
-               gamma: float = 0.99, lam: float = 0.95) -> Tensor:
+def packed_gae(
+    reward: Tensor,
+    value: Tensor,
+    next_value: Tensor,
+    terminated: Tensor,
+    boundary: Tensor,
+    gamma: float = 0.99,
+    lam: float = 0.95,
+) -> Tensor:
     """Seed 1's ``packed_gae``: validated through :class:`~lossplug.PackedTransitions`, no gradient, not whitened."""
     with torch.no_grad():
-        batch = lossplug.PackedTransitions(reward=reward, value=value, next_value=next_value, terminated=terminated,
-                                           boundary=boundary)
+        batch = lossplug.PackedTransitions(
+            reward=reward, value=value, next_value=next_value, terminated=terminated, boundary=boundary
+        )
         return _packed(batch, gamma, lam, None, whiten=False).advantage
 
 
 class GAEParams(lossplug.Params):
     gamma: float = Field(1.0, ge=0, le=1, description="discount (LLM RL: 1.0, as TRL PPO and verl)")
     lam: float = Field(0.95, ge=0, le=1, description="GAE λ of the advantages (TRL PPO: 0.95, verl: 1.0)")
-    critic_lam: Optional[float] = Field(None, ge=0, le=1, description="λ of the returns (critic targets); "
-                                                                       "default: lam")
+    critic_lam: float | None = Field(None, ge=0, le=1, description="λ of the returns (critic targets); default: lam")
     whiten: bool = Field(True, description="standardise advantages over all action tokens (returns never are)")
-    kl_coef: Optional[float] = Field(None, ge=0, description="padded only: add the KL-shaped reward "
-                                                             "−kl_coef·(old_logp − ref_logp) per action token")
+    kl_coef: float | None = Field(
+        None, ge=0, description="padded only: add the KL-shaped reward −kl_coef·(old_logp − ref_logp) per action token"
+    )
 
 
-def _gae_requires(p: "GAEParams") -> tuple[str, ...]:
+def _gae_requires(p: GAEParams) -> tuple[str, ...]:
     return ("reward", "value") + (("old_logp", "ref_logp") if p.kl_coef else ())
 
 
 @lossplug.advantage("gae", params=GAEParams, requires=_gae_requires, layouts=("packed", "padded"))
-def gae(batch: Union[lossplug.PolicyBatch, lossplug.PackedTransitions], p: GAEParams) -> lossplug.AdvantageResult:
+def gae(batch: lossplug.PolicyBatch | lossplug.PackedTransitions, p: GAEParams) -> lossplug.AdvantageResult:
     """GAE(γ, λ) with terminated/boundary bookkeeping; returns A + V_old; observation tokens are skipped."""
     if isinstance(batch, lossplug.PackedTransitions):
         if p.kl_coef:
-            raise LossplugError("gae: kl_coef needs per-token log-probs, which packed transitions do not carry; "
-                                "shape the rewards before packing (lossplug.tools.kl.kl_shaped_rewards)")
+            raise LossplugError(
+                "gae: kl_coef needs per-token log-probs, which packed transitions do not carry; "
+                "shape the rewards before packing (lossplug.tools.kl.kl_shaped_rewards)"
+            )
         return _packed(batch, p.gamma, p.lam, p.critic_lam, p.whiten)
     return _padded(batch, p.gamma, p.lam, p.critic_lam, p.whiten, p.kl_coef)

@@ -44,7 +44,8 @@ class GRPOParams(lossplug.Params):
     std: Literal["sample", "population"] = Field("sample", description="Bessel-corrected (TRL, verl) or not (seed)")
     eps: float = Field(1e-6, ge=0, description="epsilon of the division (TRL: 1e-4, verl: 1e-6)")
     eps_mode: Literal["add", "threshold"] = Field(
-        "add", description="add: c / (std + eps) (TRL, verl); threshold: c / std where std > eps, else 0 (seed)")
+        "add", description="add: c / (std + eps) (TRL, verl); threshold: c / std where std > eps, else 0 (seed)"
+    )
 
 
 @lossplug.advantage("grpo", params=GRPOParams, requires=("reward", "group_id"))
@@ -68,8 +69,11 @@ def grpo(batch: lossplug.PolicyBatch, p: GRPOParams) -> torch.Tensor:
         if p.scale == "group":
             std = groups.std(reward, unbiased=unbiased)[groups.inverse]
         else:
-            std = reward.std(unbiased=unbiased).expand_as(reward) if reward.numel() > int(unbiased) \
+            std = (
+                reward.std(unbiased=unbiased).expand_as(reward)
+                if reward.numel() > int(unbiased)
                 else torch.zeros_like(reward)
+            )
         if p.eps_mode == "add":
             denom = std + p.eps  # eps may be 0: a std that underflowed to 0 must not turn into ±inf
             adv = torch.where(denom > 0, centered / denom, torch.zeros_like(centered))

@@ -23,8 +23,6 @@ arXiv:2504.05118.
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 from pydantic import Field
 
@@ -36,7 +34,7 @@ from .gae import _packed, _padded
 Tensor = torch.Tensor
 
 
-def length_adaptive_lambda(length: Union[Tensor, int, float, list[float]], alpha: float = 0.05) -> Tensor:
+def length_adaptive_lambda(length: Tensor | int | float | list[float], alpha: float = 0.05) -> Tensor:
     """``clamp(1 − 1/(α·l), 0, 1)`` elementwise; ``l`` in action tokens (or transitions, packed).
 
     Integer lengths give a float32 tensor (a floating tensor keeps its dtype). Raises :class:`LossplugError` for a
@@ -49,8 +47,10 @@ def length_adaptive_lambda(length: Union[Tensor, int, float, list[float]], alpha
         raise LossplugError(f"length_adaptive_lambda: alpha must be positive and finite, got {alpha!r}")
     bad = ~(torch.isfinite(length) & (length > 0))
     if bool(bad.any()):
-        raise LossplugError(f"length_adaptive_lambda: length must be positive and finite, got "
-                            f"{length[bad].reshape(-1)[:8].tolist()} (the length unit is action tokens)")
+        raise LossplugError(
+            f"length_adaptive_lambda: length must be positive and finite, got "
+            f"{length[bad].reshape(-1)[:8].tolist()} (the length unit is action tokens)"
+        )
     return (1 - 1 / (alpha * length)).clamp(0, 1)
 
 
@@ -61,10 +61,12 @@ class LengthAdaptiveGAEParams(lossplug.Params):
     whiten: bool = Field(True, description="standardise advantages over all action tokens (returns never are)")
 
 
-@lossplug.advantage("length_adaptive_gae", params=LengthAdaptiveGAEParams, requires=("reward", "value"),
-                    layouts=("packed", "padded"))
-def length_adaptive_gae(batch: Union[lossplug.PolicyBatch, lossplug.PackedTransitions], p: LengthAdaptiveGAEParams
-                        ) -> lossplug.AdvantageResult:
+@lossplug.advantage(
+    "length_adaptive_gae", params=LengthAdaptiveGAEParams, requires=("reward", "value"), layouts=("packed", "padded")
+)
+def length_adaptive_gae(
+    batch: lossplug.PolicyBatch | lossplug.PackedTransitions, p: LengthAdaptiveGAEParams
+) -> lossplug.AdvantageResult:
     """VAPO: GAE with λ = 1 − 1/(α·l) per response (l in action tokens), critic λ separate (default 1)."""
 
     def lam_of(lengths: Tensor) -> Tensor:

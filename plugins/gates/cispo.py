@@ -31,7 +31,7 @@ Reference: verl ``compute_policy_loss_cispo``; TRL ``loss_type="cispo"``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 import torch
 from pydantic import Field, model_validator
@@ -41,31 +41,37 @@ from lossplug.ops import clamp_exact, count_actions
 
 
 class CISPOParams(lossplug.Params):
-    eps_low: Optional[float] = Field(0.2, gt=0, le=1,
-                                     description="weights below 1 − eps_low are raised to it; null: no lower bound "
-                                                 "(TRL, MiniMax-M1)")
-    eps_high: Optional[float] = Field(0.2, gt=0,
-                                      description="weights above 1 + eps_high are capped (verl); null when ratio_max "
-                                                  "is used")
-    ratio_max: Optional[float] = Field(None, gt=0,
-                                       description="absolute cap on the weight instead of 1 + eps_high (TRL's "
-                                                   "epsilon_high for cispo, e.g. 5.0)")
-    log_ratio_clamp: Optional[float] = Field(20.0, gt=0, le=80,
-                                             description="the log-ratio is clamped to ± this before exp (verl: 20); "
-                                                         "null: no clamp (TRL)")
+    eps_low: float | None = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="weights below 1 − eps_low are raised to it; null: no lower bound (TRL, MiniMax-M1)",
+    )
+    eps_high: float | None = Field(
+        0.2, gt=0, description="weights above 1 + eps_high are capped (verl); null when ratio_max is used"
+    )
+    ratio_max: float | None = Field(
+        None,
+        gt=0,
+        description="absolute cap on the weight instead of 1 + eps_high (TRL's epsilon_high for cispo, e.g. 5.0)",
+    )
+    log_ratio_clamp: float | None = Field(
+        20.0, gt=0, le=80, description="the log-ratio is clamped to ± this before exp (verl: 20); null: no clamp (TRL)"
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _one_upper_bound(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("ratio_max") is not None:
             if data.get("eps_high") is not None:
-                raise ValueError("give either eps_high (cap 1 + eps_high, verl) or ratio_max (absolute cap, TRL), "
-                                 "not both")
+                raise ValueError(
+                    "give either eps_high (cap 1 + eps_high, verl) or ratio_max (absolute cap, TRL), not both"
+                )
             data = {**data, "eps_high": None}
         return data
 
     @model_validator(mode="after")
-    def _has_upper_bound(self) -> "CISPOParams":
+    def _has_upper_bound(self) -> CISPOParams:
         if self.eps_high is None and self.ratio_max is None:
             raise ValueError("cispo needs an upper bound on the weight: set eps_high or ratio_max")
         return self
@@ -76,7 +82,7 @@ class CISPOParams(lossplug.Params):
         return self.ratio_max if self.ratio_max is not None else 1 + cast(float, self.eps_high)
 
     @property
-    def lower(self) -> Optional[float]:
+    def lower(self) -> float | None:
         return None if self.eps_low is None else 1 - self.eps_low
 
 
@@ -96,8 +102,11 @@ def cispo(inp: lossplug.GateInput, p: CISPOParams) -> lossplug.GateOutput:
     @functools.cache
     def counts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         mask, lengths = inp.mask, inp.lengths
-        low = count_actions(ratio < p.lower, mask, lengths, false_off_actions=True) if p.lower is not None else \
-            lengths.new_zeros(())
+        low = (
+            count_actions(ratio < p.lower, mask, lengths, false_off_actions=True)
+            if p.lower is not None
+            else lengths.new_zeros(())
+        )
         high = count_actions(ratio > p.upper, mask, lengths, false_off_actions=p.upper >= 1)
         if p.lower is None or p.lower < p.upper:  # the two sides are disjoint: their sum is the clipped count
             return low + high, low, high
@@ -108,7 +117,10 @@ def cispo(inp: lossplug.GateInput, p: CISPOParams) -> lossplug.GateOutput:
 
     return lossplug.GateOutput(
         objective=objective,
-        metrics={"clip_frac": lambda: fraction(0), "clip_frac_low": lambda: fraction(1),
-                 "clip_frac_high": lambda: fraction(2)},
+        metrics={
+            "clip_frac": lambda: fraction(0),
+            "clip_frac_low": lambda: fraction(1),
+            "clip_frac_high": lambda: fraction(2),
+        },
         active=lambda: inp.mask,  # the clip saturates the weight only: every action token keeps its gradient
     )

@@ -24,7 +24,7 @@ gate's ``logp``. ``active`` marks what still carries gradient (weight > 0).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -36,13 +36,19 @@ REQUIRES = ("old_logp", "behavior_logp")
 
 
 def _clamp_field() -> Any:
-    return Field(20.0, gt=0, le=80, description="the (token or summed) engine log-ratio is clamped to ± this before "
-                                                "exp (verl's SAFETY_BOUND: 20)")
+    return Field(
+        20.0,
+        gt=0,
+        le=80,
+        description="the (token or summed) engine log-ratio is clamped to ± this before exp (verl's SAFETY_BOUND: 20)",
+    )
 
 
 def _sequence_ratio_field() -> Any:
-    return Field("product", description="sequence ratio: product of the token ratios (verl rollout_is=sequence) or "
-                                        "their geometric mean")
+    return Field(
+        "product",
+        description="sequence ratio: product of the token ratios (verl rollout_is=sequence) or their geometric mean",
+    )
 
 
 class TISParams(lossplug.Params):
@@ -76,12 +82,12 @@ class IcePopSequenceParams(_IcePopBounds):
     log_ratio_clamp: float = _clamp_field()
 
 
-def _token_log_ratio(inp: lossplug.GateInput, p: Union[TISParams, IcePopParams]) -> torch.Tensor:
+def _token_log_ratio(inp: lossplug.GateInput, p: TISParams | IcePopParams) -> torch.Tensor:
     """log(π_old/π_behaviour) per token: 0 off the actions, where both are cleaned to 0 (so ρ = 1 there)."""
     return clamp_exact(inp.engine_log_ratio(), -p.log_ratio_clamp, p.log_ratio_clamp)
 
 
-def _sequence_log_ratio(inp: lossplug.GateInput, p: Union[TISSequenceParams, IcePopSequenceParams]) -> torch.Tensor:
+def _sequence_log_ratio(inp: lossplug.GateInput, p: TISSequenceParams | IcePopSequenceParams) -> torch.Tensor:
     log_ratio = inp.engine_log_ratio().sum(-1)
     if p.ratio == "geometric":
         log_ratio = log_ratio / inp.lengths.clamp(min=1).to(log_ratio.dtype)
@@ -107,8 +113,10 @@ def _tis(ratio: torch.Tensor, cap: float, inp: lossplug.GateInput) -> lossplug.G
     return lossplug.GateOutput(
         weight=weight.detach(),
         metrics={"trunc_frac": lambda: _fraction(inp, ratio > cap, cap >= 1)},
-        details={**response_stats("ratio", ratio, valid),
-                 "weight_mean": lambda: torch.where(valid, weight, 0).sum() / _count(inp, ratio)},
+        details={
+            **response_stats("ratio", ratio, valid),
+            "weight_mean": lambda: torch.where(valid, weight, 0).sum() / _count(inp, ratio),
+        },
         active=lambda: weight > 0,
     )
 
@@ -119,10 +127,14 @@ def _icepop(ratio: torch.Tensor, low: float, high: float, inp: lossplug.GateInpu
     valid = _valid(inp, ratio)
     return lossplug.GateOutput(
         weight=weight.detach(),
-        metrics={"reject_frac_low": lambda: _fraction(inp, ratio < low, low <= 1),
-                 "reject_frac_high": lambda: _fraction(inp, ratio > high, high >= 1)},
-        details={**response_stats("ratio", ratio, valid),
-                 "weight_mean": lambda: torch.where(valid, weight, 0).sum() / _count(inp, ratio)},
+        metrics={
+            "reject_frac_low": lambda: _fraction(inp, ratio < low, low <= 1),
+            "reject_frac_high": lambda: _fraction(inp, ratio > high, high >= 1),
+        },
+        details={
+            **response_stats("ratio", ratio, valid),
+            "weight_mean": lambda: torch.where(valid, weight, 0).sum() / _count(inp, ratio),
+        },
         active=lambda: keep,
     )
 

@@ -50,8 +50,10 @@ def dis(inp: lossplug.GateInput, p: DISParams) -> lossplug.GateOutput:
     # off the actions ρ = exp(0) = 1, strictly inside (1 − low, 1 + high): never counted, no mask pass
     return lossplug.GateOutput(
         objective=objective,
-        metrics={"drop_frac_low": lambda: inp.token_fraction(ratio <= 1 - p.low, false_off_actions=True),
-                 "drop_frac_high": lambda: inp.token_fraction(ratio >= 1 + p.high, false_off_actions=True)},
+        metrics={
+            "drop_frac_low": lambda: inp.token_fraction(ratio <= 1 - p.low, false_off_actions=True),
+            "drop_frac_high": lambda: inp.token_fraction(ratio >= 1 + p.high, false_off_actions=True),
+        },
         details=response_stats("ratio", ratio, inp.mask),
         active=lambda: keep,
     )

@@ -45,13 +45,15 @@ from lossplug.ops import any_rows, clamp_exact, response_stats
 
 
 class GSPOParams(lossplug.Params):
-    eps_low: float = Field(3e-4, gt=0, lt=1,
-                           description="lower clip: sequence ratios below 1 − eps_low are cut when A < 0 (paper: 3e-4)")
-    eps_high: float = Field(4e-4, gt=0,
-                            description="upper clip: sequence ratios above 1 + eps_high are cut when A > 0 "
-                                        "(paper: 4e-4)")
-    log_ratio_clamp: float = Field(10.0, gt=0, le=80,
-                                   description="the log sequence ratio is clamped to ± this before exp (verl: 10)")
+    eps_low: float = Field(
+        3e-4, gt=0, lt=1, description="lower clip: sequence ratios below 1 − eps_low are cut when A < 0 (paper: 3e-4)"
+    )
+    eps_high: float = Field(
+        4e-4, gt=0, description="upper clip: sequence ratios above 1 + eps_high are cut when A > 0 (paper: 4e-4)"
+    )
+    log_ratio_clamp: float = Field(
+        10.0, gt=0, le=80, description="the log sequence ratio is clamped to ± this before exp (verl: 10)"
+    )
 
 
 def _sequence_log_ratio(inp: lossplug.GateInput) -> torch.Tensor:
@@ -68,8 +70,15 @@ def _clipped(ratio: torch.Tensor, adv: torch.Tensor, p: GSPOParams) -> torch.Ten
     return torch.minimum(ratio * adv, ratio.clamp(1 - p.eps_low, 1 + p.eps_high) * adv)
 
 
-def _output(inp: lossplug.GateInput, p: GSPOParams, objective: torch.Tensor, ratio: torch.Tensor,
-            adv: torch.Tensor, seq_ratio: torch.Tensor, per_response: bool) -> lossplug.GateOutput:
+def _output(
+    inp: lossplug.GateInput,
+    p: GSPOParams,
+    objective: torch.Tensor,
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    seq_ratio: torch.Tensor,
+    per_response: bool,
+) -> lossplug.GateOutput:
     """The objective with its declared metrics: the cut fractions over the action tokens (a ratio outside the range
     on the side A's sign guards), at ``full`` also the sequence ratio's mean and range over responses and ``active``.
 
@@ -89,8 +98,10 @@ def _output(inp: lossplug.GateInput, p: GSPOParams, objective: torch.Tensor, rat
 
     return lossplug.GateOutput(
         objective=objective,
-        metrics={"clip_frac_low": lambda: inp.token_fraction(cut()[0], false_off_actions=True),
-                 "clip_frac_high": lambda: inp.token_fraction(cut()[1], false_off_actions=True)},
+        metrics={
+            "clip_frac_low": lambda: inp.token_fraction(cut()[0], false_off_actions=True),
+            "clip_frac_high": lambda: inp.token_fraction(cut()[1], false_off_actions=True),
+        },
         details=response_stats("seq_ratio", seq_ratio.detach(), inp.lengths > 0),
         active=active,
     )

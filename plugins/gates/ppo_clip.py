@@ -24,7 +24,6 @@ Reference: verl ``compute_policy_loss_vanilla`` (``clip_ratio_low/high``, ``clip
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 from pydantic import Field
@@ -36,7 +35,7 @@ from lossplug.ops import clamp_exact
 class PPOClipParams(lossplug.Params):
     eps_low: float = Field(0.2, gt=0, lt=1, description="lower clip: ratios below 1 − eps_low are cut when A < 0")
     eps_high: float = Field(0.2, gt=0, description="upper clip: ratios above 1 + eps_high are cut when A > 0")
-    dual_clip_c: Optional[float] = Field(None, gt=1, description="dual-clip bound c·A for A < 0 (e.g. 3)")
+    dual_clip_c: float | None = Field(None, gt=1, description="dual-clip bound c·A for A < 0 (e.g. 3)")
     log_ratio_clamp: float = Field(20.0, gt=0, description="the log-ratio is clamped to ± this before exp")
 
 

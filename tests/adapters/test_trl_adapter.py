@@ -13,19 +13,21 @@ import torch
 
 pytest.importorskip("trl")
 
-import trl  # noqa: E402
+import trl
 
-import lossplug  # noqa: E402
-from lossplug import BatchValidationError, LogProbSource, LossplugError, Provenance, Recipe, RecipeError  # noqa: E402
-from lossplug.adapters import trl as adapter  # noqa: E402
-from lossplug.adapters.trl import LossplugGRPOTrainer, attach, trl_equivalent  # noqa: E402
-from lossplug.testing import tiny  # noqa: E402
+import lossplug
+from lossplug import BatchValidationError, LogProbSource, LossplugError, Provenance, Recipe, RecipeError
+from lossplug.adapters import trl as adapter
+from lossplug.adapters.trl import LossplugGRPOTrainer, attach, trl_equivalent
+from lossplug.testing import tiny
 
 
 def test_importing_lossplug_or_the_adapter_module_does_not_import_trl():
-    code = ("import sys, lossplug, lossplug.adapters, lossplug.adapters.trl, lossplug.testing.tiny\n"
-            "bad = [m for m in ('trl', 'transformers', 'datasets', 'vllm') if m in sys.modules]\n"
-            "assert not bad, bad\n")
+    code = (
+        "import sys, lossplug, lossplug.adapters, lossplug.adapters.trl, lossplug.testing.tiny\n"
+        "bad = [m for m in ('trl', 'transformers', 'datasets', 'vllm') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert adapter.LossplugGRPOTrainer.__module__ == "lossplug.adapters.trl"  # looked up lazily, importing trl
 
@@ -57,22 +59,31 @@ def config(tmp, **kw):
     return tiny.tiny_grpo_config(tmp / "out", **kw)
 
 
-@pytest.mark.parametrize("loss_type, gate, reduction, population", [
-    ("grpo", "ppo_clip", "response", "generation"),
-    ("bnpo", "ppo_clip", "token", "micro_batch"),
-    ("dr_grpo", "ppo_clip", "fixed", "generation"),
-    ("dapo", "ppo_clip", "token", "generation"),
-    ("cispo", "cispo", "token", "generation"),
-    ("sapo", "sapo", "response", "generation"),
-    ("luspo", "ppo_clip", "sequence_sum", "generation"),
-])
+@pytest.mark.parametrize(
+    "loss_type, gate, reduction, population",
+    [
+        ("grpo", "ppo_clip", "response", "generation"),
+        ("bnpo", "ppo_clip", "token", "micro_batch"),
+        ("dr_grpo", "ppo_clip", "fixed", "generation"),
+        ("dapo", "ppo_clip", "token", "generation"),
+        ("cispo", "cispo", "token", "generation"),
+        ("sapo", "sapo", "response", "generation"),
+        ("luspo", "ppo_clip", "sequence_sum", "generation"),
+    ],
+)
 def test_trl_equivalent_mapping(tmp_module, loss_type, gate, reduction, population):
-    args = config(tmp_module, loss_type=loss_type, epsilon_high=5.0 if loss_type == "cispo" else 0.28,
-                  scale_rewards="batch")
+    args = config(
+        tmp_module, loss_type=loss_type, epsilon_high=5.0 if loss_type == "cispo" else 0.28, scale_rewards="batch"
+    )
     recipe, pop = trl_equivalent(args)
     assert (recipe.gates[0].name, recipe.reduction.name, pop) == (gate, reduction, population)
-    assert recipe.advantage.to_dict() == {"name": "grpo", "scale": "batch", "std": "sample", "eps": 1e-4,
-                                          "eps_mode": "add"}
+    assert recipe.advantage.to_dict() == {
+        "name": "grpo",
+        "scale": "batch",
+        "std": "sample",
+        "eps": 1e-4,
+        "eps_mode": "add",
+    }
     if loss_type == "cispo":
         assert recipe.gates[0].params["ratio_max"] == 5.0 and recipe.gates[0].params["eps_low"] is None
     if loss_type == "dr_grpo":
@@ -98,12 +109,20 @@ def test_trl_equivalent_refuses_what_has_no_equivalent(tmp_module):
 @pytest.fixture
 def plain(tmp_path):
     """A fresh, plain GRPOTrainer (beta = 0) on a fresh tiny model."""
+
     def build(cls=trl.GRPOTrainer, **kw):
         tok = tiny.tiny_tokenizer()
         model = tiny.tiny_model(tok)
         extra = {k: kw.pop(k) for k in ("recipe", "validate", "population", "rollout_func", "provenance") if k in kw}
-        return cls(model=model, reward_funcs=[tiny.length_reward], args=config(tmp_path, **kw),
-                   train_dataset=tiny.tiny_dataset(), processing_class=tok, **extra)
+        return cls(
+            model=model,
+            reward_funcs=[tiny.length_reward],
+            args=config(tmp_path, **kw),
+            train_dataset=tiny.tiny_dataset(),
+            processing_class=tok,
+            **extra,
+        )
+
     return build
 
 
@@ -134,12 +153,15 @@ def test_a_bad_recipe_fails_before_the_model_is_touched(plain):
         plain(LossplugGRPOTrainer, recipe="grpo", population="step")
 
 
-@pytest.mark.parametrize("setting, value, message", [
-    ("use_vllm", True, "vllm_importance_sampling_correction=False"),
-    ("off_policy_mask_threshold", 0.5, "off_policy_mask_threshold"),
-    ("top_entropy_quantile", 0.2, "top_entropy_quantile"),
-    ("use_adaptive_entropy", True, "adaptive entropy"),
-])
+@pytest.mark.parametrize(
+    "setting, value, message",
+    [
+        ("use_vllm", True, "vllm_importance_sampling_correction=False"),
+        ("off_policy_mask_threshold", 0.5, "off_policy_mask_threshold"),
+        ("top_entropy_quantile", 0.2, "top_entropy_quantile"),
+        ("use_adaptive_entropy", True, "adaptive entropy"),
+    ],
+)
 def test_refuses_trl_options_it_would_silently_drop(plain, setting, value, message):
     trainer = plain()
     setattr(trainer.args, setting, value)
@@ -148,11 +170,14 @@ def test_refuses_trl_options_it_would_silently_drop(plain, setting, value, messa
     assert type(trainer) is trl.GRPOTrainer  # a refused attach leaves the trainer as it was
 
 
-@pytest.mark.parametrize("recipe, message", [
-    ({"preset": "dapo", "gates": ["ppo_clip", "tis"]}, r"behavior_logp: TRL has rollout log-probs only"),
-    ("ppo", r"recipe.advantage \(gae\) reads value"),
-    ({"preset": "grpo", "advantage": {"name": "gae", "kl_coef": 0.1}}, "ref_logp"),
-])
+@pytest.mark.parametrize(
+    "recipe, message",
+    [
+        ({"preset": "dapo", "gates": ["ppo_clip", "tis"]}, r"behavior_logp: TRL has rollout log-probs only"),
+        ("ppo", r"recipe.advantage \(gae\) reads value"),
+        ({"preset": "grpo", "advantage": {"name": "gae", "kl_coef": 0.1}}, "ref_logp"),
+    ],
+)
 def test_refuses_recipes_reading_fields_trl_does_not_have(plain, recipe, message):
     with pytest.raises(LossplugError, match=message):
         attach(plain(), recipe)
@@ -177,11 +202,25 @@ def test_refuses_a_class_that_overrides_compute_loss(plain):
 
 def test_refuses_rloo_trainer_and_other_objects(tmp_path):
     tok = tiny.tiny_tokenizer()
-    args = trl.RLOOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", save_strategy="no",
-                          per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-                          gradient_checkpointing=False, beta=0.0)
-    rloo = trl.RLOOTrainer(model=tiny.tiny_model(tok), reward_funcs=[tiny.length_reward], args=args,
-                           train_dataset=tiny.tiny_dataset(), processing_class=tok)
+    args = trl.RLOOConfig(
+        output_dir=str(tmp_path),
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        gradient_checkpointing=False,
+        beta=0.0,
+    )
+    rloo = trl.RLOOTrainer(
+        model=tiny.tiny_model(tok),
+        reward_funcs=[tiny.length_reward],
+        args=args,
+        train_dataset=tiny.tiny_dataset(),
+        processing_class=tok,
+    )
     with pytest.raises(LossplugError, match="RLOOTrainer is not supported.*recipe 'rloo'"):
         attach(rloo, "rloo")
     with pytest.raises(LossplugError, match="supports GRPOTrainer"):
@@ -198,10 +237,16 @@ def rollout_trainer(tmp_module):
     with one generation batch prepared."""
     tok = tiny.tiny_tokenizer()
     args = config(tmp_module, gradient_accumulation_steps=2, mask_truncated_completions=True)
-    trainer = LossplugGRPOTrainer(model=tiny.tiny_model(tok), reward_funcs=[tiny.length_reward], args=args,
-                                  train_dataset=tiny.tiny_dataset(), processing_class=tok,
-                                  rollout_func=tiny.TinyRollout(tok, seed=5), metrics="full",
-                                  recipe={"preset": "dapo", "gates": ["ppo_clip", {"name": "tis", "cap": 2.0}]})
+    trainer = LossplugGRPOTrainer(
+        model=tiny.tiny_model(tok),
+        reward_funcs=[tiny.length_reward],
+        args=args,
+        train_dataset=tiny.tiny_dataset(),
+        processing_class=tok,
+        rollout_func=tiny.TinyRollout(tok, seed=5),
+        metrics="full",
+        recipe={"preset": "dapo", "gates": ["ppo_clip", {"name": "tis", "cap": 2.0}]},
+    )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
@@ -230,8 +275,11 @@ def test_behaviour_logprobs_feed_the_engine_ratio(rollout_trainer):
     action = (mb["completion_mask"] * mb["tool_mask"]).bool()
     with torch.no_grad():  # num_iterations 1, aligned accumulation: TRL's old log-probs are logp.detach()
         old = trainer._get_per_token_logps_and_entropies(
-            trainer.model, torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1),
-            torch.cat([mb["prompt_mask"], mb["completion_mask"]], 1), mb["completion_ids"].shape[1])[0]
+            trainer.model,
+            torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1),
+            torch.cat([mb["prompt_mask"], mb["completion_mask"]], 1),
+            mb["completion_ids"].shape[1],
+        )[0]
     behavior = mb["sampling_per_token_logps"]
     assert (torch.isnan(behavior) & action).any()  # unscored tokens exist...
     ratio = torch.where(torch.isnan(behavior), 1.0, (old - behavior).exp())  # ...and get engine ratio 1 (TRL)
@@ -289,12 +337,19 @@ def test_mixed_logprob_conventions_are_refused(plain):
     hot = LogProbSource(engine="vllm", temperature=0.7)
     cold = LogProbSource(engine="transformers", temperature=1.0)
     with pytest.raises(LossplugError, match="engine ratio"):
-        plain(LossplugGRPOTrainer, recipe={"preset": "dapo", "gates": ["ppo_clip", "tis"]},
-              rollout_func=tiny.TinyRollout(tiny.tiny_tokenizer()),
-              provenance=Provenance(behavior=hot, old=cold, current=cold))
+        plain(
+            LossplugGRPOTrainer,
+            recipe={"preset": "dapo", "gates": ["ppo_clip", "tis"]},
+            rollout_func=tiny.TinyRollout(tiny.tiny_tokenizer()),
+            provenance=Provenance(behavior=hot, old=cold, current=cold),
+        )
     # a recipe that does not read behaviour log-probs only records them
-    plain(LossplugGRPOTrainer, recipe="dapo", rollout_func=tiny.TinyRollout(tiny.tiny_tokenizer()),
-          provenance=Provenance(behavior=hot, old=cold, current=cold))
+    plain(
+        LossplugGRPOTrainer,
+        recipe="dapo",
+        rollout_func=tiny.TinyRollout(tiny.tiny_tokenizer()),
+        provenance=Provenance(behavior=hot, old=cold, current=cold),
+    )
 
 
 def test_write_record(plain, tmp_path):
@@ -309,6 +364,8 @@ def test_write_record(plain, tmp_path):
     assert versions["versions"]["trl"] == trl.__version__
     assert versions["versions"]["lossplug"] == lossplug.__version__
     assert versions["adapter"]["population"] == "generation"
-    assert (versions["adapter"]["trainer"], versions["adapter"]["trl_trainer"]) == ("LossplugGRPOTrainer",
-                                                                                   "GRPOTrainer")
+    assert (versions["adapter"]["trainer"], versions["adapter"]["trl_trainer"]) == (
+        "LossplugGRPOTrainer",
+        "GRPOTrainer",
+    )
     assert versions["trl_settings_replaced"]["loss_type"] == trainer.args.loss_type

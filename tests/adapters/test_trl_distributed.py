@@ -17,7 +17,7 @@ pytest.importorskip("trl")
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
     from lossplug.adapters.trl import LossplugGRPOTrainer, attach, trl_equivalent
     from lossplug.testing import tiny
@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent('''
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-''')
+""")
 
 
 def test_two_processes(tmp_path):
@@ -68,10 +68,22 @@ def test_two_processes(tmp_path):
         pytest.skip("torchrun not found")
     script = tmp_path / "ddp.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+    }
+    proc = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert not set(ranks[0]["groups"]) & set(ranks[1]["groups"])  # each process holds its own groups

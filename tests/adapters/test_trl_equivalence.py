@@ -17,16 +17,15 @@ import torch
 
 pytest.importorskip("trl")
 
-from trl import GRPOTrainer  # noqa: E402
+from trl import GRPOTrainer
 
-import lossplug  # noqa: E402
-from lossplug.adapters.trl import LossplugGRPOTrainer, attach, trl_equivalent  # noqa: E402
-from lossplug.testing import tiny  # noqa: E402
+import lossplug
+from lossplug.adapters.trl import LossplugGRPOTrainer, attach, trl_equivalent
+from lossplug.testing import tiny
 
 pytestmark = pytest.mark.slow
 
 TOL = 1e-6
-
 
 
 LOSS_TYPES = {
@@ -54,11 +53,18 @@ def setup(request, tmp_path_factory):
     if request.param == "rollout":
         extra = {"mask_truncated_completions": True}
         rollout = tiny.TinyRollout(tok, seed=3)
-    args = tiny.tiny_grpo_config(tmp / "out", gradient_accumulation_steps=2, num_iterations=2, beta=0.04,
-                                 loss_type="dapo", **extra)
-    trainer = LossplugGRPOTrainer(model=model, reward_funcs=[tiny.length_reward, tiny.digit_reward], args=args,
-                                  train_dataset=tiny.tiny_dataset(), processing_class=tok, recipe="dapo",
-                                  rollout_func=rollout)
+    args = tiny.tiny_grpo_config(
+        tmp / "out", gradient_accumulation_steps=2, num_iterations=2, beta=0.04, loss_type="dapo", **extra
+    )
+    trainer = LossplugGRPOTrainer(
+        model=model,
+        reward_funcs=[tiny.length_reward, tiny.digit_reward],
+        args=args,
+        train_dataset=tiny.tiny_dataset(),
+        processing_class=tok,
+        recipe="dapo",
+        rollout_func=rollout,
+    )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     torch.manual_seed(0)
@@ -81,11 +87,18 @@ def setup(request, tmp_path_factory):
 def configured(trainer, loss_type: str, settings: dict):
     """Set TRL's loss settings on the trainer (both its args and the attributes TRL caches from them)."""
     args = trainer.args
-    fields = {"loss_type": loss_type, "epsilon": 0.2, "epsilon_high": None, "delta": None,
-              "importance_sampling_level": "token", **settings}
+    fields = {
+        "loss_type": loss_type,
+        "epsilon": 0.2,
+        "epsilon_high": None,
+        "delta": None,
+        "importance_sampling_level": "token",
+        **settings,
+    }
     saved_args = {k: getattr(args, k) for k in fields}
-    saved_attrs = {k: getattr(trainer, k) for k in ("loss_type", "epsilon_low", "epsilon_high",
-                                                     "importance_sampling_level")}
+    saved_attrs = {
+        k: getattr(trainer, k) for k in ("loss_type", "epsilon_low", "epsilon_high", "importance_sampling_level")
+    }
     for k, v in fields.items():
         setattr(args, k, v)
     trainer.loss_type = loss_type
@@ -122,8 +135,9 @@ def max_diff(a, b):
 def native_and_ours(trainer, micro_batches):
     """``(|Δloss|, max |Δgrad|, native grads)`` of TRL's own ``_compute_loss`` and the attached recipe's, both
     accumulated over the same micro-batches."""
-    native_loss, native_grads = accumulate(trainer, micro_batches,
-                                           lambda mb: GRPOTrainer._compute_loss(trainer, trainer.model, mb))
+    native_loss, native_grads = accumulate(
+        trainer, micro_batches, lambda mb: GRPOTrainer._compute_loss(trainer, trainer.model, mb)
+    )
     ours_loss, ours_grads = accumulate(trainer, micro_batches, lambda mb: trainer._compute_loss(trainer.model, mb))
     return abs(float(native_loss - ours_loss)), max_diff(native_grads, ours_grads), native_grads
 
@@ -138,8 +152,10 @@ def test_loss_and_gradients_match_trl(setup, case):
         trainer.model.train()
         loss_diff, grad_diff, native_grads = native_and_ours(trainer, micro_batches)
         grad_scale = max(float(g.abs().max()) for g in native_grads)
-        print(f"{case}: recipe={recipe.to_dict()} population={population} "
-              f"|Δloss|={loss_diff:.2e} max|Δgrad|={grad_diff:.2e} (max|grad|={grad_scale:.3g})")
+        print(
+            f"{case}: recipe={recipe.to_dict()} population={population} "
+            f"|Δloss|={loss_diff:.2e} max|Δgrad|={grad_diff:.2e} (max|grad|={grad_scale:.3g})"
+        )
         assert grad_scale > 1e-3  # the comparison is not vacuous
         assert loss_diff <= TOL
         assert grad_diff <= TOL
@@ -182,8 +198,9 @@ def test_the_comparison_exercises_clipping_and_kl(setup):
             with torch.no_grad():
                 trainer._compute_loss(trainer.model, mb)
         m = trainer._metrics["train"]
-        clipped = [lo + hi for lo, hi in zip(m["lossplug/ppo_clip/clip_frac_low"],
-                                             m["lossplug/ppo_clip/clip_frac_high"])]
+        clipped = [
+            lo + hi for lo, hi in zip(m["lossplug/ppo_clip/clip_frac_low"], m["lossplug/ppo_clip/clip_frac_high"])
+        ]
         assert max(clipped) > 0
         assert min(m["kl"]) > 0 and min(m["lossplug/kl"]) > 0
         assert max(m["lossplug/ratio/update/max"]) > 1.05
@@ -225,17 +242,21 @@ def test_micro_batch_losses_sum_to_the_full_step_reduction(setup, recipe):
             for mb in micro_batches:
                 ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
                 att = torch.cat([mb["prompt_mask"], mb["completion_mask"]], 1)
-                logp = trainer._get_per_token_logps_and_entropies(trainer.model, ids, att,
-                                                                   mb["completion_ids"].shape[1])[0]
+                logp = trainer._get_per_token_logps_and_entropies(
+                    trainer.model, ids, att, mb["completion_ids"].shape[1]
+                )[0]
                 parts.append((logp, mb))
             mask = torch.cat([(mb["completion_mask"] * mb.get("tool_mask", 1)).bool() for _, mb in parts])
             keep = mask.any(-1)  # rows TRL masked out entirely still count as responses of the population
             full = lossplug.PolicyBatch(
-                logp=torch.cat([p for p, _ in parts])[keep], action_mask=mask[keep],
+                logp=torch.cat([p for p, _ in parts])[keep],
+                action_mask=mask[keep],
                 old_logp=torch.cat([mb["old_per_token_logps"] for _, mb in parts])[keep],
-                advantage=torch.cat([mb["advantages"] for _, mb in parts])[keep])
-            normalizer = lossplug.Normalizer(action_tokens=int(mask.sum()), sequences=mask.shape[0],
-                                             budget=float(trainer.max_completion_length))
+                advantage=torch.cat([mb["advantages"] for _, mb in parts])[keep],
+            )
+            normalizer = lossplug.Normalizer(
+                action_tokens=int(mask.sum()), sequences=mask.shape[0], budget=float(trainer.max_completion_length)
+            )
             expected = lossplug.policy_loss(full, recipe, normalizer).loss
     finally:
         trainer.beta = beta
@@ -250,8 +271,12 @@ def test_group_advantages_match_trl(setup, scale):
     def sometimes_none(completions, **kwargs):
         return [None if i % 5 == 2 else 1.0 / (1.0 + len(str(c).split())) for i, c in enumerate(completions)]
 
-    funcs, names, weights, processing = (trainer.reward_funcs, trainer.reward_func_names, trainer.reward_weights,
-                                         trainer.reward_processing_classes)
+    funcs, names, weights, processing = (
+        trainer.reward_funcs,
+        trainer.reward_func_names,
+        trainer.reward_weights,
+        trainer.reward_processing_classes,
+    )
     trainer.reward_funcs, trainer.reward_func_names = [sometimes_none], ["sometimes_none"]
     trainer.reward_weights, trainer.reward_processing_classes = torch.ones(1), [None]
     saved = trainer.scale_rewards

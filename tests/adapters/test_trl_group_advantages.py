@@ -13,8 +13,14 @@ from lossplug.adapters.trl import _State, group_advantages
 
 def fake_trainer(recipe_name: str):
     recipe = lossplug.Recipe.preset(recipe_name)
-    state = _State(recipe=recipe, compiled=lossplug.compile_recipe(recipe), validate="full", population="generation",
-                   provenance=lossplug.Provenance(), kl_sequence_level=False)
+    state = _State(
+        recipe=recipe,
+        compiled=lossplug.compile_recipe(recipe),
+        validate="full",
+        population="generation",
+        provenance=lossplug.Provenance(),
+        kl_sequence_level=False,
+    )
     return types.SimpleNamespace(_lossplug=state, reward_weights=torch.ones(1))
 
 

@@ -14,13 +14,13 @@ import torch
 
 pytest.importorskip("verl")
 
-from omegaconf import OmegaConf  # noqa: E402
-from verl import DataProto  # noqa: E402
-from verl.trainer.ppo import core_algos  # noqa: E402
-from verl.trainer.ppo.ray_trainer import compute_advantage  # noqa: E402
+from omegaconf import OmegaConf
+from verl import DataProto
+from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.ray_trainer import compute_advantage
 
-from lossplug.adapters.verl import compute_lossplug_advantage, group_ids  # noqa: E402
-from lossplug.contracts import LossplugError  # noqa: E402
+from lossplug.adapters.verl import compute_lossplug_advantage, group_ids
+from lossplug.contracts import LossplugError
 
 DT = torch.float64
 TOL = 1e-6
@@ -55,17 +55,33 @@ def data_proto(batch: dict) -> DataProto:
 
 
 def run(batch: dict, estimator: str, *, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, **algorithm):
-    config = OmegaConf.create({"adv_estimator": estimator, "gamma": gamma, "lam": lam,
-                               "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo, **algorithm})
-    out = compute_advantage(data_proto(batch), adv_estimator=estimator, gamma=gamma, lam=lam, num_repeat=G,
-                            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
+    config = OmegaConf.create(
+        {
+            "adv_estimator": estimator,
+            "gamma": gamma,
+            "lam": lam,
+            "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo,
+            **algorithm,
+        }
+    )
+    out = compute_advantage(
+        data_proto(batch),
+        adv_estimator=estimator,
+        gamma=gamma,
+        lam=lam,
+        num_repeat=G,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        config=config,
+    )
     return out.batch["advantages"], out.batch["returns"]
 
 
 def max_diff(batch, ours, theirs) -> float:
     mask = batch["response_mask"].bool()
-    return max(torch.where(mask, ours[0] - theirs[0], 0).abs().max().item(),
-               torch.where(mask, ours[1] - theirs[1], 0).abs().max().item())
+    return max(
+        torch.where(mask, ours[0] - theirs[0], 0).abs().max().item(),
+        torch.where(mask, ours[1] - theirs[1], 0).abs().max().item(),
+    )
 
 
 def recipe(advantage) -> dict:
@@ -101,8 +117,13 @@ def test_gae_matches_verl(gamma, lam):
     the DataProto being processed by compute_advantage (identity-checked)."""
     batch = make_batch(4)
     theirs = run(batch, "gae", gamma=gamma, lam=lam, use_pf_ppo=False)
-    ours = run(batch, "lossplug", gamma=gamma, lam=lam,
-               lossplug=recipe({"name": "gae", "gamma": gamma, "lam": lam, "whiten": True}))
+    ours = run(
+        batch,
+        "lossplug",
+        gamma=gamma,
+        lam=lam,
+        lossplug=recipe({"name": "gae", "gamma": gamma, "lam": lam, "whiten": True}),
+    )
     assert max_diff(batch, ours, theirs) <= TOL
 
 
@@ -119,8 +140,14 @@ def v1_compute_advantage_for_multi_trajectories():
     tree = ast.parse(path.read_text())
     name = "compute_advantage_for_multi_trajectories"
     (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
-    namespace = {"Any": Any, "DataProto": DataProto, "core_algos": core_algos, "compute_advantage": compute_advantage,
-                 "np": np, "torch": torch}
+    namespace = {
+        "Any": Any,
+        "DataProto": DataProto,
+        "core_algos": core_algos,
+        "compute_advantage": compute_advantage,
+        "np": np,
+        "torch": torch,
+    }
     exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), namespace)
     return namespace[fn.name]
 
@@ -131,11 +158,18 @@ def test_gae_through_the_v1_trainer_entry():
     compute_advantage_for_multi_trajectories = v1_compute_advantage_for_multi_trajectories()
 
     batch = make_batch(5)
-    config = OmegaConf.create({"adv_estimator": "lossplug", "gamma": 1.0, "lam": 0.9,
-                               "lossplug": recipe({"name": "gae", "gamma": 1.0, "lam": 0.9})})
+    config = OmegaConf.create(
+        {
+            "adv_estimator": "lossplug",
+            "gamma": 1.0,
+            "lam": 0.9,
+            "lossplug": recipe({"name": "gae", "gamma": 1.0, "lam": 0.9}),
+        }
+    )
     keys = [f"{u}_0_0" for u in batch["uid"]]
-    out = compute_advantage_for_multi_trajectories(data_proto(batch), keys, adv_estimator="lossplug", gamma=1.0,
-                                                   lam=0.9, num_repeat=G, config=config)
+    out = compute_advantage_for_multi_trajectories(
+        data_proto(batch), keys, adv_estimator="lossplug", gamma=1.0, lam=0.9, num_repeat=G, config=config
+    )
     theirs = run(batch, "gae", lam=0.9, use_pf_ppo=False)
     assert max_diff(batch, (out.batch["advantages"], out.batch["returns"]), theirs) <= TOL
 
@@ -144,10 +178,12 @@ def test_gae_without_a_caller_batch_says_what_is_missing():
     batch = make_batch(6)
     config = OmegaConf.create({"lossplug": recipe({"name": "gae"})})
     with pytest.raises(LossplugError, match="needs 'values'"):
-        compute_lossplug_advantage(batch["token_level_rewards"], batch["response_mask"], index=batch["uid"],
-                                   config=config)
-    adv, ret = compute_lossplug_advantage(batch["token_level_rewards"], batch["response_mask"], index=batch["uid"],
-                                          config=config, values=batch["values"])  # a caller that passes them
+        compute_lossplug_advantage(
+            batch["token_level_rewards"], batch["response_mask"], index=batch["uid"], config=config
+        )
+    adv, ret = compute_lossplug_advantage(
+        batch["token_level_rewards"], batch["response_mask"], index=batch["uid"], config=config, values=batch["values"]
+    )  # a caller that passes them
     assert adv.shape == ret.shape == (B, T)
 
 
@@ -186,8 +222,11 @@ def test_missing_recipe_says_which_key_to_set():
 
 def test_an_unknown_plugin_fails_at_the_first_call_naming_the_config_key():
     batch = make_batch(10)
-    with pytest.raises(LossplugError, match=r"algorithm\.lossplug\.advantage: unknown advantage plugin 'grp'.*"
-                                            r"did you mean 'grpo'"):
+    with pytest.raises(
+        LossplugError,
+        match=r"algorithm\.lossplug\.advantage: unknown advantage plugin 'grp'.*"
+        r"did you mean 'grpo'",
+    ):
         run(batch, "lossplug", lossplug=recipe({"name": "grp"}))
 
 

@@ -14,14 +14,14 @@ import torch
 
 pytest.importorskip("verl")
 
-import verl  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from verl.trainer.main_ppo import need_critic, need_reference_policy  # noqa: E402
-from verl.trainer.ppo import core_algos  # noqa: E402
-from verl.utils.config import omega_conf_to_dataclass, validate_config  # noqa: E402
+import verl
+from hydra import compose, initialize_config_dir
+from verl.trainer.main_ppo import need_critic, need_reference_policy
+from verl.trainer.ppo import core_algos
+from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-import lossplug  # noqa: E402
-from lossplug.adapters.verl import POLICY_RECIPE_KEY, LossplugPolicyLossConfig, load_recipe  # noqa: E402
+import lossplug
+from lossplug.adapters.verl import POLICY_RECIPE_KEY, LossplugPolicyLossConfig, load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "verl"
@@ -40,8 +40,9 @@ def composer():
         yield lambda lines: compose(config_name="ppo_trainer", overrides=lines)
 
 
-@pytest.mark.parametrize("name,preset,critic", [("dapo_lossplug.overrides", "dapo", False),
-                                                ("ppo_lossplug.overrides", "ppo", True)])
+@pytest.mark.parametrize(
+    "name,preset,critic", [("dapo_lossplug.overrides", "dapo", False), ("ppo_lossplug.overrides", "ppo", True)]
+)
 def test_example_overrides_compose_with_verls_config(composer, name, preset, critic):
     cfg = composer(overrides(EXAMPLES / name))
     actor = cfg.actor_rollout_ref.actor
@@ -70,7 +71,8 @@ def test_example_overrides_compose_with_verls_config(composer, name, preset, cri
     index = __import__("numpy").array(["a", "a", "b", "b"], dtype=object)
     kwargs = {"values": torch.randn(B, T)} if critic else {}
     adv, ret = core_algos.get_adv_estimator_fn(cfg.algorithm.adv_estimator)(
-        token_level_rewards=rewards, response_mask=mask, index=index, config=cfg.algorithm, **kwargs)
+        token_level_rewards=rewards, response_mask=mask, index=index, config=cfg.algorithm, **kwargs
+    )
     assert adv.shape == ret.shape == (B, T) and torch.isfinite(adv).all()
 
 
@@ -96,8 +98,13 @@ def test_the_run_script_reads_the_override_file_line_by_line():
 
 def test_the_doc_shows_the_same_override_lines():
     text = DOC.read_text()
-    keys = ("actor_rollout_ref.actor.policy_loss.", "+actor_rollout_ref.actor.policy_loss.",
-            "actor_rollout_ref.actor.loss_agg_mode=", "algorithm.adv_estimator=", "+algorithm.lossplug=")
+    keys = (
+        "actor_rollout_ref.actor.policy_loss.",
+        "+actor_rollout_ref.actor.policy_loss.",
+        "actor_rollout_ref.actor.loss_agg_mode=",
+        "algorithm.adv_estimator=",
+        "+algorithm.lossplug=",
+    )
     shown = [line for line in overrides(EXAMPLES / "dapo_lossplug.overrides") if line.startswith(keys)]
     assert len(shown) == 6
     for line in shown:

@@ -14,13 +14,13 @@ import torch
 
 pytest.importorskip("verl")
 
-import numpy as np  # noqa: E402
-from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn  # noqa: E402
-from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
+import numpy as np
+from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
+from verl.workers.config import ActorConfig, PolicyLossConfig
 
-import lossplug  # noqa: E402
-from lossplug.adapters.verl import LOSS_AGG_MODES, LossplugPolicyLossConfig, verl_normalizer  # noqa: E402
-from lossplug.contracts import LossplugError, Normalizer  # noqa: E402
+import lossplug
+from lossplug.adapters.verl import LOSS_AGG_MODES, LossplugPolicyLossConfig, verl_normalizer
+from lossplug.contracts import LossplugError, Normalizer
 
 DT = torch.float64
 TOL = 1e-6
@@ -29,8 +29,9 @@ B, T, DP, MICRO = 8, 14, 2, 2
 MODES = list(LOSS_AGG_MODES)
 
 
-def make_inputs(seed: int, *, sequence_advantage: bool = False, empty_rows: tuple[int, ...] = (),
-                noise: float = 0.4) -> dict[str, torch.Tensor]:
+def make_inputs(
+    seed: int, *, sequence_advantage: bool = False, empty_rows: tuple[int, ...] = (), noise: float = 0.4
+) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(2, T + 1, (B,), generator=g)
     mask = torch.arange(T) < lengths[:, None]
@@ -58,8 +59,14 @@ def make_inputs(seed: int, *, sequence_advantage: bool = False, empty_rows: tupl
 
 
 def actor_config(policy_loss, mode: str, **kw) -> ActorConfig:
-    return ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=MICRO, loss_agg_mode=mode,
-                       policy_loss=policy_loss, **kw)
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=4,
+        ppo_micro_batch_size_per_gpu=MICRO,
+        loss_agg_mode=mode,
+        policy_loss=policy_loss,
+        **kw,
+    )
 
 
 def lossplug_config(gates, reduction, mode: str, **kw) -> ActorConfig:
@@ -68,8 +75,12 @@ def lossplug_config(gates, reduction, mode: str, **kw) -> ActorConfig:
 
 
 def global_info(inputs, loss_scale_factor=None) -> dict:
-    return {"dp_size": DP, "batch_num_tokens": int(inputs["response_mask"].sum()), "global_batch_size": B,
-            "loss_scale_factor": loss_scale_factor}
+    return {
+        "dp_size": DP,
+        "batch_num_tokens": int(inputs["response_mask"].sum()),
+        "global_batch_size": B,
+        "loss_scale_factor": loss_scale_factor,
+    }
 
 
 def micro_batches(inputs):
@@ -83,8 +94,14 @@ def micro_batches(inputs):
 def run(name: str, config: ActorConfig, mb, mode: str, weights=None):
     log_prob = mb["log_prob"].clone().requires_grad_(True)
     loss, metrics = get_policy_loss_fn(name)(
-        old_log_prob=mb["old_log_prob"], log_prob=log_prob, advantages=mb["advantages"],
-        response_mask=mb["response_mask"], loss_agg_mode=mode, config=config, rollout_is_weights=weights)
+        old_log_prob=mb["old_log_prob"],
+        log_prob=log_prob,
+        advantages=mb["advantages"],
+        response_mask=mb["response_mask"],
+        loss_agg_mode=mode,
+        config=config,
+        rollout_is_weights=weights,
+    )
     loss.backward()
     return loss.detach(), log_prob.grad, metrics
 
@@ -93,7 +110,7 @@ def compare(verl_name, verl_cfg, ours_cfg, inputs, mode, weights=None) -> float:
     """Max |difference| of loss and gradient over every micro-batch of every rank."""
     worst = 0.0
     for i, mb in enumerate(micro_batches(inputs)):
-        w = None if weights is None else weights[i * MICRO:(i + 1) * MICRO, :mb["log_prob"].shape[1]]
+        w = None if weights is None else weights[i * MICRO : (i + 1) * MICRO, : mb["log_prob"].shape[1]]
         ref_loss, ref_grad, _ = run(verl_name, verl_cfg, mb, mode, w)
         loss, grad, metrics = run("lossplug", ours_cfg, mb, mode, w)
         assert loss.dtype == DT and torch.isfinite(loss)
@@ -116,18 +133,40 @@ def lsf_for(mode):
 def test_vanilla_clip_higher_and_dual_clip(mode, eps_low, eps_high, clip_c):
     inputs = make_inputs(1)
     lsf = lsf_for(mode)
-    ref = with_info(actor_config(PolicyLossConfig(loss_mode="vanilla"), mode, clip_ratio_low=eps_low,
-                                 clip_ratio_high=eps_high, clip_ratio_c=clip_c, loss_scale_factor=lsf), inputs, lsf)
-    ours = with_info(lossplug_config([{"name": "ppo_clip", "eps_low": eps_low, "eps_high": eps_high,
-                                       "dual_clip_c": clip_c}], {"name": LOSS_AGG_MODES[mode]}, mode,
-                                     loss_scale_factor=lsf), inputs, lsf)
+    ref = with_info(
+        actor_config(
+            PolicyLossConfig(loss_mode="vanilla"),
+            mode,
+            clip_ratio_low=eps_low,
+            clip_ratio_high=eps_high,
+            clip_ratio_c=clip_c,
+            loss_scale_factor=lsf,
+        ),
+        inputs,
+        lsf,
+    )
+    ours = with_info(
+        lossplug_config(
+            [{"name": "ppo_clip", "eps_low": eps_low, "eps_high": eps_high, "dual_clip_c": clip_c}],
+            {"name": LOSS_AGG_MODES[mode]},
+            mode,
+            loss_scale_factor=lsf,
+        ),
+        inputs,
+        lsf,
+    )
     compare("vanilla", ref, ours, inputs, mode)
 
 
 def test_the_cases_exercise_every_clip_branch():
     inputs = make_inputs(1)
-    cfg = with_info(lossplug_config([{"name": "ppo_clip", "eps_low": 0.1, "eps_high": 0.3, "dual_clip_c": 1.5}],
-                                    "token", "token-mean"), inputs, None)
+    cfg = with_info(
+        lossplug_config(
+            [{"name": "ppo_clip", "eps_low": 0.1, "eps_high": 0.3, "dual_clip_c": 1.5}], "token", "token-mean"
+        ),
+        inputs,
+        None,
+    )
     totals = {"clip_frac_low": 0.0, "clip_frac_high": 0.0, "clip_frac_dual": 0.0}
     for mb in micro_batches(inputs):
         _, _, metrics = run("lossplug", cfg, mb, "token-mean")
@@ -141,11 +180,22 @@ def test_metric_levels_and_verls_ppo_kl(level):
     """``metrics`` picks lossplug's level; verl's ``actor/ppo_kl`` comes from lossplug's approx_kl, equal to verl's."""
     inputs = make_inputs(1)
     gates = [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0}]
-    config = actor_config(LossplugPolicyLossConfig(loss_mode="lossplug", recipe={"gates": gates, "reduction": "token"},
-                                                   metrics=level), "token-mean")
+    config = actor_config(
+        LossplugPolicyLossConfig(loss_mode="lossplug", recipe={"gates": gates, "reduction": "token"}, metrics=level),
+        "token-mean",
+    )
     cfg = with_info(config, inputs, None)
-    ref = with_info(actor_config(PolicyLossConfig(loss_mode="vanilla"), "token-mean", clip_ratio_low=0.2,
-                                 clip_ratio_high=0.2, clip_ratio_c=3.0), inputs, None)
+    ref = with_info(
+        actor_config(
+            PolicyLossConfig(loss_mode="vanilla"),
+            "token-mean",
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.2,
+            clip_ratio_c=3.0,
+        ),
+        inputs,
+        None,
+    )
     mb = next(micro_batches(inputs))
     _, _, ours = run("lossplug", cfg, mb, "token-mean")
     _, _, theirs = run("vanilla", ref, mb, "token-mean")
@@ -155,8 +205,9 @@ def test_metric_levels_and_verls_ppo_kl(level):
     assert ours["actor/ppo_kl"] == pytest.approx(theirs["actor/ppo_kl"], rel=1e-12, abs=1e-15)
     assert "actor/lossplug/update/approx_kl" not in ours and "actor/lossplug/loss" not in ours
     # verl's pg_clipfrac counts both sides (a token is on one side only): lossplug splits them
-    assert ours["actor/lossplug/ppo_clip/clip_frac_low"] + ours["actor/lossplug/ppo_clip/clip_frac_high"] == \
-        pytest.approx(theirs["actor/pg_clipfrac"], abs=1e-12)
+    assert ours["actor/lossplug/ppo_clip/clip_frac_low"] + ours[
+        "actor/lossplug/ppo_clip/clip_frac_high"
+    ] == pytest.approx(theirs["actor/pg_clipfrac"], abs=1e-12)
     full = level in ("full", True)
     assert ("actor/lossplug/ratio/update/p95" in ours) is full
     assert ("actor/lossplug/effective/token_frac" in ours) is full
@@ -164,8 +215,11 @@ def test_metric_levels_and_verls_ppo_kl(level):
 
 @pytest.mark.parametrize("bad", ["verbose", 2])
 def test_an_unknown_metric_level_is_refused_at_config_time(bad):
-    with pytest.raises(LossplugError, match=r"actor_rollout_ref\.actor\.policy_loss\.metrics must be one of "
-                                            r"'off', 'basic', 'full'"):
+    with pytest.raises(
+        LossplugError,
+        match=r"actor_rollout_ref\.actor\.policy_loss\.metrics must be one of "
+        r"'off', 'basic', 'full'",
+    ):
         LossplugPolicyLossConfig(loss_mode="lossplug", recipe="dapo", metrics=bad)
 
 
@@ -173,10 +227,23 @@ def test_an_unknown_metric_level_is_refused_at_config_time(bad):
 def test_gspo_token_matches_verl_gspo(mode):
     inputs = make_inputs(2, noise=0.15)
     lsf = lsf_for(mode)
-    ref = with_info(actor_config(PolicyLossConfig(loss_mode="gspo"), mode, clip_ratio_low=0.2, clip_ratio_high=0.28,
-                                 loss_scale_factor=lsf), inputs, lsf)
-    ours = with_info(lossplug_config([{"name": "gspo_token", "eps_low": 0.2, "eps_high": 0.28}],
-                                     {"name": LOSS_AGG_MODES[mode]}, mode, loss_scale_factor=lsf), inputs, lsf)
+    ref = with_info(
+        actor_config(
+            PolicyLossConfig(loss_mode="gspo"), mode, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_scale_factor=lsf
+        ),
+        inputs,
+        lsf,
+    )
+    ours = with_info(
+        lossplug_config(
+            [{"name": "gspo_token", "eps_low": 0.2, "eps_high": 0.28}],
+            {"name": LOSS_AGG_MODES[mode]},
+            mode,
+            loss_scale_factor=lsf,
+        ),
+        inputs,
+        lsf,
+    )
     compare("gspo", ref, ours, inputs, mode)
 
 
@@ -184,10 +251,23 @@ def test_gspo_token_matches_verl_gspo(mode):
 def test_gspo_sequence_matches_verl_gspo_with_sequence_advantages(mode):
     inputs = make_inputs(3, sequence_advantage=True, noise=0.15)
     lsf = lsf_for(mode)
-    ref = with_info(actor_config(PolicyLossConfig(loss_mode="gspo"), mode, clip_ratio_low=3e-2, clip_ratio_high=4e-2,
-                                 loss_scale_factor=lsf), inputs, lsf)
-    ours = with_info(lossplug_config([{"name": "gspo", "eps_low": 3e-2, "eps_high": 4e-2}],
-                                     {"name": LOSS_AGG_MODES[mode]}, mode, loss_scale_factor=lsf), inputs, lsf)
+    ref = with_info(
+        actor_config(
+            PolicyLossConfig(loss_mode="gspo"), mode, clip_ratio_low=3e-2, clip_ratio_high=4e-2, loss_scale_factor=lsf
+        ),
+        inputs,
+        lsf,
+    )
+    ours = with_info(
+        lossplug_config(
+            [{"name": "gspo", "eps_low": 3e-2, "eps_high": 4e-2}],
+            {"name": LOSS_AGG_MODES[mode]},
+            mode,
+            loss_scale_factor=lsf,
+        ),
+        inputs,
+        lsf,
+    )
     compare("gspo", ref, ours, inputs, mode)
 
 
@@ -198,10 +278,21 @@ def test_sapo_matches_verl_sapo(mode, tau_pos, tau_neg):
     # verl's sapo reduces with seq-mean-token-mean whatever loss_agg_mode says: lossplug's 'response'
     inputs = make_inputs(4)
     lsf = lsf_for(mode)
-    ref = with_info(actor_config(PolicyLossConfig(loss_mode="sapo"), mode, tau_pos=tau_pos, tau_neg=tau_neg,
-                                 loss_scale_factor=lsf), inputs, lsf)
-    ours = with_info(lossplug_config([{"name": "sapo", "tau_pos": tau_pos, "tau_neg": tau_neg}],
-                                     {"name": "response"}, mode, loss_scale_factor=lsf), inputs, lsf)
+    ref = with_info(
+        actor_config(PolicyLossConfig(loss_mode="sapo"), mode, tau_pos=tau_pos, tau_neg=tau_neg, loss_scale_factor=lsf),
+        inputs,
+        lsf,
+    )
+    ours = with_info(
+        lossplug_config(
+            [{"name": "sapo", "tau_pos": tau_pos, "tau_neg": tau_neg}],
+            {"name": "response"},
+            mode,
+            loss_scale_factor=lsf,
+        ),
+        inputs,
+        lsf,
+    )
     compare("sapo", ref, ours, inputs, mode)
 
 
@@ -210,10 +301,27 @@ def test_sapo_matches_verl_sapo(mode, tau_pos, tau_neg):
 def test_cispo_matches_verl_cispo(mode, eps_low, eps_high):
     inputs = make_inputs(5)
     lsf = lsf_for(mode)
-    ref = with_info(actor_config(PolicyLossConfig(loss_mode="cispo"), mode, clip_ratio_low=eps_low,
-                                 clip_ratio_high=eps_high, loss_scale_factor=lsf), inputs, lsf)
-    ours = with_info(lossplug_config([{"name": "cispo", "eps_low": eps_low, "eps_high": eps_high}],
-                                     {"name": LOSS_AGG_MODES[mode]}, mode, loss_scale_factor=lsf), inputs, lsf)
+    ref = with_info(
+        actor_config(
+            PolicyLossConfig(loss_mode="cispo"),
+            mode,
+            clip_ratio_low=eps_low,
+            clip_ratio_high=eps_high,
+            loss_scale_factor=lsf,
+        ),
+        inputs,
+        lsf,
+    )
+    ours = with_info(
+        lossplug_config(
+            [{"name": "cispo", "eps_low": eps_low, "eps_high": eps_high}],
+            {"name": LOSS_AGG_MODES[mode]},
+            mode,
+            loss_scale_factor=lsf,
+        ),
+        inputs,
+        lsf,
+    )
     compare("cispo", ref, ours, inputs, mode)
 
 
@@ -225,8 +333,13 @@ def test_rollout_is_weights_apply_like_verl(mode):
     weights = torch.where(inputs["response_mask"], weights, 0)
     lsf = lsf_for(mode)
     ref = with_info(actor_config(PolicyLossConfig(loss_mode="vanilla"), mode, loss_scale_factor=lsf), inputs, lsf)
-    ours = with_info(lossplug_config([{"name": "ppo_clip", "dual_clip_c": 3.0}], {"name": LOSS_AGG_MODES[mode]}, mode,
-                                     loss_scale_factor=lsf), inputs, lsf)
+    ours = with_info(
+        lossplug_config(
+            [{"name": "ppo_clip", "dual_clip_c": 3.0}], {"name": LOSS_AGG_MODES[mode]}, mode, loss_scale_factor=lsf
+        ),
+        inputs,
+        lsf,
+    )
     compare("vanilla", ref, ours, inputs, mode, weights=weights)
 
 
@@ -236,8 +349,13 @@ def test_rows_without_action_tokens_contribute_nothing(mode):
     inputs = make_inputs(7, empty_rows=(1, 4, 5))
     lsf = lsf_for(mode)
     ref = with_info(actor_config(PolicyLossConfig(loss_mode="vanilla"), mode, loss_scale_factor=lsf), inputs, lsf)
-    ours = with_info(lossplug_config([{"name": "ppo_clip", "dual_clip_c": 3.0}], {"name": LOSS_AGG_MODES[mode]}, mode,
-                                     loss_scale_factor=lsf), inputs, lsf)
+    ours = with_info(
+        lossplug_config(
+            [{"name": "ppo_clip", "dual_clip_c": 3.0}], {"name": LOSS_AGG_MODES[mode]}, mode, loss_scale_factor=lsf
+        ),
+        inputs,
+        lsf,
+    )
     compare("vanilla", ref, ours, inputs, mode)
 
 
@@ -251,8 +369,9 @@ def test_micro_batch_losses_add_up_to_the_full_batch(mode):
     split = with_info(lossplug_config(gates, red, mode, loss_scale_factor=lsf), inputs, lsf)
     total = sum(run("lossplug", split, mb, mode)[0] for mb in micro_batches(inputs)) / DP
     whole = lossplug_config(gates, red, mode, loss_scale_factor=lsf)
-    whole.global_batch_info.update({"dp_size": 1, "batch_num_tokens": None, "global_batch_size": None,
-                                    "loss_scale_factor": lsf})
+    whole.global_batch_info.update(
+        {"dp_size": 1, "batch_num_tokens": None, "global_batch_size": None, "loss_scale_factor": lsf}
+    )
     full = {k: v for k, v in inputs.items() if k != "lengths"}
     loss, _, _ = run("lossplug", whole, full, mode)
     assert (total - loss).abs().item() <= 1e-12
@@ -285,8 +404,13 @@ def test_a_token_reduction_under_token_sum_is_reported(fresh_warnings):
 
 
 def test_every_loss_agg_mode_has_a_reduction():
-    assert set(LOSS_AGG_MODES) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
-                                   "token-sum"}
+    assert set(LOSS_AGG_MODES) == {
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+        "token-sum",
+    }
     assert all(lossplug.registry().plugins["reduction"].get(r) is not None for r in LOSS_AGG_MODES.values())
 
 
@@ -307,8 +431,10 @@ def test_each_reduction_is_verls_agg_loss_under_its_dp_scaling(mode):
         mask = inputs["response_mask"][rows, :width]
         ref = agg_loss(verl_mat[rows, :width], mask, mode, **info)
         normalizer, dp_size = verl_normalizer(info, mask)
-        ours = lossplug.reduce(ours_mat[rows, :width], mask, normalizer=normalizer,
-                               reduction=LOSS_AGG_MODES[mode]) * dp_size
+        ours = (
+            lossplug.reduce(ours_mat[rows, :width], mask, normalizer=normalizer, reduction=LOSS_AGG_MODES[mode])
+            * dp_size
+        )
         assert (ours - ref).abs().item() <= 1e-15 * max(1.0, ref.abs().item())
         ref.backward()
         ours.backward()
@@ -346,13 +472,22 @@ def test_engine_kl_is_reported_under_verls_rollout_corr_name():
     for i, mb in enumerate(micro_batches(inputs)):
         rows, width = slice(i * MICRO, (i + 1) * MICRO), mb["log_prob"].shape[1]
         _, metrics = get_policy_loss_fn("lossplug")(
-            old_log_prob=mb["old_log_prob"], log_prob=mb["log_prob"], advantages=mb["advantages"],
-            response_mask=mb["response_mask"], loss_agg_mode="token-mean", config=cfg,
-            rollout_log_probs=rollout[rows, :width])
+            old_log_prob=mb["old_log_prob"],
+            log_prob=mb["log_prob"],
+            advantages=mb["advantages"],
+            response_mask=mb["response_mask"],
+            loss_agg_mode="token-mean",
+            config=cfg,
+            rollout_log_probs=rollout[rows, :width],
+        )
         verl = compute_offpolicy_metrics(mb["old_log_prob"], rollout[rows, :width], mb["response_mask"])
         assert metrics["actor/rollout_corr/kl"] == pytest.approx(verl["kl"], rel=1e-12, abs=1e-15)
-    _, plain = run("lossplug", with_info(lossplug_config(["ppo_clip"], "token", "token-mean"), inputs, None),
-                   next(micro_batches(inputs)), "token-mean")[1:]
+    _, plain = run(
+        "lossplug",
+        with_info(lossplug_config(["ppo_clip"], "token", "token-mean"), inputs, None),
+        next(micro_batches(inputs)),
+        "token-mean",
+    )[1:]
     assert "actor/rollout_corr/kl" not in plain and "actor/ppo_kl" in plain
 
 
@@ -398,8 +533,11 @@ def test_rollout_log_probs_feed_the_recipe_corrections():
     g = torch.Generator().manual_seed(130)
     rollout = (inputs["old_log_prob"] + 0.3 * torch.randn(B, T, generator=g, dtype=DT)).clamp(max=0)
     mode = "token-mean"
-    ours = with_info(lossplug_config([{"name": "ppo_clip", "dual_clip_c": 3.0}, {"name": "tis", "cap": 2.0}],
-                                     "token", mode), inputs, None)
+    ours = with_info(
+        lossplug_config([{"name": "ppo_clip", "dual_clip_c": 3.0}, {"name": "tis", "cap": 2.0}], "token", mode),
+        inputs,
+        None,
+    )
     ref = with_info(actor_config(PolicyLossConfig(loss_mode="vanilla"), mode), inputs, None)
     mask = inputs["response_mask"]
     weights = torch.where(mask, (inputs["old_log_prob"] - rollout).clamp(-20, 20).exp().clamp(max=2.0), 0)
@@ -408,8 +546,14 @@ def test_rollout_log_probs_feed_the_recipe_corrections():
         ref_loss, ref_grad, _ = run("vanilla", ref, mb, mode, weights[rows, :width])
         log_prob = mb["log_prob"].clone().requires_grad_(True)
         loss, _ = get_policy_loss_fn("lossplug")(
-            old_log_prob=mb["old_log_prob"], log_prob=log_prob, advantages=mb["advantages"],
-            response_mask=mb["response_mask"], loss_agg_mode=mode, config=ours, rollout_log_probs=rollout[rows, :width])
+            old_log_prob=mb["old_log_prob"],
+            log_prob=log_prob,
+            advantages=mb["advantages"],
+            response_mask=mb["response_mask"],
+            loss_agg_mode=mode,
+            config=ours,
+            rollout_log_probs=rollout[rows, :width],
+        )
         loss.backward()
         assert (loss - ref_loss).abs().item() <= TOL
         assert (log_prob.grad - ref_grad).abs().max().item() <= TOL
@@ -439,25 +583,49 @@ def test_entropy_and_kl_stay_verls_in_ppo_loss():
     attention = torch.cat([torch.ones(B, P, dtype=torch.long), (torch.arange(T) < lengths[:, None]).long()], 1)
 
     def flat(per_token):
-        return torch.cat([torch.cat([torch.zeros(P - 1, dtype=DT), per_token[i, :lengths[i]], torch.zeros(1, dtype=DT)])
-                          for i in range(B)])
+        return torch.cat(
+            [
+                torch.cat([torch.zeros(P - 1, dtype=DT), per_token[i, : lengths[i]], torch.zeros(1, dtype=DT)])
+                for i in range(B)
+            ]
+        )
 
     def data(dp_size):
-        td = TensorDict({
-            "prompts": torch.ones(B, P, dtype=torch.long), "responses": torch.ones(B, T, dtype=torch.long),
-            "attention_mask": attention, "response_mask": mask.long(),
-            "old_log_probs": inputs["old_log_prob"], "advantages": inputs["advantages"], "ref_log_prob": ref_logp,
-        }, batch_size=[B])
+        td = TensorDict(
+            {
+                "prompts": torch.ones(B, P, dtype=torch.long),
+                "responses": torch.ones(B, T, dtype=torch.long),
+                "attention_mask": attention,
+                "response_mask": mask.long(),
+                "old_log_probs": inputs["old_log_prob"],
+                "advantages": inputs["advantages"],
+                "ref_log_prob": ref_logp,
+            },
+            batch_size=[B],
+        )
         tu.assign_non_tensor(td, dp_size=dp_size, batch_num_tokens=int(mask.sum()), global_batch_size=B)
         return td
 
     results = {}
-    for name, policy in (("vanilla", PolicyLossConfig(loss_mode="vanilla")),
-                         ("lossplug", LossplugPolicyLossConfig(loss_mode="lossplug", recipe={
-                             "gates": [{"name": "ppo_clip", "eps_high": 0.28, "dual_clip_c": 3.0}],
-                             "reduction": "token"}))):
-        cfg = actor_config(policy, "token-mean", clip_ratio_high=0.28, entropy_coeff=0.01, use_kl_loss=True,
-                           kl_loss_coef=0.1, kl_loss_type="low_var_kl")
+    for name, policy in (
+        ("vanilla", PolicyLossConfig(loss_mode="vanilla")),
+        (
+            "lossplug",
+            LossplugPolicyLossConfig(
+                loss_mode="lossplug",
+                recipe={"gates": [{"name": "ppo_clip", "eps_high": 0.28, "dual_clip_c": 3.0}], "reduction": "token"},
+            ),
+        ),
+    ):
+        cfg = actor_config(
+            policy,
+            "token-mean",
+            clip_ratio_high=0.28,
+            entropy_coeff=0.01,
+            use_kl_loss=True,
+            kl_loss_coef=0.1,
+            kl_loss_type="low_var_kl",
+        )
         log_probs = flat(inputs["log_prob"]).requires_grad_(True)
         loss, metrics = ppo_loss(cfg, {"log_probs": log_probs, "entropy": flat(entropy)}, data(DP))
         loss.backward()

@@ -14,11 +14,11 @@ import pytest
 
 pytest.importorskip("verl")
 
-from omegaconf import OmegaConf  # noqa: E402
-from verl.trainer.ppo import core_algos  # noqa: E402
+from omegaconf import OmegaConf
+from verl.trainer.ppo import core_algos
 
-import lossplug.adapters.verl as adapter  # noqa: E402
-from lossplug.contracts import LossplugError, RecipeError  # noqa: E402
+import lossplug.adapters.verl as adapter
+from lossplug.contracts import LossplugError, RecipeError
 
 ENV_VARS = ("VERL_USE_EXTERNAL_PLUGINS", "VERL_USE_EXTERNAL_MODULES")
 
@@ -57,14 +57,23 @@ def clean_env(**extra) -> dict:
 
 def probe_results(tmp_path, envs: dict[str, dict]) -> dict[str, dict]:
     """Run PROBE once per environment, in parallel (each is mostly `import verl`)."""
-    procs = {name: subprocess.Popen([sys.executable, "-c", PROBE], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for name, env in envs.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", PROBE],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, env in envs.items()
+    }
     results = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=120)
         lines = [line for line in out.splitlines() if line.startswith("PROBE")]
         assert proc.returncode == 0 and lines, f"probe '{name}' failed (rc={proc.returncode}):\n{out}\n{err[-3000:]}"
-        results[name] = json.loads(lines[-1][len("PROBE"):])
+        results[name] = json.loads(lines[-1][len("PROBE") :])
     return results
 
 
@@ -95,9 +104,12 @@ def test_import_verl_registers_lossplug_in_a_ray_worker(monkeypatch):
     try:
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
     except Exception as err:  # pragma: no cover - depends on the sandbox
-        pytest.fail(f"Ray could not start a local cluster in this environment, so the worker check cannot run: "
-                    f"{type(err).__name__}: {err}")
+        pytest.fail(
+            f"Ray could not start a local cluster in this environment, so the worker check cannot run: "
+            f"{type(err).__name__}: {err}"
+        )
     try:
+
         @ray.remote(num_cpus=1)
         def probe():
             import sys as worker_sys
@@ -108,9 +120,12 @@ def test_import_verl_registers_lossplug_in_a_ray_worker(monkeypatch):
 
             loss = algos.get_policy_loss_fn("lossplug")
             estimator = algos.get_adv_estimator_fn("lossplug")
-            return {"before": before, "pid": __import__("os").getpid(),
-                    "policy_loss": f"{loss.__module__}.{loss.__qualname__}",
-                    "estimator": f"{estimator.__module__}.{estimator.__qualname__}"}
+            return {
+                "before": before,
+                "pid": __import__("os").getpid(),
+                "policy_loss": f"{loss.__module__}.{loss.__qualname__}",
+                "estimator": f"{estimator.__module__}.{estimator.__qualname__}",
+            }
 
         result = ray.get(probe.remote(), timeout=90)
     finally:
@@ -143,8 +158,10 @@ def test_check_passes_where_import_verl_loaded_lossplug(plain_env):
     assert core_algos.get_adv_estimator_fn("lossplug") is adapter.compute_lossplug_advantage
 
 
-@pytest.mark.parametrize("value,ok", [("none", False), ("auto", True), ("lossplug", True), ("other_pkg", False),
-                                      ("other_pkg, lossplug", True)])
+@pytest.mark.parametrize(
+    "value,ok",
+    [("none", False), ("auto", True), ("lossplug", True), ("other_pkg", False), ("other_pkg, lossplug", True)],
+)
 def test_check_follows_verls_plugin_policy(plain_env, value, ok):
     plain_env.setenv("VERL_USE_EXTERNAL_PLUGINS", value)
     if ok:
@@ -212,8 +229,11 @@ def test_the_config_needs_a_recipe():
 
 
 def test_an_unknown_plugin_names_the_config_key():
-    with pytest.raises(RecipeError, match=r"^actor_rollout_ref\.actor\.policy_loss\.recipe\.gates\[0\]: unknown gate "
-                                          r"plugin 'ppo_clp' \(did you mean 'ppo_clip'\?\)"):
+    with pytest.raises(
+        RecipeError,
+        match=r"^actor_rollout_ref\.actor\.policy_loss\.recipe\.gates\[0\]: unknown gate "
+        r"plugin 'ppo_clp' \(did you mean 'ppo_clip'\?\)",
+    ):
         adapter.LossplugPolicyLossConfig(recipe={"gates": ["ppo_clp"], "reduction": "token"})
 
 
@@ -226,8 +246,12 @@ def test_a_recipe_without_loss_mode_lossplug_is_refused():
 def test_recipes_load_from_a_preset_a_file_or_inline(tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text("gates:\n  - {name: ppo_clip, eps_high: 0.28}\nreduction: token\n")
-    for source in ("dapo", str(path), {"gates": [{"name": "ppo_clip", "eps_high": 0.28}], "reduction": "token"},
-               OmegaConf.create({"preset": "dapo", "reduction": "response"})):
+    for source in (
+        "dapo",
+        str(path),
+        {"gates": [{"name": "ppo_clip", "eps_high": 0.28}], "reduction": "token"},
+        OmegaConf.create({"preset": "dapo", "reduction": "response"}),
+    ):
         config = adapter.LossplugPolicyLossConfig(recipe=source)
         assert adapter.load_recipe(config.recipe, adapter.POLICY_RECIPE_KEY).gates[0].name == "ppo_clip"
     with pytest.raises(LossplugError, match="no such recipe file.*absolute path"):
@@ -239,15 +263,24 @@ def test_an_unknown_plugin_fails_at_the_first_call_of_the_policy_loss():
     the recipe's config key."""
     import torch
 
-    config = OmegaConf.create({"policy_loss": {"loss_mode": "lossplug",
-                                               "recipe": {"gates": [{"name": "ppo_clip", "eps_hi": 0.28}],
-                                                          "reduction": "token"}},
-                               "global_batch_info": {}})
+    config = OmegaConf.create(
+        {
+            "policy_loss": {
+                "loss_mode": "lossplug",
+                "recipe": {"gates": [{"name": "ppo_clip", "eps_hi": 0.28}], "reduction": "token"},
+            },
+            "global_batch_info": {},
+        }
+    )
     x = torch.zeros(2, 3)
-    with pytest.raises(RecipeError, match=r"actor_rollout_ref\.actor\.policy_loss\.recipe\.gates\[0\] \(ppo_clip\): "
-                                          r"unknown parameter 'eps_hi' \(did you mean 'eps_high'\?\)"):
-        core_algos.get_policy_loss_fn("lossplug")(old_log_prob=x, log_prob=x, advantages=x,
-                                                  response_mask=torch.ones(2, 3, dtype=torch.bool), config=config)
+    with pytest.raises(
+        RecipeError,
+        match=r"actor_rollout_ref\.actor\.policy_loss\.recipe\.gates\[0\] \(ppo_clip\): "
+        r"unknown parameter 'eps_hi' \(did you mean 'eps_high'\?\)",
+    ):
+        core_algos.get_policy_loss_fn("lossplug")(
+            old_log_prob=x, log_prob=x, advantages=x, response_mask=torch.ones(2, 3, dtype=torch.bool), config=config
+        )
 
 
 def test_import_lossplug_does_not_import_verl(tmp_path):

@@ -44,12 +44,14 @@ def test_cpu_quantiles_ignore_nan_on_the_mask_and_handle_empty():
 
 
 def _batch(logp, mask, old, adv, behavior=None):
-    return lossplug.PolicyBatch.unchecked(logp=logp, action_mask=mask, old_logp=old, advantage=adv,
-                                          behavior_logp=behavior)
+    return lossplug.PolicyBatch.unchecked(
+        logp=logp, action_mask=mask, old_logp=old, advantage=adv, behavior_logp=behavior
+    )
 
 
-@pytest.mark.parametrize("recipe", ["dapo", "grpo", "gspo", "sapo", "cispo",
-                                    {"preset": "dapo", "gates": ["ppo_clip", "tis"]}])
+@pytest.mark.parametrize(
+    "recipe", ["dapo", "grpo", "gspo", "sapo", "cispo", {"preset": "dapo", "gates": ["ppo_clip", "tis"]}]
+)
 def test_aliased_old_logp_reuses_the_cleaned_logp(recipe):
     gen = torch.Generator().manual_seed(0)
     B, T = 5, 11
@@ -85,8 +87,17 @@ def test_aliased_old_logp_gets_no_gradient():
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, -0.5]]))
 
 
-UPDATE_GATES = [{"name": "ppo_clip", "dual_clip_c": 3.0}, "ppo_clip", "gspo", "gspo_token", "sapo", "cispo",
-                {"name": "cispo", "eps_low": None, "ratio_max": 5.0, "log_ratio_clamp": None}, "dis", "reinforce"]
+UPDATE_GATES = [
+    {"name": "ppo_clip", "dual_clip_c": 3.0},
+    "ppo_clip",
+    "gspo",
+    "gspo_token",
+    "sapo",
+    "cispo",
+    {"name": "cispo", "eps_low": None, "ratio_max": 5.0, "log_ratio_clamp": None},
+    "dis",
+    "reinforce",
+]
 CORRECTIONS = [[], ["tis"], ["tis_seq"], ["icepop"], [{"name": "icepop_seq", "ratio": "geometric"}]]
 
 
@@ -130,7 +141,9 @@ def test_zero_off_is_torch_where_bit_for_bit_with_gradients(dtype, fragmented, m
     else:
         mask = torch.arange(T) < torch.randint(1, T + 1, (B, 1), generator=gen)
     x = torch.randn(B, T, generator=gen).to(dtype)
-    x[~mask] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0]).to(dtype).repeat(B * T)[:int((~mask).sum())]
+    x[~mask] = (
+        torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0]).to(dtype).repeat(B * T)[: int((~mask).sum())]
+    )
     x[mask & (torch.rand(B, T, generator=gen) < 0.1)] = -0.0  # signed zeros on the mask survive
     a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = zero_off(a, mask), torch.where(mask, b, 0)
@@ -215,11 +228,20 @@ def test_clamp_exact_is_clamp_in_value_and_gradient(case, size):
 
 
 @pytest.mark.parametrize("metrics", ["basic", "full"])
-@pytest.mark.parametrize("recipe", ["dapo", "gspo", "sapo", {"preset": "cispo", "gates": ["cispo", "tis"]},
-                                    {"preset": "dapo", "gates": [{"name": "ppo_clip", "dual_clip_c": 3.0}, "icepop"]},
-                                    {"preset": "dapo", "gates": ["dis"]}], ids=str)
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "dapo",
+        "gspo",
+        "sapo",
+        {"preset": "cispo", "gates": ["cispo", "tis"]},
+        {"preset": "dapo", "gates": [{"name": "ppo_clip", "dual_clip_c": 3.0}, "icepop"]},
+        {"preset": "dapo", "gates": ["dis"]},
+    ],
+    ids=str,
+)
 def test_pipeline_with_and_without_the_bitwise_masking_agree(recipe, metrics, monkeypatch):
-    from lossplug import ops, pipeline
+    from lossplug import ops
 
     gen = torch.Generator().manual_seed(5)
     B, T = 8, 2100  # above ZERO_OFF_MIN: the bitwise path is the default here

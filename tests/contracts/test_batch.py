@@ -91,8 +91,13 @@ def test_logprobs_must_not_be_positive_beyond_tolerance():
 
 
 def test_all_violations_are_reported_together():
-    err, msg = violations(**good(action_mask=torch.ones(3, 4, dtype=torch.long), group_id=torch.zeros(3),
-                                 terminated=torch.zeros(3, dtype=torch.long)))
+    err, msg = violations(
+        **good(
+            action_mask=torch.ones(3, 4, dtype=torch.long),
+            group_id=torch.zeros(3),
+            terminated=torch.zeros(3, dtype=torch.long),
+        )
+    )
     fields = {v.field for v in err.violations}
     assert fields == {"action_mask", "group_id", "terminated"}
     assert "failed 3 contract checks" in msg
@@ -117,8 +122,9 @@ def test_non_tensor_field_and_missing_required():
 def test_final_value_must_be_finite_only_where_truncated():
     fields = good(terminated=torch.tensor([True, False, True]), final_value=torch.tensor([NAN, 1.0, NAN]))
     PolicyBatch(**fields)
-    err, msg = violations(**good(terminated=torch.tensor([True, False, True]),
-                                 final_value=torch.tensor([0.0, NAN, 0.0])))
+    err, msg = violations(
+        **good(terminated=torch.tensor([True, False, True]), final_value=torch.tensor([0.0, NAN, 0.0]))
+    )
     assert "final_value: must be finite for truncated (not terminated) responses — row [1]" in msg
 
 
@@ -143,6 +149,7 @@ def test_replace_revalidates():
 
 
 # ---- PackedTransitions -----------------------------------------------------------------------------------------
+
 
 def packed(**over):
     fields = dict(  # the seed's packed GAE example: NaN next_value at the terminal transition is allowed
@@ -172,7 +179,9 @@ def test_terminated_requires_boundary():
 
 
 def test_fragments_must_be_closed_and_non_empty():
-    msg = packed_error(**packed(boundary=torch.tensor([False, True, False]), terminated=torch.zeros(3, dtype=torch.bool)))
+    msg = packed_error(
+        **packed(boundary=torch.tensor([False, True, False]), terminated=torch.zeros(3, dtype=torch.bool))
+    )
     assert "boundary: packed fragments must be closed" in msg and "position 2" in msg
     empty = torch.zeros(0)
     msg = packed_error(reward=empty, value=empty, next_value=empty, terminated=empty.bool(), boundary=empty.bool())

@@ -54,7 +54,7 @@ def step_batch(seed=0):
 def micro_batches(step):
     """TRL's split_tensor_dict / verl's split: views of the step's tensors."""
     for start in range(0, B, MICRO):
-        yield {k: v[start:start + MICRO] for k, v in step.items()}
+        yield {k: v[start : start + MICRO] for k, v in step.items()}
 
 
 def fresh_logp(mb):
@@ -63,7 +63,7 @@ def fresh_logp(mb):
 
 def test_slices_of_a_checked_base_are_not_read_again(passes):
     step = step_batch()
-    for epoch in range(2):
+    for _epoch in range(2):
         for mb in micro_batches(step):
             PolicyBatch(logp=fresh_logp(mb), **mb)
     micro = (MICRO, T)

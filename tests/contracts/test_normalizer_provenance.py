@@ -23,7 +23,9 @@ def test_normalizer_refuses_a_population_smaller_than_the_micro_batch():
 def test_provenance_refuses_mixed_conventions_on_a_ratio():
     vllm = LogProbSource(engine="vllm", temperature=1.0, checkpoint="step-10")
     trainer = LogProbSource(engine="transformers", temperature=0.7, checkpoint="step-10")
-    with pytest.raises(LossplugError, match="engine ratio compares old and behavior log-probs computed under different"):
+    with pytest.raises(
+        LossplugError, match="engine ratio compares old and behavior log-probs computed under different"
+    ):
         Provenance(behavior=vllm, old=trainer, current=trainer).check()
     ok = Provenance(behavior=vllm, old=vllm, current=vllm, reference=LogProbSource(checkpoint="base")).check()
     assert Provenance.model_validate_json(ok.model_dump_json()) == ok

@@ -9,14 +9,25 @@ import torch
 
 import lossplug
 from lossplug import PackedTransitions, PluginError, PolicyBatch, Recipe
-from lossplug.batch_files import (BatchWarning, UnreadableFile, check_batch, infer_contract, load_batch_file,
-                                  name_values, singleton_group_warning)
+from lossplug.batch_files import (
+    BatchWarning,
+    UnreadableFile,
+    check_batch,
+    infer_contract,
+    load_batch_file,
+    name_values,
+    singleton_group_warning,
+)
 
 
 def tensors(b=4, t=3, **overrides):
-    out = dict(logp=torch.full((b, t), -1.0), old_logp=torch.full((b, t), -1.1),
-               action_mask=torch.ones(b, t, dtype=torch.bool), reward=torch.arange(b, dtype=torch.float32),
-               group_id=torch.arange(b) // 2)
+    out = dict(
+        logp=torch.full((b, t), -1.0),
+        old_logp=torch.full((b, t), -1.1),
+        action_mask=torch.ones(b, t, dtype=torch.bool),
+        reward=torch.arange(b, dtype=torch.float32),
+        group_id=torch.arange(b) // 2,
+    )
     out.update(overrides)
     return {k: v for k, v in out.items() if v is not None}
 
@@ -36,20 +47,31 @@ def test_safetensors_and_json_round_trip(tmp_path):
     loaded = load_batch_file(str(tmp_path / "b.safetensors"))  # a str path works too
     assert loaded.keys() == tensors().keys() and torch.equal(loaded["group_id"], tensors()["group_id"])
     small = tmp_path / "small.json"
-    small.write_text(json.dumps({"logp": [[-1.0, -2.0]], "action_mask": {"data": [[1, 0]], "dtype": "bool"},
-                                 "advantage": {"data": [1], "dtype": "float64"}, "value": None}))
+    small.write_text(
+        json.dumps(
+            {
+                "logp": [[-1.0, -2.0]],
+                "action_mask": {"data": [[1, 0]], "dtype": "bool"},
+                "advantage": {"data": [1], "dtype": "float64"},
+                "value": None,
+            }
+        )
+    )
     loaded = load_batch_file(small)
     assert loaded["action_mask"].dtype == torch.bool and loaded["advantage"].dtype == torch.float64
     assert "value" not in loaded  # null fields are absent fields
 
 
-@pytest.mark.parametrize("content,phrase", [
-    ('[1, 2]', "expected a JSON object"),
-    ('{"logp": {"dtype": "float32"}}', "needs 'data'"),
-    ('{"logp": {"data": [1.0], "dtype": "float33"}}', "unknown dtype 'float33'"),
-    ('{"logp": [[1.0], [1.0, 2.0]]}', "not a rectangular array"),
-    ('{"logp": ', "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content,phrase",
+    [
+        ("[1, 2]", "expected a JSON object"),
+        ('{"logp": {"dtype": "float32"}}', "needs 'data'"),
+        ('{"logp": {"data": [1.0], "dtype": "float33"}}', "unknown dtype 'float33'"),
+        ('{"logp": [[1.0], [1.0, 2.0]]}', "not a rectangular array"),
+        ('{"logp": ', "not valid JSON"),
+    ],
+)
 def test_bad_json_says_what_is_wrong(tmp_path, content, phrase):
     path = tmp_path / "b.json"
     path.write_text(content)
@@ -86,8 +108,9 @@ def test_infer_contract_from_the_field_names_or_the_choice():
 def test_every_layer_of_contract_violations_is_reported_at_once():
     logp = torch.full((4, 3), -1.0)
     logp[2, 1] = float("nan")
-    result = check_batch(tensors(logp=logp, action_mask=torch.ones(4, 3, dtype=torch.int8), extra=torch.zeros(4)),
-                         PolicyBatch)
+    result = check_batch(
+        tensors(logp=logp, action_mask=torch.ones(4, 3, dtype=torch.int8), extra=torch.zeros(4)), PolicyBatch
+    )
     fields = [v.field for v in result.violations]
     assert {"extra", "action_mask", "logp"} <= set(fields) and len(fields) == len(set(fields))
     assert not result.valid and result.batch is None and result.contract is PolicyBatch
@@ -107,9 +130,13 @@ def test_a_recipe_adds_the_fields_its_stages_need():
 
 
 def test_packed_transitions_need_an_advantage_stage_that_takes_them():
-    packed = dict(reward=torch.tensor([1.0, 0.0]), value=torch.tensor([0.1, 0.2]),
-                  next_value=torch.tensor([0.2, 0.0]), terminated=torch.tensor([False, True]),
-                  boundary=torch.tensor([False, True]))
+    packed = dict(
+        reward=torch.tensor([1.0, 0.0]),
+        value=torch.tensor([0.1, 0.2]),
+        next_value=torch.tensor([0.2, 0.0]),
+        terminated=torch.tensor([False, True]),
+        boundary=torch.tensor([False, True]),
+    )
     assert check_batch(packed, PackedTransitions, recipe("ppo")).valid
     (v,) = check_batch(packed, PackedTransitions, recipe("dapo")).violations
     assert v.field == "<batch>" and "advantage 'grpo' works on padded batches" in v.rule

@@ -7,10 +7,15 @@ from lossplug.describe import constraints, distribution, explain_recipe, paramet
 def test_parameters_give_type_default_constraint_and_description():
     plugin = lossplug.registry().plugins["gate"]["ppo_clip"]
     rows = {r["name"]: r for r in parameters(plugin)}
-    assert rows["eps_low"] == {"name": "eps_low", "type": "float", "required": False, "default": 0.2,
-                               "constraint": "> 0, < 1",
-                               "description": "lower clip: ratios below 1 − eps_low are cut when A < 0"}
-    assert rows["dual_clip_c"]["type"] == "Optional[float]" and rows["dual_clip_c"]["default"] is None
+    assert rows["eps_low"] == {
+        "name": "eps_low",
+        "type": "float",
+        "required": False,
+        "default": 0.2,
+        "constraint": "> 0, < 1",
+        "description": "lower clip: ratios below 1 − eps_low are cut when A < 0",
+    }
+    assert rows["dual_clip_c"]["type"] == "float | None" and rows["dual_clip_c"]["default"] is None
     assert constraints(plugin.params.model_fields["log_ratio_clamp"]) == "> 0"
 
 

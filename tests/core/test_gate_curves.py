@@ -9,7 +9,12 @@ from lossplug.gate_curves import default_gate_specs, gate_coefficients, parse_as
 
 def test_assignments_are_yaml_scalars():
     assert parse_assignments(["eps_low=0.1", "mode=token", "cap=", "flag=true", "odd=[1"], "--param") == {
-        "eps_low": 0.1, "mode": "token", "cap": None, "flag": True, "odd": "[1"}
+        "eps_low": 0.1,
+        "mode": "token",
+        "cap": None,
+        "flag": True,
+        "odd": "[1",
+    }
     assert parse_assignments(None, "--param") == {}
     for bad in ("eps_low", "=0.1"):
         with pytest.raises(ValueError, match=r"--param must look like key=value"):
@@ -34,8 +39,9 @@ def test_default_specs_put_update_gates_first_then_corrections():
 def test_coefficients_follow_the_clip_and_the_correction_weights():
     r = [0.5, 1.0, 2.0]
     assert gate_coefficients({"name": "reinforce"}, r, 1.0).tolist() == pytest.approx([1.0, 1.0, 1.0])
-    assert gate_coefficients({"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2}, r, -1.0).tolist() == \
-        pytest.approx([0.0, -1.0, -2.0])
+    assert gate_coefficients({"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2}, r, -1.0).tolist() == pytest.approx(
+        [0.0, -1.0, -2.0]
+    )
     assert gate_coefficients({"name": "tis", "cap": 1.5}, r, -1.0).tolist() == pytest.approx([-0.5, -1.0, -1.5])
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import inspect
 import re
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -81,9 +81,13 @@ def test_every_hook_has_a_section_and_every_section_a_hook():
 
 def batch(reward=(0.25, 1.0)):
     return lossplug.PolicyBatch(
-        logp=torch.full((2, 3), -1.0, requires_grad=True), old_logp=torch.full((2, 3), -1.1),
-        action_mask=torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool), advantage=torch.tensor([1.0, -1.0]),
-        reward=torch.tensor(reward), group_id=torch.tensor([0, 0]))
+        logp=torch.full((2, 3), -1.0, requires_grad=True),
+        old_logp=torch.full((2, 3), -1.1),
+        action_mask=torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool),
+        advantage=torch.tensor([1.0, -1.0]),
+        reward=torch.tensor(reward),
+        group_id=torch.tensor([0, 0]),
+    )
 
 
 PLAIN = {"gates": ["ppo_clip"], "reduction": "token"}
@@ -178,8 +182,11 @@ def test_the_example_runs_and_has_its_effect(name, fresh_registry):
     (code,) = python_blocks(sections()[name][1])
     module = types.ModuleType(f"plugin_hooks_example_{name}")
     exec(compile(code, f"docs/plugin-hooks.md ({name})", "exec"), module.__dict__)
-    assert any(getattr(f, "lossplug_impl", None) is not None and f.__name__ == name
-               for f in vars(module).values() if callable(f)), f"the example does not implement {name}"
+    assert any(
+        getattr(f, "lossplug_impl", None) is not None and f.__name__ == name
+        for f in vars(module).values()
+        if callable(f)
+    ), f"the example does not implement {name}"
     before = Before(lossplug.list_plugins(), set(lossplug.policy_loss(batch(), PLAIN, metrics="full").metrics))
     plugin_name = f"docs-example-{name}"
     lossplug.register_plugin(module, plugin_name)

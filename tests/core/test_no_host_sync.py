@@ -25,9 +25,13 @@ DEVICE = "meta"
 
 
 def builtin(kind: str) -> list[str]:
-    return sorted(n for n, (p, origin) in ((n, (p, lossplug.registry().origin(kind, n)))
-                                          for n, p in lossplug.registry().plugins[kind].items())
-                  if "built-in" in origin)
+    return sorted(
+        n
+        for n, (p, origin) in (
+            (n, (p, lossplug.registry().origin(kind, n))) for n, p in lossplug.registry().plugins[kind].items()
+        )
+        if "built-in" in origin
+    )
 
 
 def recipe(gate: str, reduction: str) -> lossplug.Recipe:
@@ -43,8 +47,13 @@ def meta_batch(sequence_advantage: bool) -> tuple[lossplug.PolicyBatch, torch.Te
 
     logp = empty(B, T).requires_grad_()
     batch = lossplug.PolicyBatch.unchecked(
-        logp=logp, action_mask=empty(B, T, dtype=torch.bool), old_logp=empty(B, T), behavior_logp=empty(B, T),
-        ref_logp=empty(B, T), advantage=empty(B) if sequence_advantage else empty(B, T))
+        logp=logp,
+        action_mask=empty(B, T, dtype=torch.bool),
+        old_logp=empty(B, T),
+        behavior_logp=empty(B, T),
+        ref_logp=empty(B, T),
+        advantage=empty(B) if sequence_advantage else empty(B, T),
+    )
     return batch, logp
 
 
@@ -56,7 +65,8 @@ CASES = list(itertools.product(builtin("gate"), builtin("reduction")))
 def test_loss_step_makes_no_host_sync(gate, reduction, metrics):
     rec = recipe(gate, reduction)
     for sequence_advantage, normalizer in itertools.product(
-            (True, False), (None, lossplug.Normalizer(action_tokens=20, sequences=B, budget=16.0))):
+        (True, False), (None, lossplug.Normalizer(action_tokens=20, sequences=B, budget=16.0))
+    ):
         batch, logp = meta_batch(sequence_advantage)
         result = lossplug.policy_loss(batch, rec, normalizer, validate="off", metrics=metrics)
         result.loss.backward()  # the backward pass too
@@ -71,8 +81,19 @@ def test_trainer_weights_make_no_host_sync():
 
 
 def test_every_builtin_gate_and_reduction_is_covered():
-    assert {"ppo_clip", "gspo", "gspo_token", "sapo", "cispo", "dis", "reinforce", "tis", "tis_seq", "icepop",
-            "icepop_seq"} <= {g for g, _ in CASES}
+    assert {
+        "ppo_clip",
+        "gspo",
+        "gspo_token",
+        "sapo",
+        "cispo",
+        "dis",
+        "reinforce",
+        "tis",
+        "tis_seq",
+        "icepop",
+        "icepop_seq",
+    } <= {g for g, _ in CASES}
     assert {"token", "response", "sequence_sum", "fixed"} <= {r for _, r in CASES}
 
 

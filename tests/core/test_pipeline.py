@@ -4,11 +4,20 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import lossplug
-from lossplug import (BatchValidationError, LossplugError, Normalizer, PolicyBatch, Recipe, Violation,
-                      compute_advantages, policy_loss)
+from lossplug import (
+    BatchValidationError,
+    LossplugError,
+    Normalizer,
+    PolicyBatch,
+    Recipe,
+    Violation,
+    compute_advantages,
+    policy_loss,
+)
 
 NAN = float("nan")
 REDUCTIONS = ["response", "token", "fixed", "sequence_sum", "token_sum"]
@@ -27,9 +36,16 @@ def seed_reduction_batch(mask=None):
     return dict(logp=logp, old_logp=logp.clone(), action_mask=mask, advantage=values)
 
 
-@pytest.mark.parametrize("reduction,params,expected", [
-    ("response", {}, 1.5), ("token", {}, 1.2), ("fixed", {"budget": 4}, 0.75), ("sequence_sum", {}, 3.0),
-    ("token_sum", {}, 6.0)])
+@pytest.mark.parametrize(
+    "reduction,params,expected",
+    [
+        ("response", {}, 1.5),
+        ("token", {}, 1.2),
+        ("fixed", {"budget": 4}, 0.75),
+        ("sequence_sum", {}, 3.0),
+        ("token_sum", {}, 6.0),
+    ],
+)
 def test_seed_reduction_example(reduction, params, expected):
     result = policy_loss(PolicyBatch(**seed_reduction_batch()), recipe_for(reduction, **params))
     assert -result.loss == pytest.approx(expected)
@@ -54,8 +70,12 @@ def test_seed_ppo_example_objective_and_gradient_signs():
     # Log-probs are shifted by −1 on both sides (the contract rejects positive log-probs); the ratio is unchanged.
     ratio = torch.tensor([1.3, 0.7, 1.3, 0.7])
     logp = (ratio.log() - 1).unsqueeze(-1).requires_grad_()
-    batch = PolicyBatch(logp=logp, old_logp=torch.full((4, 1), -1.0), action_mask=torch.ones(4, 1, dtype=torch.bool),
-                        advantage=torch.tensor([1.0, 1.0, -1.0, -1.0]))
+    batch = PolicyBatch(
+        logp=logp,
+        old_logp=torch.full((4, 1), -1.0),
+        action_mask=torch.ones(4, 1, dtype=torch.bool),
+        advantage=torch.tensor([1.0, 1.0, -1.0, -1.0]),
+    )
     result = policy_loss(batch, recipe_for("response"), metrics="full")
     # response mean of one-token responses = mean of the objectives [1.2, .7, -1.3, -.8]
     assert -result.loss.item() == pytest.approx((1.2 + 0.7 - 1.3 - 0.8) / 4)
@@ -70,22 +90,38 @@ def test_seed_ppo_example_objective_and_gradient_signs():
 
 def test_seed_grpo_rloo_example_through_compute_advantages():
     reward = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    batch = PolicyBatch(logp=torch.zeros(6, 1), action_mask=torch.ones(6, 1, dtype=torch.bool), reward=reward,
-                        group_id=torch.tensor([0, 0, 0, 1, 1, 1]))
+    batch = PolicyBatch(
+        logp=torch.zeros(6, 1),
+        action_mask=torch.ones(6, 1, dtype=torch.bool),
+        reward=reward,
+        group_id=torch.tensor([0, 0, 0, 1, 1, 1]),
+    )
     rloo = compute_advantages(batch, Recipe.preset("rloo"))
     torch.testing.assert_close(rloo[:3], 1.5 * (reward[:3] - reward[:3].mean()))
-    seed_grpo = Recipe.model_validate({"advantage": {"name": "grpo", "std": "population", "eps": 1e-6,
-                                                     "eps_mode": "threshold"}, "gates": "ppo_clip", "reduction": "token"})
+    seed_grpo = Recipe.model_validate(
+        {
+            "advantage": {"name": "grpo", "std": "population", "eps": 1e-6, "eps_mode": "threshold"},
+            "gates": "ppo_clip",
+            "reduction": "token",
+        }
+    )
     grpo = compute_advantages(batch, seed_grpo)
     torch.testing.assert_close(grpo.view(2, 3).mean(1), torch.zeros(2))
     assert torch.count_nonzero(grpo[3:]) == 0
 
 
 def test_rloo_refuses_singleton_groups_naming_them():
-    batch = PolicyBatch(logp=torch.zeros(3, 1), action_mask=torch.ones(3, 1, dtype=torch.bool),
-                        reward=torch.tensor([0.0, 1.0, 1.0]), group_id=torch.tensor([4, 4, 9]))
-    with pytest.raises(BatchValidationError, match=r"recipe.advantage \(rloo\) needs at least 2 rollouts per group — "
-                                                   r"groups \[9\] have fewer"):
+    batch = PolicyBatch(
+        logp=torch.zeros(3, 1),
+        action_mask=torch.ones(3, 1, dtype=torch.bool),
+        reward=torch.tensor([0.0, 1.0, 1.0]),
+        group_id=torch.tensor([4, 4, 9]),
+    )
+    with pytest.raises(
+        BatchValidationError,
+        match=r"recipe.advantage \(rloo\) needs at least 2 rollouts per group — "
+        r"groups \[9\] have fewer",
+    ):
         compute_advantages(batch, "rloo")
 
 
@@ -132,8 +168,10 @@ def test_missing_fields_are_named_with_who_needs_them():
         policy_loss(batch, "dapo")
     msg = str(info.value)
     assert "advantage: required by policy_loss" in msg
-    assert "old_logp: required by recipe.gates[0] (ppo_clip), but this PolicyBatch has none (for a single on-policy " \
-           "step pass old_logp=logp.detach())" in msg
+    assert (
+        "old_logp: required by recipe.gates[0] (ppo_clip), but this PolicyBatch has none (for a single on-policy "
+        "step pass old_logp=logp.detach())" in msg
+    )
     with pytest.raises(BatchValidationError, match="reward: required by recipe.advantage \\(grpo\\)"):
         compute_advantages(batch.replace(group_id=torch.tensor([0, 0])), "dapo")
 
@@ -177,8 +215,10 @@ def test_low_precision_logprobs_are_computed_in_float32(dtype):
     result = policy_loss(PolicyBatch(**{**fields, "logp": logp, "old_logp": fields["old_logp"].to(dtype)}), "dapo")
     # the loss the trainers log is not rounded to the log-probs' precision (verl's own stays float32 too)
     assert result.loss.dtype == torch.float32
-    exact = policy_loss(PolicyBatch(**{**fields, "logp": logp.detach().float(),
-                                       "old_logp": fields["old_logp"].to(dtype).float()}), "dapo").loss
+    exact = policy_loss(
+        PolicyBatch(**{**fields, "logp": logp.detach().float(), "old_logp": fields["old_logp"].to(dtype).float()}),
+        "dapo",
+    ).loss
     assert result.loss.item() == exact.item()
     result.loss.backward()
     assert logp.grad.dtype == dtype and torch.isfinite(logp.grad.float()).all()
@@ -266,9 +306,13 @@ def engine_batch(with_behavior=True):
     old = -torch.rand(3, 5, generator=g, dtype=torch.float64) * 2
     behavior = (old + 0.2 * torch.randn(3, 5, generator=g, dtype=torch.float64)).clamp(max=0)
     garbage = torch.where(mask, 0.0, NAN)  # never read off the actions
-    batch = PolicyBatch(logp=(old + 0.1).clamp(max=0) + garbage, old_logp=old + garbage, action_mask=mask,
-                        behavior_logp=(behavior + garbage) if with_behavior else None,
-                        advantage=torch.randn(3, generator=g, dtype=torch.float64))
+    batch = PolicyBatch(
+        logp=(old + 0.1).clamp(max=0) + garbage,
+        old_logp=old + garbage,
+        action_mask=mask,
+        behavior_logp=(behavior + garbage) if with_behavior else None,
+        advantage=torch.randn(3, generator=g, dtype=torch.float64),
+    )
     return batch, old, behavior, mask
 
 
@@ -339,8 +383,11 @@ def test_a_correction_weight_that_carries_gradient_is_refused():
         fields = seed_reduction_batch()
         fields["logp"] = fields["logp"].clone().requires_grad_()
         recipe = Recipe.model_validate({"gates": ["ppo_clip", "grad_weight"], "reduction": "token"})
-        with pytest.raises(lossplug.PluginError, match=r"recipe.gates\[1\] \(grad_weight, from in-process plugin "
-                                                       r"'grad-weight'\): a correction's weight must be detached"):
+        with pytest.raises(
+            lossplug.PluginError,
+            match=r"recipe.gates\[1\] \(grad_weight, from in-process plugin "
+            r"'grad-weight'\): a correction's weight must be detached",
+        ):
             policy_loss(PolicyBatch(**fields), recipe)
     finally:
         lossplug.unregister_plugin(plugin)

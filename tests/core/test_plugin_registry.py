@@ -1,7 +1,6 @@
 """The plugin manager: built-ins as ordinary plugins, real entry points from installed distributions, and loud but
 contained failures (import errors, bad hooks, duplicates, hooks that raise)."""
 
-
 import pytest
 import torch
 
@@ -36,11 +35,13 @@ def lossplug_register_presets(register):
 """
 
 
-
 def tiny_batch():
     return lossplug.PolicyBatch(
-        logp=torch.full((2, 3), -1.0, requires_grad=True), old_logp=torch.full((2, 3), -1.0),
-        action_mask=torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool), advantage=torch.tensor([1.0, -1.0]))
+        logp=torch.full((2, 3), -1.0, requires_grad=True),
+        old_logp=torch.full((2, 3), -1.0),
+        action_mask=torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool),
+        advantage=torch.tensor([1.0, -1.0]),
+    )
 
 
 def test_builtins_register_through_the_hooks():
@@ -85,8 +86,11 @@ def test_disable_autoload_and_allow_list(site, monkeypatch):
 
 def test_import_error_names_the_entry_point_and_other_recipes_still_run(site):
     site.add("lpx-broken", "lpx_broken", "import no_such_module_anywhere\n")
-    with pytest.warns(LossplugPluginWarning, match="entry point 'lpx_broken = lpx_broken' of distribution "
-                                                   "'lpx-broken 0.1': failed to import: ModuleNotFoundError"):
+    with pytest.warns(
+        LossplugPluginWarning,
+        match="entry point 'lpx_broken = lpx_broken' of distribution "
+        "'lpx-broken 0.1': failed to import: ModuleNotFoundError",
+    ):
         lossplug.registry()
     lossplug.policy_loss(tiny_batch(), "dapo")  # unaffected
     with pytest.raises(RecipeError, match="unknown gate plugin 'broken_gate'.*failed to load: entry point 'lpx_broken"):
@@ -115,7 +119,9 @@ def lossplug_register_gates(register):
     raise RuntimeError("boom")
 """
     site.add("lpx-raises", "lpx_raises", body)
-    with pytest.warns(LossplugPluginWarning, match="lpx-raises 0.1': lossplug_register_gates raised RuntimeError: boom"):
+    with pytest.warns(
+        LossplugPluginWarning, match="lpx-raises 0.1': lossplug_register_gates raised RuntimeError: boom"
+    ):
         lossplug.registry()
 
 
@@ -201,8 +207,10 @@ def test_call_hook_blames_the_plugin_and_keeps_the_cause(in_process):
         call_hook("lossplug_validate_batch", batch=None, recipe=None)
     err = info.value
     assert isinstance(err, HookError) and err.origin == "in-process plugin 'buggy-checks'"
-    assert str(err) == ("in-process plugin 'buggy-checks': lossplug_validate_batch raised ZeroDivisionError: "
-                        "division by zero in my check")
+    assert str(err) == (
+        "in-process plugin 'buggy-checks': lossplug_validate_batch raised ZeroDivisionError: "
+        "division by zero in my check"
+    )
     assert isinstance(err.__cause__, ZeroDivisionError)
 
 
@@ -220,8 +228,9 @@ def test_call_hook_refuses_hook_wrappers(in_process):
     from lossplug.plugin_registry import call_hook
 
     in_process(_Wraps(), "wrapping-checks")
-    with pytest.raises(PluginError, match="in-process plugin 'wrapping-checks': lossplug_validate_batch does not "
-                                          "support hook wrappers"):
+    with pytest.raises(
+        PluginError, match="in-process plugin 'wrapping-checks': lossplug_validate_batch does not support hook wrappers"
+    ):
         call_hook("lossplug_validate_batch", batch=None, recipe=None)
 
 
@@ -236,8 +245,11 @@ def test_call_hook_on_error_contains_failures_and_runs_the_rest(in_process):
     assert got == [("in-process plugin 'good-checks'", ["kept"])]
     assert [(f.origin, f.problem) for f in failures] == [
         ("in-process plugin 'wrapping-checks'", "lossplug_validate_batch does not support hook wrappers"),
-        ("in-process plugin 'strict-checks'", "lossplug_validate_batch raised LossplugError: a failure like any "
-                                              "other here")]
+        (
+            "in-process plugin 'strict-checks'",
+            "lossplug_validate_batch raised LossplugError: a failure like any other here",
+        ),
+    ]
 
 
 def test_call_hook_passes_arguments_that_depend_on_the_origin(in_process):
@@ -258,9 +270,11 @@ def test_hook_origin_of_entry_points_built_ins_and_in_process_plugins(site):
 
     site.add("lpx-half", "lpx_half", GATE_MODULE.format(gate="half_pg"))
     lossplug.registry()
-    assert hook_origin("entrypoint:lpx_half") == ("entry point 'lpx_half = lpx_half' of distribution 'lpx-half 0.1' "
-                                                  "(leave it out with the LOSSPLUG_PLUGINS allow-list, or uninstall "
-                                                  "it)")
+    assert hook_origin("entrypoint:lpx_half") == (
+        "entry point 'lpx_half = lpx_half' of distribution 'lpx-half 0.1' "
+        "(leave it out with the LOSSPLUG_PLUGINS allow-list, or uninstall "
+        "it)"
+    )
     assert hook_origin(BUILTIN_NAME) == BUILTIN_SOURCE
     assert hook_origin("my-notebook-checks") == "in-process plugin 'my-notebook-checks'"
 
@@ -274,7 +288,8 @@ def lossplug_register_gates(register):
     return (yield)
 """
     site.add("lpx-wrapper", "lpx_wrapper", body)
-    with pytest.warns(LossplugPluginWarning, match="lpx-wrapper 0.1': lossplug_register_gates does not support hook "
-                                                   "wrappers"):
+    with pytest.warns(
+        LossplugPluginWarning, match="lpx-wrapper 0.1': lossplug_register_gates does not support hook wrappers"
+    ):
         reg = lossplug.registry()
     assert reg.lookup("gate", "ppo_clip").name == "ppo_clip"

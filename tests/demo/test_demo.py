@@ -12,11 +12,11 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("matplotlib")
 
-from typer.testing import CliRunner  # noqa: E402
+from typer.testing import CliRunner
 
-from lossplug import Provenance, Recipe  # noqa: E402
-import lossplug.demo as demo  # noqa: E402
-from lossplug.cli import app  # noqa: E402
+import lossplug.demo as demo
+from lossplug import Provenance, Recipe
+from lossplug.cli import app
 
 WIDE = {"COLUMNS": "200", "NO_COLOR": "1"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -107,8 +107,14 @@ def test_fast_run_learns(fast_run):
 def test_run_folder_holds_recipe_provenance_versions_metrics_summary_and_curves(fast_run):
     out, result = fast_run
     assert result.exit_code == 0, result.output
-    assert {p.name for p in out.iterdir()} >= {"recipe.yaml", "provenance.json", "versions.json", "metrics.jsonl",
-                                                "summary.json", "curves.png"}
+    assert {p.name for p in out.iterdir()} >= {
+        "recipe.yaml",
+        "provenance.json",
+        "versions.json",
+        "metrics.jsonl",
+        "summary.json",
+        "curves.png",
+    }
     recipe = Recipe.from_file(out / "recipe.yaml")
     assert recipe == Recipe.preset("dapo")
     assert "eps_high: 0.28" in (out / "recipe.yaml").read_text()  # resolved: defaults filled in
@@ -127,9 +133,16 @@ def test_run_folder_holds_recipe_provenance_versions_metrics_summary_and_curves(
     assert len(logged) == demo.FAST.steps // demo.FAST.logging_steps
     assert [r["step"] for r in logged] == sorted(r["step"] for r in logged)
     for r in logged:
-        for key in ("lossplug/ppo_clip/clip_frac_low", "lossplug/ppo_clip/clip_frac_high",
-                    "lossplug/ratio/update/p05", "lossplug/ratio/update/p95", "lossplug/effective/token_frac",
-                    "lossplug/effective/seq_frac", "demo/tokens_per_s", "entropy"):
+        for key in (
+            "lossplug/ppo_clip/clip_frac_low",
+            "lossplug/ppo_clip/clip_frac_high",
+            "lossplug/ratio/update/p05",
+            "lossplug/ratio/update/p95",
+            "lossplug/effective/token_frac",
+            "lossplug/effective/seq_frac",
+            "demo/tokens_per_s",
+            "entropy",
+        ):
             assert key in r, (key, r["step"])
         assert r["demo/tokens_per_s"] > 0
     assert rows[-1]["step"] == demo.FAST.steps and "heldout/score" in rows[-1]

@@ -8,22 +8,32 @@ import pytest
 
 pytest.importorskip("rich")
 
-from rich.console import Console  # noqa: E402
+from rich.console import Console
 
-from lossplug.demo import FAST  # noqa: E402
-from lossplug.demo.display import LiveDisplay  # noqa: E402
+from lossplug.demo import FAST
+from lossplug.demo.display import LiveDisplay
 
 
 def final_panel(gates=None) -> str:
     out = io.StringIO()
-    display = LiveDisplay("mine", FAST, quiet=False, console=Console(file=out, width=100, color_system=None),
-                          gates=gates)
+    display = LiveDisplay(
+        "mine", FAST, quiet=False, console=Console(file=out, width=100, color_system=None), gates=gates
+    )
     display.start()
     display.update({"step": 0, "heldout/score": 0.0})
-    display.update({"step": 2, "reward": 0.25, "lossplug/ppo_clip/clip_frac_low": 0.004,
-                    "lossplug/ppo_clip/clip_frac_high": 0.012, "lossplug/soft_cut/soft_cut_frac": 0.021,
-                    "lossplug/ppo_clip/active_token_frac": 0.98, "lossplug/reward/unscorable_frac": 0.5,
-                    "lossplug/effective/token_frac": 0.98, "lossplug/effective/seq_frac": 1.0})
+    display.update(
+        {
+            "step": 2,
+            "reward": 0.25,
+            "lossplug/ppo_clip/clip_frac_low": 0.004,
+            "lossplug/ppo_clip/clip_frac_high": 0.012,
+            "lossplug/soft_cut/soft_cut_frac": 0.021,
+            "lossplug/ppo_clip/active_token_frac": 0.98,
+            "lossplug/reward/unscorable_frac": 0.5,
+            "lossplug/effective/token_frac": 0.98,
+            "lossplug/effective/seq_frac": 1.0,
+        }
+    )
     display.stop()
     return out.getvalue()
 

@@ -6,20 +6,26 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from lossplug.demo.figures import (FRACTION_AXIS_FLOOR, compare_figure, fraction_axis_limits,  # noqa: E402
-                                   plot_run, run_figure)
+from lossplug.demo.figures import FRACTION_AXIS_FLOOR, compare_figure, fraction_axis_limits, plot_run, run_figure
 
 
 def synthetic_rows(steps: int = 20) -> list[dict]:
     """A run of a recipe whose gates are ppo_clip and a third-party ``soft_cut``: small fractions, rates near 1."""
     rows = [{"step": 0, "heldout/score": 0.0}]
     for s in range(2, 2 * steps + 1, 2):
-        rows.append({"step": s, "reward": s / (2 * steps), "demo/tokens_per_s": 9000.0 + s,
-                     "lossplug/ppo_clip/clip_frac_low": 0.001 * (s % 7),
-                     "lossplug/ppo_clip/clip_frac_high": 0.03 * s / (2 * steps),
-                     "lossplug/soft_cut/soft_cut_frac": 0.02,
-                     "lossplug/effective/token_frac": 0.97, "lossplug/effective/seq_frac": 0.99,
-                     "lossplug/reward/unscorable_frac": 0.5})
+        rows.append(
+            {
+                "step": s,
+                "reward": s / (2 * steps),
+                "demo/tokens_per_s": 9000.0 + s,
+                "lossplug/ppo_clip/clip_frac_low": 0.001 * (s % 7),
+                "lossplug/ppo_clip/clip_frac_high": 0.03 * s / (2 * steps),
+                "lossplug/soft_cut/soft_cut_frac": 0.02,
+                "lossplug/effective/token_frac": 0.97,
+                "lossplug/effective/seq_frac": 0.99,
+                "lossplug/reward/unscorable_frac": 0.5,
+            }
+        )
     rows.append({"step": 2 * steps, "heldout/score": 0.8})
     return rows
 
@@ -83,8 +89,11 @@ def test_the_comparison_plots_every_gates_fractions_per_recipe():
 
 
 def test_fraction_axis_limits_have_a_floor_and_a_margin():
-    assert fraction_axis_limits([]) == fraction_axis_limits([0.0, 0.0]) == (-0.03 * FRACTION_AXIS_FLOOR,
-                                                                             FRACTION_AXIS_FLOOR)
+    assert (
+        fraction_axis_limits([])
+        == fraction_axis_limits([0.0, 0.0])
+        == (-0.03 * FRACTION_AXIS_FLOOR, FRACTION_AXIS_FLOOR)
+    )
     bottom, top = fraction_axis_limits([0.0, 0.2, None])
     assert top == pytest.approx(0.23) and bottom < 0
     assert fraction_axis_limits([1.0])[1] == 1.05

@@ -15,8 +15,12 @@ from lossplug.plugin_registry import BUILTIN_SOURCE
 
 def builtins():
     reg = lossplug.registry()
-    return [(kind, name, plugin) for kind, plugins in reg.plugins.items() for name, plugin in plugins.items()
-            if reg.origin(kind, name) == BUILTIN_SOURCE]
+    return [
+        (kind, name, plugin)
+        for kind, plugins in reg.plugins.items()
+        for name, plugin in plugins.items()
+        if reg.origin(kind, name) == BUILTIN_SOURCE
+    ]
 
 
 def section(markdown: str, name: str) -> str:
@@ -71,8 +75,11 @@ def _cited(inp: lossplug.GateInput, p: lossplug.NoParams) -> lossplug.GateOutput
 
 
 def test_a_missing_citation_or_parameter_description_is_reported():
-    reg = SimpleNamespace(plugins={"gate": {"undocumented_pg": _undocumented, "cited_pg": _cited}},
-                          origin=lambda kind, name: "in-process plugin 'test'", presets={})
+    reg = SimpleNamespace(
+        plugins={"gate": {"undocumented_pg": _undocumented, "cited_pg": _cited}},
+        origin=lambda kind, name: "in-process plugin 'test'",
+        presets={},
+    )
     assert catalogue_problems(reg) == []  # only built-ins are held to it by default
     problems = catalogue_problems(reg, builtin_only=False)
     assert any("'undocumented_pg': parameter 'knee' has no description" in p for p in problems)

@@ -21,7 +21,7 @@ def hook():
 
 def nav_pages(nav):
     for item in nav:
-        for value in (item.values() if isinstance(item, dict) else [item]):
+        for value in item.values() if isinstance(item, dict) else [item]:
             yield from (nav_pages(value) if isinstance(value, list) else [value])
 
 
@@ -57,8 +57,11 @@ def test_the_tutorial_includes_the_example_plugin_files_that_exist():
 
 def test_the_readme_and_getting_started_give_the_same_two_commands_and_the_readme_links_resolve():
     readme = (ROOT / "README.md").read_text()
-    commands = [line for line in readme.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
-                if line.startswith("python3 -m venv")]
+    commands = [
+        line
+        for line in readme.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+        if line.startswith("python3 -m venv")
+    ]
     assert len(commands) == 2 and '".[all,dev,docs]"' in commands[1]
     index = (ROOT / "docs" / "index.md").read_text()
     assert all(command in index for command in commands)

@@ -91,13 +91,13 @@ def micro_batches() -> list[list[dict]]:
 
 def recipe(reduction: str, *, budget: bool) -> Recipe:
     red = {"name": "fixed", "budget": BUDGET} if reduction == "fixed" and budget else reduction
-    return Recipe.model_validate({"gates": [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.28}],
-                                  "reduction": red})
+    return Recipe.model_validate({"gates": [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.28}], "reduction": red})
 
 
 def batch(model, mb: dict) -> PolicyBatch:
-    return PolicyBatch(logp=model(mb["x"], mb["tokens"]), old_logp=mb["old"], action_mask=mb["mask"],
-                       advantage=mb["adv"])
+    return PolicyBatch(
+        logp=model(mb["x"], mb["tokens"]), old_logp=mb["old"], action_mask=mb["mask"], advantage=mb["adv"]
+    )
 
 
 def grads(model) -> torch.Tensor:
@@ -125,10 +125,14 @@ VERL_CALLS: list[dict] = []
 
 def verl_normalizer(info: dict, mask: torch.Tensor) -> tuple[Normalizer, int]:
     """The verl adapter's formula (checked against ``lossplug.adapters.verl.verl_normalizer`` by the test)."""
-    normalizer = Normalizer(action_tokens=info["batch_num_tokens"], sequences=info["global_batch_size"],
-                            budget=float(info["loss_scale_factor"]))
-    VERL_CALLS.append({"info": dict(info), "mask": mask.tolist(), "normalizer": normalizer.model_dump(),
-                       "dp_size": info["dp_size"]})
+    normalizer = Normalizer(
+        action_tokens=info["batch_num_tokens"],
+        sequences=info["global_batch_size"],
+        budget=float(info["loss_scale_factor"]),
+    )
+    VERL_CALLS.append(
+        {"info": dict(info), "mask": mask.tolist(), "normalizer": normalizer.model_dump(), "dp_size": info["dp_size"]}
+    )
     return normalizer, info["dp_size"]
 
 
@@ -142,8 +146,12 @@ def train_step(convention: str, reduction: str, mine: list[dict], world: int) ->
         steps_per_generation = GA  # TRL's default
         scale = world * steps_per_generation / GA
     elif convention == "verl":
-        info = {"dp_size": world, "batch_num_tokens": all_reduce_int(local.action_tokens),
-                "global_batch_size": all_reduce_int(local.sequences), "loss_scale_factor": BUDGET}
+        info = {
+            "dp_size": world,
+            "batch_num_tokens": all_reduce_int(local.action_tokens),
+            "global_batch_size": all_reduce_int(local.sequences),
+            "loss_scale_factor": BUDGET,
+        }
     elif convention == "naive":  # the bug class: every micro-batch its own population, averaged over GA
         normalizer, scale = None, 1.0 / GA
     for k, mb in enumerate(mine):
@@ -152,8 +160,12 @@ def train_step(convention: str, reduction: str, mine: list[dict], world: int) ->
             if convention == "verl":
                 normalizer, scale = verl_normalizer(info, mb["mask"])
             b = batch(ddp, mb)
-            loss = lossplug.policy_loss(b, rec if normalizer is not None else recipe(reduction, budget=True),
-                                        normalizer).loss * scale
+            loss = (
+                lossplug.policy_loss(
+                    b, rec if normalizer is not None else recipe(reduction, budget=True), normalizer
+                ).loss
+                * scale
+            )
             loss.backward()
     return grads(model)
 

@@ -14,25 +14,46 @@ from __future__ import annotations
 
 import math
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import pydantic
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 import lossplug
-from lossplug import (BatchValidationError, LossplugError, Normalizer, PackedTransitions, PluginError, PolicyBatch,
-                      Recipe, RecipeError, compute_advantages, policy_loss)
+from lossplug import (
+    BatchValidationError,
+    LossplugError,
+    Normalizer,
+    PackedTransitions,
+    PluginError,
+    PolicyBatch,
+    Recipe,
+    RecipeError,
+    compute_advantages,
+    policy_loss,
+)
 
 NAN, INF = float("nan"), float("inf")
 B, T = 2, 3
 
 #: exception types that must never reach a user directly
-RAW = (pydantic.ValidationError, RuntimeError, TypeError, ValueError, AttributeError, KeyError, IndexError,
-       NotImplementedError, AssertionError)
+RAW = (
+    pydantic.ValidationError,
+    RuntimeError,
+    TypeError,
+    ValueError,
+    AttributeError,
+    KeyError,
+    IndexError,
+    NotImplementedError,
+    AssertionError,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -85,9 +106,13 @@ def recipe(**over: Any) -> dict[str, Any]:
 
 def grouped(group_id, reward=None, **over) -> PolicyBatch:
     n = len(group_id)
-    return PolicyBatch(logp=torch.full((n, 2), -1.0), action_mask=torch.ones(n, 2, dtype=torch.bool),
-                       reward=torch.arange(n, dtype=torch.float32) if reward is None else reward,
-                       group_id=torch.tensor(group_id), **over)
+    return PolicyBatch(
+        logp=torch.full((n, 2), -1.0),
+        action_mask=torch.ones(n, 2, dtype=torch.bool),
+        reward=torch.arange(n, dtype=torch.float32) if reward is None else reward,
+        group_id=torch.tensor(group_id),
+        **over,
+    )
 
 
 def with_plugin(plugin: object, name: str, action: Callable[[], Any]) -> Callable[[], Any]:
@@ -237,255 +262,632 @@ class Case:
     build: Callable[[], Any]
     fragments: tuple[str, ...]
     error: type = LossplugError
-    known_bug: Optional[str] = None
+    known_bug: str | None = None
     tags: tuple[str, ...] = field(default=())
 
 
 C = Case
 CASES: list[Case] = [
     # -- PolicyBatch: structure, shapes, dtypes ---------------------------------------------------------------------
-    C("logp is 1-D", lambda: PolicyBatch(**fields(logp=torch.zeros(3))),
-      ("logp", "must be [B, T]", "(3,)"), BatchValidationError),
-    C("logp is 3-D", lambda: PolicyBatch(**fields(logp=torch.zeros(B, T, 5))),
-      ("logp", "must be [B, T]", "(2, 3, 5)"), BatchValidationError),
-    C("logp is an integer tensor", lambda: batch(logp=torch.zeros(B, T, dtype=torch.long)),
-      ("logp", "must be a float tensor", "torch.int64"), BatchValidationError),
-    C("logp is complex", lambda: batch(logp=torch.zeros(B, T, dtype=torch.complex64)),
-      ("logp", "must be a float tensor", "complex64"), BatchValidationError),
-    C("action_mask is float", lambda: batch(action_mask=torch.ones(B, T)),
-      ("action_mask", "must be a bool tensor", "torch.float32", ".bool()"), BatchValidationError),
-    C("action_mask is uint8", lambda: batch(action_mask=torch.ones(B, T, dtype=torch.uint8)),
-      ("action_mask", "must be a bool tensor", "torch.uint8"), BatchValidationError),
-    C("old_logp has the wrong width", lambda: batch(old_logp=torch.zeros(B, T + 1)),
-      ("old_logp", "shape must align with logp [B=2, T=3]", "expected [2, 3]", "got [2, 4]"), BatchValidationError),
-    C("advantage has one row too many", lambda: batch(advantage=torch.zeros(B + 1)),
-      ("advantage", "expected [2] or [2, 3]", "got [3]"), BatchValidationError),
-    C("group_id is per token", lambda: batch(group_id=torch.zeros(B, T, dtype=torch.long)),
-      ("group_id", "expected [2]", "got [2, 3]"), BatchValidationError),
-    C("group_id is float", lambda: batch(group_id=torch.zeros(B)),
-      ("group_id", "must be an int tensor", "torch.float32"), BatchValidationError),
-    C("terminated is int", lambda: batch(terminated=torch.zeros(B, dtype=torch.long)),
-      ("terminated", "must be a bool tensor", "torch.int64"), BatchValidationError),
-    C("a field is a Python list", lambda: batch(advantage=[1.0, -1.0]),
-      ("advantage", "must be a torch.Tensor", "got list"), BatchValidationError),
-    C("a field is a numpy array", lambda: batch(logp=np.zeros((B, T))),
-      ("logp", "must be a torch.Tensor", "ndarray"), BatchValidationError),
-    C("a field name has a typo", lambda: batch(old_logps=torch.zeros(B, T)),
-      ("old_logps", "unknown field", "did you mean 'old_logp'"), BatchValidationError),
-    C("the required action_mask is missing", lambda: PolicyBatch(logp=torch.zeros(B, T)),
-      ("action_mask", "is required"), BatchValidationError),
-    C("the batch is not keyword fields", lambda: PolicyBatch.model_validate([1, 2]),
-      ("<batch>", "expected keyword fields", "list"), BatchValidationError),
-    C("the batch has no responses", lambda: batch(logp=torch.zeros(0, T), action_mask=torch.ones(0, T, dtype=torch.bool),
-                                                  old_logp=None, behavior_logp=None, advantage=None),
-      ("logp", "at least one response", "[0, 3]"), BatchValidationError),
-    C("a sparse tensor", lambda: batch(old_logp=torch.full((B, T), -1.0).to_sparse()),
-      ("old_logp", "dense", "sparse"), BatchValidationError),
-    C("an unchecked batch without logp", lambda: policy_loss(PolicyBatch.unchecked(
-        action_mask=torch.ones(B, T, dtype=torch.bool), advantage=torch.ones(B)), "dapo"),
-      ("logp", "is required"), BatchValidationError),
+    C(
+        "logp is 1-D",
+        lambda: PolicyBatch(**fields(logp=torch.zeros(3))),
+        ("logp", "must be [B, T]", "(3,)"),
+        BatchValidationError,
+    ),
+    C(
+        "logp is 3-D",
+        lambda: PolicyBatch(**fields(logp=torch.zeros(B, T, 5))),
+        ("logp", "must be [B, T]", "(2, 3, 5)"),
+        BatchValidationError,
+    ),
+    C(
+        "logp is an integer tensor",
+        lambda: batch(logp=torch.zeros(B, T, dtype=torch.long)),
+        ("logp", "must be a float tensor", "torch.int64"),
+        BatchValidationError,
+    ),
+    C(
+        "logp is complex",
+        lambda: batch(logp=torch.zeros(B, T, dtype=torch.complex64)),
+        ("logp", "must be a float tensor", "complex64"),
+        BatchValidationError,
+    ),
+    C(
+        "action_mask is float",
+        lambda: batch(action_mask=torch.ones(B, T)),
+        ("action_mask", "must be a bool tensor", "torch.float32", ".bool()"),
+        BatchValidationError,
+    ),
+    C(
+        "action_mask is uint8",
+        lambda: batch(action_mask=torch.ones(B, T, dtype=torch.uint8)),
+        ("action_mask", "must be a bool tensor", "torch.uint8"),
+        BatchValidationError,
+    ),
+    C(
+        "old_logp has the wrong width",
+        lambda: batch(old_logp=torch.zeros(B, T + 1)),
+        ("old_logp", "shape must align with logp [B=2, T=3]", "expected [2, 3]", "got [2, 4]"),
+        BatchValidationError,
+    ),
+    C(
+        "advantage has one row too many",
+        lambda: batch(advantage=torch.zeros(B + 1)),
+        ("advantage", "expected [2] or [2, 3]", "got [3]"),
+        BatchValidationError,
+    ),
+    C(
+        "group_id is per token",
+        lambda: batch(group_id=torch.zeros(B, T, dtype=torch.long)),
+        ("group_id", "expected [2]", "got [2, 3]"),
+        BatchValidationError,
+    ),
+    C(
+        "group_id is float",
+        lambda: batch(group_id=torch.zeros(B)),
+        ("group_id", "must be an int tensor", "torch.float32"),
+        BatchValidationError,
+    ),
+    C(
+        "terminated is int",
+        lambda: batch(terminated=torch.zeros(B, dtype=torch.long)),
+        ("terminated", "must be a bool tensor", "torch.int64"),
+        BatchValidationError,
+    ),
+    C(
+        "a field is a Python list",
+        lambda: batch(advantage=[1.0, -1.0]),
+        ("advantage", "must be a torch.Tensor", "got list"),
+        BatchValidationError,
+    ),
+    C(
+        "a field is a numpy array",
+        lambda: batch(logp=np.zeros((B, T))),
+        ("logp", "must be a torch.Tensor", "ndarray"),
+        BatchValidationError,
+    ),
+    C(
+        "a field name has a typo",
+        lambda: batch(old_logps=torch.zeros(B, T)),
+        ("old_logps", "unknown field", "did you mean 'old_logp'"),
+        BatchValidationError,
+    ),
+    C(
+        "the required action_mask is missing",
+        lambda: PolicyBatch(logp=torch.zeros(B, T)),
+        ("action_mask", "is required"),
+        BatchValidationError,
+    ),
+    C(
+        "the batch is not keyword fields",
+        lambda: PolicyBatch.model_validate([1, 2]),
+        ("<batch>", "expected keyword fields", "list"),
+        BatchValidationError,
+    ),
+    C(
+        "the batch has no responses",
+        lambda: batch(
+            logp=torch.zeros(0, T),
+            action_mask=torch.ones(0, T, dtype=torch.bool),
+            old_logp=None,
+            behavior_logp=None,
+            advantage=None,
+        ),
+        ("logp", "at least one response", "[0, 3]"),
+        BatchValidationError,
+    ),
+    C(
+        "a sparse tensor",
+        lambda: batch(old_logp=torch.full((B, T), -1.0).to_sparse()),
+        ("old_logp", "dense", "sparse"),
+        BatchValidationError,
+    ),
+    C(
+        "an unchecked batch without logp",
+        lambda: policy_loss(
+            PolicyBatch.unchecked(action_mask=torch.ones(B, T, dtype=torch.bool), advantage=torch.ones(B)), "dapo"
+        ),
+        ("logp", "is required"),
+        BatchValidationError,
+    ),
     # -- PolicyBatch: values ---------------------------------------------------------------------------------------
-    C("NaN log-prob on an action position", lambda: PolicyBatch(**with_value("logp", 1, 2, NAN)),
-      ("logp", "must be finite on action positions", "(row 1, pos 2)"), BatchValidationError),
-    C("-inf old log-prob on an action position", lambda: PolicyBatch(**with_value("old_logp", 0, 1, -INF)),
-      ("old_logp", "must be finite on action positions", "(row 0, pos 1)"), BatchValidationError),
-    C("inf behaviour log-prob on an action position", lambda: PolicyBatch(**with_value("behavior_logp", 1, 0, INF)),
-      ("behavior_logp", "must be finite on action positions", "(row 1, pos 0)"), BatchValidationError),
-    C("NaN advantage", lambda: batch(advantage=torch.tensor([1.0, NAN])),
-      ("advantage", "must be finite", "row [1]"), BatchValidationError),
-    C("inf token reward on an action position", lambda: batch(reward=torch.tensor([[0.0, INF, 0.0], [0.0, 0.0, 1.0]])),
-      ("reward", "must be finite on action positions", "(row 0, pos 1)"), BatchValidationError),
-    C("NaN value on an action position", lambda: batch(value=torch.tensor([[0.0, 0.0, 0.0], [NAN, 0.0, 0.0]])),
-      ("value", "must be finite on action positions", "(row 1, pos 0)"), BatchValidationError),
-    C("a response with no action", lambda: batch(action_mask=torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool)),
-      ("action_mask", "every response needs at least one action token", "row [1]"), BatchValidationError),
-    C("an all-masked batch", lambda: batch(action_mask=torch.zeros(B, T, dtype=torch.bool)),
-      ("action_mask", "every response needs at least one action token", "rows [0, 1]"), BatchValidationError),
-    C("a positive log-prob", lambda: PolicyBatch(**with_value("logp", 0, 1, 0.5)),
-      ("logp", "log-probs must be <= 0", "(row 0, pos 1)"), BatchValidationError),
-    C("a positive behaviour log-prob", lambda: PolicyBatch(**with_value("behavior_logp", 1, 2, 2.0)),
-      ("behavior_logp", "log-probs must be <= 0", "(row 1, pos 2)"), BatchValidationError),
-    C("NaN final value of a truncated response",
-      lambda: batch(terminated=torch.tensor([False, True]), final_value=torch.tensor([NAN, NAN])),
-      ("final_value", "must be finite for truncated", "row [0]"), BatchValidationError),
-    C("every violation is reported at once", lambda: PolicyBatch(**with_value("logp", 1, 1, NAN,
-                                                                             old_logp=torch.full((B, T), 3.0))),
-      ("2 contract checks", "logp: must be finite", "(row 1, pos 1)", "old_logp: log-probs must be <= 0"),
-      BatchValidationError),
+    C(
+        "NaN log-prob on an action position",
+        lambda: PolicyBatch(**with_value("logp", 1, 2, NAN)),
+        ("logp", "must be finite on action positions", "(row 1, pos 2)"),
+        BatchValidationError,
+    ),
+    C(
+        "-inf old log-prob on an action position",
+        lambda: PolicyBatch(**with_value("old_logp", 0, 1, -INF)),
+        ("old_logp", "must be finite on action positions", "(row 0, pos 1)"),
+        BatchValidationError,
+    ),
+    C(
+        "inf behaviour log-prob on an action position",
+        lambda: PolicyBatch(**with_value("behavior_logp", 1, 0, INF)),
+        ("behavior_logp", "must be finite on action positions", "(row 1, pos 0)"),
+        BatchValidationError,
+    ),
+    C(
+        "NaN advantage",
+        lambda: batch(advantage=torch.tensor([1.0, NAN])),
+        ("advantage", "must be finite", "row [1]"),
+        BatchValidationError,
+    ),
+    C(
+        "inf token reward on an action position",
+        lambda: batch(reward=torch.tensor([[0.0, INF, 0.0], [0.0, 0.0, 1.0]])),
+        ("reward", "must be finite on action positions", "(row 0, pos 1)"),
+        BatchValidationError,
+    ),
+    C(
+        "NaN value on an action position",
+        lambda: batch(value=torch.tensor([[0.0, 0.0, 0.0], [NAN, 0.0, 0.0]])),
+        ("value", "must be finite on action positions", "(row 1, pos 0)"),
+        BatchValidationError,
+    ),
+    C(
+        "a response with no action",
+        lambda: batch(action_mask=torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool)),
+        ("action_mask", "every response needs at least one action token", "row [1]"),
+        BatchValidationError,
+    ),
+    C(
+        "an all-masked batch",
+        lambda: batch(action_mask=torch.zeros(B, T, dtype=torch.bool)),
+        ("action_mask", "every response needs at least one action token", "rows [0, 1]"),
+        BatchValidationError,
+    ),
+    C(
+        "a positive log-prob",
+        lambda: PolicyBatch(**with_value("logp", 0, 1, 0.5)),
+        ("logp", "log-probs must be <= 0", "(row 0, pos 1)"),
+        BatchValidationError,
+    ),
+    C(
+        "a positive behaviour log-prob",
+        lambda: PolicyBatch(**with_value("behavior_logp", 1, 2, 2.0)),
+        ("behavior_logp", "log-probs must be <= 0", "(row 1, pos 2)"),
+        BatchValidationError,
+    ),
+    C(
+        "NaN final value of a truncated response",
+        lambda: batch(terminated=torch.tensor([False, True]), final_value=torch.tensor([NAN, NAN])),
+        ("final_value", "must be finite for truncated", "row [0]"),
+        BatchValidationError,
+    ),
+    C(
+        "every violation is reported at once",
+        lambda: PolicyBatch(**with_value("logp", 1, 1, NAN, old_logp=torch.full((B, T), 3.0))),
+        ("2 contract checks", "logp: must be finite", "(row 1, pos 1)", "old_logp: log-probs must be <= 0"),
+        BatchValidationError,
+    ),
     # -- PackedTransitions -------------------------------------------------------------------------------------------
-    C("terminated without boundary", lambda: PackedTransitions(**packed(terminated=torch.tensor([True, True, False]))),
-      ("terminated", "terminated ⇒ boundary", "position [0]"), BatchValidationError),
-    C("an unclosed packed fragment", lambda: PackedTransitions(**packed(boundary=torch.tensor([False, True, False]))),
-      ("boundary", "must be closed", "position 2"), BatchValidationError),
-    C("an empty packed batch", lambda: PackedTransitions(**{k: v[:0] for k, v in packed().items()}),
-      ("reward", "non-empty", "[0]"), BatchValidationError),
-    C("misaligned transitions", lambda: PackedTransitions(**packed(value=torch.zeros(2))),
-      ("value", "must align with reward [N=3]", "[2]"), BatchValidationError),
-    C("NaN next value where it bootstraps", lambda: PackedTransitions(**packed(next_value=torch.tensor([NAN, 0.0, 0.0]))),
-      ("next_value", "must be finite where the transition bootstraps", "position [0]"), BatchValidationError),
-    C("a fragment mixing trajectories", lambda: PackedTransitions(**packed(trajectory_id=torch.tensor([0, 1, 2]))),
-      ("trajectory_id", "must not mix trajectories", "position [0]"), BatchValidationError),
-    C("boundary is int", lambda: PackedTransitions(**packed(boundary=torch.tensor([0, 1, 1]))),
-      ("boundary", "must be a bool tensor", "torch.int64"), BatchValidationError),
+    C(
+        "terminated without boundary",
+        lambda: PackedTransitions(**packed(terminated=torch.tensor([True, True, False]))),
+        ("terminated", "terminated ⇒ boundary", "position [0]"),
+        BatchValidationError,
+    ),
+    C(
+        "an unclosed packed fragment",
+        lambda: PackedTransitions(**packed(boundary=torch.tensor([False, True, False]))),
+        ("boundary", "must be closed", "position 2"),
+        BatchValidationError,
+    ),
+    C(
+        "an empty packed batch",
+        lambda: PackedTransitions(**{k: v[:0] for k, v in packed().items()}),
+        ("reward", "non-empty", "[0]"),
+        BatchValidationError,
+    ),
+    C(
+        "misaligned transitions",
+        lambda: PackedTransitions(**packed(value=torch.zeros(2))),
+        ("value", "must align with reward [N=3]", "[2]"),
+        BatchValidationError,
+    ),
+    C(
+        "NaN next value where it bootstraps",
+        lambda: PackedTransitions(**packed(next_value=torch.tensor([NAN, 0.0, 0.0]))),
+        ("next_value", "must be finite where the transition bootstraps", "position [0]"),
+        BatchValidationError,
+    ),
+    C(
+        "a fragment mixing trajectories",
+        lambda: PackedTransitions(**packed(trajectory_id=torch.tensor([0, 1, 2]))),
+        ("trajectory_id", "must not mix trajectories", "position [0]"),
+        BatchValidationError,
+    ),
+    C(
+        "boundary is int",
+        lambda: PackedTransitions(**packed(boundary=torch.tensor([0, 1, 1]))),
+        ("boundary", "must be a bool tensor", "torch.int64"),
+        BatchValidationError,
+    ),
     # -- what the recipe needs from the batch ---------------------------------------------------------------------
-    C("policy loss without advantages", lambda: policy_loss(batch(advantage=None), "dapo"),
-      ("advantage", "required by policy_loss", "lossplug.compute_advantages"), BatchValidationError),
-    C("PPO clip without old log-probs", lambda: policy_loss(batch(old_logp=None), "dapo"),
-      ("old_logp", "recipe.gates[0] (ppo_clip)", "old_logp=logp.detach()"), BatchValidationError),
-    C("TIS without behaviour log-probs", lambda: policy_loss(batch(behavior_logp=None),
-                                                             recipe(gates=["ppo_clip", "tis"])),
-      ("behavior_logp", "recipe.gates[1] (tis)", "has none"), BatchValidationError),
-    C("GRPO without group ids", lambda: compute_advantages(batch(reward=torch.ones(B)), "grpo"),
-      ("group_id", "recipe.advantage (grpo)", "has none"), BatchValidationError),
-    C("singleton groups for RLOO", lambda: compute_advantages(grouped([4, 4, 9, 11]), "rloo"),
-      ("group_id", "recipe.advantage (rloo)", "at least 2 rollouts", "groups [9, 11]", "sizes [1, 1]"),
-      BatchValidationError),
-    C("GAE without values", lambda: compute_advantages(batch(reward=torch.ones(B)), "ppo"),
-      ("value", "recipe.advantage (gae)", "has none"), BatchValidationError),
-    C("packed transitions for a padded-only estimator", lambda: compute_advantages(PackedTransitions(**packed()), "grpo"),
-      ("recipe.advantage (grpo)", "padded layout", "PackedTransitions")),
-    C("advantages from a recipe without an advantage stage", lambda: compute_advantages(batch(), recipe()),
-      ("no advantage stage",)),
-    C("an unchecked batch with misaligned tensors", lambda: policy_loss(PolicyBatch.unchecked(
-        **fields(old_logp=torch.zeros(B, T + 1))), "dapo"),
-      ("old_logp", "shape must align with logp", "got [2, 4]"), BatchValidationError),
-    C("a dict instead of a PolicyBatch", lambda: policy_loss(fields(), "dapo"),
-      ("policy_loss", "PolicyBatch", "dict")),
-    C("a dict instead of a batch for advantages", lambda: compute_advantages(fields(reward=torch.ones(B)), "grpo"),
-      ("compute_advantages", "PolicyBatch", "dict")),
+    C(
+        "policy loss without advantages",
+        lambda: policy_loss(batch(advantage=None), "dapo"),
+        ("advantage", "required by policy_loss", "lossplug.compute_advantages"),
+        BatchValidationError,
+    ),
+    C(
+        "PPO clip without old log-probs",
+        lambda: policy_loss(batch(old_logp=None), "dapo"),
+        ("old_logp", "recipe.gates[0] (ppo_clip)", "old_logp=logp.detach()"),
+        BatchValidationError,
+    ),
+    C(
+        "TIS without behaviour log-probs",
+        lambda: policy_loss(batch(behavior_logp=None), recipe(gates=["ppo_clip", "tis"])),
+        ("behavior_logp", "recipe.gates[1] (tis)", "has none"),
+        BatchValidationError,
+    ),
+    C(
+        "GRPO without group ids",
+        lambda: compute_advantages(batch(reward=torch.ones(B)), "grpo"),
+        ("group_id", "recipe.advantage (grpo)", "has none"),
+        BatchValidationError,
+    ),
+    C(
+        "singleton groups for RLOO",
+        lambda: compute_advantages(grouped([4, 4, 9, 11]), "rloo"),
+        ("group_id", "recipe.advantage (rloo)", "at least 2 rollouts", "groups [9, 11]", "sizes [1, 1]"),
+        BatchValidationError,
+    ),
+    C(
+        "GAE without values",
+        lambda: compute_advantages(batch(reward=torch.ones(B)), "ppo"),
+        ("value", "recipe.advantage (gae)", "has none"),
+        BatchValidationError,
+    ),
+    C(
+        "packed transitions for a padded-only estimator",
+        lambda: compute_advantages(PackedTransitions(**packed()), "grpo"),
+        ("recipe.advantage (grpo)", "padded layout", "PackedTransitions"),
+    ),
+    C(
+        "advantages from a recipe without an advantage stage",
+        lambda: compute_advantages(batch(), recipe()),
+        ("no advantage stage",),
+    ),
+    C(
+        "an unchecked batch with misaligned tensors",
+        lambda: policy_loss(PolicyBatch.unchecked(**fields(old_logp=torch.zeros(B, T + 1))), "dapo"),
+        ("old_logp", "shape must align with logp", "got [2, 4]"),
+        BatchValidationError,
+    ),
+    C("a dict instead of a PolicyBatch", lambda: policy_loss(fields(), "dapo"), ("policy_loss", "PolicyBatch", "dict")),
+    C(
+        "a dict instead of a batch for advantages",
+        lambda: compute_advantages(fields(reward=torch.ones(B)), "grpo"),
+        ("compute_advantages", "PolicyBatch", "dict"),
+    ),
     # -- normaliser and reduction -----------------------------------------------------------------------------------
-    C("a normaliser smaller than the micro-batch", lambda: policy_loss(batch(), "dapo",
-                                                                       Normalizer(action_tokens=2, sequences=2)),
-      ("Normalizer", "smaller than this micro-batch", "action_tokens=5")),
-    C("a normaliser that is a dict", lambda: policy_loss(batch(), "dapo", {"action_tokens": 5, "sequences": 2}),
-      ("normalizer", "Normalizer", "dict")),
-    C("fixed reduction without a budget", lambda: policy_loss(batch(), recipe(reduction="fixed")),
-      ("reduction 'fixed'", "budget", "Normalizer(budget=")),
-    C("an unknown validate mode", lambda: policy_loss(batch(), "dapo", validate="partial"),
-      ("validate", "'full' or 'off'", "'partial'")),
-    C("reduce with a misaligned mask", lambda: lossplug.reduce(torch.zeros(B, T), torch.ones(B, T + 1, dtype=torch.bool),
-                                                               "dapo"),
-      ("reduce", "values", "[2, 3]", "action_mask", "[2, 4]")),
-    C("reduce with a float mask", lambda: lossplug.reduce(torch.zeros(B, T), torch.ones(B, T), "dapo"),
-      ("reduce", "action_mask", "bool", "torch.float32")),
-    C("a normaliser with zero tokens", lambda: Normalizer(action_tokens=0, sequences=1),
-      ("action_tokens", "greater than 0")),
-    C("a normaliser for all-masked micro-batches", lambda: Normalizer.for_masks([torch.zeros(B, T, dtype=torch.bool)]),
-      ("action_tokens", "no action")),
+    C(
+        "a normaliser smaller than the micro-batch",
+        lambda: policy_loss(batch(), "dapo", Normalizer(action_tokens=2, sequences=2)),
+        ("Normalizer", "smaller than this micro-batch", "action_tokens=5"),
+    ),
+    C(
+        "a normaliser that is a dict",
+        lambda: policy_loss(batch(), "dapo", {"action_tokens": 5, "sequences": 2}),
+        ("normalizer", "Normalizer", "dict"),
+    ),
+    C(
+        "fixed reduction without a budget",
+        lambda: policy_loss(batch(), recipe(reduction="fixed")),
+        ("reduction 'fixed'", "budget", "Normalizer(budget="),
+    ),
+    C(
+        "an unknown validate mode",
+        lambda: policy_loss(batch(), "dapo", validate="partial"),
+        ("validate", "'full' or 'off'", "'partial'"),
+    ),
+    C(
+        "reduce with a misaligned mask",
+        lambda: lossplug.reduce(torch.zeros(B, T), torch.ones(B, T + 1, dtype=torch.bool), "dapo"),
+        ("reduce", "values", "[2, 3]", "action_mask", "[2, 4]"),
+    ),
+    C(
+        "reduce with a float mask",
+        lambda: lossplug.reduce(torch.zeros(B, T), torch.ones(B, T), "dapo"),
+        ("reduce", "action_mask", "bool", "torch.float32"),
+    ),
+    C(
+        "a normaliser with zero tokens",
+        lambda: Normalizer(action_tokens=0, sequences=1),
+        ("action_tokens", "greater than 0"),
+    ),
+    C(
+        "a normaliser for all-masked micro-batches",
+        lambda: Normalizer.for_masks([torch.zeros(B, T, dtype=torch.bool)]),
+        ("action_tokens", "no action"),
+    ),
     # -- recipes ----------------------------------------------------------------------------------------------------
-    C("an unknown gate", lambda: Recipe.model_validate(recipe(gates=["ppo_clp"])),
-      ("recipe.gates[0]", "unknown gate plugin 'ppo_clp'", "did you mean 'ppo_clip'", "available:"), RecipeError),
-    C("an unknown advantage", lambda: Recipe.model_validate(recipe(advantage="gpro")),
-      ("recipe.advantage", "unknown advantage plugin 'gpro'", "did you mean 'grpo'"), RecipeError),
-    C("an unknown reduction", lambda: Recipe.model_validate(recipe(reduction="tokens")),
-      ("recipe.reduction", "unknown reduction plugin 'tokens'", "did you mean 'token'"), RecipeError),
-    C("an unknown parameter", lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip", "eps": 0.2}])),
-      ("recipe.gates[0] (ppo_clip)", "unknown parameter 'eps'", "allowed: eps_low, eps_high"), RecipeError),
-    C("a parameter of the wrong type", lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip",
-                                                                                    "eps_low": "abc"}])),
-      ("recipe.gates[0] (ppo_clip)", "parameter 'eps_low'", "valid number", "'abc'"), RecipeError),
-    C("epsilon = 0", lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip", "eps_low": 0}])),
-      ("recipe.gates[0] (ppo_clip)", "parameter 'eps_low'", "greater than 0", "got 0"), RecipeError),
-    C("epsilon < 0", lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip", "eps_high": -0.1}])),
-      ("parameter 'eps_high'", "greater than 0", "got -0.1"), RecipeError),
-    C("eps_low >= 1", lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip", "eps_low": 1.5}])),
-      ("parameter 'eps_low'", "less than 1", "got 1.5"), RecipeError),
-    C("dual-clip c <= 1", lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip", "dual_clip_c": 0.5}])),
-      ("parameter 'dual_clip_c'", "greater than 1"), RecipeError),
-    C("a negative budget", lambda: Recipe.model_validate(recipe(reduction={"name": "fixed", "budget": -1})),
-      ("recipe.reduction (fixed)", "parameter 'budget'", "greater than 0", "got -1"), RecipeError),
-    C("IcePop low > high", lambda: Recipe.model_validate(recipe(gates=["ppo_clip", {"name": "icepop", "low": 5,
-                                                                                  "high": 0.5}])),
-      ("recipe.gates[1] (icepop)", "low (5.0) must be below high (0.5)"), RecipeError),
-    C("an invalid choice", lambda: Recipe.model_validate(recipe(advantage={"name": "grpo", "scale": "grp"})),
-      ("recipe.advantage (grpo)", "parameter 'scale'", "'group'", "'grp'"), RecipeError),
-    C("no gates", lambda: Recipe.model_validate(recipe(gates=[])),
-      ("recipe.gates", "at least one gate"), RecipeError),
-    C("no reduction", lambda: Recipe.model_validate({"gates": ["ppo_clip"]}),
-      ("recipe.reduction", "required"), RecipeError),
-    C("a correction as the update gate", lambda: Recipe.model_validate(recipe(gates=["tis"])),
-      ("recipe.gates[0] (tis)", "first gate must be an update gate", "correction"), RecipeError),
-    C("an update gate as a correction", lambda: Recipe.model_validate(recipe(gates=["ppo_clip", "ppo_clip"])),
-      ("recipe.gates[1] (ppo_clip)", "detached corrections", "update gate"), RecipeError),
-    C("an unknown recipe key", lambda: Recipe.model_validate({"gate": "ppo_clip", "reduction": "token"}),
-      ("unknown key 'gate'", "did you mean 'gates'"), RecipeError),
-    C("an unknown preset", lambda: Recipe.preset("grop"),
-      ("unknown preset 'grop'", "did you mean 'grpo'"), RecipeError),
-    C("a stage without a name", lambda: Recipe.model_validate(recipe(gates=[{"eps_low": 0.2}])),
-      ("recipe.gates[0]", "needs a 'name'"), RecipeError),
-    C("parameters both flat and nested", lambda: Recipe.model_validate(recipe(gates=[
-        {"name": "ppo_clip", "eps_low": 0.1, "params": {"eps_high": 0.3}}])),
-      ("recipe.gates[0]", "either flat or under 'params'"), RecipeError),
-    C("a stage that is a number", lambda: Recipe.model_validate(recipe(gates=[3])),
-      ("recipe.gates[0]", "expected a plugin name or a mapping", "int"), RecipeError),
-    C("a recipe that is a list", lambda: Recipe.from_yaml("- ppo_clip\n- token\n"),
-      ("recipe", "expected a mapping", "list"), RecipeError),
-    C("invalid YAML", lambda: Recipe.from_yaml("gates: [ppo_clip\nreduction: token\n"),
-      ("recipe", "not valid YAML"), RecipeError),
+    C(
+        "an unknown gate",
+        lambda: Recipe.model_validate(recipe(gates=["ppo_clp"])),
+        ("recipe.gates[0]", "unknown gate plugin 'ppo_clp'", "did you mean 'ppo_clip'", "available:"),
+        RecipeError,
+    ),
+    C(
+        "an unknown advantage",
+        lambda: Recipe.model_validate(recipe(advantage="gpro")),
+        ("recipe.advantage", "unknown advantage plugin 'gpro'", "did you mean 'grpo'"),
+        RecipeError,
+    ),
+    C(
+        "an unknown reduction",
+        lambda: Recipe.model_validate(recipe(reduction="tokens")),
+        ("recipe.reduction", "unknown reduction plugin 'tokens'", "did you mean 'token'"),
+        RecipeError,
+    ),
+    C(
+        "an unknown parameter",
+        lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip", "eps": 0.2}])),
+        ("recipe.gates[0] (ppo_clip)", "unknown parameter 'eps'", "allowed: eps_low, eps_high"),
+        RecipeError,
+    ),
+    C(
+        "a parameter of the wrong type",
+        lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip", "eps_low": "abc"}])),
+        ("recipe.gates[0] (ppo_clip)", "parameter 'eps_low'", "valid number", "'abc'"),
+        RecipeError,
+    ),
+    C(
+        "epsilon = 0",
+        lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip", "eps_low": 0}])),
+        ("recipe.gates[0] (ppo_clip)", "parameter 'eps_low'", "greater than 0", "got 0"),
+        RecipeError,
+    ),
+    C(
+        "epsilon < 0",
+        lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip", "eps_high": -0.1}])),
+        ("parameter 'eps_high'", "greater than 0", "got -0.1"),
+        RecipeError,
+    ),
+    C(
+        "eps_low >= 1",
+        lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip", "eps_low": 1.5}])),
+        ("parameter 'eps_low'", "less than 1", "got 1.5"),
+        RecipeError,
+    ),
+    C(
+        "dual-clip c <= 1",
+        lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip", "dual_clip_c": 0.5}])),
+        ("parameter 'dual_clip_c'", "greater than 1"),
+        RecipeError,
+    ),
+    C(
+        "a negative budget",
+        lambda: Recipe.model_validate(recipe(reduction={"name": "fixed", "budget": -1})),
+        ("recipe.reduction (fixed)", "parameter 'budget'", "greater than 0", "got -1"),
+        RecipeError,
+    ),
+    C(
+        "IcePop low > high",
+        lambda: Recipe.model_validate(recipe(gates=["ppo_clip", {"name": "icepop", "low": 5, "high": 0.5}])),
+        ("recipe.gates[1] (icepop)", "low (5.0) must be below high (0.5)"),
+        RecipeError,
+    ),
+    C(
+        "an invalid choice",
+        lambda: Recipe.model_validate(recipe(advantage={"name": "grpo", "scale": "grp"})),
+        ("recipe.advantage (grpo)", "parameter 'scale'", "'group'", "'grp'"),
+        RecipeError,
+    ),
+    C("no gates", lambda: Recipe.model_validate(recipe(gates=[])), ("recipe.gates", "at least one gate"), RecipeError),
+    C(
+        "no reduction",
+        lambda: Recipe.model_validate({"gates": ["ppo_clip"]}),
+        ("recipe.reduction", "required"),
+        RecipeError,
+    ),
+    C(
+        "a correction as the update gate",
+        lambda: Recipe.model_validate(recipe(gates=["tis"])),
+        ("recipe.gates[0] (tis)", "first gate must be an update gate", "correction"),
+        RecipeError,
+    ),
+    C(
+        "an update gate as a correction",
+        lambda: Recipe.model_validate(recipe(gates=["ppo_clip", "ppo_clip"])),
+        ("recipe.gates[1] (ppo_clip)", "detached corrections", "update gate"),
+        RecipeError,
+    ),
+    C(
+        "an unknown recipe key",
+        lambda: Recipe.model_validate({"gate": "ppo_clip", "reduction": "token"}),
+        ("unknown key 'gate'", "did you mean 'gates'"),
+        RecipeError,
+    ),
+    C(
+        "an unknown preset",
+        lambda: Recipe.preset("grop"),
+        ("unknown preset 'grop'", "did you mean 'grpo'"),
+        RecipeError,
+    ),
+    C(
+        "a stage without a name",
+        lambda: Recipe.model_validate(recipe(gates=[{"eps_low": 0.2}])),
+        ("recipe.gates[0]", "needs a 'name'"),
+        RecipeError,
+    ),
+    C(
+        "parameters both flat and nested",
+        lambda: Recipe.model_validate(
+            recipe(gates=[{"name": "ppo_clip", "eps_low": 0.1, "params": {"eps_high": 0.3}}])
+        ),
+        ("recipe.gates[0]", "either flat or under 'params'"),
+        RecipeError,
+    ),
+    C(
+        "a stage that is a number",
+        lambda: Recipe.model_validate(recipe(gates=[3])),
+        ("recipe.gates[0]", "expected a plugin name or a mapping", "int"),
+        RecipeError,
+    ),
+    C(
+        "a recipe that is a list",
+        lambda: Recipe.from_yaml("- ppo_clip\n- token\n"),
+        ("recipe", "expected a mapping", "list"),
+        RecipeError,
+    ),
+    C(
+        "invalid YAML",
+        lambda: Recipe.from_yaml("gates: [ppo_clip\nreduction: token\n"),
+        ("recipe", "not valid YAML"),
+        RecipeError,
+    ),
     C("invalid JSON", lambda: Recipe.from_json('{"gates": ["ppo_clip"], '), ("recipe", "not valid JSON"), RecipeError),
-    C("a recipe file that does not exist", lambda: Recipe.from_file("/nonexistent/recipe.yaml"),
-      ("no such file", "/nonexistent/recipe.yaml"), RecipeError),
+    C(
+        "a recipe file that does not exist",
+        lambda: Recipe.from_file("/nonexistent/recipe.yaml"),
+        ("no such file", "/nonexistent/recipe.yaml"),
+        RecipeError,
+    ),
     C("a recipe that is a number", lambda: policy_loss(batch(), 42), ("cannot load a recipe from int",), RecipeError),
-    C("a recipe name that is not a string", lambda: Recipe.model_validate(recipe(name=5)),
-      ("recipe", "name", "5"), RecipeError),
-    C("stage params that are a list", lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip",
-                                                                                   "params": [1, 2]}])),
-      ("recipe.gates[0]", "params"), RecipeError),
-    C("stage params that are a string", lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip",
-                                                                                     "params": "eps_low=0.1"}])),
-      ("recipe.gates[0]", "params"), RecipeError),
-    C("gates that are a number", lambda: Recipe.model_validate(recipe(gates=5)),
-      ("recipe.gates", "int"), RecipeError),
-    C("a preset name that is a number", lambda: Recipe.model_validate({"preset": 5}),
-      ("preset", "5"), RecipeError),
+    C(
+        "a recipe name that is not a string",
+        lambda: Recipe.model_validate(recipe(name=5)),
+        ("recipe", "name", "5"),
+        RecipeError,
+    ),
+    C(
+        "stage params that are a list",
+        lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip", "params": [1, 2]}])),
+        ("recipe.gates[0]", "params"),
+        RecipeError,
+    ),
+    C(
+        "stage params that are a string",
+        lambda: Recipe.model_validate(recipe(gates=[{"name": "ppo_clip", "params": "eps_low=0.1"}])),
+        ("recipe.gates[0]", "params"),
+        RecipeError,
+    ),
+    C("gates that are a number", lambda: Recipe.model_validate(recipe(gates=5)), ("recipe.gates", "int"), RecipeError),
+    C("a preset name that is a number", lambda: Recipe.model_validate({"preset": 5}), ("preset", "5"), RecipeError),
     # -- plugins ----------------------------------------------------------------------------------------------------
-    C("a plugin name registered twice", _duplicates,
-      ("gate 'lpx_twice' is registered more than once", "in-process plugin 'first-package'",
-       "in-process plugin 'second-package'"), PluginError),
-    C("a gate that raises", with_plugin(_Registers(_raising_gate), "buggy-gates",
-                                        lambda: policy_loss(batch(), recipe(gates=["lpx_raising_gate"]))),
-      ("recipe.gates[0] (lpx_raising_gate", "in-process plugin 'buggy-gates'", "raised ZeroDivisionError",
-       "division by zero in my gate"), PluginError),
-    C("a gate with a per-response objective", with_plugin(_Registers(_shapeless_gate), "buggy-gates",
-                                                          lambda: policy_loss(batch(), recipe(
-                                                              gates=["lpx_shapeless_gate"]))),
-      ("recipe.gates[0] (lpx_shapeless_gate", "objective", "shape [2, 3]", "got shape [2]"), PluginError),
-    C("an update gate without an objective", with_plugin(_Registers(_no_objective_gate), "buggy-gates",
-                                                         lambda: policy_loss(batch(), recipe(
-                                                             gates=["lpx_no_objective_gate"]))),
-      ("recipe.gates[0] (lpx_no_objective_gate", "objective", "None"), PluginError),
-    C("a correction with a misshapen weight", with_plugin(_Registers(_bad_weight), "buggy-gates",
-                                                          lambda: policy_loss(batch(), recipe(
-                                                              gates=["ppo_clip", "lpx_bad_weight"]))),
-      ("recipe.gates[1] (lpx_bad_weight", "weight", "[3]", "[2] or [2, 3]"), PluginError),
-    C("an advantage estimator that raises", with_plugin(_Registers(_raising_adv), "buggy-adv",
-                                                        lambda: compute_advantages(batch(), recipe(
-                                                            advantage="lpx_raising_adv"))),
-      ("recipe.advantage (lpx_raising_adv", "in-process plugin 'buggy-adv'", "raised IndexError", "index 7"),
-      PluginError),
-    C("an advantage estimator that returns a list", with_plugin(_Registers(_list_adv), "buggy-adv",
-                                                                lambda: compute_advantages(batch(), recipe(
-                                                                    advantage="lpx_list_adv"))),
-      ("recipe.advantage (lpx_list_adv", "in-process plugin 'buggy-adv'"), PluginError),
-    C("a reduction that raises", with_plugin(_Registers(_raising_reduction), "buggy-red",
-                                             lambda: policy_loss(batch(), recipe(reduction="lpx_raising_reduction"))),
-      ("recipe.reduction (lpx_raising_reduction", "in-process plugin 'buggy-red'", "raised RuntimeError",
-       "mat1 and mat2"), PluginError),
-    C("a batch validator that raises", with_plugin(_RaisingValidator(), "strict-checks",
-                                                   lambda: policy_loss(batch(), "dapo")),
-      ("plugin 'strict-checks'", "lossplug_validate_batch", "raised KeyError", "group_size"), PluginError),
-    C("a batch validator that returns strings", with_plugin(_BadViolations(), "strict-checks",
-                                                            lambda: policy_loss(batch(), "dapo")),
-      ("plugin 'strict-checks'", "lossplug_validate_batch", "Violation", "str"), PluginError),
-    C("a batch validator that is a hook wrapper", with_plugin(_WrappingValidator(), "wrapping-checks",
-                                                              lambda: policy_loss(batch(), "dapo")),
-      ("in-process plugin 'wrapping-checks'", "lossplug_validate_batch", "hook wrappers"), PluginError),
-    C("a metrics hook that raises", with_plugin(_RaisingMetrics(), "fancy-metrics",
-                                                lambda: policy_loss(batch(), "dapo")),
-      ("plugin 'fancy-metrics'", "lossplug_extra_metrics", "raised _Boom", "metric backend unavailable"), PluginError),
-    C("a metrics hook that returns a list", with_plugin(_ListMetrics(), "fancy-metrics",
-                                                        lambda: policy_loss(batch(), "dapo")),
-      ("plugin 'fancy-metrics'", "lossplug_extra_metrics", "dict", "list"), PluginError),
+    C(
+        "a plugin name registered twice",
+        _duplicates,
+        (
+            "gate 'lpx_twice' is registered more than once",
+            "in-process plugin 'first-package'",
+            "in-process plugin 'second-package'",
+        ),
+        PluginError,
+    ),
+    C(
+        "a gate that raises",
+        with_plugin(
+            _Registers(_raising_gate), "buggy-gates", lambda: policy_loss(batch(), recipe(gates=["lpx_raising_gate"]))
+        ),
+        (
+            "recipe.gates[0] (lpx_raising_gate",
+            "in-process plugin 'buggy-gates'",
+            "raised ZeroDivisionError",
+            "division by zero in my gate",
+        ),
+        PluginError,
+    ),
+    C(
+        "a gate with a per-response objective",
+        with_plugin(
+            _Registers(_shapeless_gate),
+            "buggy-gates",
+            lambda: policy_loss(batch(), recipe(gates=["lpx_shapeless_gate"])),
+        ),
+        ("recipe.gates[0] (lpx_shapeless_gate", "objective", "shape [2, 3]", "got shape [2]"),
+        PluginError,
+    ),
+    C(
+        "an update gate without an objective",
+        with_plugin(
+            _Registers(_no_objective_gate),
+            "buggy-gates",
+            lambda: policy_loss(batch(), recipe(gates=["lpx_no_objective_gate"])),
+        ),
+        ("recipe.gates[0] (lpx_no_objective_gate", "objective", "None"),
+        PluginError,
+    ),
+    C(
+        "a correction with a misshapen weight",
+        with_plugin(
+            _Registers(_bad_weight),
+            "buggy-gates",
+            lambda: policy_loss(batch(), recipe(gates=["ppo_clip", "lpx_bad_weight"])),
+        ),
+        ("recipe.gates[1] (lpx_bad_weight", "weight", "[3]", "[2] or [2, 3]"),
+        PluginError,
+    ),
+    C(
+        "an advantage estimator that raises",
+        with_plugin(
+            _Registers(_raising_adv),
+            "buggy-adv",
+            lambda: compute_advantages(batch(), recipe(advantage="lpx_raising_adv")),
+        ),
+        ("recipe.advantage (lpx_raising_adv", "in-process plugin 'buggy-adv'", "raised IndexError", "index 7"),
+        PluginError,
+    ),
+    C(
+        "an advantage estimator that returns a list",
+        with_plugin(
+            _Registers(_list_adv), "buggy-adv", lambda: compute_advantages(batch(), recipe(advantage="lpx_list_adv"))
+        ),
+        ("recipe.advantage (lpx_list_adv", "in-process plugin 'buggy-adv'"),
+        PluginError,
+    ),
+    C(
+        "a reduction that raises",
+        with_plugin(
+            _Registers(_raising_reduction),
+            "buggy-red",
+            lambda: policy_loss(batch(), recipe(reduction="lpx_raising_reduction")),
+        ),
+        (
+            "recipe.reduction (lpx_raising_reduction",
+            "in-process plugin 'buggy-red'",
+            "raised RuntimeError",
+            "mat1 and mat2",
+        ),
+        PluginError,
+    ),
+    C(
+        "a batch validator that raises",
+        with_plugin(_RaisingValidator(), "strict-checks", lambda: policy_loss(batch(), "dapo")),
+        ("plugin 'strict-checks'", "lossplug_validate_batch", "raised KeyError", "group_size"),
+        PluginError,
+    ),
+    C(
+        "a batch validator that returns strings",
+        with_plugin(_BadViolations(), "strict-checks", lambda: policy_loss(batch(), "dapo")),
+        ("plugin 'strict-checks'", "lossplug_validate_batch", "Violation", "str"),
+        PluginError,
+    ),
+    C(
+        "a batch validator that is a hook wrapper",
+        with_plugin(_WrappingValidator(), "wrapping-checks", lambda: policy_loss(batch(), "dapo")),
+        ("in-process plugin 'wrapping-checks'", "lossplug_validate_batch", "hook wrappers"),
+        PluginError,
+    ),
+    C(
+        "a metrics hook that raises",
+        with_plugin(_RaisingMetrics(), "fancy-metrics", lambda: policy_loss(batch(), "dapo")),
+        ("plugin 'fancy-metrics'", "lossplug_extra_metrics", "raised _Boom", "metric backend unavailable"),
+        PluginError,
+    ),
+    C(
+        "a metrics hook that returns a list",
+        with_plugin(_ListMetrics(), "fancy-metrics", lambda: policy_loss(batch(), "dapo")),
+        ("plugin 'fancy-metrics'", "lossplug_extra_metrics", "dict", "list"),
+        PluginError,
+    ),
 ]
 
 
@@ -516,8 +918,9 @@ def test_bad_input_is_a_clear_lossplug_error(case: Case, contract_flag_path):
 
 def test_a_plugin_bug_keeps_the_original_exception_as_its_cause():
     # the author of the broken plugin still gets the full traceback, chained under the clear error
-    run = with_plugin(_Registers(_raising_gate), "buggy-gates",
-                      lambda: policy_loss(batch(), recipe(gates=["lpx_raising_gate"])))
+    run = with_plugin(
+        _Registers(_raising_gate), "buggy-gates", lambda: policy_loss(batch(), recipe(gates=["lpx_raising_gate"]))
+    )
     with pytest.raises(PluginError) as info:
         run()
     assert isinstance(info.value.__cause__, ZeroDivisionError)
@@ -530,7 +933,9 @@ def test_lossplug_errors_pass_through_plugins_unchanged():
         """Refuses."""
         raise BatchValidationError("PolicyBatch", [lossplug.Violation("reward", "my rule", "row [0]")])
 
-    run = with_plugin(_Registers(refusing), "refusing", lambda: policy_loss(batch(), recipe(gates=["lpx_refusing_gate"])))
+    run = with_plugin(
+        _Registers(refusing), "refusing", lambda: policy_loss(batch(), recipe(gates=["lpx_refusing_gate"]))
+    )
     with pytest.raises(BatchValidationError, match="reward: my rule — row \\[0\\]"):
         run()
 
@@ -619,8 +1024,14 @@ def test_the_validate_command_refuses_pickles_and_never_unpickles(tmp_path):
     good, files, sentinel = _bad_batch_files(tmp_path)
     runner = CliRunner()
     assert runner.invoke(app, ["validate", str(good)]).exit_code == 0
-    for name in ("batch.pkl", "batch.pt", "disguised-pt.safetensors", "payload-p2.safetensors", "payload-p0",
-                 "truncated.safetensors"):
+    for name in (
+        "batch.pkl",
+        "batch.pt",
+        "disguised-pt.safetensors",
+        "payload-p2.safetensors",
+        "payload-p0",
+        "truncated.safetensors",
+    ):
         result = runner.invoke(app, ["validate", str(files[name])])
         assert result.exit_code == 2, (name, result.output)
         assert result.exception is None or isinstance(result.exception, SystemExit), (name, result.exception)
@@ -630,22 +1041,42 @@ def test_the_validate_command_refuses_pickles_and_never_unpickles(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # Fuzz: random shapes, dtypes and values never escape as anything but a LossplugError
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8,
-          torch.bool, torch.complex64]
+DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 SPECIAL = [NAN, INF, -INF, 5.0, 1e6, -1e6]
 ALIENS = [3, [1.0, 2.0], "logp", np.zeros(2)]
 
 SHAPES = {
-    "logp": "BT", "action_mask": "BT", "old_logp": "BT", "behavior_logp": "BT", "ref_logp": "BT", "value": "BT",
-    "advantage": "B", "reward": "B", "group_id": "B", "trajectory_id": "B", "terminated": "B", "final_value": "B",
+    "logp": "BT",
+    "action_mask": "BT",
+    "old_logp": "BT",
+    "behavior_logp": "BT",
+    "ref_logp": "BT",
+    "value": "BT",
+    "advantage": "B",
+    "reward": "B",
+    "group_id": "B",
+    "trajectory_id": "B",
+    "terminated": "B",
+    "final_value": "B",
 }
 
 
 def _floats(draw, shape, lo, hi):
     n = math.prod(shape)
-    return torch.tensor(draw(st.lists(st.floats(lo, hi, allow_nan=False), min_size=n, max_size=n)),
-                        dtype=torch.float64).reshape(shape)
+    return torch.tensor(
+        draw(st.lists(st.floats(lo, hi, allow_nan=False), min_size=n, max_size=n)), dtype=torch.float64
+    ).reshape(shape)
 
 
 @st.composite
@@ -655,8 +1086,9 @@ def random_tensor(draw, shape=None):
         shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
     dtype = draw(st.sampled_from(DTYPES))
     n = math.prod(shape)
-    t = torch.tensor(draw(st.lists(st.sampled_from([0.0, -1.0, 2.5, *SPECIAL]), min_size=n, max_size=n)),
-                     dtype=torch.float64).reshape(shape)
+    t = torch.tensor(
+        draw(st.lists(st.sampled_from([0.0, -1.0, 2.5, *SPECIAL]), min_size=n, max_size=n)), dtype=torch.float64
+    ).reshape(shape)
     if dtype == torch.bool:
         return t > 0
     if not dtype.is_floating_point and not dtype.is_complex:
@@ -681,8 +1113,11 @@ def _mutate(draw, out: dict, shapes: dict[str, str], dims: dict[str, tuple]) -> 
     elif isinstance(t, torch.Tensor) and t.numel() and kind == "value":
         flat = t.clone().reshape(-1)
         i = draw(st.integers(0, flat.numel() - 1))
-        flat[i] = draw(st.sampled_from(SPECIAL)) if t.is_floating_point() else (not bool(flat[i])
-                                                                               if t.dtype == torch.bool else -1)
+        flat[i] = (
+            draw(st.sampled_from(SPECIAL))
+            if t.is_floating_point()
+            else (not bool(flat[i]) if t.dtype == torch.bool else -1)
+        )
         out[name] = flat.reshape(t.shape)
     elif isinstance(t, torch.Tensor) and t.ndim == 2 and t.dtype == torch.bool and kind == "empty_row":
         t = t.clone()
@@ -727,9 +1162,13 @@ def packed_batches(draw):
     boundary = torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
     boundary[-1] = True
     terminated = boundary & torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
-    out = {"reward": _floats(draw, (n,), -100, 100), "value": _floats(draw, (n,), -100, 100),
-           "next_value": torch.where(terminated, NAN, _floats(draw, (n,), -100, 100)),
-           "terminated": terminated, "boundary": boundary}
+    out = {
+        "reward": _floats(draw, (n,), -100, 100),
+        "value": _floats(draw, (n,), -100, 100),
+        "next_value": torch.where(terminated, NAN, _floats(draw, (n,), -100, 100)),
+        "terminated": terminated,
+        "boundary": boundary,
+    }
     if draw(st.booleans()):
         out["trajectory_id"] = torch.cat([torch.zeros(1, dtype=torch.long), boundary[:-1].long()]).cumsum(0)
     shapes = {k: "N" for k in ("reward", "value", "next_value", "terminated", "boundary", "trajectory_id")}
@@ -743,7 +1182,7 @@ def _expect_clean(action: Callable[[], Any]) -> Any:
         return action()
     except LossplugError:
         return None
-    except Exception as err:  # noqa: BLE001 — the point of the test
+    except Exception as err:
         pytest.fail(f"unexpected {type(err).__module__}.{type(err).__name__}: {err}")
 
 
@@ -781,17 +1220,27 @@ def test_fuzz_packed_validation_never_escapes(raw):
             assert torch.isfinite(adv).all()
 
 
-@given(st.dictionaries(st.sampled_from(["advantage", "gates", "reduction", "name", "preset", "gate", "params"]),
-                       st.one_of(st.none(), st.integers(-2, 2), st.floats(allow_nan=True), st.text(max_size=6),
-                                 st.sampled_from(["ppo_clip", "tis", "token", "fixed", "grpo", "dapo"]),
-                                 st.lists(st.sampled_from(["ppo_clip", "tis", "icepop", 3, None]), max_size=3),
-                                 st.dictionaries(st.sampled_from(["name", "eps_low", "budget", "params"]),
-                                                 st.one_of(st.floats(), st.text(max_size=4), st.integers()),
-                                                 max_size=3)),
-                       max_size=4))
+@given(
+    st.dictionaries(
+        st.sampled_from(["advantage", "gates", "reduction", "name", "preset", "gate", "params"]),
+        st.one_of(
+            st.none(),
+            st.integers(-2, 2),
+            st.floats(allow_nan=True),
+            st.text(max_size=6),
+            st.sampled_from(["ppo_clip", "tis", "token", "fixed", "grpo", "dapo"]),
+            st.lists(st.sampled_from(["ppo_clip", "tis", "icepop", 3, None]), max_size=3),
+            st.dictionaries(
+                st.sampled_from(["name", "eps_low", "budget", "params"]),
+                st.one_of(st.floats(), st.text(max_size=4), st.integers()),
+                max_size=3,
+            ),
+        ),
+        max_size=4,
+    )
+)
 def test_fuzz_recipe_validation_never_escapes(raw):
     try:
         Recipe.model_validate(raw)
     except LossplugError:
         pass
-

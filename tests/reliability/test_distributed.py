@@ -37,14 +37,26 @@ def run(tmp_path_factory):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     out = tmp_path_factory.mktemp("dist")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore"}
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--world", str(WORLD), "--out", str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(WORLD)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "--rank", str(r), "--world", str(WORLD), "--out", str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
     logs = []
     try:
         for p in procs:
@@ -55,8 +67,9 @@ def run(tmp_path_factory):
                 p.kill()
     wall = time.perf_counter() - start
     codes = [p.returncode for p in procs]
-    assert codes == [0] * WORLD, "a rank failed:\n" + "\n".join(f"--- rank {r} (exit {c})\n{log[-3000:]}"
-                                                                 for r, (c, log) in enumerate(zip(codes, logs)))
+    assert codes == [0] * WORLD, "a rank failed:\n" + "\n".join(
+        f"--- rank {r} (exit {c})\n{log[-3000:]}" for r, (c, log) in enumerate(zip(codes, logs))
+    )
     result = json.loads((out / "result.json").read_text())
     result["wall"] = wall
     print(f"\ndistributed run: {wall:.1f} s wall; rank 0: {result['seconds']}")

@@ -7,7 +7,6 @@ The plugin lists are read from the registry at collection time, so plugins added
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ BUDGET = 8
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
-def make_recipe(gates: list[str], reduction: str, advantage: Optional[str] = None) -> Recipe:
+def make_recipe(gates: list[str], reduction: str, advantage: str | None = None) -> Recipe:
     red = {"name": reduction, "budget": BUDGET} if reduction == "fixed" else reduction
     try:
         return Recipe.model_validate({"advantage": advantage, "gates": gates, "reduction": red})
@@ -53,8 +52,11 @@ def extreme_fields(*, log_ratio: float, adv: float, single_token: bool, dtype: t
     logp = old + sign * log_ratio
     behavior = old - sign * log_ratio
     return dict(
-        logp=logp.to(dtype).requires_grad_(), old_logp=old.to(dtype), behavior_logp=behavior.to(dtype),
-        ref_logp=(old - 0.5).to(dtype), action_mask=mask,
+        logp=logp.to(dtype).requires_grad_(),
+        old_logp=old.to(dtype),
+        behavior_logp=behavior.to(dtype),
+        ref_logp=(old - 0.5).to(dtype),
+        action_mask=mask,
         advantage=torch.tensor([adv, -adv, adv, -adv], dtype=torch.float64).to(torch.float32),
     )
 
@@ -159,10 +161,17 @@ def advantage_batch(rewards: list[float], single_token: bool) -> PolicyBatch:
         mask[:] = False
         mask[:, -1] = True
     return PolicyBatch(
-        logp=torch.full((B, T), -1.0), old_logp=torch.full((B, T), -1.0), ref_logp=torch.full((B, T), -1.2),
-        action_mask=mask, reward=torch.tensor(rewards), value=torch.full((B, T), 0.5),
-        group_id=torch.tensor([3, 7, 3, 7, 3, 7]), trajectory_id=torch.arange(B),
-        terminated=torch.tensor([True, True, True, False, True, False]), final_value=torch.full((B,), 0.25))
+        logp=torch.full((B, T), -1.0),
+        old_logp=torch.full((B, T), -1.0),
+        ref_logp=torch.full((B, T), -1.2),
+        action_mask=mask,
+        reward=torch.tensor(rewards),
+        value=torch.full((B, T), 0.5),
+        group_id=torch.tensor([3, 7, 3, 7, 3, 7]),
+        trajectory_id=torch.arange(B),
+        terminated=torch.tensor([True, True, True, False, True, False]),
+        final_value=torch.full((B,), 0.25),
+    )
 
 
 @pytest.mark.parametrize("advantage", ADVANTAGES)
@@ -191,7 +200,9 @@ def _default_needs(name: str) -> set[str]:
         return {"?"}
 
 
-GROUP_ADVANTAGES = [a for a in ADVANTAGES if "group_id" in _default_needs(a) and _default_needs(a) <= {"reward", "group_id"}]
+GROUP_ADVANTAGES = [
+    a for a in ADVANTAGES if "group_id" in _default_needs(a) and _default_needs(a) <= {"reward", "group_id"}
+]
 
 
 @pytest.mark.parametrize("advantage", GROUP_ADVANTAGES)
@@ -207,9 +218,13 @@ def test_group_advantages_are_exactly_zero_for_groups_of_equal_rewards(advantage
 def test_packed_advantages_are_finite_on_extreme_rewards(advantage):
     recipe = make_recipe(["reinforce"], "token", advantage)
     for rewards in ([0.0] * 5, [1e6, -1e6, 0.0, 1e6, -1e6], [1e-30] * 5):
-        batch = PackedTransitions(reward=torch.tensor(rewards), value=torch.zeros(5), next_value=torch.zeros(5),
-                                  terminated=torch.tensor([False, False, True, False, False]),
-                                  boundary=torch.tensor([False, False, True, True, True]))
+        batch = PackedTransitions(
+            reward=torch.tensor(rewards),
+            value=torch.zeros(5),
+            next_value=torch.zeros(5),
+            terminated=torch.tensor([False, False, True, False, False]),
+            boundary=torch.tensor([False, False, True, True, True]),
+        )
         result = lossplug.estimate_advantages(batch, recipe)
         assert torch.isfinite(result.advantage).all(), (rewards, result.advantage)
         assert result.returns is None or torch.isfinite(result.returns).all()
@@ -224,8 +239,9 @@ def test_loss_and_gradient_are_bitwise_deterministic(reduction):
     for gate in UPDATE_GATES:
         for correction in [None, *CORRECTIONS]:
             gates = [gate] + ([correction] if correction else [])
-            runs = [_run_case(gates, reduction, torch.float32, log_ratio=0.3, adv=1.3, single_token=False)
-                    for _ in range(2)]
+            runs = [
+                _run_case(gates, reduction, torch.float32, log_ratio=0.3, adv=1.3, single_token=False) for _ in range(2)
+            ]
             (r1, g1), (r2, g2) = runs
             assert torch.equal(r1.loss, r2.loss), gates
             assert torch.equal(g1, g2), gates

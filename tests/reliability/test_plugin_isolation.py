@@ -58,7 +58,6 @@ def lossplug_extra_metrics(batch, objective, recipe):
 """
 
 
-
 def rebuild(monkeypatch=None, **env):
     for key, value in env.items():
         if value is None:
@@ -72,9 +71,12 @@ def rebuild(monkeypatch=None, **env):
 
 
 def batch():
-    return PolicyBatch(logp=torch.full((2, 3), -1.0, requires_grad=True), old_logp=torch.full((2, 3), -1.0),
-                       action_mask=torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool),
-                       advantage=torch.tensor([1.0, -1.0]))
+    return PolicyBatch(
+        logp=torch.full((2, 3), -1.0, requires_grad=True),
+        old_logp=torch.full((2, 3), -1.0),
+        action_mask=torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool),
+        advantage=torch.tensor([1.0, -1.0]),
+    )
 
 
 def gates():
@@ -105,8 +107,10 @@ def test_a_validator_that_raises_names_its_entry_point_and_distribution_and_the_
 def test_a_metrics_hook_that_raises_names_its_distribution_and_metrics_off_skips_it(site):
     site.add("lpy-metrics", "lpy_metrics", RAISING_METRICS)
     rebuild()
-    with pytest.raises(PluginError, match="distribution 'lpy-metrics 0.1'.*lossplug_extra_metrics raised "
-                                          "RuntimeError: metrics server unreachable"):
+    with pytest.raises(
+        PluginError,
+        match="distribution 'lpy-metrics 0.1'.*lossplug_extra_metrics raised RuntimeError: metrics server unreachable",
+    ):
         lossplug.policy_loss(batch(), "dapo")
     result = lossplug.policy_loss(batch(), "dapo", metrics=False)  # metric hooks only run when metrics are asked for
     assert torch.isfinite(result.loss)
@@ -134,8 +138,9 @@ def test_a_broken_distribution_does_not_take_down_a_working_one(site):
     for preset in ("dapo", "grpo", "dr_grpo"):  # every built-in recipe is unaffected
         Recipe.preset(preset)
     # the broken one is named wherever its absence shows
-    with pytest.raises(RecipeError, match="failed to load: entry point 'lpy_broken = lpy_broken' of distribution "
-                                          "'lpy-broken 0.1'"):
+    with pytest.raises(
+        RecipeError, match="failed to load: entry point 'lpy_broken = lpy_broken' of distribution 'lpy-broken 0.1'"
+    ):
         Recipe.model_validate({"gates": ["lpy_missing_gate"], "reduction": "token"})
     assert any("lpy-broken" in str(b) for b in lossplug.registry().broken)
 
@@ -144,8 +149,19 @@ def test_a_broken_distribution_does_not_take_down_a_working_one(site):
 # LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD and LOSSPLUG_PLUGINS
 
 
-@pytest.mark.parametrize("value,disabled", [("1", True), ("true", True), ("TRUE", True), ("yes", True),
-                                            (" 1 ", True), ("0", False), ("", False), ("no", False)])
+@pytest.mark.parametrize(
+    "value,disabled",
+    [
+        ("1", True),
+        ("true", True),
+        ("TRUE", True),
+        ("yes", True),
+        (" 1 ", True),
+        ("0", False),
+        ("", False),
+        ("no", False),
+    ],
+)
 def test_disable_autoload_values(site, monkeypatch, value, disabled):
     site.add("lpy-gates", "lpy_gates", GATE.format(gate="lpy_gate"))
     rebuild(monkeypatch, LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD=value)
@@ -205,16 +221,23 @@ def test_an_excluded_broken_distribution_is_never_imported(site, monkeypatch):
 
 
 def test_a_hook_name_typo_is_reported(site):
-    site.add("lpy-typo", "lpy_typo", """
+    site.add(
+        "lpy-typo",
+        "lpy_typo",
+        """
 import lossplug
 
 @lossplug.hookimpl
 def lossplug_register_gate(register):
     pass
-""")
+""",
+    )
     lossplug.plugin_registry.reset()
-    with pytest.warns(LossplugPluginWarning, match="lpy-typo 0.1': implements unknown hook\\(s\\) "
-                                                   "'lossplug_register_gate' \\(did you mean 'lossplug_register_gates'\\?\\)"):
+    with pytest.warns(
+        LossplugPluginWarning,
+        match="lpy-typo 0.1': implements unknown hook\\(s\\) "
+        "'lossplug_register_gate' \\(did you mean 'lossplug_register_gates'\\?\\)",
+    ):
         lossplug.registry()
 
 

@@ -24,8 +24,11 @@ def builtin_cases():
             if reg.origin(kind, name) != BUILTIN_SOURCE:
                 continue  # third-party plugins installed in this environment are their authors' business
             for check in checks_for(name, kind=kind):
-                marks = [pytest.mark.xfail(reason=KNOWN[(kind, name, check)], strict=True)] \
-                    if (kind, name, check) in KNOWN else []
+                marks = (
+                    [pytest.mark.xfail(reason=KNOWN[(kind, name, check)], strict=True)]
+                    if (kind, name, check) in KNOWN
+                    else []
+                )
                 cases.append(pytest.param(kind, name, check, id=f"{kind}-{name}-{check}", marks=marks))
     return cases
 
@@ -43,11 +46,14 @@ def test_every_kind_is_covered_and_each_check_applies_somewhere():
         assert check.kinds and check.summary
 
 
-@pytest.mark.parametrize("name,params", [
-    ("ppo_clip", {"dual_clip_c": 3.0, "eps_high": 0.28}),
-    ("cispo", {"eps_low": None, "eps_high": None, "ratio_max": 5.0, "log_ratio_clamp": None}),  # TRL's cispo
-    ("icepop_seq", {"ratio": "geometric"}),
-])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("ppo_clip", {"dual_clip_c": 3.0, "eps_high": 0.28}),
+        ("cispo", {"eps_low": None, "eps_high": None, "ratio_max": 5.0, "log_ratio_clamp": None}),  # TRL's cispo
+        ("icepop_seq", {"ratio": "geometric"}),
+    ],
+)
 def test_non_default_parameters_conform_too(name, params):
     assert_conforms(name, kind="gate", params=params)
 

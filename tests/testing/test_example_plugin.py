@@ -32,8 +32,10 @@ def installed(tmp_path_factory):
     try:
         env = install_isolated(EXAMPLE, target)
     except RuntimeError as err:
-        pytest.fail(f"could not pip-install the example plugin into a temporary directory (this needs setuptools "
-                    f"in the test interpreter); install it instead with `pip install -e {EXAMPLE}`:\n{err}")
+        pytest.fail(
+            f"could not pip-install the example plugin into a temporary directory (this needs setuptools "
+            f"in the test interpreter); install it instead with `pip install -e {EXAMPLE}`:\n{err}"
+        )
     return target, env, time.perf_counter() - start
 
 
@@ -84,9 +86,12 @@ def test_it_passes_the_conformance_kit_and_runs_in_a_recipe(on_path):
     assert report.source.endswith(f"of distribution '{DIST}'")
     import torch
 
-    batch = lossplug.PolicyBatch(logp=torch.tensor([[-1.0, -0.2]], requires_grad=True),
-                                 old_logp=torch.tensor([[-1.0, -1.2]]), action_mask=torch.ones(1, 2, dtype=torch.bool),
-                                 advantage=torch.tensor([1.0]))
+    batch = lossplug.PolicyBatch(
+        logp=torch.tensor([[-1.0, -0.2]], requires_grad=True),
+        old_logp=torch.tensor([[-1.0, -1.2]]),
+        action_mask=torch.ones(1, 2, dtype=torch.bool),
+        advantage=torch.tensor([1.0]),
+    )
     result = lossplug.policy_loss(batch, {"gates": [{"name": "tanh_clip", "eps_high": 0.2}], "reduction": "token"})
     (grad,) = torch.autograd.grad(result.loss, batch.logp)
     # token 0 at ratio 1: the policy gradient A; token 1 at ratio e ≈ 2.7: damped smoothly, not cut to 0
@@ -100,21 +105,43 @@ def test_a_fresh_process_finds_it_through_pytest_and_the_entry_point(installed, 
     marker, in a new interpreter that knows the example only through its installed metadata."""
     _, env, _ = installed
     (tmp_path / "test_author.py").write_text((EXAMPLE / "tests" / "test_conformance.py").read_text())
-    (tmp_path / "test_marker.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_marker.py").write_text(
+        textwrap.dedent("""
         import pytest
 
         @pytest.mark.lossplug_conformance("tanh_clip", params={"eps_low": 0.1}, skip={"docstring": "demo"})
         def test_marked(lossplug_check):
             lossplug_check()
-    """))
+    """)
+    )
     env = {**env, "PYTEST_ADDOPTS": "", "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD", None)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           "--lossplug-conformance", "tanh_clip,no_such_gate", "-rfs", "test_author.py",
-                           "test_marker.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            "--lossplug-conformance",
+            "tanh_clip,no_such_gate",
+            "-rfs",
+            "test_author.py",
+            "test_marker.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert "unrecognized arguments: --lossplug-conformance" not in out, (
-        "lossplug's pytest11 entry point is not installed: reinstall lossplug (pip install -e .)\n" + out)
+        "lossplug's pytest11 entry point is not installed: reinstall lossplug (pip install -e .)\n" + out
+    )
     from lossplug.testing.kit import CHECKS
 
     n = sum("gate" in c.kinds for c in CHECKS.values())  # checks that apply to a gate
@@ -132,11 +159,10 @@ def _code(text: str) -> list[str]:
 
     tree = ast.parse(text)
     if ast.get_docstring(tree):
-        text = "\n".join(text.splitlines()[tree.body[0].end_lineno:])
+        text = "\n".join(text.splitlines()[tree.body[0].end_lineno :])
     out = []
     for line in text.splitlines():
-        tokens = [t for t in tokenize.generate_tokens(io.StringIO(line + "\n").readline)
-                  if t.type == tokenize.COMMENT]
+        tokens = [t for t in tokenize.generate_tokens(io.StringIO(line + "\n").readline) if t.type == tokenize.COMMENT]
         if tokens:
             line = line[: tokens[0].start[1]]
         if line.strip():
@@ -149,7 +175,7 @@ def test_the_readme_shows_the_real_plugin_in_30_lines_and_it_conforms():
     section = readme.split("## Write a gate plugin in 30 lines", 1)[1].split("\n## ", 1)[0]
     block = section.split("```python\n", 1)[1].split("```", 1)[0]
     source = (EXAMPLE / "lossplug_example_plugin" / "__init__.py").read_text()
-    assert [l.strip() for l in _code(block)] == [l.strip() for l in _code(source) if l.strip()]
+    assert [row.strip() for row in _code(block)] == [row.strip() for row in _code(source) if row.strip()]
     assert len(_code(block)) <= 30
     namespace: dict = {}
     exec(compile(block, "README.md", "exec"), namespace)

@@ -20,7 +20,6 @@ registry loads it from the entry point, and that the code that ran is the instal
 from __future__ import annotations
 
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -41,11 +40,24 @@ ORIGIN = f"entry point 'tanh_clip = lossplug_example_plugin' of distribution '{D
 pytestmark = pytest.mark.slow
 
 #: environment variables that would change which plugins load (theirs, verl's), or make the child slow / online
-_DROP = ("LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD", "LOSSPLUG_PLUGINS", "VERL_USE_EXTERNAL_PLUGINS",
-         "VERL_USE_EXTERNAL_MODULES", "PYTEST_ADDOPTS")
-_SET = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled", "TRL_EXPERIMENTAL_SILENCE": "1"}
+_DROP = (
+    "LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD",
+    "LOSSPLUG_PLUGINS",
+    "VERL_USE_EXTERNAL_PLUGINS",
+    "VERL_USE_EXTERNAL_MODULES",
+    "PYTEST_ADDOPTS",
+)
+_SET = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "WANDB_MODE": "disabled",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+}
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +78,15 @@ def run_child(code: str, env: dict, cwd: Path, *args: str, timeout: float = 240)
     """Run ``code`` in a fresh interpreter; return the JSON it printed after ``RESULT``, plus its CPU seconds."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, (f"child failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                                            f"{proc.stderr[-6000:]}")
-    out = json.loads(lines[-1][len("RESULT"):])
+    assert proc.returncode == 0 and lines, (
+        f"child failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    )
+    out = json.loads(lines[-1][len("RESULT") :])
     out["_cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     out["_wall_s"] = time.perf_counter() - start
     return out

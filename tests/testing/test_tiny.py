@@ -15,8 +15,10 @@ from lossplug.testing import tiny
 
 
 def test_importing_the_kit_or_the_tiny_helpers_imports_no_trainer_and_no_torch():
-    code = ("import sys, lossplug.testing, lossplug.testing.tiny; "
-            "print([m for m in ('torch', 'transformers', 'tokenizers', 'datasets', 'trl') if m in sys.modules])")
+    code = (
+        "import sys, lossplug.testing, lossplug.testing.tiny; "
+        "print([m for m in ('torch', 'transformers', 'tokenizers', 'datasets', 'trl') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
     assert lossplug.testing.tiny is tiny and "tiny" in lossplug.testing.__all__
@@ -45,7 +47,7 @@ def docstring_example() -> str:
     """The indented block after "A plugin author's test" in the module docstring."""
     doc = tiny.__doc__
     start = doc.index("A plugin author's test")
-    block = doc[doc.index("::\n", start) + 3:]
+    block = doc[doc.index("::\n", start) + 3 :]
     lines = []
     for line in block.splitlines():
         if line and not line.startswith("    "):
@@ -70,8 +72,14 @@ def test_the_module_docstring_example_runs_a_third_party_gate_inside_grpo_traine
 def test_tiny_grpo_trainer_runs_a_recipe_with_gradient_accumulation(tmp_path):
     pytest.importorskip("trl")
     rollout = tiny.TinyRollout(tiny.tiny_tokenizer())
-    trainer = tiny.tiny_grpo_trainer("dapo", tmp_path, max_steps=2, gradient_accumulation_steps=2, metrics="full",
-                                     trainer_kwargs={"rollout_func": rollout})
+    trainer = tiny.tiny_grpo_trainer(
+        "dapo",
+        tmp_path,
+        max_steps=2,
+        gradient_accumulation_steps=2,
+        metrics="full",
+        trainer_kwargs={"rollout_func": rollout},
+    )
     assert trainer.args.max_steps == 2 and trainer.args.gradient_accumulation_steps == 2
     trainer.train()
     logs = [row for row in trainer.state.log_history if "loss" in row]

@@ -8,8 +8,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lossplug import LossplugError
-from lossplug.tools.diagnostics import (RatioGuardWarning, approx_kl, entropy_from_logits, masked_mean_var,
-                                          policy_clip_fraction, policy_kl, ppo_diagnostics, ratio_guard)
+from lossplug.tools.diagnostics import (
+    RatioGuardWarning,
+    approx_kl,
+    entropy_from_logits,
+    masked_mean_var,
+    policy_clip_fraction,
+    policy_kl,
+    ppo_diagnostics,
+    ratio_guard,
+)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # seed 003's loss(), verbatim apart from the config object (TRL's helpers inlined)
@@ -22,7 +30,7 @@ def _masked_mean(values, mask):
 def _masked_var(values, mask, unbiased=True):
     mean = _masked_mean(values, mask)
     centered_values = values - mean
-    variance = _masked_mean(centered_values ** 2, mask)
+    variance = _masked_mean(centered_values**2, mask)
     if unbiased:
         mask_sum = mask.sum()
         bessel_correction = mask_sum / (mask_sum - 1)
@@ -35,8 +43,20 @@ def _entropy_from_logits(logits):
     return torch.logsumexp(logits, axis=-1) - torch.sum(pd * logits, axis=-1)
 
 
-def _seed_loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, cliprange_value=0.2,
-               cliprange=0.2, vf_coef=0.1, ratio_threshold=10.0):
+def _seed_loss(
+    old_logprobs,
+    values,
+    logits,
+    vpreds,
+    logprobs,
+    mask,
+    advantages,
+    returns,
+    cliprange_value=0.2,
+    cliprange=0.2,
+    vf_coef=0.1,
+    ratio_threshold=10.0,
+):
     vpredclipped = torch.max(torch.min(vpreds, values + cliprange_value), values - cliprange_value)
     vf_losses1 = (vpreds - returns) ** 2
     vf_losses2 = (vpredclipped - returns) ** 2
@@ -57,11 +77,18 @@ def _seed_loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages,
     return_mean, return_var = _masked_mean(returns, mask), _masked_var(returns, mask)
     value_mean, value_var = _masked_mean(values, mask), _masked_var(values, mask)
     stats = {
-        "policy/entropy": entropy, "policy/approx_kl": approxkl, "policy/policy_kl": policykl,
-        "policy/clip_frac": pg_clipfrac, "policy/advantages_mean": _masked_mean(advantages, mask),
-        "returns/mean": return_mean, "returns/var": return_var,
-        "value/vpred_mean": _masked_mean(vpreds, mask), "value/error": _masked_mean((vpreds - returns) ** 2, mask),
-        "value/clip_frac": vf_clipfrac, "value/mean": value_mean, "value/var": value_var,
+        "policy/entropy": entropy,
+        "policy/approx_kl": approxkl,
+        "policy/policy_kl": policykl,
+        "policy/clip_frac": pg_clipfrac,
+        "policy/advantages_mean": _masked_mean(advantages, mask),
+        "returns/mean": return_mean,
+        "returns/var": return_var,
+        "value/vpred_mean": _masked_mean(vpreds, mask),
+        "value/error": _masked_mean((vpreds - returns) ** 2, mask),
+        "value/clip_frac": vf_clipfrac,
+        "value/mean": value_mean,
+        "value/var": value_var,
     }
     return pg_loss, vf_loss, loss, {k: v.detach() for k, v in stats.items()}
 
@@ -84,10 +111,21 @@ def _epoch_batch(B=4, T=6, V=11, seed=0, drift=0.3):
 @pytest.mark.parametrize("seed", range(3))
 def test_matches_seed_statistics(seed):
     b = _epoch_batch(seed=seed)
-    *_, stats = _seed_loss(b["old"], b["values"], b["logits"], b["vpreds"], b["logp"], b["mask"].double(), b["adv"],
-                           b["returns"])
-    ours = ppo_diagnostics(b["logp"], b["old"], b["mask"], advantages=b["adv"], eps_low=0.2, logits=b["logits"],
-                           values=b["vpreds"], old_values=b["values"], returns=b["returns"], value_clip_eps=0.2)
+    *_, stats = _seed_loss(
+        b["old"], b["values"], b["logits"], b["vpreds"], b["logp"], b["mask"].double(), b["adv"], b["returns"]
+    )
+    ours = ppo_diagnostics(
+        b["logp"],
+        b["old"],
+        b["mask"],
+        advantages=b["adv"],
+        eps_low=0.2,
+        logits=b["logits"],
+        values=b["vpreds"],
+        old_values=b["values"],
+        returns=b["returns"],
+        value_clip_eps=0.2,
+    )
     assert set(stats) <= set(ours)
     for key, expected in stats.items():
         torch.testing.assert_close(ours[key], expected.to(ours[key].dtype), msg=key)
@@ -112,8 +150,10 @@ def test_precomputed_entropy_equals_logits_path_and_nothing_has_grad():
 def test_sequence_level_advantages_broadcast():
     b = _epoch_batch(seed=5)
     seq_adv = torch.randn(4, dtype=torch.float64)
-    torch.testing.assert_close(policy_clip_fraction(b["logp"], b["old"], seq_adv, b["mask"]),
-                               policy_clip_fraction(b["logp"], b["old"], seq_adv[:, None].expand(4, 6), b["mask"]))
+    torch.testing.assert_close(
+        policy_clip_fraction(b["logp"], b["old"], seq_adv, b["mask"]),
+        policy_clip_fraction(b["logp"], b["old"], seq_adv[:, None].expand(4, 6), b["mask"]),
+    )
 
 
 @given(st.integers(0, 10_000), st.sampled_from([1, 2, 5, 1000]))
@@ -154,7 +194,9 @@ def test_masked_mean_var_is_unbiased_and_refuses_one_token():
     torch.testing.assert_close(var, x[mask].var(unbiased=True))
     with pytest.raises(LossplugError, match="returns: the unbiased variance needs at least 2 action tokens, got 1"):
         masked_mean_var(x, torch.tensor([[True, False, False], [False, False, False]]), name="returns")
-    with pytest.raises(LossplugError, match=r"returns: must be finite on action positions — \(row 0, pos 2\), \(row 1, pos 1\)"):
+    with pytest.raises(
+        LossplugError, match=r"returns: must be finite on action positions — \(row 0, pos 2\), \(row 1, pos 1\)"
+    ):
         masked_mean_var(x, torch.ones(2, 3, dtype=torch.bool), name="returns")
 
 
@@ -173,8 +215,9 @@ class _ActorCfg(dict):
 def test_policy_metrics_match_verl_vanilla(low, high):
     core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
     b = _epoch_batch(B=6, T=10, seed=6, drift=0.4)
-    _, metrics = core_algos.compute_policy_loss_vanilla(b["old"], b["logp"], b["adv"], b["mask"],
-                                                        config=_ActorCfg(low, high))
+    _, metrics = core_algos.compute_policy_loss_vanilla(
+        b["old"], b["logp"], b["adv"], b["mask"], config=_ActorCfg(low, high)
+    )
     ours = policy_clip_fraction(b["logp"], b["old"], b["adv"], b["mask"], eps_low=low, eps_high=high)
     assert ours.item() == pytest.approx(metrics["actor/pg_clipfrac"], abs=1e-6)
     assert policy_kl(b["logp"], b["old"], b["mask"]).item() == pytest.approx(metrics["actor/ppo_kl"], abs=1e-6)
@@ -200,8 +243,9 @@ def test_ratio_guard_skips_a_runaway_batch_like_the_seed():
     b = _epoch_batch(seed=8)
     old = b["logp"] - 3.0  # ratio e^3 ≈ 20 everywhere
     logp = b["logp"].clone().requires_grad_()
-    pg_loss, vf_loss, loss, _ = _seed_loss(old, b["values"], b["logits"], b["vpreds"], logp, b["mask"].double(),
-                                           b["adv"], b["returns"])
+    pg_loss, vf_loss, loss, _ = _seed_loss(
+        old, b["values"], b["logits"], b["vpreds"], logp, b["mask"].double(), b["adv"], b["returns"]
+    )
     assert loss.item() == 0.0  # the seed skipped it
     raw = (-(logp - old).exp() * b["adv"])[b["mask"]].mean()
     with pytest.warns(RatioGuardWarning, match=r"mean update ratio of the batch \(20.09\) exceeds the threshold 10.00"):
@@ -254,7 +298,9 @@ def test_errors_name_field_rule_and_place():
         ratio_guard(torch.ones(2), logp, old, mask)
     nan_logits = b["logits"].clone()
     nan_logits[0, 0, 0] = float("nan")
-    with pytest.raises(LossplugError, match=r"logits: must give a finite entropy on action positions .* — \(row 0, pos 0\)"):
+    with pytest.raises(
+        LossplugError, match=r"logits: must give a finite entropy on action positions .* — \(row 0, pos 0\)"
+    ):
         entropy_from_logits(nan_logits, mask)
     with pytest.raises(LossplugError, match="logits: must be 3-d"):
         entropy_from_logits(logp, mask)

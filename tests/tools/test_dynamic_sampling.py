@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from lossplug import LossplugError
 from lossplug.tools.dynamic_sampling import SamplingCost, difficulty_buckets, keep_mixed_groups
 
-SEED_REWARD = torch.tensor([[0., 0., 0.], [0., 1., 0.], [1., 1., 1.], [1., 0., 1.]])
+SEED_REWARD = torch.tensor([[0.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 1.0]])
 
 
 def test_seed_example_prompt_rollout_layout():
@@ -34,7 +34,7 @@ def test_seed_example_scattered_by_group_id():
 
 def test_unequal_groups_and_singletons():
     group_id = torch.tensor([5, 9, 5, 2, 9, 9, 7, 2])
-    reward = torch.tensor([1., 0., 0., 1., 0., 0., 1., 1.])
+    reward = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0])
     lengths = torch.tensor([3, 4, 5, 6, 7, 8, 9, 10])
     keep, report = keep_mixed_groups(reward, group_id, lengths=lengths)
     # group 5: [1, 0] mixed; 9: [0, 0, 0] all wrong; 2: [1, 1] all right; 7: singleton, constant
@@ -52,7 +52,7 @@ def test_unequal_groups_and_singletons():
 def test_action_mask_counts_tokens_like_lengths():
     g = torch.Generator().manual_seed(0)
     mask = torch.rand(6, 9, generator=g) < 0.5
-    reward = torch.tensor([0., 1., 1., 1., 0., 0.])
+    reward = torch.tensor([0.0, 1.0, 1.0, 1.0, 0.0, 0.0])
     group_id = torch.tensor([0, 0, 1, 1, 2, 2])
     a = keep_mixed_groups(reward, group_id, action_mask=mask).report
     b = keep_mixed_groups(reward, group_id, lengths=mask.sum(-1)).report
@@ -66,8 +66,14 @@ def test_plus_minus_one_rewards_and_difficulty_bins():
     keep, report = keep_mixed_groups(reward)
     assert keep.tolist() == [False, True, True, True, True, False]
     groups = {k: v.groups for k, v in report.by_difficulty.items()}
-    assert groups == {"all_wrong": 1, "mixed_0-25": 2, "mixed_25-50": 1, "mixed_50-75": 1, "mixed_75-100": 0,
-                      "all_right": 1}
+    assert groups == {
+        "all_wrong": 1,
+        "mixed_0-25": 2,
+        "mixed_25-50": 1,
+        "mixed_50-75": 1,
+        "mixed_75-100": 0,
+        "all_right": 1,
+    }
     assert difficulty_buckets(2) == ["all_wrong", "mixed_0-50", "mixed_50-100", "all_right"]
     assert list(keep_mixed_groups(reward, bins=2).report.by_difficulty) == difficulty_buckets(2)
 
@@ -85,8 +91,9 @@ def test_integer_rewards():
 
 def test_merge_reports_the_cost_of_every_round():
     r1 = keep_mixed_groups(SEED_REWARD, lengths=torch.full((4, 3), 10), generation_seconds=2.0).report
-    r2 = keep_mixed_groups(torch.tensor([[0., 1.], [1., 1.]]), lengths=torch.full((2, 2), 5),
-                           generation_seconds=1.5).report
+    r2 = keep_mixed_groups(
+        torch.tensor([[0.0, 1.0], [1.0, 1.0]]), lengths=torch.full((2, 2), 5), generation_seconds=1.5
+    ).report
     total = r1 + r2
     assert total.rounds == 2
     assert (total.generated_groups, total.retained_groups) == (6, 3)
@@ -111,8 +118,7 @@ def test_report_round_trips_through_json_and_flattens_for_loggers():
         SamplingCost.model_validate({**report.model_dump(), "retained_groups": 99})
 
 
-@given(st.lists(st.tuples(st.integers(0, 6), st.sampled_from([0.0, 1.0]), st.integers(0, 20)), min_size=1,
-                max_size=40))
+@given(st.lists(st.tuples(st.integers(0, 6), st.sampled_from([0.0, 1.0]), st.integers(0, 20)), min_size=1, max_size=40))
 def test_property_matches_brute_force_and_accounts_for_everything(rows):
     group_id = torch.tensor([r[0] for r in rows])
     reward = torch.tensor([r[1] for r in rows])
@@ -128,8 +134,9 @@ def test_property_matches_brute_force_and_accounts_for_everything(rows):
     assert report.generated_tokens == int(lengths.sum())
     for kind in ("groups", "sequences", "tokens"):
         assert sum(getattr(b, kind) for b in report.by_difficulty.values()) == getattr(report, f"generated_{kind}")
-        assert sum(getattr(b, f"retained_{kind}") for b in report.by_difficulty.values()) == \
-            getattr(report, f"retained_{kind}")
+        assert sum(getattr(b, f"retained_{kind}") for b in report.by_difficulty.values()) == getattr(
+            report, f"retained_{kind}"
+        )
     # binary rewards: the mixed buckets are exactly the kept groups
     b = report.by_difficulty
     assert b["all_wrong"].retained_groups == b["all_right"].retained_groups == 0
@@ -144,7 +151,7 @@ def test_property_matches_brute_force_and_accounts_for_everything(rows):
 
 
 def test_errors_name_field_rule_and_place():
-    reward = torch.tensor([0., 1., 1.])
+    reward = torch.tensor([0.0, 1.0, 1.0])
     gid = torch.tensor([0, 0, 1])
     with pytest.raises(LossplugError, match="group_id: is required with \\[B\\] rewards"):
         keep_mixed_groups(reward)
@@ -155,14 +162,16 @@ def test_errors_name_field_rule_and_place():
     with pytest.raises(LossplugError, match=r"group_id: shape must match reward \[3\], got \[2\]"):
         keep_mixed_groups(reward, gid[:2])
     with pytest.raises(LossplugError, match=r"reward: must be finite — row \[1\]"):
-        keep_mixed_groups(torch.tensor([0., float("nan"), 1.]), gid)
+        keep_mixed_groups(torch.tensor([0.0, float("nan"), 1.0]), gid)
     with pytest.raises(LossplugError, match=r"lengths: must be >= 0 — row \[2\]"):
         keep_mixed_groups(reward, gid, lengths=torch.tensor([1, 2, -1]))
     with pytest.raises(LossplugError, match="give either lengths or action_mask"):
         keep_mixed_groups(reward, gid, lengths=torch.ones(3, dtype=torch.long), action_mask=torch.ones(3, 4).bool())
     with pytest.raises(LossplugError, match="action_mask: must be a bool tensor"):
         keep_mixed_groups(reward, gid, action_mask=torch.ones(3, 4))
-    with pytest.raises(LossplugError, match=r"action_mask: shape must match reward's shape \+ \[T\] \[3, 4\], got \[2, 4\]"):
+    with pytest.raises(
+        LossplugError, match=r"action_mask: shape must match reward's shape \+ \[T\] \[3, 4\], got \[2, 4\]"
+    ):
         keep_mixed_groups(reward, gid, action_mask=torch.ones(2, 4).bool())
     with pytest.raises(LossplugError, match="bins: must be >= 1"):
         keep_mixed_groups(reward, gid, bins=0)

@@ -9,8 +9,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lossplug import LossplugError
-from lossplug.tools.kl import (KL_PENALTY_MODES, AdaptiveKLController, FixedKLController,
-                                 ProportionalKLController, k1, k2, k3, kl_penalty, kl_shaped_rewards)
+from lossplug.tools.kl import (
+    KL_PENALTY_MODES,
+    AdaptiveKLController,
+    FixedKLController,
+    ProportionalKLController,
+    k1,
+    k2,
+    k3,
+    kl_penalty,
+    kl_shaped_rewards,
+)
 
 
 def _pair(B=4, T=6, dtype=torch.float64, seed=0, spread=1.0):
@@ -82,7 +91,7 @@ def test_property_k2_k3_nonnegative_and_finite(deltas, logps):
             assert (out >= 0).all()
         # verl's low_var_kl is exp(δ) − δ − 1 evaluated naively: ≥ 0 only up to rounding (see the next test)
         assert (kl_penalty(logp, ref, "low_var_kl") >= -1e-6).all()
-        g, = torch.autograd.grad(k3(logp, ref).sum(), logp)
+        (g,) = torch.autograd.grad(k3(logp, ref).sum(), logp)
         assert torch.isfinite(g).all()
 
 
@@ -115,7 +124,7 @@ def test_mask_zeroes_and_protects_non_action_positions():
     for fn in (k1, k2, k3, lambda a, b, m: kl_penalty(a, b, "k3+", m)):
         out = fn(lp, rf, mask)
         assert torch.isfinite(out).all() and (out[~mask] == 0).all()
-        g, = torch.autograd.grad(out.sum(), lp)
+        (g,) = torch.autograd.grad(out.sum(), lp)
         assert torch.isfinite(g).all() and (g[~mask] == 0).all()
     torch.testing.assert_close(k3(lp, rf, mask)[mask], k3(logp, ref)[mask])
 
@@ -282,7 +291,9 @@ def test_kl_shaped_rewards_errors():
         kl_shaped_rewards(torch.zeros(2), logp, ref, mask, kl_coef=-0.1)
     empty = mask.clone()
     empty[0] = False
-    with pytest.raises(LossplugError, match=r"action_mask: every response needs at least one action token .* row \[0\]"):
+    with pytest.raises(
+        LossplugError, match=r"action_mask: every response needs at least one action token .* row \[0\]"
+    ):
         kl_shaped_rewards(torch.zeros(2), logp, ref, empty, kl_coef=0.1)
     with pytest.raises(LossplugError, match=r"scores: must be finite — row \[1\]"):
         kl_shaped_rewards(torch.tensor([0.0, float("nan")]), logp, ref, mask, kl_coef=0.1)
@@ -296,10 +307,10 @@ def test_kl_shaped_rewards_errors():
 
 def test_adaptive_controller_follows_ppo_penalty_rule():
     c = AdaptiveKLController(init_kl_coef=1.0, target_kl=0.01)
-    assert c.update(0.01 / 1.5 - 1e-6) == 0.5     # d < d_targ / 1.5: halve
-    assert c.update(0.01 * 1.5 + 1e-6) == 1.0     # d > 1.5 · d_targ: double
-    assert c.update(0.01) == 1.0                  # inside the band: unchanged
-    assert c.update(0.01 / 1.5) == 1.0            # the band's edges are inside (strict inequalities)
+    assert c.update(0.01 / 1.5 - 1e-6) == 0.5  # d < d_targ / 1.5: halve
+    assert c.update(0.01 * 1.5 + 1e-6) == 1.0  # d > 1.5 · d_targ: double
+    assert c.update(0.01) == 1.0  # inside the band: unchanged
+    assert c.update(0.01 / 1.5) == 1.0  # the band's edges are inside (strict inequalities)
     assert c.update(0.015) == 1.0
     assert c.update(torch.tensor(1.0), 128) == 2.0  # accepts a 0-d tensor and verl's n_steps
     assert c.update(np.float32(0.0)) == 1.0

@@ -31,16 +31,20 @@ def test_a_tool_imports_contracts_and_core_only_never_a_private_name(path):
     for line, names in _imports(path):
         for module, name in names:
             where = f"{path.name}:{line}"
-            assert not module.startswith(("lossplug.plugins", "lossplug.adapters", "lossplug.demo")), \
+            assert not module.startswith(("lossplug.plugins", "lossplug.adapters", "lossplug.demo")), (
                 f"{where}: imports {module}"
+            )
             internal = module.startswith((".", "lossplug"))
             assert not (internal and name and name.startswith("_")), f"{where}: imports the private {module}.{name}"
-            assert not (internal and any(part.startswith("_") for part in module.lstrip(".").split(".") if part)), \
+            assert not (internal and any(part.startswith("_") for part in module.lstrip(".").split(".") if part)), (
                 f"{where}: imports the private module {module}"
+            )
 
 
 def test_importing_the_package_imports_no_tool_and_no_torch():
-    code = "import sys, lossplug.tools; print(sorted(m for m in sys.modules if m.startswith('lossplug.tools.')), " \
-           "'torch' in sys.modules)"
+    code = (
+        "import sys, lossplug.tools; print(sorted(m for m in sys.modules if m.startswith('lossplug.tools.')), "
+        "'torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["[]", "False"]

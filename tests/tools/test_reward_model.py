@@ -79,8 +79,9 @@ def test_property_invariant_to_padding_side_and_layout(P, T, seed):
     left_v, left_m = _pad(seqs, T + 2, "left")  # other padding side and extra padding width
     a = pairwise_reward_loss(right_v, right_m)
     b = pairwise_reward_loss(left_v, left_m)
-    c = pairwise_reward_loss(chosen_values=right_v[:P], chosen_mask=right_m[:P],
-                             rejected_values=left_v[P:], rejected_mask=left_m[P:])
+    c = pairwise_reward_loss(
+        chosen_values=right_v[:P], chosen_mask=right_m[:P], rejected_values=left_v[P:], rejected_mask=left_m[P:]
+    )
     d = pairwise_reward_loss(right_v.unsqueeze(-1), right_m)  # [2P, T, 1] value-head output
     for other in (b, c, d):
         torch.testing.assert_close(other.loss, a.loss)
@@ -133,8 +134,12 @@ def test_num_pairs_makes_micro_batches_add_up():
     values, mask = _pad(seqs, 5, "right")
     full = pairwise_reward_loss(values, mask)
     parts = [(slice(0, 1), slice(4, 5)), (slice(1, 4), slice(5, 8))]
-    total = sum(pairwise_reward_loss(chosen_values=values[c], chosen_mask=mask[c], rejected_values=values[r],
-                                     rejected_mask=mask[r], num_pairs=4).loss for c, r in parts)
+    total = sum(
+        pairwise_reward_loss(
+            chosen_values=values[c], chosen_mask=mask[c], rejected_values=values[r], rejected_mask=mask[r], num_pairs=4
+        ).loss
+        for c, r in parts
+    )
     torch.testing.assert_close(total, full.loss)
 
 
@@ -156,8 +161,11 @@ def test_errors_name_field_rule_and_place():
         pairwise_reward_loss(values[:3], mask[:3])
     empty = mask.clone()
     empty[2] = False
-    with pytest.raises(LossplugError, match=r"attention_mask: every sequence needs at least one non-padding token "
-                                            r"— row \[2\]"):
+    with pytest.raises(
+        LossplugError,
+        match=r"attention_mask: every sequence needs at least one non-padding token "
+        r"— row \[2\]",
+    ):
         pairwise_reward_loss(values, empty)
     with pytest.raises(LossplugError, match=r"attention_mask: shape must match values \[N, T\] \[4, 3\], got \[4, 2\]"):
         pairwise_reward_loss(values, mask[:, :2])
@@ -170,11 +178,12 @@ def test_errors_name_field_rule_and_place():
     with pytest.raises(LossplugError, match="rejected_mask: is required"):
         pairwise_reward_loss(chosen_values=values, chosen_mask=mask, rejected_values=values)
     with pytest.raises(LossplugError, match="rejected_values: must have one row per chosen row: 4 chosen, 2 rejected"):
-        pairwise_reward_loss(chosen_values=values, chosen_mask=mask, rejected_values=values[:2],
-                             rejected_mask=mask[:2])
+        pairwise_reward_loss(chosen_values=values, chosen_mask=mask, rejected_values=values[:2], rejected_mask=mask[:2])
     bad = values.clone()
     bad[3, 2] = float("inf")
-    with pytest.raises(LossplugError, match=r"values: the score at the last non-padding token must be finite — row \[3\]"):
+    with pytest.raises(
+        LossplugError, match=r"values: the score at the last non-padding token must be finite — row \[3\]"
+    ):
         pairwise_reward_loss(bad, mask)
     with pytest.raises(LossplugError, match="num_pairs: the global population"):
         pairwise_reward_loss(values, mask, num_pairs=1)

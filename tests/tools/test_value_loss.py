@@ -21,6 +21,7 @@ def _batch(B=4, T=7, dtype=torch.float64, seed=0, scale=1.0):
 
 def _seed_value_loss(vpreds, values, returns, mask, cliprange_value):
     """Seed 003's value-loss lines, verbatim (TRL's masked_mean / clip_by_value)."""
+
     def masked_mean(x, m):
         return (x * m).sum() / m.sum()
 
@@ -53,7 +54,7 @@ def test_matches_seed_formula():
     [
         (0.2, 0.2 - 1.0, False),  # case 1: inside [V_old − ε, V_old + ε] = [−0.5, 0.5]: ½·2(V − R)
         (2.0, 2.0 - 1.0, False),  # case 2: outside, (V − R)² = 1 > (V_clip − R)² = 0.25: same gradient
-        (1.2, 0.0, True),         # case 3: outside, (V_clip − R)² = 0.25 > (V − R)² = 0.04: zero gradient
+        (1.2, 0.0, True),  # case 3: outside, (V_clip − R)² = 0.25 > (V − R)² = 0.04: zero gradient
     ],
 )
 def test_three_gradient_cases_of_seed(v, expected_grad, clipped):
@@ -82,7 +83,9 @@ def test_gradcheck_float64():
     for reduction in ("token", "response"):
         V = values.clone().requires_grad_()
         assert torch.autograd.gradcheck(
-            lambda v: value_loss(v, old, returns, mask, clip_eps=0.3, reduction=reduction).loss, (V,))
+            lambda v, reduction=reduction: value_loss(v, old, returns, mask, clip_eps=0.3, reduction=reduction).loss,
+            (V,),
+        )
 
 
 def test_no_clip_is_half_mse():
@@ -129,15 +132,19 @@ def test_micro_batch_shares_add_up_to_full_batch(reduction):
     parts = [slice(0, 1), slice(1, 4), slice(4, 6)]
     norm = Normalizer.for_masks([mask[p] for p in parts])
     V = values.clone().requires_grad_()
-    total = sum(value_loss(V[p], old[p], returns[p], mask[p], clip_eps=0.25, reduction=reduction,
-                           normalizer=norm).loss for p in parts)
+    total = sum(
+        value_loss(V[p], old[p], returns[p], mask[p], clip_eps=0.25, reduction=reduction, normalizer=norm).loss
+        for p in parts
+    )
     total.backward()
     torch.testing.assert_close(total, full.loss)
     torch.testing.assert_close(V.grad, full_V.grad)
 
     if reduction == "token":
-        by_count = sum(value_loss(values[p], old[p], returns[p], mask[p], clip_eps=0.25,
-                                  action_tokens=int(mask.sum())).loss for p in parts)
+        by_count = sum(
+            value_loss(values[p], old[p], returns[p], mask[p], clip_eps=0.25, action_tokens=int(mask.sum())).loss
+            for p in parts
+        )
         torch.testing.assert_close(by_count, full.loss)
 
 
@@ -159,8 +166,8 @@ def test_matches_verl_token_mean(verl_algos, seed, eps):
     ours.loss.backward()
     verl_V = values.clone().requires_grad_()
     vf_loss, vf_clipfrac = verl_algos.compute_value_loss(
-        vpreds=verl_V, returns=returns, values=old, response_mask=mask, cliprange_value=eps,
-        loss_agg_mode="token-mean")
+        vpreds=verl_V, returns=returns, values=old, response_mask=mask, cliprange_value=eps, loss_agg_mode="token-mean"
+    )
     vf_loss.backward()
     torch.testing.assert_close(ours.loss, vf_loss, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(ours_V.grad, verl_V.grad, atol=1e-6, rtol=1e-6)
@@ -172,15 +179,37 @@ def test_matches_verl_global_batch_and_seq_mean(verl_algos):
     micro = slice(0, 2)
     N, S, D = int(mask.sum()), mask.shape[0], 4
     # global token count, dp_size: verl multiplies by dp_size (cancels DDP averaging); lossplug returns the share
-    vf_loss, _ = verl_algos.compute_value_loss(values[micro], returns[micro], old[micro], mask[micro], 0.2,
-                                               loss_agg_mode="token-mean", dp_size=D, batch_num_tokens=N)
+    vf_loss, _ = verl_algos.compute_value_loss(
+        values[micro],
+        returns[micro],
+        old[micro],
+        mask[micro],
+        0.2,
+        loss_agg_mode="token-mean",
+        dp_size=D,
+        batch_num_tokens=N,
+    )
     ours = value_loss(values[micro], old[micro], returns[micro], mask[micro], clip_eps=0.2, action_tokens=N)
     torch.testing.assert_close(vf_loss, D * ours.loss, atol=1e-6, rtol=1e-6)
     # seq-mean-token-mean ↔ reduction "response" with the global number of sequences
-    vf_loss, _ = verl_algos.compute_value_loss(values[micro], returns[micro], old[micro], mask[micro], 0.2,
-                                               loss_agg_mode="seq-mean-token-mean", global_batch_size=S)
-    ours = value_loss(values[micro], old[micro], returns[micro], mask[micro], clip_eps=0.2, reduction="response",
-                      normalizer=Normalizer(action_tokens=N, sequences=S))
+    vf_loss, _ = verl_algos.compute_value_loss(
+        values[micro],
+        returns[micro],
+        old[micro],
+        mask[micro],
+        0.2,
+        loss_agg_mode="seq-mean-token-mean",
+        global_batch_size=S,
+    )
+    ours = value_loss(
+        values[micro],
+        old[micro],
+        returns[micro],
+        mask[micro],
+        clip_eps=0.2,
+        reduction="response",
+        normalizer=Normalizer(action_tokens=N, sequences=S),
+    )
     torch.testing.assert_close(vf_loss, ours.loss, atol=1e-6, rtol=1e-6)
 
 
@@ -190,8 +219,9 @@ def _verl_modes():
     return LOSS_AGG_MODES
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
-                                  "token-sum"])
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
+)
 @pytest.mark.parametrize("budget_in", ["normalizer", "spec"])
 def test_matches_verl_under_every_loss_agg_mode_across_ranks_and_micro_batches(verl_algos, mode, budget_in):
     """dp_size 2 × 2 micro-batches, each cut to its own longest response, with verl's global counts: every
@@ -218,10 +248,20 @@ def test_matches_verl_under_every_loss_agg_mode_across_ranks_and_micro_batches(v
         width = int(mask[rows].long().cumsum(-1).argmax(-1).max()) + 1
         cut = (rows, slice(0, width))
         ref, ref_clip = verl_algos.compute_value_loss(
-            verl_V[cut], returns[cut], old[cut], mask[cut], 0.2, loss_agg_mode=mode, dp_size=D, batch_num_tokens=N,
-            global_batch_size=S, loss_scale_factor=lsf)
-        ours = value_loss(ours_V[cut], old[cut], returns[cut], mask[cut], clip_eps=0.2, reduction=reduction,
-                          normalizer=norm)
+            verl_V[cut],
+            returns[cut],
+            old[cut],
+            mask[cut],
+            0.2,
+            loss_agg_mode=mode,
+            dp_size=D,
+            batch_num_tokens=N,
+            global_batch_size=S,
+            loss_scale_factor=lsf,
+        )
+        ours = value_loss(
+            ours_V[cut], old[cut], returns[cut], mask[cut], clip_eps=0.2, reduction=reduction, normalizer=norm
+        )
         assert (D * ours.loss - ref).abs().item() <= 1e-12
         assert ours.clip_frac.item() == pytest.approx(ref_clip.item(), abs=1e-7)  # verl counts in float32
         (D * ours.loss).backward()
@@ -238,11 +278,18 @@ def test_any_registered_reduction_named_like_a_recipe_names_one():
     assert value_loss(values, old, returns, mask, clip_eps=0.2, reduction="token_sum").loss == per_token.sum()
     fixed = value_loss(values, old, returns, mask, clip_eps=0.2, reduction={"name": "fixed", "budget": 4.0}).loss
     torch.testing.assert_close(fixed, per_token.sum() / (4.0 * 3))
-    msg = _raises("reduction: must be 'token' or 'response' or another registered reduction", values, old, returns,
-                  mask, reduction="tokn_sum")
+    msg = _raises(
+        "reduction: must be 'token' or 'response' or another registered reduction",
+        values,
+        old,
+        returns,
+        mask,
+        reduction="tokn_sum",
+    )
     assert "did you mean 'token_sum'" in msg and "sequence_sum" in msg
-    assert "unknown parameter 'budgt'" in _raises("reduction", values, old, returns, mask,
-                                                  reduction={"name": "fixed", "budgt": 4.0})
+    assert "unknown parameter 'budgt'" in _raises(
+        "reduction", values, old, returns, mask, reduction={"name": "fixed", "budgt": 4.0}
+    )
 
 
 def test_band_edge_is_inside_the_band_unlike_verls_tie_splitting(verl_algos):
@@ -278,19 +325,29 @@ def test_errors_name_field_rule_and_place():
     _raises("clip_eps: must be finite", values, old, returns, mask, clip_eps=float("nan"))
     empty = mask.clone()
     empty[1] = False
-    assert "row [1]" in _raises("action_mask: every response needs at least one action token", values, old,
-                                returns, empty)
+    assert "row [1]" in _raises(
+        "action_mask: every response needs at least one action token", values, old, returns, empty
+    )
     bad = returns.clone()
     bad[1, 0] = float("nan")
     assert "(row 1, pos 0)" in _raises("returns: must be finite on action positions", values, old, bad, mask)
     _raises("values: must be 2-d", values[0], old, returns, mask)
     _raises("old_values: must be a torch.Tensor, got list", values, old.tolist(), returns, mask)
     _raises("reduction: must be 'token' or 'response'", values, old, returns, mask, reduction="mean")
-    _raises("give either normalizer or action_tokens", values, old, returns, mask,
-            normalizer=Normalizer(action_tokens=100, sequences=10), action_tokens=100)
+    _raises(
+        "give either normalizer or action_tokens",
+        values,
+        old,
+        returns,
+        mask,
+        normalizer=Normalizer(action_tokens=100, sequences=10),
+        action_tokens=100,
+    )
     _raises("only fits reduction 'token'", values, old, returns, mask, reduction="response", action_tokens=100)
     _raises("action_tokens: .*smaller than this micro-batch", values, old, returns, mask, action_tokens=1)
-    _raises("normalizer: .*sequences", values, old, returns, mask, normalizer=Normalizer(action_tokens=100, sequences=1))
+    _raises(
+        "normalizer: .*sequences", values, old, returns, mask, normalizer=Normalizer(action_tokens=100, sequences=1)
+    )
     assert "mask" not in _raises("values: must be a float tensor", values.long(), old, returns, mask).split("\n")[1]
 
 

@@ -24,13 +24,16 @@ junk = st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e30, -7.0])
 
 GROUP_ADVANTAGES = [{"name": "rloo"}] + [
     {"name": "grpo", "scale": scale, "std": std, "eps": eps, "eps_mode": mode}
-    for scale, std, eps, mode in itertools.product(("group", "batch", "none"), ("sample", "population"),
-                                                   (0.0, 1e-6, 1e-4), ("add", "threshold"))
+    for scale, std, eps, mode in itertools.product(
+        ("group", "batch", "none"), ("sample", "population"), (0.0, 1e-6, 1e-4), ("add", "threshold")
+    )
     if not (eps == 0.0 and mode == "add" and scale != "none")  # c / (std + 0) is inf when a std underflows to 0
 ]
-GAE_ADVANTAGES = [{"name": "gae", "gamma": .97, "lam": .9, "whiten": False},
-                  {"name": "gae", "gamma": .9, "lam": .5, "critic_lam": 1.0, "whiten": False},
-                  {"name": "length_adaptive_gae", "alpha": 0.3, "gamma": .95, "whiten": False}]
+GAE_ADVANTAGES = [
+    {"name": "gae", "gamma": 0.97, "lam": 0.9, "whiten": False},
+    {"name": "gae", "gamma": 0.9, "lam": 0.5, "critic_lam": 1.0, "whiten": False},
+    {"name": "length_adaptive_gae", "alpha": 0.3, "gamma": 0.95, "whiten": False},
+]
 
 
 def recipe(advantage):
@@ -51,9 +54,14 @@ def packed(draw, max_n=12):
     boundary = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     boundary[-1] = True
     terminated = [b and draw(st.booleans()) for b in boundary]
-    vec = lambda: torch.tensor(draw(st.lists(finite, min_size=n, max_size=n)), dtype=F64)  # noqa: E731
-    return dict(reward=vec(), value=vec(), next_value=vec(), terminated=torch.tensor(terminated),
-                boundary=torch.tensor(boundary))
+    vec = lambda: torch.tensor(draw(st.lists(finite, min_size=n, max_size=n)), dtype=F64)
+    return dict(
+        reward=vec(),
+        value=vec(),
+        next_value=vec(),
+        terminated=torch.tensor(terminated),
+        boundary=torch.tensor(boundary),
+    )
 
 
 def run_packed(kw, advantage):
@@ -76,12 +84,12 @@ def test_packed_boundaries_stop_the_trace(kw, data, advantage):
     changed = dict(kw)
     for name in ("reward", "value", "next_value"):
         tail = torch.tensor(data.draw(st.lists(finite, min_size=n, max_size=n)), dtype=F64)
-        changed[name] = torch.cat((kw[name][:cut + 1], tail[cut + 1:]))
+        changed[name] = torch.cat((kw[name][: cut + 1], tail[cut + 1 :]))
     tail_term = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
-    changed["terminated"] = torch.cat((kw["terminated"][:cut + 1], tail_term[cut + 1:] & kw["boundary"][cut + 1:]))
+    changed["terminated"] = torch.cat((kw["terminated"][: cut + 1], tail_term[cut + 1 :] & kw["boundary"][cut + 1 :]))
     base, other = run_packed(kw, advantage), run_packed(changed, advantage)
-    same(base.advantage[:cut + 1], other.advantage[:cut + 1])
-    same(base.returns[:cut + 1], other.returns[:cut + 1])
+    same(base.advantage[: cut + 1], other.advantage[: cut + 1])
+    same(base.returns[: cut + 1], other.returns[: cut + 1])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -95,13 +103,22 @@ def padded(draw, max_b=4, max_t=7):
     for b in range(B):
         if not mask[b].any():
             mask[b, draw(st.integers(0, T - 1))] = True
-    mat = lambda: torch.tensor(draw(st.lists(st.lists(finite, min_size=T, max_size=T), min_size=B,  # noqa: E731
-                                             max_size=B)), dtype=F64).view(B, T)
-    row = lambda: torch.tensor(draw(st.lists(finite, min_size=B, max_size=B)), dtype=F64)  # noqa: E731
+    mat = lambda: torch.tensor(
+        draw(st.lists(st.lists(finite, min_size=T, max_size=T), min_size=B, max_size=B)), dtype=F64
+    ).view(B, T)
+    row = lambda: torch.tensor(draw(st.lists(finite, min_size=B, max_size=B)), dtype=F64)
     reward = mat() if draw(st.booleans()) else row()
     terminated = torch.tensor(draw(st.lists(st.booleans(), min_size=B, max_size=B)))
-    return dict(logp=-mat().abs(), old_logp=-mat().abs(), ref_logp=-mat().abs(), action_mask=mask, value=mat(),
-                reward=reward, terminated=terminated, final_value=row())
+    return dict(
+        logp=-mat().abs(),
+        old_logp=-mat().abs(),
+        ref_logp=-mat().abs(),
+        action_mask=mask,
+        value=mat(),
+        reward=reward,
+        terminated=terminated,
+        final_value=row(),
+    )
 
 
 def run_padded(kw, advantage):
@@ -122,8 +139,9 @@ def test_padded_rows_are_independent_fragments(kw, data, advantage):
     keep = data.draw(st.integers(0, B - 1))
     changed = dict(kw)
     for name in ("value", "reward", "final_value"):
-        noise = torch.tensor(data.draw(st.lists(finite, min_size=kw[name].numel(), max_size=kw[name].numel())),
-                             dtype=F64).view(kw[name].shape)
+        noise = torch.tensor(
+            data.draw(st.lists(finite, min_size=kw[name].numel(), max_size=kw[name].numel())), dtype=F64
+        ).view(kw[name].shape)
         noise[keep] = kw[name][keep]
         changed[name] = noise
     base, other = run_padded(kw, advantage), run_padded(changed, advantage)
@@ -131,8 +149,14 @@ def test_padded_rows_are_independent_fragments(kw, data, advantage):
     same(base.returns[keep], other.returns[keep])
 
 
-@given(padded(), junk, st.sampled_from(GAE_ADVANTAGES + [{"name": "gae", "whiten": True, "kl_coef": 0.1},
-                                                         {"name": "length_adaptive_gae", "whiten": True}]))
+@given(
+    padded(),
+    junk,
+    st.sampled_from(
+        GAE_ADVANTAGES
+        + [{"name": "gae", "whiten": True, "kl_coef": 0.1}, {"name": "length_adaptive_gae", "whiten": True}]
+    ),
+)
 def test_padded_nan_on_non_action_positions_changes_nothing(kw, value, advantage):
     off = ~kw["action_mask"]
     poisoned = {**kw, **{name: kw[name].masked_fill(off, value) for name in ("value", "old_logp", "ref_logp")}}
@@ -149,10 +173,14 @@ def test_kl_shaped_rewards_ignore_non_action_positions(kw, value):
     off = ~kw["action_mask"]
     score = torch.zeros(kw["value"].shape[0], dtype=F64)
     base = kl_shaped_rewards(score, kw["old_logp"], kw["ref_logp"], kw["action_mask"], kl_coef=0.2)
-    other = kl_shaped_rewards(score, kw["old_logp"].masked_fill(off, value), kw["ref_logp"].masked_fill(off, value),
-                              kw["action_mask"], kl_coef=0.2)
-    for a, b in ((base.rewards, other.rewards), (base.non_score_rewards, other.non_score_rewards),
-                 (base.kl, other.kl)):
+    other = kl_shaped_rewards(
+        score,
+        kw["old_logp"].masked_fill(off, value),
+        kw["ref_logp"].masked_fill(off, value),
+        kw["action_mask"],
+        kl_coef=0.2,
+    )
+    for a, b in ((base.rewards, other.rewards), (base.non_score_rewards, other.non_score_rewards), (base.kl, other.kl)):
         same(a, b)
         assert (b[off] == 0).all()
 

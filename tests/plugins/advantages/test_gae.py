@@ -11,8 +11,9 @@ F64 = torch.float64
 
 
 def recipe(**params):
-    return lossplug.Recipe.model_validate({"advantage": {"name": "gae", **params}, "gates": ["ppo_clip"],
-                                           "reduction": "token"})
+    return lossplug.Recipe.model_validate(
+        {"advantage": {"name": "gae", **params}, "gates": ["ppo_clip"], "reduction": "token"}
+    )
 
 
 def policy_batch(mask, value, reward, **extra):
@@ -78,18 +79,25 @@ def random_mask(B, T, gen, gaps=True, left=True):
 
 
 def seed_packed_example():
-    return dict(reward=torch.tensor([1., 2., 10.]), value=torch.tensor([.5, 1., 3.]),
-                next_value=torch.tensor([1., 4., float("nan")]), terminated=torch.tensor([False, False, True]),
-                boundary=torch.tensor([False, True, True]))
+    return dict(
+        reward=torch.tensor([1.0, 2.0, 10.0]),
+        value=torch.tensor([0.5, 1.0, 3.0]),
+        next_value=torch.tensor([1.0, 4.0, float("nan")]),
+        terminated=torch.tensor([False, False, True]),
+        boundary=torch.tensor([False, True, True]),
+    )
 
 
 def test_seed1_packed_gae_example_through_public_api():
     ex = seed_packed_example()
     batch = lossplug.PackedTransitions(**ex)
-    advantage = lossplug.compute_advantages(batch, recipe(gamma=.5, lam=.8, whiten=False))
-    delta = ex["reward"] + .5 * torch.where(ex["terminated"], torch.zeros_like(ex["next_value"]), ex["next_value"]) \
+    advantage = lossplug.compute_advantages(batch, recipe(gamma=0.5, lam=0.8, whiten=False))
+    delta = (
+        ex["reward"]
+        + 0.5 * torch.where(ex["terminated"], torch.zeros_like(ex["next_value"]), ex["next_value"])
         - ex["value"]
-    torch.testing.assert_close(advantage, torch.tensor([delta[0] + .4 * delta[1], delta[1], delta[2]]))
+    )
+    torch.testing.assert_close(advantage, torch.tensor([delta[0] + 0.4 * delta[1], delta[1], delta[2]]))
     assert delta[1] == 3
     assert delta[2] == 7
     assert not advantage.requires_grad and torch.isfinite(advantage).all()
@@ -97,9 +105,9 @@ def test_seed1_packed_gae_example_through_public_api():
 
 def test_seed1_packed_gae_function_and_returns():
     ex = seed_packed_example()
-    advantage = packed_gae(**ex, gamma=.5, lam=.8)
-    torch.testing.assert_close(advantage, torch.tensor([2.2, 3., 7.]))
-    result = lossplug.estimate_advantages(lossplug.PackedTransitions(**ex), recipe(gamma=.5, lam=.8, whiten=False))
+    advantage = packed_gae(**ex, gamma=0.5, lam=0.8)
+    torch.testing.assert_close(advantage, torch.tensor([2.2, 3.0, 7.0]))
+    result = lossplug.estimate_advantages(lossplug.PackedTransitions(**ex), recipe(gamma=0.5, lam=0.8, whiten=False))
     torch.testing.assert_close(result.returns, advantage + ex["value"])  # seed 2: return = A + V_old
 
 
@@ -110,7 +118,7 @@ def test_packed_gae_keeps_the_seeds_error_rules():
     with pytest.raises(lossplug.BatchValidationError, match="terminated ⇒ boundary"):
         packed_gae(**{**ex, "terminated": torch.tensor([True, False, True])})
     with pytest.raises(lossplug.BatchValidationError, match="boolean|bool"):
-        packed_gae(**{**ex, "terminated": torch.tensor([0., 0., 1.])})
+        packed_gae(**{**ex, "terminated": torch.tensor([0.0, 0.0, 1.0])})
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 333])
@@ -120,36 +128,45 @@ def test_packed_matches_the_seed_loop_on_random_fragments(n):
     boundary[-1] = True
     terminated = boundary & (torch.rand(n, generator=gen) < 0.5)
     next_value = torch.randn(n, generator=gen, dtype=F64).masked_fill(terminated, float("nan"))
-    kw = dict(reward=torch.randn(n, generator=gen, dtype=F64), value=torch.randn(n, generator=gen, dtype=F64),
-              next_value=next_value, terminated=terminated, boundary=boundary)
-    ours = lossplug.compute_advantages(lossplug.PackedTransitions(**kw), recipe(gamma=.97, lam=.9, whiten=False))
-    torch.testing.assert_close(ours, seed_packed_gae(**kw, gamma=.97, lam=.9), rtol=0, atol=1e-12)
+    kw = dict(
+        reward=torch.randn(n, generator=gen, dtype=F64),
+        value=torch.randn(n, generator=gen, dtype=F64),
+        next_value=next_value,
+        terminated=terminated,
+        boundary=boundary,
+    )
+    ours = lossplug.compute_advantages(lossplug.PackedTransitions(**kw), recipe(gamma=0.97, lam=0.9, whiten=False))
+    torch.testing.assert_close(ours, seed_packed_gae(**kw, gamma=0.97, lam=0.9), rtol=0, atol=1e-12)
     assert ours.dtype == F64
 
 
 def test_packed_time_limit_truncation_bootstraps_but_does_not_chain():
     # fragment 1 is truncated (terminated False, boundary True) and bootstraps from the real final observation (5.0),
     # not from the value of the physically next transition (which belongs to another trajectory)
-    kw = dict(reward=torch.tensor([1., 1., 0.]), value=torch.tensor([0., 0., 9.]),
-              next_value=torch.tensor([0., 5., float("nan")]), terminated=torch.tensor([False, False, True]),
-              boundary=torch.tensor([False, True, True]))
-    adv = packed_gae(**kw, gamma=1., lam=1.)
-    torch.testing.assert_close(adv, torch.tensor([7., 6., -9.]))
-    other = packed_gae(**{**kw, "reward": torch.tensor([1., 1., 100.])}, gamma=1., lam=1.)
+    kw = dict(
+        reward=torch.tensor([1.0, 1.0, 0.0]),
+        value=torch.tensor([0.0, 0.0, 9.0]),
+        next_value=torch.tensor([0.0, 5.0, float("nan")]),
+        terminated=torch.tensor([False, False, True]),
+        boundary=torch.tensor([False, True, True]),
+    )
+    adv = packed_gae(**kw, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv, torch.tensor([7.0, 6.0, -9.0]))
+    other = packed_gae(**{**kw, "reward": torch.tensor([1.0, 1.0, 100.0])}, gamma=1.0, lam=1.0)
     torch.testing.assert_close(other[:2], adv[:2])
 
 
 def test_packed_whitening_and_critic_lambda():
     ex = seed_packed_example()
     batch = lossplug.PackedTransitions(**ex)
-    raw = lossplug.estimate_advantages(batch, recipe(gamma=.5, lam=.8, whiten=False))
-    white = lossplug.estimate_advantages(batch, recipe(gamma=.5, lam=.8, whiten=True))
+    raw = lossplug.estimate_advantages(batch, recipe(gamma=0.5, lam=0.8, whiten=False))
+    white = lossplug.estimate_advantages(batch, recipe(gamma=0.5, lam=0.8, whiten=True))
     a = raw.advantage
     torch.testing.assert_close(white.advantage, (a - a.mean()) / (a.var() + 1e-8).sqrt())
     torch.testing.assert_close(white.returns, raw.returns)  # returns are never whitened
-    critic = lossplug.estimate_advantages(batch, recipe(gamma=.5, lam=.8, critic_lam=1., whiten=False))
+    critic = lossplug.estimate_advantages(batch, recipe(gamma=0.5, lam=0.8, critic_lam=1.0, whiten=False))
     torch.testing.assert_close(critic.advantage, a)
-    torch.testing.assert_close(critic.returns, packed_gae(**ex, gamma=.5, lam=1.) + ex["value"])
+    torch.testing.assert_close(critic.returns, packed_gae(**ex, gamma=0.5, lam=1.0) + ex["value"])
 
 
 def test_packed_rejects_kl_coef():
@@ -181,12 +198,12 @@ def test_seed2_reference_loop_on_right_padded_contiguous_batch(whiten):
     mask = torch.arange(T) < lengths[:, None]
     values = torch.randn(B, T, generator=gen, dtype=F64)
     rewards = torch.randn(B, T, generator=gen, dtype=F64)
-    _, ref_adv, ref_ret = seed2_compute_advantages(values, rewards, mask.to(F64), gamma=.99, lam=.95)
+    _, ref_adv, ref_ret = seed2_compute_advantages(values, rewards, mask.to(F64), gamma=0.99, lam=0.95)
     if whiten:
         ref_adv = trl_masked_whiten(ref_adv, mask.to(F64))
     # padding holds garbage: the contract says it is never read
     batch = policy_batch(mask, values.masked_fill(~mask, float("nan")), rewards.masked_fill(~mask, float("inf")))
-    res = lossplug.estimate_advantages(batch, recipe(gamma=.99, lam=.95, whiten=whiten))
+    res = lossplug.estimate_advantages(batch, recipe(gamma=0.99, lam=0.95, whiten=whiten))
     torch.testing.assert_close(res.advantage[mask], ref_adv[mask], rtol=0, atol=1e-10)
     torch.testing.assert_close(res.returns[mask], ref_ret[mask], rtol=0, atol=1e-10)
     assert (res.advantage[~mask] == 0).all() and (res.returns[~mask] == 0).all()
@@ -196,9 +213,9 @@ def test_seed2_reference_loop_on_right_padded_contiguous_batch(whiten):
 def test_sequence_reward_goes_on_the_last_action_token():
     mask = torch.tensor([[0, 1, 1, 0, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 0]], dtype=torch.bool)
     value = torch.randn(3, 7, dtype=F64)
-    score = torch.tensor([1., -2., .5], dtype=F64)
+    score = torch.tensor([1.0, -2.0, 0.5], dtype=F64)
     token = torch.zeros(3, 7, dtype=F64)
-    token[0, 4], token[1, 6], token[2, 5] = 1., -2., .5
+    token[0, 4], token[1, 6], token[2, 5] = 1.0, -2.0, 0.5
     seq = lossplug.estimate_advantages(policy_batch(mask, value, score), recipe(whiten=False))
     tok = lossplug.estimate_advantages(policy_batch(mask, value, token), recipe(whiten=False))
     torch.testing.assert_close(seq.advantage, tok.advantage, rtol=0, atol=0)
@@ -212,8 +229,8 @@ def test_multi_turn_observation_tokens_are_skipped(seed):
     mask = random_mask(B, T, gen)
     value = torch.randn(B, T, generator=gen, dtype=F64)
     reward = torch.randn(B, T, generator=gen, dtype=F64)
-    ref_adv, ref_ret = sequential_gae(reward, value, mask, .9, .8)
-    res = lossplug.estimate_advantages(policy_batch(mask, value, reward), recipe(gamma=.9, lam=.8, whiten=False))
+    ref_adv, ref_ret = sequential_gae(reward, value, mask, 0.9, 0.8)
+    res = lossplug.estimate_advantages(policy_batch(mask, value, reward), recipe(gamma=0.9, lam=0.8, whiten=False))
     torch.testing.assert_close(res.advantage, ref_adv, rtol=0, atol=1e-12)
     torch.testing.assert_close(res.returns, ref_ret, rtol=0, atol=1e-12)
 
@@ -221,14 +238,14 @@ def test_multi_turn_observation_tokens_are_skipped(seed):
 def test_multi_turn_hand_example():
     # positions: a0 obs obs a1 a2 pad ; γ=0.5, λ=1: steps are a0 → a1 → a2, not per position
     mask = torch.tensor([[1, 0, 0, 1, 1, 0]], dtype=torch.bool)
-    value = torch.tensor([[1., 100., 100., 2., 4., 100.]], dtype=F64)
-    reward = torch.tensor([[0., 50., 50., 0., 8., 50.]], dtype=F64)
-    res = lossplug.estimate_advantages(policy_batch(mask, value, reward), recipe(gamma=.5, lam=1., whiten=False))
-    d2 = 8 + .5 * 0 - 4  # last action: no bootstrap
-    d1 = 0 + .5 * 4 - 2  # next value is the value at the next ACTION
-    d0 = 0 + .5 * 2 - 1
-    a2, a1 = d2, d1 + .5 * d2
-    a0 = d0 + .5 * a1  # one decay per action step, the observation tokens do not decay the trace
+    value = torch.tensor([[1.0, 100.0, 100.0, 2.0, 4.0, 100.0]], dtype=F64)
+    reward = torch.tensor([[0.0, 50.0, 50.0, 0.0, 8.0, 50.0]], dtype=F64)
+    res = lossplug.estimate_advantages(policy_batch(mask, value, reward), recipe(gamma=0.5, lam=1.0, whiten=False))
+    d2 = 8 + 0.5 * 0 - 4  # last action: no bootstrap
+    d1 = 0 + 0.5 * 4 - 2  # next value is the value at the next ACTION
+    d0 = 0 + 0.5 * 2 - 1
+    a2, a1 = d2, d1 + 0.5 * d2
+    a0 = d0 + 0.5 * a1  # one decay per action step, the observation tokens do not decay the trace
     torch.testing.assert_close(res.advantage, torch.tensor([[a0, 0, 0, a1, a2, 0]], dtype=F64))
     torch.testing.assert_close(res.returns, torch.tensor([[a0 + 1, 0, 0, a1 + 2, a2 + 4, 0]], dtype=F64))
 
@@ -240,22 +257,24 @@ def test_truncated_rows_bootstrap_from_final_value():
     value = torch.randn(B, T, generator=gen, dtype=F64)
     reward = torch.randn(B, generator=gen, dtype=F64)
     terminated = torch.tensor([True, False, True, False])
-    final_value = torch.tensor([float("nan"), 2.5, float("nan"), -1.], dtype=F64)
+    final_value = torch.tensor([float("nan"), 2.5, float("nan"), -1.0], dtype=F64)
     res = lossplug.estimate_advantages(
         policy_batch(mask, value, reward, terminated=terminated, final_value=final_value),
-        recipe(gamma=.95, lam=.9, whiten=False))
+        recipe(gamma=0.95, lam=0.9, whiten=False),
+    )
     token = torch.zeros(B, T, dtype=F64)
     last = (torch.arange(T) * mask).argmax(-1)
     token[torch.arange(B), last] = reward
     end = torch.where(terminated, 0, final_value)
-    ref_adv, ref_ret = sequential_gae(token, value, mask, .95, .9, end_value=end)
+    ref_adv, ref_ret = sequential_gae(token, value, mask, 0.95, 0.9, end_value=end)
     torch.testing.assert_close(res.advantage, ref_adv, rtol=0, atol=1e-12)
     torch.testing.assert_close(res.returns, ref_ret, rtol=0, atol=1e-12)
     # terminated=True everywhere (or not given) means no bootstrap at all
-    none = lossplug.estimate_advantages(policy_batch(mask, value, reward), recipe(gamma=.95, lam=.9, whiten=False))
+    none = lossplug.estimate_advantages(policy_batch(mask, value, reward), recipe(gamma=0.95, lam=0.9, whiten=False))
     ended = lossplug.estimate_advantages(
         policy_batch(mask, value, reward, terminated=torch.ones(B, dtype=torch.bool)),
-        recipe(gamma=.95, lam=.9, whiten=False))
+        recipe(gamma=0.95, lam=0.9, whiten=False),
+    )
     torch.testing.assert_close(none.advantage, ended.advantage, rtol=0, atol=0)
     torch.testing.assert_close(none.advantage[terminated], res.advantage[terminated], rtol=0, atol=0)
 
@@ -269,8 +288,9 @@ def test_truncation_without_final_value_is_an_error():
 
 def test_final_value_without_terminated_is_an_error():
     mask = torch.ones(2, 3, dtype=torch.bool)
-    with pytest.raises(lossplug.BatchValidationError, match="final_value: is only read for truncated responses: "
-                                                            "give terminated"):
+    with pytest.raises(
+        lossplug.BatchValidationError, match="final_value: is only read for truncated responses: give terminated"
+    ):
         policy_batch(mask, torch.zeros(2, 3), torch.ones(2), final_value=torch.ones(2))
 
 
@@ -293,9 +313,9 @@ def test_critic_lambda_only_changes_the_returns():
     value = torch.randn(3, 9, generator=gen, dtype=F64)
     reward = torch.randn(3, generator=gen, dtype=F64)
     batch = policy_batch(mask, value, reward)
-    base = lossplug.estimate_advantages(batch, recipe(lam=.7, whiten=False))
-    split = lossplug.estimate_advantages(batch, recipe(lam=.7, critic_lam=1., whiten=False))
-    mc = lossplug.estimate_advantages(batch, recipe(lam=1., whiten=False))
+    base = lossplug.estimate_advantages(batch, recipe(lam=0.7, whiten=False))
+    split = lossplug.estimate_advantages(batch, recipe(lam=0.7, critic_lam=1.0, whiten=False))
+    mc = lossplug.estimate_advantages(batch, recipe(lam=1.0, whiten=False))
     torch.testing.assert_close(split.advantage, base.advantage, rtol=0, atol=0)
     torch.testing.assert_close(split.returns, mc.returns, rtol=0, atol=1e-12)
     # λ = 1, γ = 1, no bootstrap: the return of every action token is the sum of the rewards still to come
@@ -305,16 +325,21 @@ def test_critic_lambda_only_changes_the_returns():
 def test_low_precision_inputs_compute_in_float32():
     mask = torch.ones(2, 4, dtype=torch.bool)
     bf16 = torch.bfloat16
-    batch = lossplug.PolicyBatch(logp=-torch.ones(2, 4, dtype=bf16), action_mask=mask,
-                                 value=torch.zeros(2, 4, dtype=bf16), reward=torch.ones(2, dtype=bf16))
-    res = lossplug.estimate_advantages(batch, recipe(whiten=False, gamma=1., lam=1.))
+    batch = lossplug.PolicyBatch(
+        logp=-torch.ones(2, 4, dtype=bf16),
+        action_mask=mask,
+        value=torch.zeros(2, 4, dtype=bf16),
+        reward=torch.ones(2, dtype=bf16),
+    )
+    res = lossplug.estimate_advantages(batch, recipe(whiten=False, gamma=1.0, lam=1.0))
     assert res.advantage.dtype == torch.float32
     torch.testing.assert_close(res.advantage, torch.ones(2, 4))
 
 
 def test_gae_requires_value_and_reward():
-    batch = lossplug.PolicyBatch(logp=-torch.ones(2, 3), action_mask=torch.ones(2, 3, dtype=torch.bool),
-                                 reward=torch.ones(2))
+    batch = lossplug.PolicyBatch(
+        logp=-torch.ones(2, 3), action_mask=torch.ones(2, 3, dtype=torch.bool), reward=torch.ones(2)
+    )
     with pytest.raises(lossplug.BatchValidationError, match="value"):
         lossplug.compute_advantages(batch, recipe())
 
@@ -343,8 +368,13 @@ def test_kl_coef_shapes_the_reward_like_seed2():
     out = kl_shaped_rewards(score, old, ref, mask, kl_coef=0.05)
     shaped, kl = out.rewards, out.kl
     expect = lossplug.estimate_advantages(policy_batch(mask, value, shaped), recipe(whiten=False))
-    batch = policy_batch(mask, value, score, old_logp=old.masked_fill(~mask, float("nan")),
-                         ref_logp=ref.masked_fill(~mask, float("-inf")))
+    batch = policy_batch(
+        mask,
+        value,
+        score,
+        old_logp=old.masked_fill(~mask, float("nan")),
+        ref_logp=ref.masked_fill(~mask, float("-inf")),
+    )
     got = lossplug.estimate_advantages(batch, recipe(whiten=False, kl_coef=0.05))
     torch.testing.assert_close(got.advantage, expect.advantage, rtol=0, atol=1e-12)
     torch.testing.assert_close(got.returns, expect.returns, rtol=0, atol=1e-12)
@@ -370,5 +400,5 @@ def test_ppo_preset():
     assert r.advantage.params["whiten"] is True
     assert [g.name for g in r.gates] == ["ppo_clip"] and r.gates[0].params["eps_high"] == 0.2
     assert r.reduction.name == "token"
-    batch = policy_batch(torch.ones(2, 3), torch.zeros(2, 3), torch.tensor([1., 0.]))
+    batch = policy_batch(torch.ones(2, 3), torch.zeros(2, 3), torch.tensor([1.0, 0.0]))
     assert lossplug.compute_advantages(batch, "ppo").shape == (2, 3)

@@ -50,16 +50,20 @@ def fragments(n, mean_len, gen, dtype=F64):
     boundary = torch.rand(n, generator=gen) < 1 / mean_len
     boundary[-1] = True
     terminated = boundary & (torch.rand(n, generator=gen) < 0.5)
-    return dict(reward=torch.randn(n, generator=gen, dtype=dtype), value=torch.randn(n, generator=gen, dtype=dtype),
-                next_value=torch.randn(n, generator=gen, dtype=dtype).masked_fill(terminated, float("nan")),
-                terminated=terminated, boundary=boundary)
+    return dict(
+        reward=torch.randn(n, generator=gen, dtype=dtype),
+        value=torch.randn(n, generator=gen, dtype=dtype),
+        next_value=torch.randn(n, generator=gen, dtype=dtype).masked_fill(terminated, float("nan")),
+        terminated=terminated,
+        boundary=boundary,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The scan kernel
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 63, 64, 65, 127, 4095, 4096, 4097, 64 ** 3 + 1])
+@pytest.mark.parametrize("n", [0, 1, 2, 63, 64, 65, 127, 4095, 4096, 4097, 64**3 + 1])
 def test_scan_matches_the_loop_around_block_sizes(n):
     gen = torch.Generator().manual_seed(n)
     d = torch.randn(n, generator=gen, dtype=F64)
@@ -126,7 +130,7 @@ def test_packed_gae_matches_the_seed_loop_float64_long_mixed_fragments():
     kw["boundary"][:8192] = False  # and one fragment of at least 8k transitions
     kw["terminated"][:8192] = False
     kw["next_value"][:8192] = torch.randn(8192, generator=gen, dtype=F64)
-    assert_close64(packed_gae(**kw, gamma=.999, lam=.97), seed_packed_gae(**kw, gamma=.999, lam=.97))
+    assert_close64(packed_gae(**kw, gamma=0.999, lam=0.97), seed_packed_gae(**kw, gamma=0.999, lam=0.97))
 
 
 def test_packed_gae_float32_tolerance():
@@ -196,13 +200,21 @@ def test_padded_gae_long_rows_with_gaps_and_truncation(dtype):
     terminated = torch.tensor([True, False, True, False])
     final_value = torch.tensor([float("nan"), 2.0, float("nan"), -3.0], dtype=dtype)
     # non-action positions hold garbage that must never be read
-    batch = lossplug.PolicyBatch(logp=torch.full((B, T), -1.0, dtype=dtype), action_mask=mask,
-                                 value=value.masked_fill(~mask, float("nan")),
-                                 reward=reward.masked_fill(~mask, float("inf")),
-                                 terminated=terminated, final_value=final_value)
-    recipe = lossplug.Recipe.model_validate({"advantage": {"name": "gae", "gamma": 1.0, "lam": 0.999,
-                                                           "whiten": False},
-                                             "gates": ["ppo_clip"], "reduction": "token"})
+    batch = lossplug.PolicyBatch(
+        logp=torch.full((B, T), -1.0, dtype=dtype),
+        action_mask=mask,
+        value=value.masked_fill(~mask, float("nan")),
+        reward=reward.masked_fill(~mask, float("inf")),
+        terminated=terminated,
+        final_value=final_value,
+    )
+    recipe = lossplug.Recipe.model_validate(
+        {
+            "advantage": {"name": "gae", "gamma": 1.0, "lam": 0.999, "whiten": False},
+            "gates": ["ppo_clip"],
+            "reduction": "token",
+        }
+    )
     res = lossplug.estimate_advantages(batch, recipe)
     ref, mag = padded_reference(reward, value, mask, 1.0, 0.999, torch.where(terminated, 0, final_value.double()))
     assert (res.advantage[~mask] == 0).all()
@@ -215,11 +227,19 @@ def test_padded_gae_long_rows_with_gaps_and_truncation(dtype):
 
 def test_padded_gae_with_empty_rows_when_validation_is_off():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 1, 1]], dtype=torch.bool)
-    value = torch.tensor([[1., 2., 9.], [9., 9., 9.], [9., 3., 4.]], dtype=F64)
-    batch = lossplug.PolicyBatch.unchecked(logp=torch.zeros(3, 3, dtype=F64), action_mask=mask, value=value,
-                                           reward=torch.tensor([1., 5., 2.], dtype=F64))
-    recipe = lossplug.Recipe.model_validate({"advantage": {"name": "gae", "gamma": 1.0, "lam": 1.0,
-                                                           "whiten": False},
-                                             "gates": ["ppo_clip"], "reduction": "token"})
+    value = torch.tensor([[1.0, 2.0, 9.0], [9.0, 9.0, 9.0], [9.0, 3.0, 4.0]], dtype=F64)
+    batch = lossplug.PolicyBatch.unchecked(
+        logp=torch.zeros(3, 3, dtype=F64),
+        action_mask=mask,
+        value=value,
+        reward=torch.tensor([1.0, 5.0, 2.0], dtype=F64),
+    )
+    recipe = lossplug.Recipe.model_validate(
+        {
+            "advantage": {"name": "gae", "gamma": 1.0, "lam": 1.0, "whiten": False},
+            "gates": ["ppo_clip"],
+            "reduction": "token",
+        }
+    )
     adv = lossplug.compute_advantages(batch, recipe, validate="off")
-    torch.testing.assert_close(adv, torch.tensor([[0., -1., 0.], [0., 0., 0.], [0., -1., -2.]], dtype=F64))
+    torch.testing.assert_close(adv, torch.tensor([[0.0, -1.0, 0.0], [0.0, 0.0, 0.0], [0.0, -1.0, -2.0]], dtype=F64))

@@ -30,12 +30,16 @@ def grouped_batch(reward_2d, perm=None):
     group = torch.arange(P).repeat_interleave(G)
     if perm is not None:
         reward, group = reward[perm], group[perm]
-    return lossplug.PolicyBatch(logp=-torch.ones(P * G, 2, dtype=reward.dtype),
-                                action_mask=torch.ones(P * G, 2, dtype=torch.bool), reward=reward, group_id=group)
+    return lossplug.PolicyBatch(
+        logp=-torch.ones(P * G, 2, dtype=reward.dtype),
+        action_mask=torch.ones(P * G, 2, dtype=torch.bool),
+        reward=reward,
+        group_id=group,
+    )
 
 
 def test_seed_rloo_grpo_example():
-    reward = torch.tensor([[0., 1., 1.], [1., 1., 1.]])
+    reward = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
     rloo = lossplug.compute_advantages(grouped_batch(reward), recipe("rloo")).view(2, 3)
     grpo = lossplug.compute_advantages(grouped_batch(reward), recipe(SEED_GRPO)).view(2, 3)
     torch.testing.assert_close(rloo[0], 1.5 * (reward[0] - reward[0].mean()))
@@ -79,9 +83,10 @@ def test_matches_trl_group_advantage(scale):
     reward[3] = 1.0  # all-equal group: exactly 0 for TRL too (1.0 is exact in every mean)
     expect = trl_group_advantages(reward.reshape(-1), G, scale)
     perm = torch.randperm(P * G, generator=gen)  # TRL shuffles rows: lossplug works from group_id, not adjacency
-    got = lossplug.compute_advantages(grouped_batch(reward, perm),
-                                      recipe({"name": "grpo", "scale": scale, "std": "sample", "eps": 1e-4,
-                                              "eps_mode": "add"}))
+    got = lossplug.compute_advantages(
+        grouped_batch(reward, perm),
+        recipe({"name": "grpo", "scale": scale, "std": "sample", "eps": 1e-4, "eps_mode": "add"}),
+    )
     torch.testing.assert_close(got[torch.argsort(perm)], expect, rtol=0, atol=1e-12)
 
 

@@ -58,10 +58,19 @@ def test_grpo_matches_verl(sizes, norm_by_std):
     gen = torch.Generator().manual_seed(len(sizes) + 10 * norm_by_std)
     batch, token_rewards, mask, uids = outcome_batch(gen, sizes)
     expect, expect_ret = core_algos.compute_grpo_outcome_advantage(
-        token_level_rewards=token_rewards.clone(), response_mask=mask.to(F64), index=uids, epsilon=1e-6,
-        norm_adv_by_std_in_grpo=norm_by_std)
-    params = {"name": "grpo", "scale": "group" if norm_by_std else "none", "std": "sample", "eps": 1e-6,
-              "eps_mode": "add"}
+        token_level_rewards=token_rewards.clone(),
+        response_mask=mask.to(F64),
+        index=uids,
+        epsilon=1e-6,
+        norm_adv_by_std_in_grpo=norm_by_std,
+    )
+    params = {
+        "name": "grpo",
+        "scale": "group" if norm_by_std else "none",
+        "std": "sample",
+        "eps": 1e-6,
+        "eps_mode": "add",
+    }
     got = lossplug.compute_advantages(batch, recipe(params))
     assert got.shape == (batch.batch_size,)
     torch.testing.assert_close(got[:, None] * mask, expect, rtol=0, atol=1e-6)
@@ -69,13 +78,14 @@ def test_grpo_matches_verl(sizes, norm_by_std):
 
 
 def test_verl_grpo_singleton_group_differs():
-    score = torch.tensor([1., 0., 2.], dtype=F64)
+    score = torch.tensor([1.0, 0.0, 2.0], dtype=F64)
     mask = torch.ones(3, 2)
     token_rewards = torch.zeros(3, 2, dtype=F64)
     token_rewards[:, -1] = score
     expect, _ = core_algos.compute_grpo_outcome_advantage(token_rewards, mask, np.array(["a", "a", "b"], dtype=object))
-    batch = lossplug.PolicyBatch(logp=-torch.ones(3, 2, dtype=F64), action_mask=mask.bool(), reward=score,
-                                 group_id=torch.tensor([0, 0, 1]))
+    batch = lossplug.PolicyBatch(
+        logp=-torch.ones(3, 2, dtype=F64), action_mask=mask.bool(), reward=score, group_id=torch.tensor([0, 0, 1])
+    )
     got = lossplug.compute_advantages(batch, recipe({"name": "grpo", "std": "sample", "eps": 1e-6}))
     torch.testing.assert_close(got[:2], expect[:2, 0], rtol=0, atol=1e-6)  # the pair agrees
     assert got[2] == 0 and expect[2, 0] == pytest.approx(2 / (1 + 1e-6))  # the singleton does not
@@ -85,8 +95,9 @@ def test_verl_grpo_singleton_group_differs():
 def test_rloo_matches_verl(sizes):
     gen = torch.Generator().manual_seed(100 + len(sizes))
     batch, token_rewards, mask, uids = outcome_batch(gen, sizes)
-    expect, _ = core_algos.compute_rloo_outcome_advantage(token_level_rewards=token_rewards.clone(),
-                                                          response_mask=mask.to(F64), index=uids)
+    expect, _ = core_algos.compute_rloo_outcome_advantage(
+        token_level_rewards=token_rewards.clone(), response_mask=mask.to(F64), index=uids
+    )
     got = lossplug.compute_advantages(batch, recipe("rloo"))
     torch.testing.assert_close(got[:, None] * mask, expect, rtol=0, atol=1e-6)
 
@@ -109,7 +120,8 @@ def gae_inputs(seed, B=6, T=12, gaps=False):
 def test_gae_matches_verl_on_action_tokens(gaps, whiten, gamma, lam):
     mask, value, reward = gae_inputs(int(gamma * 100 + lam * 10) + gaps, gaps=gaps)
     expect_adv, expect_ret = core_algos.compute_gae_advantage_return(
-        token_level_rewards=reward, values=value, response_mask=mask.to(F64), gamma=gamma, lam=lam)
+        token_level_rewards=reward, values=value, response_mask=mask.to(F64), gamma=gamma, lam=lam
+    )
     if not whiten:  # verl always whitens; un-whiten with its own statistics to compare the raw advantages
         raw = expect_ret - value
         expect_adv = torch.where(mask, raw, 0)

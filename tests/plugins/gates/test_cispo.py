@@ -16,14 +16,18 @@ def run(gate: dict, *, reduction="sequence_sum", mask=None, **fields):
 
 
 def test_seed_coefficients():
-    update = torch.tensor([[.5, 1., 2.]])
+    update = torch.tensor([[0.5, 1.0, 2.0]])
     logp = update.log() + SHIFT
-    result, grad = run({"name": "cispo", "eps_low": .2, "eps_high": .2}, logp=logp,
-                       old_logp=torch.full((1, 3), SHIFT), advantage=torch.ones(1))
+    result, grad = run(
+        {"name": "cispo", "eps_low": 0.2, "eps_high": 0.2},
+        logp=logp,
+        old_logp=torch.full((1, 3), SHIFT),
+        advantage=torch.ones(1),
+    )
     # objective = sg(coefficient)·A·logp, one response under sequence_sum: ∂loss/∂logp = −coefficient
     coefficient = -grad
-    torch.testing.assert_close(coefficient, torch.tensor([[.8, 1., 1.2]]))
-    torch.testing.assert_close(result.loss, -(torch.tensor([.8, 1., 1.2]) * logp[0]).sum())
+    torch.testing.assert_close(coefficient, torch.tensor([[0.8, 1.0, 1.2]]))
+    torch.testing.assert_close(result.loss, -(torch.tensor([0.8, 1.0, 1.2]) * logp[0]).sum())
     m = result.metrics
     assert m["cispo/clip_frac"] == pytest.approx(2 / 3) and m["cispo/clip_frac_low"] == pytest.approx(1 / 3)
     # no token is dropped: the clip saturates the weight, it never zeroes a gradient
@@ -42,7 +46,7 @@ def test_coefficient_carries_no_gradient():
     out = plugin(inp, params)
     (g,) = torch.autograd.grad(out.objective.sum(), logp, create_graph=True)
     assert not g.requires_grad
-    torch.testing.assert_close(g, torch.tensor([[.8, 1., 1.2]]))
+    torch.testing.assert_close(g, torch.tensor([[0.8, 1.0, 1.2]]))
     assert torch.autograd.grad(out.objective.sum(), old, allow_unused=True)[0] is None
 
 
@@ -74,10 +78,14 @@ def test_reproduces_trl_cispo():
 def test_trl_form_has_no_lower_bound_and_stays_finite_without_clamp():
     old = torch.tensor([[-0.5, -100.5, -0.5]])
     new = torch.tensor([[-100.5, -0.5, -0.6]])  # log-ratios −100, +100, −.1
-    result, grad = run({"name": "cispo", "eps_low": None, "ratio_max": 5.0, "log_ratio_clamp": None}, logp=new,
-                       old_logp=old, advantage=torch.ones(1))
+    result, grad = run(
+        {"name": "cispo", "eps_low": None, "ratio_max": 5.0, "log_ratio_clamp": None},
+        logp=new,
+        old_logp=old,
+        advantage=torch.ones(1),
+    )
     assert torch.isfinite(result.loss) and torch.isfinite(grad).all()
-    torch.testing.assert_close(-grad, torch.tensor([[0.0, 5.0, math.exp(-.1)]]))
+    torch.testing.assert_close(-grad, torch.tensor([[0.0, 5.0, math.exp(-0.1)]]))
 
 
 def test_parameters():

@@ -13,28 +13,33 @@ SHIFT = -1.0  # old_logp; behavior_logp = SHIFT − log(engine ratio) keeps ever
 def run(gates: list, *, logp, old_logp, behavior_logp, advantage, reduction="sequence_sum", mask=None):
     logp = logp.clone().requires_grad_()
     mask = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask
-    batch = lossplug.PolicyBatch(logp=logp, old_logp=old_logp, behavior_logp=behavior_logp, advantage=advantage,
-                                 action_mask=mask)
+    batch = lossplug.PolicyBatch(
+        logp=logp, old_logp=old_logp, behavior_logp=behavior_logp, advantage=advantage, action_mask=mask
+    )
     result = lossplug.policy_loss(batch, {"gates": gates, "reduction": {"name": reduction}}, metrics="full")
     result.loss.backward()
     return result, logp.grad
 
 
 def seed_engine():
-    engine = torch.tensor([[.5, 1., 3.]])
+    engine = torch.tensor([[0.5, 1.0, 3.0]])
     old = torch.full((1, 3), SHIFT)
     return engine, old, old - engine.log()
 
 
-@pytest.mark.parametrize("gate, expected, active", [
-    ({"name": "tis", "cap": 2.0}, [.5, 1., 2.], 1.0),
-    ({"name": "icepop", "low": .8, "high": 1.2}, [0., 1., 0.], 1 / 3),
-])
+@pytest.mark.parametrize(
+    "gate, expected, active",
+    [
+        ({"name": "tis", "cap": 2.0}, [0.5, 1.0, 2.0], 1.0),
+        ({"name": "icepop", "low": 0.8, "high": 1.2}, [0.0, 1.0, 0.0], 1 / 3),
+    ],
+)
 def test_seed_coefficients(gate, expected, active):
     engine, old, behavior = seed_engine()
     # reinforce (A·logp) as the update gate, one response under sequence_sum: ∂loss/∂logp = −weight·A
-    result, grad = run(["reinforce", gate], logp=old.clone(), old_logp=old, behavior_logp=behavior,
-                       advantage=torch.ones(1))
+    result, grad = run(
+        ["reinforce", gate], logp=old.clone(), old_logp=old, behavior_logp=behavior, advantage=torch.ones(1)
+    )
     torch.testing.assert_close(-grad, torch.tensor([expected]))
     name = gate["name"]
     assert result.metrics[f"{name}/active_token_frac"] == pytest.approx(active)
@@ -45,16 +50,24 @@ def test_seed_coefficients(gate, expected, active):
 
 def test_icepop_accepts_inside_inclusive_bounds():
     engine, old, behavior = seed_engine()
-    result, grad = run(["reinforce", {"name": "icepop", "low": .5, "high": 3.0}], logp=old.clone(), old_logp=old,
-                       behavior_logp=behavior, advantage=torch.ones(1))
+    result, grad = run(
+        ["reinforce", {"name": "icepop", "low": 0.5, "high": 3.0}],
+        logp=old.clone(),
+        old_logp=old,
+        behavior_logp=behavior,
+        advantage=torch.ones(1),
+    )
     torch.testing.assert_close(-grad, engine)  # ρ = .5 and ρ = 3 sit on the bounds: kept
 
 
 def gate_input(old, behavior, mask=None):
     logp = torch.full_like(old, -1.0, requires_grad=True)
     mask = torch.ones_like(old, dtype=torch.bool) if mask is None else mask
-    return lossplug.GateInput.from_batch(lossplug.PolicyBatch.unchecked(
-        logp=logp, action_mask=mask, advantage=torch.ones_like(old), old_logp=old, behavior_logp=behavior))
+    return lossplug.GateInput.from_batch(
+        lossplug.PolicyBatch.unchecked(
+            logp=logp, action_mask=mask, advantage=torch.ones_like(old), old_logp=old, behavior_logp=behavior
+        )
+    )
 
 
 @pytest.mark.parametrize("name", ["tis", "tis_seq", "icepop", "icepop_seq"])
@@ -72,17 +85,23 @@ def test_weights_are_detached(name):
 
 def test_sequence_ratio_is_the_product_of_token_ratios():
     # verl's rollout_is="sequence": ρ_i = exp(Σ_t log ρ_t); the masked NaN position is never read
-    old = torch.tensor([[-1., -1., float("nan")], [-1., -1., -1.]])
-    behavior = torch.tensor([[-1.2, -1.1, float("nan")], [-1., -.9, -1.05]])
+    old = torch.tensor([[-1.0, -1.0, float("nan")], [-1.0, -1.0, -1.0]])
+    behavior = torch.tensor([[-1.2, -1.1, float("nan")], [-1.0, -0.9, -1.05]])
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    sums = torch.tensor([.3, -.05])
+    sums = torch.tensor([0.3, -0.05])
     for gate, weight in [
         ({"name": "tis_seq", "cap": 1.2}, sums.exp().clamp(max=1.2)),
-        ({"name": "icepop_seq", "low": .9, "high": 1.2}, torch.tensor([0., math.exp(-.05)])),
-        ({"name": "tis_seq", "cap": 5.0, "ratio": "geometric"}, (sums / torch.tensor([2., 3.])).exp()),
+        ({"name": "icepop_seq", "low": 0.9, "high": 1.2}, torch.tensor([0.0, math.exp(-0.05)])),
+        ({"name": "tis_seq", "cap": 5.0, "ratio": "geometric"}, (sums / torch.tensor([2.0, 3.0])).exp()),
     ]:
-        result, grad = run(["reinforce", gate], logp=torch.full((2, 3), -1.0), old_logp=old, behavior_logp=behavior,
-                           advantage=torch.ones(2), mask=mask)
+        result, grad = run(
+            ["reinforce", gate],
+            logp=torch.full((2, 3), -1.0),
+            old_logp=old,
+            behavior_logp=behavior,
+            advantage=torch.ones(2),
+            mask=mask,
+        )
         # sequence_sum over B = 2: ∂loss/∂logp_it = −w_i / 2 on action tokens
         expected = torch.where(mask, -weight.unsqueeze(-1) / 2, 0)
         torch.testing.assert_close(grad, expected)
@@ -94,5 +113,6 @@ def test_corrections_cannot_be_update_gates():
     with pytest.raises(lossplug.RecipeError, match="update gate"):
         lossplug.Recipe.load({"gates": ["tis"], "reduction": "token"})
     with pytest.raises(lossplug.RecipeError, match="low"):
-        lossplug.Recipe.load({"gates": ["reinforce", {"name": "icepop", "low": 2.0, "high": 1.0}],
-                              "reduction": "token"})
+        lossplug.Recipe.load(
+            {"gates": ["reinforce", {"name": "icepop", "low": 2.0, "high": 1.0}], "reduction": "token"}
+        )

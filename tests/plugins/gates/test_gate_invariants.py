@@ -18,8 +18,19 @@ from hypothesis import strategies as st
 import lossplug
 
 GATES = sorted(lossplug.registry().plugins["gate"])
-BUILTIN = {"ppo_clip", "gspo", "gspo_token", "sapo", "cispo", "dis", "reinforce", "tis", "tis_seq", "icepop",
-           "icepop_seq"}
+BUILTIN = {
+    "ppo_clip",
+    "gspo",
+    "gspo_token",
+    "sapo",
+    "cispo",
+    "dis",
+    "reinforce",
+    "tis",
+    "tis_seq",
+    "icepop",
+    "icepop_seq",
+}
 #: gates whose contract is "detached coefficient × A × logp": the gradient wrt logp does not depend on logp
 DETACHED_COEFFICIENT = {"cispo", "dis", "reinforce"}
 TOKEN_FIELDS = ("logp", "old_logp", "behavior_logp", "ref_logp", "value", "reward", "advantage")
@@ -29,7 +40,7 @@ def plugin(name):
     return lossplug.registry().plugins["gate"][name]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def recipe(name: str, reduction: str, T: int) -> lossplug.Recipe:
     gates = ["reinforce", name] if plugin(name).role == "correction" else [name]
     red = {"name": reduction, "budget": float(T)} if reduction == "fixed" else {"name": reduction}
@@ -59,8 +70,15 @@ class Case:
         logp = (old + self.scale * (2 * rand(B, T) - 1)).clamp(max=-1e-3)
         behavior = (old + self.scale * (2 * rand(B, T) - 1)).clamp(max=-1e-3)
         adv = (2 * rand(B) - 1) * 2 if self.seq_advantage else (2 * rand(B, T) - 1) * 2
-        fields = dict(logp=logp, old_logp=old, behavior_logp=behavior, ref_logp=old - 0.1 * rand(B, T),
-                      value=rand(B, T), reward=rand(B, T), advantage=adv)
+        fields = dict(
+            logp=logp,
+            old_logp=old,
+            behavior_logp=behavior,
+            ref_logp=old - 0.1 * rand(B, T),
+            value=rand(B, T),
+            reward=rand(B, T),
+            advantage=adv,
+        )
         out = {k: v.to(dt) for k, v in fields.items()}
         out["action_mask"] = mask
         return out
@@ -71,7 +89,7 @@ def cases(draw) -> Case:
     return Case(
         B=draw(st.integers(1, 3)),
         T=draw(st.integers(1, 5)),
-        seed=draw(st.integers(0, 2 ** 31 - 1)),
+        seed=draw(st.integers(0, 2**31 - 1)),
         scale=draw(st.sampled_from([0.0, 1e-3, 0.1, 0.5, 2.0])),
         seq_advantage=draw(st.booleans()),
         reduction=draw(st.sampled_from(["token", "response", "sequence_sum", "fixed"])),
@@ -122,8 +140,10 @@ POISON = st.sampled_from([float("nan"), float("inf"), float("-inf")])
 def test_masked_positions_never_leak(name, case, poison):
     fields = case.tensors()
     mask = fields["action_mask"]
-    poisoned = {k: (torch.where(mask, v, torch.full_like(v, poison)) if k in TOKEN_FIELDS and v.ndim == 2 else v)
-                for k, v in fields.items()}
+    poisoned = {
+        k: (torch.where(mask, v, torch.full_like(v, poison)) if k in TOKEN_FIELDS and v.ndim == 2 else v)
+        for k, v in fields.items()
+    }
     clean, clean_grad = run(name, case, fields)
     dirty, dirty_grad = run(name, case, poisoned)
     assert torch.equal(clean.loss, dirty.loss)  # bitwise
@@ -145,14 +165,19 @@ def test_zero_advantage_gives_zero_gradient(name, case):
 def gate_input(fields: dict, *, inputs_require_grad: bool):
     """The GateInput the pipeline builds, from a batch whose other log-probs and advantage are leaves that require
     grad if asked (a caller who passed ``old_logp=logp`` without ``.detach()``)."""
+
     def leaf(t):
         t = t.detach().clone()
         return t.requires_grad_() if inputs_require_grad else t
 
     batch = lossplug.PolicyBatch.unchecked(
-        logp=fields["logp"].detach().clone().requires_grad_(), action_mask=fields["action_mask"],
-        advantage=leaf(fields["advantage"]), old_logp=leaf(fields["old_logp"]),
-        behavior_logp=leaf(fields["behavior_logp"]), ref_logp=leaf(fields["ref_logp"]))
+        logp=fields["logp"].detach().clone().requires_grad_(),
+        action_mask=fields["action_mask"],
+        advantage=leaf(fields["advantage"]),
+        old_logp=leaf(fields["old_logp"]),
+        behavior_logp=leaf(fields["behavior_logp"]),
+        ref_logp=leaf(fields["ref_logp"]),
+    )
     return lossplug.GateInput.from_batch(batch)
 
 

@@ -26,8 +26,8 @@ def run(rec, *, logp, validate="full", unchecked=False, **fields):
 
 def seed_example():
     # the seed's example verbatim: all its log-probs are already ≤ 0
-    old_logp = torch.tensor([[-1., -2., float("nan")], [-1., -2., -3.]])
-    new_logp = old_logp + torch.tensor([[.1, .3, 9.], [.1, .3, .2]])
+    old_logp = torch.tensor([[-1.0, -2.0, float("nan")], [-1.0, -2.0, -3.0]])
+    new_logp = old_logp + torch.tensor([[0.1, 0.3, 9.0], [0.1, 0.3, 0.2]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]]).bool()
     return new_logp, old_logp, mask
 
@@ -35,9 +35,10 @@ def seed_example():
 @pytest.mark.parametrize("name", ["gspo", "gspo_token"])
 def test_seed_geometric_sequence_ratio(name):
     new_logp, old_logp, mask = seed_example()
-    result, grad = run(recipe(name, **WIDE), logp=new_logp, old_logp=old_logp, action_mask=mask,
-                       advantage=torch.ones(2))
-    expected = torch.tensor(.2).exp()
+    result, grad = run(
+        recipe(name, **WIDE), logp=new_logp, old_logp=old_logp, action_mask=mask, advantage=torch.ones(2)
+    )
+    expected = torch.tensor(0.2).exp()
     m = result.metrics
     # both responses have the same geometric-mean ratio exp(.2), although their lengths differ
     assert m[f"{name}/seq_ratio/min"] == pytest.approx(expected.item(), rel=1e-6)
@@ -57,8 +58,9 @@ def test_empty_response_is_rejected():
     empty = mask.clone()
     empty[0] = False
     with pytest.raises(lossplug.BatchValidationError, match="action_mask.*at least one action"):
-        lossplug.policy_loss(lossplug.PolicyBatch(logp=new_logp, old_logp=old_logp, action_mask=empty,
-                                                  advantage=torch.ones(2)), recipe())
+        lossplug.policy_loss(
+            lossplug.PolicyBatch(logp=new_logp, old_logp=old_logp, action_mask=empty, advantage=torch.ones(2)), recipe()
+        )
 
 
 @pytest.mark.parametrize("name", ["gspo", "gspo_token"])
@@ -67,8 +69,15 @@ def test_empty_response_without_validation_is_finite(name, reduction):
     new_logp, old_logp, mask = seed_example()
     mask = mask.clone()
     mask[0] = False
-    result, grad = run(recipe(name, reduction, **WIDE), logp=new_logp, old_logp=old_logp, action_mask=mask,
-                       advantage=torch.ones(2), validate="off", unchecked=True)
+    result, grad = run(
+        recipe(name, reduction, **WIDE),
+        logp=new_logp,
+        old_logp=old_logp,
+        action_mask=mask,
+        advantage=torch.ones(2),
+        validate="off",
+        unchecked=True,
+    )
     assert torch.isfinite(result.loss) and torch.isfinite(grad).all()
     assert (grad[0] == 0).all()
     assert all(math.isfinite(v) for v in result.metrics.values())
@@ -78,12 +87,13 @@ def test_clip_is_per_sequence_not_per_token():
     # response 0: one token far above the clip range, the others below it: its geometric mean stays inside,
     # so (unlike token-level PPO) every token keeps its gradient
     old = torch.full((2, 3), -2.0)
-    new = old + torch.tensor([[.3, -.1, -.1], [.3, .3, .3]])
+    new = old + torch.tensor([[0.3, -0.1, -0.1], [0.3, 0.3, 0.3]])
     adv = torch.tensor([1.0, 1.0])
     mask = torch.ones(2, 3, dtype=torch.bool)
-    result, grad = run(recipe("gspo", eps_low=.2, eps_high=.2), logp=new, old_logp=old, action_mask=mask,
-                       advantage=adv)
-    s0 = math.exp(.1 / 3)
+    result, grad = run(
+        recipe("gspo", eps_low=0.2, eps_high=0.2), logp=new, old_logp=old, action_mask=mask, advantage=adv
+    )
+    s0 = math.exp(0.1 / 3)
     torch.testing.assert_close(grad[0], torch.full((3,), -s0 / 6))
     # response 1: s = exp(.3) > 1.2 with A > 0 — the whole response is clipped, no gradient anywhere
     torch.testing.assert_close(grad[1], torch.zeros(3))
@@ -91,8 +101,13 @@ def test_clip_is_per_sequence_not_per_token():
     assert m["gspo/active_seq_frac"] == 0.5 and "gspo/active_token_frac" not in m
     assert m["gspo/clip_frac_high"] == 0.5 and m["gspo/clip_frac_low"] == 0
     assert m["effective/seq_frac"] == 0.5 and m["effective/token_frac"] == 0.5
-    token_ppo, ppo_grad = run(lossplug.Recipe.load({"gates": [{"name": "ppo_clip"}], "reduction": "response"}),
-                              logp=new, old_logp=old, action_mask=mask, advantage=adv)
+    token_ppo, ppo_grad = run(
+        lossplug.Recipe.load({"gates": [{"name": "ppo_clip"}], "reduction": "response"}),
+        logp=new,
+        old_logp=old,
+        action_mask=mask,
+        advantage=adv,
+    )
     assert ppo_grad[0, 0] == 0  # token-level PPO drops that token
 
 
@@ -105,8 +120,9 @@ def test_variants_agree_for_sequence_advantages_and_differ_for_token_advantages(
     seq_adv = torch.randn(3)
     for reduction in ("response", "token", "sequence_sum"):
         a, ga = run(recipe("gspo", reduction, **WIDE), logp=new, old_logp=old, action_mask=mask, advantage=seq_adv)
-        b, gb = run(recipe("gspo_token", reduction, **WIDE), logp=new, old_logp=old, action_mask=mask,
-                    advantage=seq_adv)
+        b, gb = run(
+            recipe("gspo_token", reduction, **WIDE), logp=new, old_logp=old, action_mask=mask, advantage=seq_adv
+        )
         torch.testing.assert_close(a.loss, b.loss)
         torch.testing.assert_close(ga, gb)
     tok_adv = torch.randn(3, 5)

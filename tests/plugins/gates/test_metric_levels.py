@@ -42,29 +42,51 @@ def basic(fields, recipe):
 
 
 CASES = {
-    "ppo_clip": ({"gates": [{"name": "ppo_clip", "eps_low": 0.1, "eps_high": 0.15}], "reduction": "token"},
-                 lambda r, e, a: {"ppo_clip/clip_frac_low": frac((r < 0.9) & (a < 0)),
-                                  "ppo_clip/clip_frac_high": frac((r > 1.15) & (a > 0))}),
-    "ppo_clip_dual": ({"gates": [{"name": "ppo_clip", "eps_low": 0.1, "eps_high": 0.1, "dual_clip_c": 1.2}],
-                       "reduction": "token"},
-                      lambda r, e, a: {"ppo_clip/clip_frac_dual": frac((a < 0) & (torch.minimum(
-                          r * a, r.clamp(0.9, 1.1) * a) < 1.2 * a))}),
-    "cispo": ({"gates": [{"name": "cispo", "eps_low": 0.1, "eps_high": 0.1}], "reduction": "token"},
-              lambda r, e, a: {"cispo/clip_frac": frac((r < 0.9) | (r > 1.1)), "cispo/clip_frac_low": frac(r < 0.9),
-                               "cispo/clip_frac_high": frac(r > 1.1)}),
-    "cispo_cap_below_1": ({"gates": [{"name": "cispo", "eps_low": None, "ratio_max": 0.95}], "reduction": "token"},
-                          lambda r, e, a: {"cispo/clip_frac": frac(r > 0.95), "cispo/clip_frac_high": frac(r > 0.95)}),
-    "tis": ({"gates": ["ppo_clip", {"name": "tis", "cap": 1.1}], "reduction": "token"},
-            lambda r, e, a: {"tis/trunc_frac": frac(e > 1.1)}),
-    "tis_cap_below_1": ({"gates": ["ppo_clip", {"name": "tis", "cap": 0.9}], "reduction": "token"},
-                        lambda r, e, a: {"tis/trunc_frac": frac(e > 0.9)}),
-    "icepop": ({"gates": ["ppo_clip", {"name": "icepop", "low": 0.9, "high": 1.1}], "reduction": "token"},
-               lambda r, e, a: {"icepop/reject_frac_low": frac(e < 0.9), "icepop/reject_frac_high": frac(e > 1.1)}),
-    "icepop_above_1": ({"gates": ["ppo_clip", {"name": "icepop", "low": 1.02, "high": 1.3}], "reduction": "token"},
-                       lambda r, e, a: {"icepop/reject_frac_low": frac(e < 1.02),
-                                        "icepop/reject_frac_high": frac(e > 1.3)}),
-    "dis": ({"gates": [{"name": "dis", "low": 0.1, "high": 0.1}], "reduction": "token"},
-            None),  # DIS compares π_θ with π_behaviour: checked below
+    "ppo_clip": (
+        {"gates": [{"name": "ppo_clip", "eps_low": 0.1, "eps_high": 0.15}], "reduction": "token"},
+        lambda r, e, a: {
+            "ppo_clip/clip_frac_low": frac((r < 0.9) & (a < 0)),
+            "ppo_clip/clip_frac_high": frac((r > 1.15) & (a > 0)),
+        },
+    ),
+    "ppo_clip_dual": (
+        {"gates": [{"name": "ppo_clip", "eps_low": 0.1, "eps_high": 0.1, "dual_clip_c": 1.2}], "reduction": "token"},
+        lambda r, e, a: {
+            "ppo_clip/clip_frac_dual": frac((a < 0) & (torch.minimum(r * a, r.clamp(0.9, 1.1) * a) < 1.2 * a))
+        },
+    ),
+    "cispo": (
+        {"gates": [{"name": "cispo", "eps_low": 0.1, "eps_high": 0.1}], "reduction": "token"},
+        lambda r, e, a: {
+            "cispo/clip_frac": frac((r < 0.9) | (r > 1.1)),
+            "cispo/clip_frac_low": frac(r < 0.9),
+            "cispo/clip_frac_high": frac(r > 1.1),
+        },
+    ),
+    "cispo_cap_below_1": (
+        {"gates": [{"name": "cispo", "eps_low": None, "ratio_max": 0.95}], "reduction": "token"},
+        lambda r, e, a: {"cispo/clip_frac": frac(r > 0.95), "cispo/clip_frac_high": frac(r > 0.95)},
+    ),
+    "tis": (
+        {"gates": ["ppo_clip", {"name": "tis", "cap": 1.1}], "reduction": "token"},
+        lambda r, e, a: {"tis/trunc_frac": frac(e > 1.1)},
+    ),
+    "tis_cap_below_1": (
+        {"gates": ["ppo_clip", {"name": "tis", "cap": 0.9}], "reduction": "token"},
+        lambda r, e, a: {"tis/trunc_frac": frac(e > 0.9)},
+    ),
+    "icepop": (
+        {"gates": ["ppo_clip", {"name": "icepop", "low": 0.9, "high": 1.1}], "reduction": "token"},
+        lambda r, e, a: {"icepop/reject_frac_low": frac(e < 0.9), "icepop/reject_frac_high": frac(e > 1.1)},
+    ),
+    "icepop_above_1": (
+        {"gates": ["ppo_clip", {"name": "icepop", "low": 1.02, "high": 1.3}], "reduction": "token"},
+        lambda r, e, a: {"icepop/reject_frac_low": frac(e < 1.02), "icepop/reject_frac_high": frac(e > 1.3)},
+    ),
+    "dis": (
+        {"gates": [{"name": "dis", "low": 0.1, "high": 0.1}], "reduction": "token"},
+        None,
+    ),  # DIS compares π_θ with π_behaviour: checked below
 }
 
 
@@ -78,7 +100,7 @@ def test_basic_metrics_equal_their_masked_definitions(case, token_advantage, B, 
     if expected is None:  # dis: ρ = π_θ / π_behaviour
         f = policy_fields(B, T, seed=B + T + token_advantage, token_advantage=token_advantage, log_ratio_scale=0.3)
         rho = (f["logp"] - f["behavior_logp"]).float().exp()[mask]
-        expected = lambda r, e, a: {"dis/drop_frac_low": frac(rho <= 0.9), "dis/drop_frac_high": frac(rho >= 1.1)}  # noqa: E731
+        expected = lambda r, e, a: {"dis/drop_frac_low": frac(rho <= 0.9), "dis/drop_frac_high": frac(rho >= 1.1)}
     want = expected(ratio, engine, adv)
     assert any(v > 0 for v in want.values()), "the batch must exercise the cut"
     for key, value in want.items():
@@ -107,10 +129,19 @@ def test_gspo_basic_cut_fractions_count_action_tokens(gate, token_advantage):
 
 
 @pytest.mark.parametrize("B,T", SIZES)
-@pytest.mark.parametrize("recipe", ["grpo", "dapo", "gspo", "sapo", "cispo",
-                                    {"preset": "dapo", "gates": ["ppo_clip", "tis"]},
-                                    {"preset": "dapo", "gates": [{"name": "ppo_clip", "dual_clip_c": 3.0}, "icepop"]}],
-                         ids=str)
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "grpo",
+        "dapo",
+        "gspo",
+        "sapo",
+        "cispo",
+        {"preset": "dapo", "gates": ["ppo_clip", "tis"]},
+        {"preset": "dapo", "gates": [{"name": "ppo_clip", "dual_clip_c": 3.0}, "icepop"]},
+    ],
+    ids=str,
+)
 def test_levels_share_loss_gradient_and_values(recipe, B, T):
     fields, *_ = batch_and_ratios(B, T, token_advantage=False)
     runs = {}
@@ -135,8 +166,11 @@ def test_levels_share_loss_gradient_and_values(recipe, B, T):
 @pytest.mark.parametrize("bad", ["Full", "none", 1, None, "on"])
 def test_a_metric_level_outside_the_three_is_refused_by_name(bad):
     fields, *_ = batch_and_ratios(6, 10, token_advantage=False)
-    with pytest.raises(LossplugError, match=r"metrics must be one of 'off', 'basic', 'full' \(or True = 'full', "
-                                            r"False = 'off'\), got "):
+    with pytest.raises(
+        LossplugError,
+        match=r"metrics must be one of 'off', 'basic', 'full' \(or True = 'full', "
+        r"False = 'off'\), got ",
+    ):
         policy_loss(PolicyBatch(**fields), "dapo", metrics=bad)
 
 
@@ -144,7 +178,9 @@ def test_sapo_reports_its_gate_diagnostics_only_at_full():
     fields, *_ = batch_and_ratios(6, 10, token_advantage=False)
     batch = PolicyBatch(**fields)
     assert not [k for k in policy_loss(batch, "sapo", metrics="basic").metrics if k.startswith("sapo/")]
-    assert {"sapo/gate_mean", "sapo/gate_min", "sapo/soft_frac"} <= set(policy_loss(batch, "sapo", metrics="full").metrics)
+    assert {"sapo/gate_mean", "sapo/gate_min", "sapo/soft_frac"} <= set(
+        policy_loss(batch, "sapo", metrics="full").metrics
+    )
 
 
 def test_basic_is_the_default_level():

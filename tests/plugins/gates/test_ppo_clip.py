@@ -18,23 +18,25 @@ def per_token_objective(gate: dict, ratio, advantage):
     """One single-token response per element: the loss of each is minus that token's objective."""
     out = []
     for r, a in zip(ratio, advantage):
-        res, _ = run(gate, logp=(r.log() + SHIFT).reshape(1, 1), old_logp=torch.full((1, 1), SHIFT),
-                     advantage=a.reshape(1))
+        res, _ = run(
+            gate, logp=(r.log() + SHIFT).reshape(1, 1), old_logp=torch.full((1, 1), SHIFT), advantage=a.reshape(1)
+        )
         out.append(-res.loss.detach())
     return torch.stack(out)
 
 
 def test_seed_sign_aware_clip():
-    ratio = torch.tensor([1.3, .7, 1.3, .7])
-    advantage = torch.tensor([1., 1., -1., -1.])
-    gate = {"name": "ppo_clip", "eps_low": .2, "eps_high": .2}
+    ratio = torch.tensor([1.3, 0.7, 1.3, 0.7])
+    advantage = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    gate = {"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2}
     objective = per_token_objective(gate, ratio, advantage)
-    torch.testing.assert_close(objective, torch.tensor([1.2, .7, -1.3, -.8]))
+    torch.testing.assert_close(objective, torch.tensor([1.2, 0.7, -1.3, -0.8]))
 
     # (-objective.mean()).backward(): four one-token responses under the token mean
-    result, grad = run(gate, logp=(ratio.log() + SHIFT).reshape(4, 1), old_logp=torch.full((4, 1), SHIFT),
-                       advantage=advantage)
-    torch.testing.assert_close(result.loss, -torch.tensor([1.2, .7, -1.3, -.8]).mean())
+    result, grad = run(
+        gate, logp=(ratio.log() + SHIFT).reshape(4, 1), old_logp=torch.full((4, 1), SHIFT), advantage=advantage
+    )
+    torch.testing.assert_close(result.loss, -torch.tensor([1.2, 0.7, -1.3, -0.8]).mean())
     grad = grad.reshape(4)
     torch.testing.assert_close(grad[[0, 3]], torch.zeros(2))
     assert grad[1] < 0 and grad[2] > 0
@@ -45,26 +47,26 @@ def test_seed_sign_aware_clip():
 
 
 def test_clamp_then_multiply_is_not_the_surrogate():
-    ratio = torch.tensor([1.3, .7, 1.3, .7])
-    advantage = torch.tensor([1., 1., -1., -1.])
+    ratio = torch.tensor([1.3, 0.7, 1.3, 0.7])
+    advantage = torch.tensor([1.0, 1.0, -1.0, -1.0])
     objective = per_token_objective({"name": "ppo_clip"}, ratio, advantage)
-    assert not torch.allclose(objective, ratio.clamp(.8, 1.2) * advantage)
+    assert not torch.allclose(objective, ratio.clamp(0.8, 1.2) * advantage)
 
 
 def test_clip_higher_is_asymmetric():
-    ratio = torch.tensor([1.25, 1.25, .75])
-    advantage = torch.tensor([1., 1., -1.])
-    plain = per_token_objective({"name": "ppo_clip", "eps_low": .2, "eps_high": .2}, ratio, advantage)
-    higher = per_token_objective({"name": "ppo_clip", "eps_low": .2, "eps_high": .28}, ratio, advantage)
-    torch.testing.assert_close(plain, torch.tensor([1.2, 1.2, -.8]))
-    torch.testing.assert_close(higher, torch.tensor([1.25, 1.25, -.8]))
+    ratio = torch.tensor([1.25, 1.25, 0.75])
+    advantage = torch.tensor([1.0, 1.0, -1.0])
+    plain = per_token_objective({"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2}, ratio, advantage)
+    higher = per_token_objective({"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.28}, ratio, advantage)
+    torch.testing.assert_close(plain, torch.tensor([1.2, 1.2, -0.8]))
+    torch.testing.assert_close(higher, torch.tensor([1.25, 1.25, -0.8]))
 
 
 def test_dual_clip_bounds_negative_advantages():
     # A < 0: objective = max(min(r·A, clip(r)·A), c·A); c = 3
     ratio = torch.tensor([5.0, 2.0, 5.0, 0.5])
     advantage = torch.tensor([-1.0, -1.0, 1.0, -1.0])
-    gate = {"name": "ppo_clip", "eps_low": .2, "eps_high": .2, "dual_clip_c": 3.0}
+    gate = {"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0}
     objective = per_token_objective(gate, ratio, advantage)
     # r = 5, A = −1: PPO alone gives −5, dual-clip bounds it at −3; r = 2: −2 > −3 untouched;
     # A > 0 is never dual-clipped (r = 5 → 1.2); r = .5, A = −1: lower clip → −0.8
@@ -72,8 +74,9 @@ def test_dual_clip_bounds_negative_advantages():
     without = per_token_objective({**gate, "dual_clip_c": None}, ratio, advantage)
     torch.testing.assert_close(without, torch.tensor([-5.0, -2.0, 1.2, -0.8]))
 
-    result, grad = run(gate, logp=(ratio.log() + SHIFT).reshape(4, 1), old_logp=torch.full((4, 1), SHIFT),
-                       advantage=advantage)
+    result, grad = run(
+        gate, logp=(ratio.log() + SHIFT).reshape(4, 1), old_logp=torch.full((4, 1), SHIFT), advantage=advantage
+    )
     grad = grad.reshape(4)
     # dual-clipped, upper-clipped and lower-clipped tokens carry no gradient; the raw branch r = 2 does
     torch.testing.assert_close(grad[[0, 2, 3]], torch.zeros(3))

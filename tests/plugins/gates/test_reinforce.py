@@ -18,8 +18,9 @@ def test_gradient_is_minus_advantage_times_reduction_weight():
 
 
 def test_needs_no_old_logp():
-    batch = lossplug.PolicyBatch(logp=torch.full((1, 2), -1.0), advantage=torch.ones(1),
-                                 action_mask=torch.ones(1, 2, dtype=torch.bool))
+    batch = lossplug.PolicyBatch(
+        logp=torch.full((1, 2), -1.0), advantage=torch.ones(1), action_mask=torch.ones(1, 2, dtype=torch.bool)
+    )
     result = lossplug.policy_loss(batch, {"gates": ["reinforce"], "reduction": "token"}, metrics="full")
     torch.testing.assert_close(result.loss, torch.tensor(1.0))
     assert "ratio/update/mean" not in result.metrics

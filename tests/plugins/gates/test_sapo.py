@@ -14,14 +14,15 @@ def run(gate: dict, *, reduction="sequence_sum", mask=None, **fields):
 
 
 def test_seed_smooth_gate():
-    new_logp = torch.tensor([[-.7, 0., .7]]) + SHIFT
+    new_logp = torch.tensor([[-0.7, 0.0, 0.7]]) + SHIFT
     old_logp = torch.zeros(1, 3) + SHIFT
-    advantage = torch.tensor([[1., -1., 1.]])
+    advantage = torch.tensor([[1.0, -1.0, 1.0]])
     # one response under sequence_sum: loss = −Σ_t term_t, i.e. the seed's term.sum()
-    result, grad = run({"name": "sapo", "tau_pos": 1., "tau_neg": 2.}, logp=new_logp, old_logp=old_logp,
-                       advantage=advantage)
+    result, grad = run(
+        {"name": "sapo", "tau_pos": 1.0, "tau_neg": 2.0}, logp=new_logp, old_logp=old_logp, advantage=advantage
+    )
     ratio = (new_logp - old_logp).exp()
-    tau = torch.where(advantage > 0, 1., 2.)
+    tau = torch.where(advantage > 0, 1.0, 2.0)
     term = 4 / tau * torch.sigmoid(tau * (ratio - 1)) * advantage
     torch.testing.assert_close(result.loss, -term.sum())
     gate = torch.cosh(tau * (ratio - 1) / 2).reciprocal().square()
@@ -47,9 +48,10 @@ def test_value_at_ratio_one_is_two_a_over_tau():
 def test_negative_advantages_are_damped_faster():
     # same distance from r = 1, larger temperature for A < 0: a smaller gradient gate
     old = torch.full((2, 1), -2.0)
-    new = old + torch.tensor([[.5], [.5]])
-    _, grad = run({"name": "sapo", "tau_pos": 1.0, "tau_neg": 3.0}, logp=new, old_logp=old,
-                  advantage=torch.tensor([1.0, -1.0]))
+    new = old + torch.tensor([[0.5], [0.5]])
+    _, grad = run(
+        {"name": "sapo", "tau_pos": 1.0, "tau_neg": 3.0}, logp=new, old_logp=old, advantage=torch.tensor([1.0, -1.0])
+    )
     assert abs(grad[1, 0]) < abs(grad[0, 0])
 
 

@@ -23,9 +23,9 @@ import torch
 import lossplug
 
 pytest.importorskip("verl")
-from verl.trainer.ppo import core_algos  # noqa: E402
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights  # noqa: E402
-from verl.workers.config.actor import ActorConfig  # noqa: E402
+from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+from verl.workers.config.actor import ActorConfig
 
 DP = 2  # data-parallel ranks
 MICRO = 2  # micro-batches per rank
@@ -61,8 +61,9 @@ def global_batch(seed: int, *, delta_scale: float, delta_max: float, seq_advanta
     chunks = []
     for i in range(0, n, ROWS):
         sl = slice(i, i + ROWS)
-        chunks.append(dict(logp=logp[sl], old_logp=old[sl], behavior_logp=behavior[sl], advantage=adv[sl],
-                           action_mask=mask[sl]))
+        chunks.append(
+            dict(logp=logp[sl], old_logp=old[sl], behavior_logp=behavior[sl], advantage=adv[sl], action_mask=mask[sl])
+        )
     return chunks, int(mask.sum()), n
 
 
@@ -72,9 +73,15 @@ def actor_config(**kw) -> ActorConfig:
 
 def verl_side(fn, mb, mode, config, rollout_is_weights=None):
     log_prob = mb["logp"].clone().requires_grad_()
-    loss, metrics = fn(old_log_prob=mb["old_logp"], log_prob=log_prob, advantages=mb["advantage"],
-                       response_mask=mb["action_mask"], loss_agg_mode=mode, config=config,
-                       rollout_is_weights=rollout_is_weights)
+    loss, metrics = fn(
+        old_log_prob=mb["old_logp"],
+        log_prob=log_prob,
+        advantages=mb["advantage"],
+        response_mask=mb["action_mask"],
+        loss_agg_mode=mode,
+        config=config,
+        rollout_is_weights=rollout_is_weights,
+    )
     loss.backward()
     return loss.detach(), log_prob.grad, metrics
 
@@ -89,8 +96,9 @@ def lossplug_side(recipe, mb, normalizer):
 
 
 def compare(fn, gates, config, mode, chunks, tokens, sequences, *, rollout_is=None, reduction=None):
-    config.global_batch_info.update(dp_size=DP, batch_num_tokens=tokens, global_batch_size=sequences,
-                                    loss_scale_factor=LOSS_SCALE_FACTOR)
+    config.global_batch_info.update(
+        dp_size=DP, batch_num_tokens=tokens, global_batch_size=sequences, loss_scale_factor=LOSS_SCALE_FACTOR
+    )
     recipe = lossplug.Recipe.load({"gates": gates, "reduction": reduction or MODES[mode]})
     normalizer = lossplug.Normalizer(action_tokens=tokens, sequences=sequences)
     total_verl = total_plug = 0.0
@@ -99,7 +107,8 @@ def compare(fn, gates, config, mode, chunks, tokens, sequences, *, rollout_is=No
         weights = None
         if rollout_is is not None:
             weights, _ = compute_rollout_correction_weights(
-                log_ratio=mb["old_logp"] - mb["behavior_logp"], response_mask=mb["action_mask"], **rollout_is)
+                log_ratio=mb["old_logp"] - mb["behavior_logp"], response_mask=mb["action_mask"], **rollout_is
+            )
         v_loss, v_grad, v_metrics = verl_side(fn, mb, mode, config, weights)
         p_loss, p_grad, p_metrics = lossplug_side(recipe, mb, normalizer)
         torch.testing.assert_close(p_loss, v_loss, **TOL)
@@ -113,12 +122,27 @@ def compare(fn, gates, config, mode, chunks, tokens, sequences, *, rollout_is=No
 
 VANILLA = [
     # (name, verl config, lossplug gate, delta scale, delta max)
-    ("plain", dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2),
-     {"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2}, 0.3, 1.0),
-    ("clip_higher", dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28),
-     {"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.28}, 0.3, 1.0),
-    ("dual_clip", dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=2.5),
-     {"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.28, "dual_clip_c": 2.5}, 1.0, 2.5),
+    (
+        "plain",
+        dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2),
+        {"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2},
+        0.3,
+        1.0,
+    ),
+    (
+        "clip_higher",
+        dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28),
+        {"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.28},
+        0.3,
+        1.0,
+    ),
+    (
+        "dual_clip",
+        dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=2.5),
+        {"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.28, "dual_clip_c": 2.5},
+        1.0,
+        2.5,
+    ),
 ]
 
 
@@ -128,12 +152,14 @@ def test_vanilla(name, cfg, gate, scale, max_delta, mode):
     # verl's vanilla always applies dual-clip (clip_ratio_c, default 3): the "plain" inputs keep every ratio below
     # e^1 < 3 so that it never binds, and lossplug's plain ppo_clip (no dual clip) must agree
     chunks, tokens, sequences = global_batch(11, delta_scale=scale, delta_max=max_delta, seq_advantage=False)
-    pairs = compare(core_algos.compute_policy_loss_vanilla, [gate], actor_config(**cfg), mode, chunks, tokens,
-                    sequences)
+    pairs = compare(
+        core_algos.compute_policy_loss_vanilla, [gate], actor_config(**cfg), mode, chunks, tokens, sequences
+    )
     dual_seen = 0.0
     for v, p in pairs:
         assert p["ppo_clip/clip_frac_low"] + p["ppo_clip/clip_frac_high"] == pytest.approx(
-            v["actor/pg_clipfrac"], abs=1e-6)
+            v["actor/pg_clipfrac"], abs=1e-6
+        )
         assert p.get("ppo_clip/clip_frac_dual", 0.0) == pytest.approx(v["actor/pg_clipfrac_lower"], abs=1e-6)
         dual_seen += v["actor/pg_clipfrac_lower"]
     assert (dual_seen > 0) == (name == "dual_clip")
@@ -152,8 +178,15 @@ GSPO = [
 def test_gspo(name, cfg, params, scale, variant, seq_advantage, mode):
     # verl implements GSPO-token; the sequence-level gspo equals it for response-constant advantages
     chunks, tokens, sequences = global_batch(12, delta_scale=scale, delta_max=5 * scale, seq_advantage=seq_advantage)
-    pairs = compare(core_algos.compute_policy_loss_gspo, [{"name": variant, **params}], actor_config(**cfg), mode,
-                    chunks, tokens, sequences)
+    pairs = compare(
+        core_algos.compute_policy_loss_gspo,
+        [{"name": variant, **params}],
+        actor_config(**cfg),
+        mode,
+        chunks,
+        tokens,
+        sequences,
+    )
     clipped = 0.0
     for v, p in pairs:
         frac = p[f"{variant}/clip_frac_low"] + p[f"{variant}/clip_frac_high"]
@@ -166,17 +199,31 @@ def test_gspo(name, cfg, params, scale, variant, seq_advantage, mode):
 @pytest.mark.parametrize("tau_pos, tau_neg", [(1.0, 1.05), (1.0, 2.0)])
 def test_sapo(tau_pos, tau_neg, mode):
     chunks, tokens, sequences = global_batch(13, delta_scale=0.5, delta_max=3.0, seq_advantage=False)
-    compare(core_algos.compute_policy_loss_sapo, [{"name": "sapo", "tau_pos": tau_pos, "tau_neg": tau_neg}],
-            actor_config(tau_pos=tau_pos, tau_neg=tau_neg), mode, chunks, tokens, sequences,
-            reduction={"name": "response"})
+    compare(
+        core_algos.compute_policy_loss_sapo,
+        [{"name": "sapo", "tau_pos": tau_pos, "tau_neg": tau_neg}],
+        actor_config(tau_pos=tau_pos, tau_neg=tau_neg),
+        mode,
+        chunks,
+        tokens,
+        sequences,
+        reduction={"name": "response"},
+    )
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("low, high", [(0.2, 0.2), (0.1, 0.3)])
 def test_cispo(low, high, mode):
     chunks, tokens, sequences = global_batch(14, delta_scale=0.3, delta_max=2.0, seq_advantage=False)
-    pairs = compare(core_algos.compute_policy_loss_cispo, [{"name": "cispo", "eps_low": low, "eps_high": high}],
-                    actor_config(clip_ratio_low=low, clip_ratio_high=high), mode, chunks, tokens, sequences)
+    pairs = compare(
+        core_algos.compute_policy_loss_cispo,
+        [{"name": "cispo", "eps_low": low, "eps_high": high}],
+        actor_config(clip_ratio_low=low, clip_ratio_high=high),
+        mode,
+        chunks,
+        tokens,
+        sequences,
+    )
     for v, p in pairs:
         assert p["cispo/clip_frac"] == pytest.approx(v["actor/pg_clipfrac"], abs=1e-6)
 
@@ -185,8 +232,11 @@ CORRECTIONS = [
     ("tis", {"name": "tis", "cap": 2.0}, dict(rollout_is="token", rollout_is_threshold=2.0)),
     ("tis_seq", {"name": "tis_seq", "cap": 2.0}, dict(rollout_is="sequence", rollout_is_threshold=2.0)),
     ("icepop", {"name": "icepop", "low": 0.5, "high": 5.0}, dict(rollout_is="token", rollout_is_threshold="0.5_5.0")),
-    ("icepop_seq", {"name": "icepop_seq", "low": 0.5, "high": 5.0},
-     dict(rollout_is="sequence", rollout_is_threshold="0.5_5.0")),
+    (
+        "icepop_seq",
+        {"name": "icepop_seq", "low": 0.5, "high": 5.0},
+        dict(rollout_is="sequence", rollout_is_threshold="0.5_5.0"),
+    ),
 ]
 
 
@@ -196,9 +246,16 @@ def test_rollout_corrections_with_vanilla(name, gate, rollout_is, mode):
     # verl's rollout_corr_helper weights (old vs rollout log-probs) fed to vanilla as rollout_is_weights
     chunks, tokens, sequences = global_batch(15, delta_scale=0.3, delta_max=1.0, seq_advantage=False)
     ppo = {"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.28}
-    compare(core_algos.compute_policy_loss_vanilla, [ppo, gate],
-            actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28), mode, chunks, tokens, sequences,
-            rollout_is=rollout_is)
+    compare(
+        core_algos.compute_policy_loss_vanilla,
+        [ppo, gate],
+        actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28),
+        mode,
+        chunks,
+        tokens,
+        sequences,
+        rollout_is=rollout_is,
+    )
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -207,8 +264,17 @@ def test_reinforce_with_tis(mode):
     chunks, tokens, sequences = global_batch(16, delta_scale=0.3, delta_max=1.0, seq_advantage=False)
 
     def fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights):
-        return core_algos.compute_policy_loss_reinforce(old_log_prob, log_prob, advantages, response_mask,
-                                                        loss_agg_mode, config, rollout_is_weights)
+        return core_algos.compute_policy_loss_reinforce(
+            old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+        )
 
-    compare(fn, ["reinforce", {"name": "tis", "cap": 2.0}], actor_config(), mode, chunks, tokens, sequences,
-            rollout_is=dict(rollout_is="token", rollout_is_threshold=2.0))
+    compare(
+        fn,
+        ["reinforce", {"name": "tis", "cap": 2.0}],
+        actor_config(),
+        mode,
+        chunks,
+        tokens,
+        sequences,
+        rollout_is=dict(rollout_is="token", rollout_is_threshold=2.0),
+    )
