@@ -56,6 +56,17 @@ class _CheckedTensors:
             return None
         return entry[2], entry[3]
 
+    def to_read(self, t: Tensor, whole: Tensor, *, below_too: bool = False) -> Tensor | None:
+        """What a check of ``t`` must read, ``whole`` being the tensor whose remembered outcome covers it (its base):
+        None when ``whole`` passed as it is now (the tolerance rule too if ``below_too``); ``whole`` when it was not
+        checked as it is now; ``t`` itself when ``whole`` failed (garbage elsewhere in it: this slice on its own)."""
+        known = self.get(whole)
+        if known is None:
+            return whole
+        if known[0] and (known[1] or not below_too):
+            return None
+        return t
+
     def put(self, t: Tensor, finite: bool, below: bool) -> None:
         key = id(t)
         self._entries[key] = (
@@ -125,12 +136,9 @@ def _token_value_rules(checks: Checks, name: str, t: Tensor, mask: Tensor, logpr
     if t.numel() == 0:
         return
     fresh = t.requires_grad
-    whole = t if fresh else _base_of(t)
-    known = None if fresh else _CHECKED.get(whole)
-    if known is not None:
-        if known[0] and (known[1] or not logprob):
-            return  # every element of the base passed: so does every slice, whatever its mask
-        whole = t  # the base failed as a whole (garbage off the actions): check this slice on its own
+    whole = t if fresh else _CHECKED.to_read(t, _base_of(t), below_too=logprob)
+    if whole is None:
+        return  # every element of the base passed: so does every slice, whatever its mask
 
     def find_on_actions() -> list[Violation]:
         finite, below = _extremes(torch.where(mask, t, 0), logprob, False)
@@ -152,12 +160,9 @@ def _values_pass_on_host(t: Tensor, mask: Tensor, logprob: bool) -> bool:
     if t.numel() == 0:
         return True
     fresh = t.requires_grad  # this forward's logp: read every time, never remembered
-    whole = t if fresh else _base_of(t)
-    known = None if fresh else _CHECKED.get(whole)
-    if known is not None:
-        if known[0] and (known[1] or not logprob):
-            return True
-        whole = t  # the base failed as a whole: this slice on its own
+    whole = t if fresh else _CHECKED.to_read(t, _base_of(t), below_too=logprob)
+    if whole is None:
+        return True
     finite, below = _extremes(whole, logprob, True)
     if not fresh:
         _CHECKED.put(whole, finite, finite and below and logprob)
@@ -171,12 +176,9 @@ def _finite_on_host(t: Tensor) -> bool:
     """The quick test of :func:`_finite_rule` on the CPU (a per-response float field)."""
     if not t.is_floating_point() or t.numel() == 0:
         return False  # the full rule reports
-    whole = _base_of(t)
-    known = _CHECKED.get(whole)
-    if known is not None:
-        if known[0]:
-            return True
-        whole = t  # the base is not finite everywhere: this slice on its own
+    whole = _CHECKED.to_read(t, _base_of(t))
+    if whole is None:
+        return True
     finite = math.isfinite(whole.sum(dtype=torch.float64 if whole.element_size() < 4 else whole.dtype).item())
     _CHECKED.put(whole, finite, False)
     return finite
@@ -185,12 +187,9 @@ def _finite_on_host(t: Tensor) -> bool:
 def _rows_act_on_host(mask: Tensor) -> bool:
     """Every row of the CPU bool ``mask`` has an action: read once per step — a micro-batch that is a range of rows of
     a mask whose every row passed (same version) passes without a pass over it."""
-    whole = _rows_of(mask)
-    known = _CHECKED.get(whole)
-    if known is not None:
-        if known[0]:
-            return True
-        whole = mask  # the step's mask has empty rows somewhere: this micro-batch on its own
+    whole = _CHECKED.to_read(mask, _rows_of(mask))
+    if whole is None:
+        return True
     ok = whole.view(torch.uint8).amax(-1).amin().item() != 0
     _CHECKED.put(whole, ok, False)
     return ok
