@@ -23,6 +23,9 @@ from .errors import BatchValidationError, Violation, describe_positions, did_you
 #: log-probs may exceed 0 by this much (rounding in low-precision log-softmax) before they are rejected.
 LOGP_TOLERANCE = 1e-3
 
+#: entropies may fall below 0 by this much (rounding of −Σ p·log p in low precision) before they are rejected.
+ENTROPY_TOLERANCE = 1e-3
+
 Tensor = torch.Tensor
 
 
@@ -170,6 +173,26 @@ def _values_pass_on_host(t: Tensor, mask: Tensor, logprob: bool) -> bool:
         return True
     finite, below = _extremes(torch.where(mask, t, 0), logprob, True)  # garbage off the actions is allowed
     return finite and below
+
+
+def _entropy_passes_on_host(entropy: Tensor, mask: Tensor) -> bool:
+    """The quick test of the entropy rule on the CPU: finite and ≥ −tolerance on the actions."""
+    if entropy.shape != mask.shape or not entropy.is_floating_point() or not entropy.is_cpu:
+        return False
+    ok = torch.isfinite(entropy) & (entropy >= -ENTROPY_TOLERANCE)
+    return bool((ok | ~mask).all())
+
+
+def _components_pass_on_host(t: Tensor, row_shape: torch.Size) -> bool:
+    """The quick test of the ``reward_components`` rules on the CPU: ``[B, K≥1]`` float, finite."""
+    return (
+        t.ndim == 2
+        and t.shape[:1] == row_shape
+        and t.shape[1] > 0
+        and t.is_floating_point()
+        and t.is_cpu
+        and math.isfinite(t.sum(dtype=torch.float64).item())
+    )
 
 
 def _finite_on_host(t: Tensor) -> bool:
@@ -418,6 +441,14 @@ class PolicyBatch(_TensorModel):
     terminated: Tensor | None = None
     #: ``[B]`` value of the real final observation of truncated responses (read only where ``terminated`` is False)
     final_value: Tensor | None = None
+    #: per-token entropy of the current policy's distribution at each position, ``[B, T]`` (≥ 0 on the actions;
+    #: TRL's ``_get_per_token_logps_and_entropies``, verl's ``entropy``); detached data for entropy-aware gates
+    #: and regularisers
+    entropy: Tensor | None = None
+    #: ``[B]`` reward of a baseline response to the same prompt (ReMax: the greedy decode's reward)
+    reward_baseline: Tensor | None = None
+    #: ``[B, K]`` one column per reward function, before any aggregation (TRL's ``normalize_then_sum``, verl's GDPO)
+    reward_components: Tensor | None = None
 
     TOKEN_FLOATS: ClassVar[tuple[str, ...]] = ("logp", "old_logp", "behavior_logp", "ref_logp", "value")
     LOGPROBS: ClassVar[tuple[str, ...]] = ("logp", "old_logp", "behavior_logp", "ref_logp")
@@ -444,9 +475,12 @@ class PolicyBatch(_TensorModel):
         "trajectory_id": (False, True, "int"),
         "terminated": (False, True, "bool"),
         "final_value": (False, True, "float"),
+        "entropy": (True, False, "float"),
+        "reward_baseline": (False, True, "float"),
+        "reward_components": (False, False, "float"),  # [B, K]: its own shape rule
     }
     #: the fields whose values are checked: finite on the actions (log-probs also ≤ LOGP_TOLERANCE), or finite per row
-    _VALUE_FIELDS: ClassVar[tuple[str, ...]] = TOKEN_FLOATS + ("advantage", "reward")
+    _VALUE_FIELDS: ClassVar[tuple[str, ...]] = TOKEN_FLOATS + ("advantage", "reward", "reward_baseline")
 
     def _passes(self) -> bool:
         fields = self.__dict__
@@ -462,6 +496,10 @@ class PolicyBatch(_TensorModel):
                 continue
             per_token, per_row, kind = layout[name]
             t_shape = t.shape
+            if name == "reward_components":
+                if not _components_pass_on_host(t, row_shape):
+                    return False
+                continue
             if (
                 not ((per_token and t_shape == shape) or (per_row and t_shape == row_shape))
                 or not (
@@ -492,6 +530,9 @@ class PolicyBatch(_TensorModel):
             seen.append(key)
             if not _values_pass_on_host(t, fields["action_mask"], logprob):
                 return False
+        entropy = fields.get("entropy")
+        if entropy is not None and not _entropy_passes_on_host(entropy, fields["action_mask"]):
+            return False
         final_value = fields.get("final_value")
         return final_value is None  # truncation rules: the full path
 
@@ -513,7 +554,13 @@ class PolicyBatch(_TensorModel):
         for name, t in present:
             per_token, per_row, kind = self._LAYOUT[name]
             t_shape = t.shape
-            if not ((per_token and t_shape == shape) or (per_row and t_shape == row_shape)):
+            if name == "reward_components":
+                if t.ndim != 2 or t_shape[0] != B or t_shape[1] == 0:
+                    checks.fail(
+                        name, f"must be [B={B}, K] with one column per reward function (K >= 1), got {list(t_shape)}"
+                    )
+                    ok = False
+            elif not ((per_token and t_shape == shape) or (per_row and t_shape == row_shape)):
                 want = " or ".join(str(list(s)) for s, allowed in ((row_shape, per_row), (shape, per_token)) if allowed)
                 checks.fail(name, f"shape must align with logp [B={B}, T={T}]: expected {want}, got {list(t_shape)}")
                 ok = False
@@ -547,6 +594,16 @@ class PolicyBatch(_TensorModel):
                 _token_value_rules(checks, name, t, mask, logprob=logprob)
             else:
                 _finite_rule(checks, name, t)
+        components = fields.get("reward_components")
+        if components is not None:
+            checks.when_not_finite(components, "reward_components", noun="rows")
+        entropy = fields.get("entropy")
+        if entropy is not None:
+            checks.when_any(
+                mask & ~(torch.isfinite(entropy) & (entropy >= -ENTROPY_TOLERANCE)),
+                "entropy",
+                f"must be finite and >= 0 (tolerance {ENTROPY_TOLERANCE}) on action positions",
+            )
         final_value = fields.get("final_value")
         if final_value is not None:
             terminated = fields.get("terminated")

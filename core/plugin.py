@@ -60,6 +60,10 @@ def evaluate(value: Lazy) -> Tensor:
     return value() if callable(value) else value
 
 
+#: the fields whose cleaned copies keep the batch's autograd graph (every other field is detached)
+_DIFFERENTIABLE = ("logp", "entropy")
+
+
 class GateInput:
     """What a gate reads for one micro-batch, built from a :class:`PolicyBatch` by :meth:`from_batch`.
 
@@ -73,7 +77,8 @@ class GateInput:
     * ``mask`` ``[B, T]`` bool, ``lengths`` ``[B]`` action tokens per response, ``batch`` the PolicyBatch itself
       (read its metadata, never its raw per-token tensors);
     * ``logp`` (carries the gradient), ``old_logp``, ``behavior_logp``, ``ref_logp``: ``[B, T]``, or None when the
-      batch has none (declare what you read in ``requires=``);
+      batch has none (declare what you read in ``requires=``); ``entropy`` ``[B, T]`` (carries gradient when the
+      batch's does);
     * ``advantage``: always ``[B, T]`` (a ``[B]`` advantage broadcast over the response); ``seq_advantage``: the
       ``[B]`` advantage when the batch holds one, else None; :meth:`broadcast_advantage` the cheapest form that
       broadcasts against ``[B, T]``;
@@ -116,10 +121,10 @@ class GateInput:
         if cleaned is None:
             with torch.set_grad_enabled(self._grad_mode):
                 cleaned = zero_off(
-                    (raw if name == "logp" else raw.detach()).to(self.compute_dtype), self.mask, self._bits
+                    (raw if name in _DIFFERENTIABLE else raw.detach()).to(self.compute_dtype), self.mask, self._bits
                 )
             self._cleaned[key] = cleaned
-        return cleaned if name == "logp" else cleaned.detach()
+        return cleaned if name in _DIFFERENTIABLE else cleaned.detach()
 
     @functools.cached_property
     def logp(self) -> Tensor:
@@ -140,6 +145,12 @@ class GateInput:
     def ref_logp(self) -> Tensor | None:
         """Log-probs of the frozen reference policy, detached."""
         return self._clean("ref_logp")
+
+    @functools.cached_property
+    def entropy(self) -> Tensor | None:
+        """Per-token entropy of the current policy ``[B, T]``, zero off the actions; carries gradient when the batch's
+        does (an entropy bonus differentiates it; a gate that only compares it reads it under ``no_grad``)."""
+        return self._clean("entropy")
 
     @functools.cached_property
     def advantage(self) -> Tensor:

@@ -24,6 +24,8 @@ def lossplug_register_advantages(register: Callable[[lossplug.AdvantagePlugin], 
     register(group_relative.rloo)
     register(gae.gae)
     register(length_adaptive_gae.length_adaptive_gae)
+    # verl's estimators (verl parity)
+    # TRL's multi-reward aggregation (TRL parity)
 
 
 @lossplug.hookimpl
@@ -44,6 +46,9 @@ def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> 
         corrections.icepop_seq,
     ):
         register(plugin)
+    # verl's policy losses (verl parity)
+    # verl's rollout correction suite (verl parity)
+    # TRL's loss options (TRL parity)
 
 
 @lossplug.hookimpl

@@ -208,3 +208,37 @@ def test_trajectory_id_may_change_only_after_a_boundary():
 def test_final_value_needs_terminated():
     err, msg = violations(**good(final_value=torch.tensor([0.0, 1.0, 2.0])))
     assert "final_value: is only read for truncated responses: give terminated [B] bool with it" in msg
+
+
+# ---- fields shared by the parity work: entropy, reward_baseline, reward_components -----------------------------------
+
+
+def _parity_batch(**fields: torch.Tensor) -> PolicyBatch:
+    mask = torch.tensor([[True, True, False], [True, False, True]])
+    return PolicyBatch(logp=-torch.rand(2, 3), action_mask=mask, **fields)
+
+
+def test_entropy_is_checked_on_actions_only() -> None:
+    entropy = torch.tensor([[0.5, 0.0, float("nan")], [1.0, -7.0, 2.0]])  # garbage off the actions is allowed
+    assert _parity_batch(entropy=entropy).entropy is entropy
+    with pytest.raises(BatchValidationError, match=r"entropy: must be finite and >= 0.*row 1, pos 2"):
+        _parity_batch(entropy=torch.tensor([[0.5, 0.1, 0.0], [1.0, 0.0, -0.5]]))
+    with pytest.raises(BatchValidationError, match=r"entropy: must be finite"):
+        _parity_batch(entropy=torch.tensor([[float("inf"), 0.1, 0.0], [1.0, 0.0, 0.5]]))
+
+
+def test_reward_baseline_is_a_finite_row_field() -> None:
+    assert _parity_batch(reward_baseline=torch.tensor([0.5, 1.0])).reward_baseline is not None
+    with pytest.raises(BatchValidationError, match=r"reward_baseline: shape must align"):
+        _parity_batch(reward_baseline=torch.zeros(2, 3))
+    with pytest.raises(BatchValidationError, match=r"reward_baseline: must be finite"):
+        _parity_batch(reward_baseline=torch.tensor([0.5, float("nan")]))
+
+
+def test_reward_components_are_b_by_k() -> None:
+    assert _parity_batch(reward_components=torch.rand(2, 4)).reward_components.shape == (2, 4)
+    for bad in (torch.rand(2), torch.rand(2, 0), torch.rand(3, 2)):
+        with pytest.raises(BatchValidationError, match=r"reward_components: must be \[B=2, K\]"):
+            _parity_batch(reward_components=bad)
+    with pytest.raises(BatchValidationError, match=r"reward_components: must be finite"):
+        _parity_batch(reward_components=torch.tensor([[1.0, float("inf")], [0.0, 0.0]]))
