@@ -45,6 +45,7 @@ adds itself (lossplug never adds them). ``loss_agg_mode`` ↔ reduction: ``token
 from __future__ import annotations
 
 import importlib.metadata as md
+import importlib.util
 import json
 import os
 import sys
@@ -52,7 +53,6 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,7 @@ from verl.trainer.ppo import core_algos
 from verl.workers.config import PolicyLossConfig
 
 import lossplug
+from lossplug.adapters.verl_recipes import verl_equivalent
 from lossplug.contracts import LossplugError, Normalizer, PolicyBatch, Recipe, RecipeError
 from lossplug.contracts.normalizer import whole_count
 from lossplug.pipeline import Validate, metric_level
@@ -72,11 +73,14 @@ __all__ = [
     "LOSS_AGG_MODES",
     "LossplugPolicyLossConfig",
     "check_registration",
+    "compute_advantage",
     "compute_lossplug_advantage",
     "compute_policy_loss_lossplug",
     "group_ids",
     "load_recipe",
     "register",
+    "trl_breaks_verl",
+    "verl_equivalent",
     "verl_normalizer",
 ]
 
@@ -380,6 +384,92 @@ def _policy_recipe(config: Any) -> Recipe:
     return load_recipe(source, POLICY_RECIPE_KEY)
 
 
+def _verl_clip_fractions(update_gate: str, found: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """verl's own clip metrics, with ``compute_policy_loss_vanilla``'s definitions, from the update gate's cut
+    fractions (means over the micro-batch's action tokens, like verl's ``masked_mean``): ``actor/pg_clipfrac`` —
+    tokens whose clipped branch is taken (``r > 1 + eps_high`` with ``A > 0`` or ``r < 1 − eps_low`` with ``A < 0``);
+    ``actor/pg_clipfrac_lower`` — tokens held at the dual-clip bound ``c·A`` (``A < 0``), 0 without dual clip.
+    Present when the update gate reports ``clip_frac_low`` and ``clip_frac_high`` (``ppo_clip`` does), so a
+    dashboard built on verl's keys keeps working after ``loss_mode=lossplug``."""
+    low, high = found.get(f"{update_gate}/clip_frac_low"), found.get(f"{update_gate}/clip_frac_high")
+    if low is None or high is None:
+        return {}
+    dual = found.get(f"{update_gate}/clip_frac_dual")
+    return {"actor/pg_clipfrac": low + high, "actor/pg_clipfrac_lower": dual if dual is not None else low * 0}
+
+
+def _config_value(config: Any, key: str, default: Any) -> Any:
+    if config is None:
+        return default
+    value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
+    return default if value is None else value
+
+
+_policy_terms: dict[tuple[Any, ...], Recipe] = {}
+
+
+def _policy_term(recipe: Recipe, config: Any, loss_agg_mode: str) -> Recipe:
+    """The recipe without its regularisers, once each is found to be exactly the term verl's ``ppo_loss`` adds
+    itself around the policy loss (``entropy_coeff``; ``use_kl_loss``, ``kl_loss_type``, ``kl_loss_coef``; reduced
+    with ``loss_agg_mode``) — so each is counted once. verl hands a policy loss neither the entropy nor the reference
+    log-probs, so a regulariser verl does not add cannot be computed here: it is refused, naming the setting."""
+    entropy_coeff = float(_config_value(config, "entropy_coeff", 0.0))
+    use_kl = bool(_config_value(config, "use_kl_loss", False))
+    kl_type = str(_config_value(config, "kl_loss_type", "low_var_kl"))
+    kl_coef = float(_config_value(config, "kl_loss_coef", 0.001))
+    key = (id(recipe), recipe.to_json(), entropy_coeff, use_kl, kl_type, kl_coef, loss_agg_mode)
+    cached = _policy_terms.get(key)
+    if cached is not None:
+        return cached
+    from lossplug.adapters.verl_recipes import verl_regularisers
+
+    verl_adds = verl_regularisers(
+        {"entropy_coeff": entropy_coeff, "use_kl_loss": use_kl, "kl_loss_type": kl_type, "kl_loss_coef": kl_coef}
+    )
+    agg = LOSS_AGG_MODES.get(loss_agg_mode)
+    ours = [(spec.name, spec.params) for spec in recipe.regularisers]
+    if ours:
+        expected = (
+            Recipe.load(
+                {
+                    "gates": [g.to_dict() for g in recipe.gates],
+                    "reduction": recipe.reduction.to_dict(),
+                    "regularisers": [{**r, "reduction": agg} for r in verl_adds],
+                }
+            )
+            if verl_adds
+            else None
+        )
+        theirs = [] if expected is None else [(s.name, s.params) for s in expected.regularisers]
+
+        def effective(params: Mapping[str, Any]) -> dict[str, Any]:
+            return {**params, "reduction": params.get("reduction") or recipe.reduction.name}
+
+        if sorted((n, sorted(effective(p).items())) for n, p in ours) != sorted(
+            (n, sorted(effective(p).items())) for n, p in theirs
+        ):
+            raise LossplugError(
+                f"{POLICY_RECIPE_KEY}: the recipe's regularisers {[dict(name=n, **p) for n, p in ours]} are not what "
+                f"verl's ppo_loss adds around the policy loss for actor.entropy_coeff={entropy_coeff}, "
+                f"use_kl_loss={use_kl}, kl_loss_type={kl_type}, kl_loss_coef={kl_coef}, loss_agg_mode="
+                f"{loss_agg_mode} ({[dict(name=n, **p) for n, p in theirs]}); verl passes a policy loss neither the "
+                f"entropy nor ref_log_prob, so entropy and KL terms come from those actor settings — set them to "
+                f"match the recipe (lossplug.adapters.verl.verl_equivalent(actor) builds the recipe from them)"
+            )
+    elif verl_adds:
+        _warn_once(
+            f"regularisers:{key}",
+            (
+                f"lossplug: verl's ppo_loss adds {', '.join(r['name'] for r in verl_adds)} (actor.entropy_coeff / "
+                f"use_kl_loss) to the recipe's policy loss; the recipe {POLICY_RECIPE_KEY} does not list them, so its "
+                f"record does not describe the whole loss (verl_equivalent(actor) gives the recipe that does)"
+            ),
+        )
+    term = recipe if not ours else Recipe.load({k: v for k, v in recipe.to_dict().items() if k != "regularisers"})
+    _policy_terms[key] = term
+    return term
+
+
 _checked_kinds: set[str] = set()
 
 
@@ -412,7 +502,7 @@ def compute_policy_loss_lossplug(
     multiplied by ``dp_size``; entropy and KL are left to verl's ``ppo_loss``.
     """
     _check_once("policy")
-    recipe = _policy_recipe(config)
+    recipe = _policy_term(_policy_recipe(config), config, loss_agg_mode)
     compiled = lossplug.compile_recipe(recipe)
     policy_cfg = getattr(config, "policy_loss", None)
     validate: Validate = getattr(policy_cfg, "validation", "full") if policy_cfg is not None else "full"
@@ -492,6 +582,7 @@ def compute_policy_loss_lossplug(
             engine_kl = found.pop("engine/approx_kl", None)
             if engine_kl is not None:
                 tensors["actor/rollout_corr/kl"] = engine_kl
+            tensors.update(_verl_clip_fractions(compiled.update.plugin.name, found))
             tensors.update({f"actor/lossplug/{k}": v for k, v in found.items()})
             values = torch.stack([t.detach().double().reshape(()) for t in tensors.values()]).tolist()
         metrics = dict(zip(tensors, values))
@@ -501,31 +592,16 @@ def compute_policy_loss_lossplug(
 # ---------------------------------------------------------------------------------------------------------------------
 # The advantage estimator
 
-#: DataProto keys read for plugins that need more than rewards (verl passes only rewards, mask, index and config)
+#: PolicyBatch field → the DataProto key it is read from, for plugins that need more than rewards
 _EXTRA_FIELDS = {
     "value": "values",
     "old_logp": "old_log_probs",
     "ref_logp": "ref_log_prob",
     "behavior_logp": "rollout_log_probs",
+    "reward_baseline": "reward_baselines",
 }
-
-
-def _caller_batch(token_level_rewards: Tensor) -> Any | None:
-    """The ``DataProto.batch`` that ``ray_trainer.compute_advantage`` is processing (its local ``data``), found up the
-    call stack and accepted only if it holds this very ``token_level_rewards`` tensor."""
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(6):
-        if frame is None:
-            return None
-        data = frame.f_locals.get("data")
-        batch = getattr(data, "batch", None)
-        try:
-            if batch is not None and batch.get("token_level_rewards", None) is token_level_rewards:
-                return batch
-        except Exception:  # pragma: no cover - a foreign object named data
-            pass
-        frame = frame.f_back
-    return None
+#: the DataProto keys ``ray_trainer.compute_advantage`` hands a registered estimator (besides rewards, mask, uid)
+_PASSED_BY_VERL = frozenset({"reward_baselines"})
 
 
 def _algorithm_value(config: Any, key: str) -> Any:
@@ -537,6 +613,13 @@ def _algorithm_value(config: Any, key: str) -> Any:
         except Exception:  # pragma: no cover
             return None
     return getattr(config, key, None)
+
+
+def _advantage_stage(recipe: Recipe, key: str) -> Any:
+    stage = lossplug.compile_recipe(recipe).advantage
+    if stage is None:
+        raise LossplugError(f"{key}: the recipe has no advantage stage; add one, e.g. advantage: {{name: grpo}}")
+    return stage
 
 
 def compute_lossplug_advantage(
@@ -551,6 +634,11 @@ def compute_lossplug_advantage(
     Returns ``(advantages, returns)``, both ``[B, T]`` and zero off the response mask; ``returns`` are the critic
     targets where the plugin has a critic (GAE: ``A + V_old``), otherwise the advantages (verl's convention).
     ``algorithm.gamma``, ``lam`` and ``norm_adv_by_std_in_grpo`` are not read: the recipe's parameters are.
+
+    verl's ``ray_trainer.compute_advantage`` passes a registered estimator only ``token_level_rewards``,
+    ``response_mask``, ``index`` (uid) and ``reward_baselines``: a plugin that needs anything else (critic
+    ``values`` for ``gae``, log-probs) is refused here with the way out — :func:`compute_advantage` on the
+    ``DataProto`` in a custom trainer, or verl's own estimator.
     """
     _check_once("estimator")
     source = _algorithm_value(config, "lossplug")
@@ -560,12 +648,7 @@ def compute_lossplug_advantage(
             f"/abs/path/recipe.yaml | {{…}}> (its advantage stage is used)"
         )
     recipe = load_recipe(source, ADVANTAGE_RECIPE_KEY)
-    stage = lossplug.compile_recipe(recipe).advantage
-    if stage is None:
-        raise LossplugError(
-            f"{ADVANTAGE_RECIPE_KEY}: the recipe has no advantage stage; add one, e.g. advantage: {{name: grpo}}"
-        )
-    plugin = stage.plugin
+    stage = _advantage_stage(recipe, ADVANTAGE_RECIPE_KEY)
     for name in ("gamma", "lam"):
         if name in type(stage.params).model_fields:
             ours, theirs = getattr(stage.params, name), _algorithm_value(config, name)
@@ -573,17 +656,82 @@ def compute_lossplug_advantage(
                 _warn_once(
                     f"{name}:{ours}:{theirs}",
                     (
-                        f"lossplug: {ADVANTAGE_RECIPE_KEY} uses {plugin.name} {name}={ours}; algorithm.{name}={theirs} is "
-                        f"not read under adv_estimator={NAME}"
+                        f"lossplug: {ADVANTAGE_RECIPE_KEY} uses {stage.plugin.name} {name}={ours}; algorithm.{name}="
+                        f"{theirs} is not read under adv_estimator={NAME}"
                     ),
                 )
+    extra = {key: value for key, value in kwargs.items() if key in _EXTRA_FIELDS.values() and value is not None}
+    return _estimate(recipe, ADVANTAGE_RECIPE_KEY, token_level_rewards, response_mask, index, extra, from_verl=True)
 
+
+def compute_advantage(data: Any, recipe: Any) -> Any:
+    """The recipe's advantage stage on a verl ``DataProto``, for custom trainers: the explicit path for plugins that
+    read more than verl hands a registered estimator (``gae`` reads the critic's ``values``).
+
+    Reads ``token_level_rewards``, ``response_mask`` and ``non_tensor_batch["uid"]``, plus whatever the plugin
+    requires of ``values``, ``old_log_probs``, ``ref_log_prob``, ``rollout_log_probs`` and ``reward_baselines``
+    from ``data.batch``; writes ``data.batch["advantages"]`` and ``data.batch["returns"]`` (``[B, T]``, zero off the
+    response mask) and returns ``data`` — what ``verl.trainer.ppo.ray_trainer.compute_advantage`` does with verl's
+    own estimators. ``recipe``: a :class:`~lossplug.Recipe`, preset name, YAML/JSON path or mapping.
+    """
+    batch = data.batch
+    where = "compute_advantage(recipe)"
+    recipe = load_recipe(recipe, where)
+    _advantage_stage(recipe, where)
+    keys = set(batch.keys())
+    for needed in ("token_level_rewards", "response_mask"):
+        if needed not in keys:
+            raise LossplugError(f"compute_advantage: data.batch has no '{needed}' (keys: {', '.join(sorted(keys))})")
+    extra = {key: batch[key] for key in _EXTRA_FIELDS.values() if key in keys}
+    uid = data.non_tensor_batch.get("uid") if getattr(data, "non_tensor_batch", None) is not None else None
+    adv, ret = _estimate(
+        recipe, where, batch["token_level_rewards"], batch["response_mask"], uid, extra, from_verl=False
+    )
+    batch["advantages"] = adv
+    batch["returns"] = ret
+    return data
+
+
+def _estimate(
+    recipe: Recipe,
+    key: str,
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Any,
+    extra_by_verl_key: Mapping[str, Tensor],
+    *,
+    from_verl: bool,
+) -> tuple[Tensor, Tensor]:
+    stage = _advantage_stage(recipe, key)
+    plugin = stage.plugin
     mask = response_mask.bool()
     B, T = mask.shape
     dtype = token_level_rewards.dtype if token_level_rewards.is_floating_point() else torch.float32
     keep = mask.any(-1)
     advantages = torch.zeros(B, T, dtype=dtype, device=token_level_rewards.device)
     returns = torch.zeros_like(advantages)
+
+    extra: dict[str, Tensor] = {}
+    required = plugin.required_fields(stage.params)
+    for name in (f for f in _EXTRA_FIELDS if f in required):
+        verl_key = _EXTRA_FIELDS[name]
+        value = extra_by_verl_key.get(verl_key)
+        if value is not None:
+            extra[name] = value
+        elif from_verl and verl_key not in _PASSED_BY_VERL:
+            raise LossplugError(
+                f"{key}: advantage plugin '{plugin.name}' needs '{verl_key}', which verl's "
+                f"ray_trainer.compute_advantage does not pass to a registered estimator (it passes "
+                f"token_level_rewards, response_mask, uid and reward_baselines); under verl's trainer use verl's own "
+                f"estimator for it (e.g. adv_estimator=gae), or in a custom trainer call "
+                f"lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto, which reads '{verl_key}' "
+                f"from data.batch"
+            )
+        else:
+            raise LossplugError(
+                f"{key}: advantage plugin '{plugin.name}' needs '{verl_key}', which the batch does not hold"
+                + (" (a critic-based recipe needs critic.enable=True)" if verl_key == "values" else "")
+            )
     if not bool(keep.any()):
         return advantages, returns
 
@@ -596,27 +744,6 @@ def compute_lossplug_advantage(
             f"{describe_positions(off)}; lossplug credits rewards on action tokens only (verl's "
             f"outcome estimators sum every position) — place the score on the last response token"
         )
-
-    extra: dict[str, Tensor] = {}
-    required = plugin.required_fields(stage.params)
-    wanted = [f for f in _EXTRA_FIELDS if f in required]
-    source_batch = None
-    if any(kwargs.get(_EXTRA_FIELDS[f]) is None for f in wanted):
-        source_batch = _caller_batch(token_level_rewards)
-    for name in wanted:
-        key = _EXTRA_FIELDS[name]
-        value = kwargs.get(key)
-        if value is None and source_batch is not None and key in source_batch.keys():
-            value = source_batch[key]
-        if value is not None:
-            extra[name] = value
-        else:
-            raise LossplugError(
-                f"{ADVANTAGE_RECIPE_KEY}: advantage plugin '{plugin.name}' needs '{key}', which verl does not pass to "
-                f"a registered estimator and which was not found in the DataProto being processed by "
-                f"verl.trainer.ppo.ray_trainer.compute_advantage; a critic-based recipe needs critic.enable=True "
-                f"(verl enables a critic by itself only for adv_estimator=gae)"
-            )
 
     def rows(t: Tensor) -> Tensor:
         return t if bool(keep.all()) else t[keep]
@@ -632,7 +759,7 @@ def compute_lossplug_advantage(
     try:
         result = lossplug.estimate_advantages(batch, recipe)
     except RecipeError as err:
-        raise _keyed(err, ADVANTAGE_RECIPE_KEY) from None
+        raise _keyed(err, key) from None
     adv = result.advantage
     if adv.ndim == 1:
         adv = adv.unsqueeze(-1).expand(-1, T)
@@ -647,7 +774,54 @@ def compute_lossplug_advantage(
     return advantages, returns
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# TRL beside verl
+
+
+def trl_breaks_verl() -> str | None:
+    """Why the TRL installed beside verl breaks verl's FSDP workers, or ``None`` when it does not (no TRL, or a TRL
+    that still has ``AutoModelForCausalLMWithValueHead``). Reads files only: TRL is not imported.
+
+    verl 0.9.1's ``models/transformers/monkey_patch.py`` imports ``AutoModelForCausalLMWithValueHead`` from
+    ``trl.experimental.ppo`` or ``trl`` whenever ``importlib.util.find_spec("trl")`` finds TRL; TRL ≥ 1.0 has
+    neither, so building an FSDP actor fails with ImportError — on GPUs too. ``lossplug[all]`` installs exactly
+    that combination."""
+    try:
+        spec = importlib.util.find_spec("trl")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = next(iter(spec.submodule_search_locations))
+    if os.path.isdir(os.path.join(root, "experimental", "ppo")):
+        return None
+    try:
+        with open(os.path.join(root, "__init__.py"), encoding="utf-8") as f:
+            if "AutoModelForCausalLMWithValueHead" in f.read():
+                return None
+    except OSError:
+        return None
+    try:
+        version = md.version("trl")
+    except md.PackageNotFoundError:
+        version = "?"
+    return (
+        f"lossplug: TRL {version} is installed beside verl in {sys.prefix}: verl's FSDP workers "
+        f"(verl/models/transformers/monkey_patch.py) import AutoModelForCausalLMWithValueHead from trl whenever TRL "
+        f"is importable, and this TRL has none, so building the actor fails with ImportError (on GPUs too). Run verl "
+        f"from an environment without TRL: pip uninstall trl there, and install lossplug with pip install "
+        f"'lossplug[verl]' (lossplug[all] brings TRL); TRL runs belong in their own environment"
+    )
+
+
+def _warn_if_trl_breaks_verl() -> None:
+    problem = trl_breaks_verl()
+    if problem is not None:
+        _warn_once("trl-beside-verl", problem)
+
+
 compute_policy_loss_lossplug.__lossplug_verl__ = True  # type: ignore[attr-defined]
 compute_lossplug_advantage.__lossplug_verl__ = True  # type: ignore[attr-defined]
 
 register()
+_warn_if_trl_breaks_verl()

@@ -4,7 +4,235 @@
 * :mod:`.advantages` — ``algorithm.adv_estimator`` (with its options) → the advantage stage;
 * :mod:`.rollout_correction` — ``algorithm.rollout_correction`` → correction gates.
 
-Every function takes plain mappings (an ``OmegaConf`` node converted with ``to_container``) and raises
-:class:`~lossplug.LossplugError` naming the setting for anything without an exact equivalent — never a silent
-approximation.
+This module composes them, adds what verl's ``ppo_loss`` adds around the policy loss (``loss_agg_mode`` → the
+reduction, ``entropy_coeff`` and ``use_kl_loss`` → regularisers) and returns one validated :class:`~lossplug.Recipe`.
+
+Every function takes plain mappings (an ``OmegaConf`` node converted with ``to_container``, a dataclass converted
+field by field) and raises :class:`~lossplug.LossplugError` naming the setting for anything without an exact
+equivalent — never a silent approximation. Nothing here imports verl: the defaults below are verl 0.9.1's
+(``verl/trainer/config/actor/actor.yaml``), so a partial actor mapping means what it means to verl.
 """
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from lossplug.contracts import LossplugError, Recipe
+
+__all__ = [
+    "ACTOR_DEFAULTS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_REDUCTIONS",
+    "as_plain",
+    "verl_equivalent",
+    "verl_regularisers",
+]
+
+#: verl 0.9.1's defaults for the actor settings the loss reads (``actor.yaml``): what an omitted key means to verl
+ACTOR_DEFAULTS: dict[str, Any] = {
+    "clip_ratio": 0.2,
+    "clip_ratio_low": 0.2,
+    "clip_ratio_high": 0.2,
+    "clip_ratio_c": 3.0,
+    "tau_pos": 1.0,
+    "tau_neg": 1.05,
+    "loss_agg_mode": "token-mean",
+    "loss_scale_factor": None,
+    "entropy_coeff": 0.0,
+    "use_kl_loss": False,
+    "kl_loss_coef": 0.001,
+    "kl_loss_type": "low_var_kl",
+    "policy_loss": {
+        "loss_mode": "vanilla",
+        "clip_cov_ratio": 0.0002,
+        "clip_cov_lb": 1.0,
+        "clip_cov_ub": 5.0,
+        "kl_cov_ratio": 0.0002,
+        "ppo_kl_coef": 0.1,
+        "dro_beta": None,
+    },
+}
+
+#: verl's ``loss_agg_mode`` (``core_algos.agg_loss``) → the lossplug reduction computing the same aggregation over the
+#: same global population (``seq-mean-token-sum-norm`` is ``fixed`` with ``loss_scale_factor`` as its budget)
+LOSS_AGG_REDUCTIONS: dict[str, str] = {
+    "token-mean": "token",
+    "token-sum": "token_sum",
+    "seq-mean-token-mean": "response",
+    "seq-mean-token-sum": "sequence_sum",
+    "seq-mean-token-sum-norm": "fixed",
+}
+
+#: verl's ``kl_loss_type`` (``core_algos.kl_penalty``) → the ``kl`` regulariser's ``estimator``
+KL_ESTIMATORS: dict[str, str] = {
+    "kl": "k1",
+    "k1": "k1",
+    "abs": "abs",
+    "mse": "mse",
+    "k2": "k2",
+    "low_var_kl": "low_var_kl",
+    "k3": "k3",
+    "k3+": "k3+",
+    "low_var_kl+": "k3+",  # verl strips the '+' and dispatches low_var_kl and k3 to the same code
+    # '+' on k2/mse is the plain estimator in verl (its value and gradient already are k2's)
+    "k2+": "k2",
+    "mse+": "mse",
+}
+
+
+def as_plain(config: Any, what: str) -> dict[str, Any] | None:
+    """A verl config (``DictConfig``, verl's config dataclass, or a mapping) as a plain ``dict`` (``None`` stays
+    ``None``). ``what`` names the argument in the error for anything else."""
+    if config is None:
+        return None
+    plain = _plain(config)
+    if not isinstance(plain, dict):
+        raise LossplugError(
+            f"verl_equivalent: {what} must be verl's config (an OmegaConf DictConfig, verl's config dataclass or a "
+            f"mapping), got {type(config).__name__}"
+        )
+    return plain
+
+
+def _plain(value: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf comes with verl; plain mappings need no conversion
+        pass
+    else:
+        if isinstance(value, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(value, resolve=True)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # field by field: dataclasses.asdict deep-copies every value, and verl's configs hold model objects
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if not f.name.startswith("_")}
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _with_defaults(actor: Mapping[str, Any]) -> dict[str, Any]:
+    merged = {**ACTOR_DEFAULTS, **{k: v for k, v in actor.items() if k != "policy_loss"}}
+    policy = actor.get("policy_loss") or {}
+    if not isinstance(policy, Mapping):
+        raise LossplugError(
+            f"verl_equivalent: actor.policy_loss must be a mapping (verl's PolicyLossConfig), got "
+            f"{type(policy).__name__} {policy!r}"
+        )
+    merged["policy_loss"] = {**ACTOR_DEFAULTS["policy_loss"], **policy}
+    return merged
+
+
+def _reduction(actor: Mapping[str, Any]) -> dict[str, Any]:
+    """``loss_agg_mode`` (and ``loss_scale_factor``) → the reduction spec ``agg_loss`` computes."""
+    mode = actor["loss_agg_mode"]
+    name = LOSS_AGG_REDUCTIONS.get(mode)
+    if name is None:
+        raise LossplugError(
+            f"verl_equivalent: actor.loss_agg_mode={mode!r} is not one of verl's modes "
+            f"({', '.join(LOSS_AGG_REDUCTIONS)})"
+        )
+    if name != "fixed":
+        return {"name": name}
+    budget = actor.get("loss_scale_factor")
+    if budget is None:
+        raise LossplugError(
+            "verl_equivalent: actor.loss_agg_mode='seq-mean-token-sum-norm' with actor.loss_scale_factor=null divides "
+            "by each micro-batch's padded response length (loss_mask.shape[-1]), which changes with the batching; "
+            "lossplug's 'fixed' reduction needs a constant: set actor.loss_scale_factor (e.g. the maximum response "
+            "length) — verl recommends it for the same reason"
+        )
+    return {"name": "fixed", "budget": float(budget)}
+
+
+def verl_regularisers(actor: Mapping[str, Any], reduction: str | None = None) -> list[dict[str, Any]]:
+    """What verl's ``ppo_loss`` adds around the policy loss, as regulariser specs: ``− entropy_coeff · agg(H)``
+    (``entropy``) and ``+ kl_loss_coef · agg(kl_penalty(logp, ref, kl_loss_type))`` (``kl``), both aggregated with
+    ``loss_agg_mode`` — ``reduction`` names that reduction when it is not the recipe's own."""
+    out: list[dict[str, Any]] = []
+    own = {} if reduction is None else {"reduction": reduction}
+    entropy_coeff = float(actor.get("entropy_coeff") or 0.0)
+    if entropy_coeff != 0.0:
+        out.append({"name": "entropy", "coef": entropy_coeff, **own})
+    if actor.get("use_kl_loss"):
+        kl_type = str(actor.get("kl_loss_type", ACTOR_DEFAULTS["kl_loss_type"]))
+        estimator = KL_ESTIMATORS.get(kl_type)
+        if estimator is None:
+            raise LossplugError(
+                f"verl_equivalent: actor.kl_loss_type={kl_type!r} has no lossplug estimator (supported: "
+                f"{', '.join(KL_ESTIMATORS)}; verl itself raises NotImplementedError for 'full')"
+            )
+        coef = actor.get("kl_loss_coef", ACTOR_DEFAULTS["kl_loss_coef"])
+        out.append({"name": "kl", "coef": float(coef), "estimator": estimator, **own})
+    return out
+
+
+def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None) -> Recipe:
+    """The lossplug recipe that computes what verl 0.9.1 computes for this configuration.
+
+    ``actor_config``: verl's ``actor_rollout_ref.actor`` (``DictConfig``, ``ActorConfig`` or a mapping; missing keys
+    take verl's defaults, :data:`ACTOR_DEFAULTS`) → the update gate of ``policy_loss.loss_mode`` with every parameter
+    it reads, the reduction of ``loss_agg_mode`` (``loss_scale_factor`` → the ``fixed`` budget) unless the mode
+    reduces on its own, and the regularisers ``entropy`` (``entropy_coeff``) and ``kl`` (``use_kl_loss``,
+    ``kl_loss_coef``, ``kl_loss_type``) that verl's ``ppo_loss`` adds around the policy loss.
+
+    ``algorithm_config``: verl's ``algorithm`` → the advantage stage of ``adv_estimator`` (with
+    ``norm_adv_by_std_in_grpo``, ``gamma``, ``lam`` and its own options), and the correction gates of
+    ``rollout_correction`` (after the update gate).
+
+    Either may be omitted. Without ``algorithm_config`` the recipe has no advantage stage (the advantages come with
+    the batch, as they reach verl's actor). A recipe always has an update gate, so without ``actor_config`` the
+    policy part is verl's default actor (``vanilla``: clip 0.2, dual-clip 3.0, ``token-mean``) — what verl
+    computes when the actor section is left alone; verl's estimator ``algorithm.lossplug`` reads only the advantage
+    stage. Raises :class:`~lossplug.LossplugError` naming the setting for anything without an exact equivalent.
+    """
+    from . import advantages, policy_losses, rollout_correction
+
+    actor = as_plain(actor_config, "actor_config")
+    algorithm = as_plain(algorithm_config, "algorithm_config")
+    if actor is None and algorithm is None:
+        raise LossplugError("verl_equivalent: give actor_config, algorithm_config or both")
+    full_actor = _with_defaults(actor or {})
+
+    stages = policy_losses.policy_gates(full_actor)
+    if not stages.gates:
+        raise LossplugError(
+            f"verl_equivalent: actor.policy_loss.loss_mode={full_actor['policy_loss']['loss_mode']!r} gave no gate"
+        )
+    gates = list(stages.gates)
+    regularisers = verl_regularisers(full_actor)
+    # loss_agg_mode reduces the policy term unless the loss mode reduces its own; verl reduces entropy and KL with
+    # it always — a mode that ignores it and no regulariser leave it unread (and unchecked)
+    agg = _reduction(full_actor) if stages.reduction is None or regularisers else None
+    reduction = stages.reduction if stages.reduction is not None else agg
+    if reduction is None:  # pragma: no cover - agg is computed whenever the mode has no reduction of its own
+        raise LossplugError("verl_equivalent: no reduction")
+    if agg is not None and agg != reduction:
+        if agg.get("budget") is not None:
+            raise LossplugError(
+                f"verl_equivalent: loss_mode={full_actor['policy_loss']['loss_mode']!r} reduces its own term, and "
+                f"verl reduces entropy_coeff / use_kl_loss with loss_agg_mode='seq-mean-token-sum-norm'; a "
+                f"regulariser's own reduction carries no budget: use another loss_agg_mode"
+            )
+        regularisers = verl_regularisers(full_actor, agg["name"])
+
+    recipe: dict[str, Any] = {"name": f"verl-{full_actor['policy_loss']['loss_mode']}"}
+    if algorithm is not None:
+        correction = algorithm.get("rollout_correction")
+        if correction:
+            if not isinstance(correction, Mapping):
+                raise LossplugError(
+                    f"verl_equivalent: algorithm.rollout_correction must be a mapping, got {type(correction).__name__}"
+                )
+            gates += rollout_correction.correction_gates(correction)
+        if algorithm.get("adv_estimator") is not None:
+            recipe["advantage"] = advantages.advantage_stage(algorithm)
+            recipe["name"] += f"+{algorithm['adv_estimator']}"
+    recipe["gates"] = gates
+    recipe["reduction"] = reduction
+    if regularisers:
+        recipe["regularisers"] = regularisers
+    return Recipe.load(recipe)

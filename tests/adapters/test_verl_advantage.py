@@ -19,6 +19,7 @@ from verl import DataProto
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
+from lossplug.adapters.verl import compute_advantage as lossplug_compute_advantage
 from lossplug.adapters.verl import compute_lossplug_advantage, group_ids
 from lossplug.contracts import LossplugError
 
@@ -112,69 +113,26 @@ def test_rloo_matches_verl():
 
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95)])
-def test_gae_matches_verl(gamma, lam):
-    """GAE needs the critic's values, which verl does not pass to a registered estimator: the adapter reads them from
-    the DataProto being processed by compute_advantage (identity-checked)."""
+def test_gae_through_compute_advantage_matches_verl(gamma, lam):
+    """GAE needs the critic's values, which verl does not pass to a registered estimator: the explicit path for a
+    custom trainer is ``compute_advantage(data, recipe)`` on the DataProto (it reads ``values`` from data.batch)."""
     batch = make_batch(4)
     theirs = run(batch, "gae", gamma=gamma, lam=lam, use_pf_ppo=False)
-    ours = run(
-        batch,
-        "lossplug",
-        gamma=gamma,
-        lam=lam,
-        lossplug=recipe({"name": "gae", "gamma": gamma, "lam": lam, "whiten": True}),
+    data = lossplug_compute_advantage(
+        data_proto(batch), recipe({"name": "gae", "gamma": gamma, "lam": lam, "whiten": True})
     )
-    assert max_diff(batch, ours, theirs) <= TOL
+    assert max_diff(batch, (data.batch["advantages"], data.batch["returns"]), theirs) <= TOL
 
 
-def v1_compute_advantage_for_multi_trajectories():
-    """verl's ``v1/utils.py::compute_advantage_for_multi_trajectories``, compiled from the installed source: the v1
-    package itself cannot be imported here (its modules need the optional ``transfer_queue``)."""
-    import ast
-    from pathlib import Path
-    from typing import Any
-
-    import verl.trainer.ppo as ppo
-
-    path = Path(ppo.__file__).parent / "v1" / "utils.py"
-    tree = ast.parse(path.read_text())
-    name = "compute_advantage_for_multi_trajectories"
-    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
-    namespace = {
-        "Any": Any,
-        "DataProto": DataProto,
-        "core_algos": core_algos,
-        "compute_advantage": compute_advantage,
-        "np": np,
-        "torch": torch,
-    }
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), namespace)
-    return namespace[fn.name]
-
-
-def test_gae_through_the_v1_trainer_entry():
-    """verl's v1 trainer (trainer.use_v1=true, the default) calls compute_advantage_for_multi_trajectories, which
-    hands every non-GRPO estimator to compute_advantage unchanged."""
-    compute_advantage_for_multi_trajectories = v1_compute_advantage_for_multi_trajectories()
-
+def test_gae_under_verls_trainer_is_refused_naming_the_explicit_path():
+    """Under ``adv_estimator=lossplug`` verl's ``compute_advantage`` passes no values: a clear refusal that names
+    ``compute_advantage(data, recipe)`` and verl's own ``gae`` — never a search of the caller's frames."""
     batch = make_batch(5)
-    config = OmegaConf.create(
-        {
-            "adv_estimator": "lossplug",
-            "gamma": 1.0,
-            "lam": 0.9,
-            "lossplug": recipe({"name": "gae", "gamma": 1.0, "lam": 0.9}),
-        }
-    )
-    keys = [f"{u}_0_0" for u in batch["uid"]]
-    out = compute_advantage_for_multi_trajectories(
-        data_proto(batch), keys, adv_estimator="lossplug", gamma=1.0, lam=0.9, num_repeat=G, config=config
-    )
-    theirs = run(batch, "gae", lam=0.9, use_pf_ppo=False)
-    assert max_diff(batch, (out.batch["advantages"], out.batch["returns"]), theirs) <= TOL
+    with pytest.raises(LossplugError, match=r"needs 'values'.*compute_advantage\(data, recipe\)"):
+        run(batch, "lossplug", lam=0.9, lossplug=recipe({"name": "gae", "gamma": 1.0, "lam": 0.9}))
 
 
-def test_gae_without_a_caller_batch_says_what_is_missing():
+def test_gae_values_passed_by_a_caller_are_used():
     batch = make_batch(6)
     config = OmegaConf.create({"lossplug": recipe({"name": "gae"})})
     with pytest.raises(LossplugError, match="needs 'values'"):
@@ -185,6 +143,13 @@ def test_gae_without_a_caller_batch_says_what_is_missing():
         batch["token_level_rewards"], batch["response_mask"], index=batch["uid"], config=config, values=batch["values"]
     )  # a caller that passes them
     assert adv.shape == ret.shape == (B, T)
+
+
+def test_compute_advantage_names_a_missing_field():
+    batch = make_batch(7)
+    data = data_proto({k: v for k, v in batch.items() if k != "values"})
+    with pytest.raises(LossplugError, match="needs 'values', which the batch does not hold"):
+        lossplug_compute_advantage(data, recipe({"name": "gae"}))
 
 
 def test_rows_without_action_tokens_get_zero_and_stay_out_of_the_groups():
