@@ -1,4 +1,4 @@
-"""Recipes: which advantage, which gates and which reduction, with their parameters.
+"""Recipes: which advantage, which gates, which reduction and which regularisers, with their parameters.
 
 A recipe is data — it parses from a dict, YAML or JSON, is written into every run's record, and is validated the
 moment it is built: every plugin name must be registered, and every parameter must pass the plugin's own pydantic
@@ -11,6 +11,8 @@ The stages:
 * ``gates`` — the first is the **update gate** (turns ratio × advantage into a per-token objective that carries the
   gradient); the rest are **detached corrections** (weights on the engine ratio old/behaviour).
 * ``reduction`` — turns the per-token objective into the scalar, over the step's global population.
+* ``regularisers`` — optional: per-token terms added to the loss with a coefficient (KL to the reference, entropy
+  bonus), each ``coef · reduce(term)`` with the recipe's reduction unless it names its own. A list; one allowed.
 
 The seam with the plugins. ``contracts`` holds the structure — stage shapes, gate positions, which errors belong to
 which stage — and the :class:`Catalog` protocol; it imports nothing of ``lossplug``'s core, not even by name
@@ -36,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
 
 from .errors import LossplugError, PluginError, RecipeError, did_you_mean
 
-STAGES = ("advantage", "gates", "reduction")
+STAGES = ("advantage", "gates", "reduction", "regularisers")
 
 
 class Catalog(Protocol):
@@ -168,6 +170,23 @@ def _check_gates(gates: Any, errors: _StageErrors) -> tuple[PluginSpec, ...]:
     return tuple(resolved)
 
 
+def _check_regularisers(regularisers: Any, errors: _StageErrors) -> tuple[PluginSpec, ...]:
+    if regularisers is None:
+        return ()
+    if isinstance(regularisers, (str, Mapping)):
+        regularisers = [regularisers]
+    if not isinstance(regularisers, (list, tuple)):
+        raise RecipeError(
+            f"recipe.regularisers: must be a list of regularisers (or one), got "
+            f"{type(regularisers).__name__} {regularisers!r}"
+        )
+    resolved = []
+    for i, raw in enumerate(regularisers):
+        with errors.stage():
+            resolved.append(_check_stage(raw, "regulariser", f"recipe.regularisers[{i}]"))
+    return tuple(resolved)
+
+
 class Recipe(BaseModel):
     """A validated recipe. Build from a dict, ``Recipe.preset(name)``, ``Recipe.from_yaml/json/file`` or
     ``Recipe.load(anything)``."""
@@ -179,6 +198,7 @@ class Recipe(BaseModel):
     advantage: PluginSpec | None = None
     gates: tuple[PluginSpec, ...]
     reduction: PluginSpec
+    regularisers: tuple[PluginSpec, ...] = ()
 
     _compiled: Any = PrivateAttr(default=None)
 
@@ -217,6 +237,8 @@ class Recipe(BaseModel):
             if data.get("reduction") is None:
                 raise RecipeError("recipe.reduction: required (e.g. token, response, fixed, sequence_sum)")
             out["reduction"] = _check_stage(data["reduction"], "reduction", "recipe.reduction")
+        with errors.stage():
+            out["regularisers"] = _check_regularisers(data.get("regularisers"), errors)
         errors.raise_any()
         return out
 
@@ -286,6 +308,8 @@ class Recipe(BaseModel):
             out["advantage"] = self.advantage.to_dict()
         out["gates"] = [g.to_dict() for g in self.gates]
         out["reduction"] = self.reduction.to_dict()
+        if self.regularisers:
+            out["regularisers"] = [r.to_dict() for r in self.regularisers]
         return out
 
     def to_yaml(self) -> str:

@@ -6,6 +6,7 @@ Public API::
     lossplug.compute_advantages(batch, recipe) -> Tensor
     lossplug.policy_loss(batch, recipe, normalizer=None) -> LossResult   (.loss, .metrics)
     lossplug.hookimpl, lossplug.plugin_manager(), lossplug.list_plugins()
+    lossplug.controllers(recipe), lossplug.controller_state(recipe), lossplug.load_controller_state(recipe, state)
 
 ``import lossplug`` is nearly free: the names above are resolved on first access (PEP 562), so merely having
 lossplug installed — its pytest plugin is loaded by every pytest run — costs no torch import. It imports neither trl
@@ -43,6 +44,14 @@ _EXPORTS = {
         "RecipeError",
         "Violation",
     ),
+    "lossplug.control": (
+        "AdaptiveEntropyController",
+        "Controller",
+        "StepController",
+        "controller_state",
+        "controllers",
+        "load_controller_state",
+    ),
     "lossplug.pipeline": ("compile_recipe", "compute_advantages", "estimate_advantages", "policy_loss", "reduce"),
     "lossplug.plugin": (
         "AdvantagePlugin",
@@ -53,9 +62,13 @@ _EXPORTS = {
         "Params",
         "Population",
         "ReductionPlugin",
+        "RegulariserOutput",
+        "RegulariserParams",
+        "RegulariserPlugin",
         "advantage",
         "gate",
         "reduction",
+        "regulariser",
     ),
     "lossplug.plugin_registry": (
         "LossplugPluginWarning",
@@ -155,6 +168,24 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are
         Violation as Violation,
     )
 
+    from .control import (
+        AdaptiveEntropyController as AdaptiveEntropyController,
+    )
+    from .control import (
+        Controller as Controller,
+    )
+    from .control import (
+        StepController as StepController,
+    )
+    from .control import (
+        controller_state as controller_state,
+    )
+    from .control import (
+        controllers as controllers,
+    )
+    from .control import (
+        load_controller_state as load_controller_state,
+    )
     from .pipeline import (
         compile_recipe as compile_recipe,
     )
@@ -195,6 +226,15 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are
         ReductionPlugin as ReductionPlugin,
     )
     from .plugin import (
+        RegulariserOutput as RegulariserOutput,
+    )
+    from .plugin import (
+        RegulariserParams as RegulariserParams,
+    )
+    from .plugin import (
+        RegulariserPlugin as RegulariserPlugin,
+    )
+    from .plugin import (
         advantage as advantage,
     )
     from .plugin import (
@@ -202,6 +242,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are
     )
     from .plugin import (
         reduction as reduction,
+    )
+    from .plugin import (
+        regulariser as regulariser,
     )
     from .plugin_registry import (
         LossplugPluginWarning as LossplugPluginWarning,

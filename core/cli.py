@@ -47,13 +47,14 @@ plot_app = typer.Typer(help="Plot the plugins' behaviour (PNG; needs matplotlib)
 app.add_typer(recipe_app, name="recipe")
 app.add_typer(plot_app, name="plot")
 
-KIND_ORDER = ("advantage", "gate", "reduction")
+KIND_ORDER = ("advantage", "gate", "reduction", "regulariser")
 
 
 class Kind(str, Enum):
     advantage = "advantage"
     gate = "gate"
     reduction = "reduction"
+    regulariser = "regulariser"
     preset = "preset"
 
 
@@ -458,7 +459,9 @@ def validate_cmd(
 @app.command("check")
 def check_cmd(
     name: str = typer.Argument(..., help="A registered plugin name."),
-    kind: Kind | None = typer.Option(None, "--kind", "-k", help="advantage, gate or reduction, if ambiguous."),
+    kind: Kind | None = typer.Option(
+        None, "--kind", "-k", help="advantage, gate, reduction or regulariser, if ambiguous."
+    ),
     param: list[str] | None = typer.Option(
         None, "--param", "-p", metavar="KEY=VALUE", help="A parameter to test with (repeatable)."
     ),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import re
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from lossplug.contracts import Recipe
 
@@ -18,7 +18,7 @@ from .needs import FIELD_SHAPES, batch_fields, recipe_needs, required_fields
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
 
-    from .pipeline import Stage
+    from .pipeline import RegulariserStage, Stage
     from .plugin import AnyPlugin
     from .plugin_registry import Registry
 
@@ -116,12 +116,18 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
         stages.append(("advantage", compiled.advantage))
     stages += [(f"gates[{i}]", s) for i, s in enumerate(compiled.gates)]
     stages.append(("reduction", compiled.reduction))
+    stages += [(f"regularisers[{i}]", s) for i, s in enumerate(compiled.regularisers)]
     stage_rows = []
     for where, stage in stages:
         p = stage.plugin
         role = f"{p.role} · {p.level}" if p.kind == "gate" else ""  # (only gates have a role)
         if p.kind == "advantage":
             role = "layouts: " + ", ".join(p.layouts)
+        if p.kind == "regulariser":
+            reg_stage = cast("RegulariserStage", stage)
+            role = f"+ coef · {reg_stage.reduction.plugin.name}(term)" + (
+                ", adaptive coefficient" if reg_stage.controller is not None else ""
+            )
         stage_rows.append(
             {
                 "stage": where,
@@ -159,7 +165,7 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
 #: function or convention it reproduces (reductions, engine corrections). The paragraph ends at the next blank line.
 CITATION_LABELS = ("Paper:", "Reference:")
 
-_KIND_TITLES = {"advantage": "Advantages", "gate": "Gates", "reduction": "Reductions"}
+_KIND_TITLES = {"advantage": "Advantages", "gate": "Gates", "reduction": "Reductions", "regulariser": "Regularisers"}
 _ROLES = re.compile(r":(?:class|func|meth|mod|data|attr|obj):`~?([^`]+)`")
 
 
@@ -279,9 +285,9 @@ def _plugin_markdown(kind: str, name: str, plugin: AnyPlugin, source: str, detai
 def catalogue_markdown(
     reg: Registry | None = None, *, builtin_only: bool = True, title: str = "Plugin catalogue"
 ) -> str:
-    """The plugin catalogue as one Markdown page: for every (built-in) advantage, gate and reduction its kind, role
-    and level, formula, parameter table (type, default, constraint, description), the batch fields it needs, its
-    citations and its module's documentation; then the presets with their sources."""
+    """The plugin catalogue as one Markdown page: for every (built-in) advantage, gate, reduction and regulariser its
+    kind, role and level, formula, parameter table (type, default, constraint, description), the batch fields it
+    needs, its citations and its module's documentation; then the presets with their sources."""
     from .plugin_registry import BUILTIN_SOURCE, registry
 
     reg = reg or registry()
@@ -290,11 +296,12 @@ def catalogue_markdown(
         "",
         "Generated from the plugin registry when the documentation is built (`lossplug.describe."
         "catalogue_markdown`): every built-in plugin as `lossplug show NAME` describes it. Gates return per-token "
-        "**objectives** (to maximise); the loss is `−reduce(objective)`.",
+        "**objectives** (to maximise); the loss is `−reduce(objective)`; a regulariser's per-token term is added "
+        "to it as `coef · reduce(term)`.",
         "",
     ]
     details_of: dict[str, str] = {}
-    for kind in ("advantage", "gate", "reduction"):
+    for kind in ("advantage", "gate", "reduction", "regulariser"):
         plugins = {
             n: p
             for n, p in reg.plugins.get(kind, {}).items()

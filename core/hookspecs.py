@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # annotations only: the hook specs are loaded with the regist
 
     from lossplug.contracts import PackedTransitions, PolicyBatch, Recipe, Violation
 
-    from .plugin import AdvantagePlugin, GatePlugin, ReductionPlugin
+    from .plugin import AdvantagePlugin, GatePlugin, ReductionPlugin, RegulariserPlugin
 
 hookspec = pluggy.HookspecMarker("lossplug")
 
@@ -100,6 +100,27 @@ def lossplug_register_reductions(register: Callable[[ReductionPlugin], None]) ->
 
 
 @hookspec
+def lossplug_register_regularisers(register: Callable[[RegulariserPlugin], None]) -> None:
+    """Register regularisers: per-token terms added to the loss with a coefficient (a KL to the reference, an
+    entropy bonus), ``loss += coef · reduce(term)``.
+
+    Called once each time the plugin registry is built: on first use (the first recipe checked, ``lossplug list``)
+    and again after ``lossplug.register_plugin`` / ``lossplug.unregister_plugin``. Never per batch.
+
+    :param register: Call ``register(plugin)`` once for each :class:`lossplug.RegulariserPlugin` (a function
+        decorated with ``@lossplug.regulariser(name, ...)``, whose parameter model subclasses
+        :class:`lossplug.RegulariserParams`). Its name is what recipes put under ``regularisers:``.
+
+    :return: Nothing. Return values are ignored. A name registered by two plugins is unusable until one of them is
+        removed: recipes naming it get a :class:`lossplug.PluginError` naming both.
+
+    If the implementation raises (or registers something that is not a ``RegulariserPlugin``), the plugin is
+    reported with a ``LossplugPluginWarning`` naming it, listed as broken by ``lossplug list`` and named again in the
+    error of any lookup that misses; every other plugin keeps working.
+    """
+
+
+@hookspec
 def lossplug_register_presets(register: RegisterPreset) -> None:
     """Register named recipes (``Recipe.preset(name)``, ``Recipe.load(name)``, a bare name wherever a recipe is
     accepted).
@@ -108,7 +129,8 @@ def lossplug_register_presets(register: RegisterPreset) -> None:
     plugins of any package. Never per batch.
 
     :param register: Call ``register(name, recipe, source="paper or link")``: ``name`` a ``str``, ``recipe`` a
-        mapping with ``advantage`` (optional), ``gates`` and ``reduction`` as in a recipe file, ``source`` a ``str``
+        mapping with ``advantage`` (optional), ``gates``, ``reduction`` and ``regularisers`` (optional) as in a recipe
+        file, ``source`` a ``str``
         shown by ``lossplug list``. The recipe is checked when it is first used, not when it is registered.
 
     :return: Nothing. Return values are ignored. A preset name registered twice is unusable until one of them is

@@ -17,6 +17,7 @@ FIELD_SHAPES = {
     "old_logp": "[B, T] float — training engine before the update",
     "behavior_logp": "[B, T] float — rollout engine that sampled the tokens",
     "ref_logp": "[B, T] float — frozen reference policy",
+    "entropy": "[B, T] float — per-token entropy of the current policy (carries the gradient for a bonus)",
     "advantage": "[B] or [B, T] float",
     "reward": "[B] or [B, T] float",
     "value": "[B, T] float — critic V_old",
@@ -57,12 +58,14 @@ def batch_fields(plugin: Any, params: Any | None = None) -> tuple[str, ...]:
     """Every field a batch must carry for ``plugin`` alone (with ``params``, or its defaults), in a stable order.
 
     A gate also needs the log-probs, the mask and the advantages it weights; a padded advantage estimator the
-    log-probs and the mask of the batch it scores, and ``group_id`` when it works on prompt groups. A reduction reads
-    what the gates produce, not batch fields.
+    log-probs and the mask of the batch it scores, and ``group_id`` when it works on prompt groups; a regulariser the
+    log-probs and the mask and what it declares. A reduction reads what the gates produce, not batch fields.
     """
     requires = required_fields(plugin, params)
     if plugin.kind == "gate":
         return tuple(dict.fromkeys([*ALWAYS, "advantage", *requires]))
+    if plugin.kind == "regulariser":
+        return tuple(dict.fromkeys([*ALWAYS, *requires]))
     if plugin.kind == "advantage":
         base = list(ALWAYS) if "padded" in plugin.layouts else []
         groups = ["group_id"] if plugin.min_group_size > 0 else []
@@ -74,7 +77,7 @@ def recipe_needs(recipe: Any) -> dict[str, tuple[str, ...]]:
     """What a :class:`PolicyBatch` must contain for ``recipe``: field → the stages that need it, in recipe order.
 
     ``recipe`` is a :class:`Recipe`, a preset name or anything ``Recipe.load`` accepts. Stages are described as
-    people read a recipe (``advantage 'grpo'``, ``gates[1] 'icepop'``); ``logp`` and ``action_mask`` are needed
+    people read a recipe (``advantage 'grpo'``, ``gates[1] 'icepop'``, ``regularisers[0] 'kl'``); ``logp`` and ``action_mask`` are needed
     ``always``. Without an advantage stage the advantages come with the batch.
     """
     from lossplug.contracts import Recipe
@@ -99,4 +102,7 @@ def recipe_needs(recipe: Any) -> dict[str, tuple[str, ...]]:
     for i, stage in enumerate(compiled.gates):
         for field in required_fields(stage.plugin, stage.params):
             add(field, f"gates[{i}] '{stage.plugin.name}'")
+    for i, reg_stage in enumerate(compiled.regularisers):
+        for field in required_fields(reg_stage.plugin, reg_stage.params):
+            add(field, f"regularisers[{i}] '{reg_stage.plugin.name}'")
     return {field: tuple(stages) for field, stages in needs.items()}

@@ -1,4 +1,9 @@
-"""The loss pipeline: advantage → gates → reduction.
+"""The loss pipeline: advantage → gates → reduction, plus the regularisers.
+
+The loss of a micro-batch is ``−reduce(objective) + Σ_k coef_k · reduce_k(term_k)``: the gates' objective (with the
+correction weights) reduced by the recipe's reduction, and each regulariser's per-token term reduced by its own
+reduction (the recipe's by default) — never multiplied by the correction weights, as in TRL and verl, where the KL
+and entropy terms are added after the importance weights multiplied the policy term.
 
 ``compile_recipe`` resolves a recipe's plugins once (cached on the recipe, invalidated if the registry is rebuilt);
 ``policy_loss`` is then plain tensor code per micro-batch. With ``validate="full"`` the batch is checked against the
@@ -11,7 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
 
 import torch
 
@@ -30,9 +35,22 @@ from lossplug.contracts.recipe import PluginSpec, installed_catalog
 
 from . import plugin_registry as _registry
 from .ops import Groups, any_rows, masked_quantiles, quantiles_of, zero_off
-from .plugin import AdvantagePlugin, GateInput, GateOutput, GatePlugin, Params, Population, ReductionPlugin, evaluate
+from .plugin import (
+    AdvantagePlugin,
+    GateInput,
+    GateOutput,
+    GatePlugin,
+    Params,
+    Population,
+    ReductionPlugin,
+    RegulariserOutput,
+    RegulariserParams,
+    RegulariserPlugin,
+    evaluate,
+)
 
 if TYPE_CHECKING:
+    from .control import StepController
     from .plugin import Lazy
     from .plugin_registry import Registry
 
@@ -47,7 +65,7 @@ QUANTILE_NAMES = ("min", "p05", "p50", "p95", "max")
 
 
 #: the plugin class of a stage: a CompiledRecipe's advantage stage holds an AdvantagePlugin, and so on
-_P = TypeVar("_P", bound=AdvantagePlugin | GatePlugin | ReductionPlugin, covariant=True)
+_P = TypeVar("_P", bound=AdvantagePlugin | GatePlugin | ReductionPlugin | RegulariserPlugin, covariant=True)
 
 
 @dataclass(frozen=True)
@@ -55,6 +73,24 @@ class Stage(Generic[_P]):
     plugin: _P
     params: Params
     where: str
+
+
+@dataclass(frozen=True)
+class RegulariserStage(Stage[RegulariserPlugin]):
+    """A regulariser stage: its plugin and parameters, the reduction of its term (its own, else the recipe's), its
+    live controller (None: the coefficient is ``params.coef``) and the name its metrics go under (``reg/<name>/``;
+    ``<name>.<i>`` when the recipe has the same regulariser twice)."""
+
+    reduction: Stage[ReductionPlugin]
+    controller: StepController | None
+    metric_name: str
+
+    @property
+    def coefficient(self) -> float:
+        """The coefficient in force: the controller's, else the recipe's ``coef``."""
+        if self.controller is not None:
+            return self.controller.coefficient
+        return cast(RegulariserParams, self.params).coef
 
 
 @dataclass(frozen=True)
@@ -67,6 +103,7 @@ class CompiledRecipe:
     has_validators: bool
     has_metric_hooks: bool
     generation: int
+    regularisers: tuple[RegulariserStage, ...] = ()
 
     @property
     def gates(self) -> tuple[Stage[GatePlugin], ...]:
@@ -79,6 +116,8 @@ def _stage(reg: Registry, kind: Literal["advantage"], spec: PluginSpec, where: s
 def _stage(reg: Registry, kind: Literal["gate"], spec: PluginSpec, where: str) -> Stage[GatePlugin]: ...
 @overload
 def _stage(reg: Registry, kind: Literal["reduction"], spec: PluginSpec, where: str) -> Stage[ReductionPlugin]: ...
+@overload
+def _stage(reg: Registry, kind: Literal["regulariser"], spec: PluginSpec, where: str) -> Stage[RegulariserPlugin]: ...
 
 
 def _stage(reg: Registry, kind: str, spec: PluginSpec, where: str) -> Stage[Any]:
@@ -94,18 +133,43 @@ def compile_recipe(recipe: Recipe) -> CompiledRecipe:
         return cached
     pm = _registry.plugin_manager()
     gates = tuple(_stage(reg, "gate", g, f"recipe.gates[{i}]") for i, g in enumerate(recipe.gates))
+    reduction = _stage(reg, "reduction", recipe.reduction, "recipe.reduction")
     compiled = CompiledRecipe(
         recipe=recipe,
         advantage=_stage(reg, "advantage", recipe.advantage, "recipe.advantage") if recipe.advantage else None,
         update=gates[0],
         corrections=gates[1:],
-        reduction=_stage(reg, "reduction", recipe.reduction, "recipe.reduction"),
+        reduction=reduction,
         has_validators=bool(pm.hook.lossplug_validate_batch.get_hookimpls()),
         has_metric_hooks=bool(pm.hook.lossplug_extra_metrics.get_hookimpls()),
         generation=reg.generation,
+        regularisers=_regulariser_stages(reg, recipe, reduction, cached),
     )
     recipe._compiled = compiled
     return compiled
+
+
+def _regulariser_stages(
+    reg: Registry, recipe: Recipe, reduction: Stage[ReductionPlugin], previous: CompiledRecipe | None
+) -> tuple[RegulariserStage, ...]:
+    """The recipe's regulariser stages. A controller is state of the training run: when the registry was rebuilt
+    (a recompile of the same recipe object) the previous compile's controllers are carried over, not re-created."""
+    names = [spec.name for spec in recipe.regularisers]
+    stages = []
+    for i, spec in enumerate(recipe.regularisers):
+        where = f"recipe.regularisers[{i}]"
+        plain = _stage(reg, "regulariser", spec, where)
+        params = cast(RegulariserParams, plain.params)
+        own = compile_reduction(params.reduction, f"{where}.reduction") if params.reduction is not None else reduction
+        kept = previous.regularisers[i] if previous is not None and len(previous.regularisers) > i else None
+        controller = (
+            kept.controller
+            if kept is not None and kept.plugin.name == spec.name and kept.params == plain.params
+            else plain.plugin.make_controller(params)
+        )
+        metric_name = spec.name if names.count(spec.name) == 1 else f"{spec.name}.{i}"
+        stages.append(RegulariserStage(plain.plugin, plain.params, where, own, controller, metric_name))
+    return tuple(stages)
 
 
 @functools.lru_cache(maxsize=64)
@@ -137,7 +201,7 @@ def _missing(batch: PolicyBatch | PackedTransitions, fields: Iterable[str], who:
     return out
 
 
-def _who(stage: Stage[AdvantagePlugin | GatePlugin]) -> str:
+def _who(stage: Stage[AdvantagePlugin | GatePlugin | RegulariserPlugin]) -> str:
     """'recipe.gates[0] (ppo_clip)', with the parameters that differ from the defaults when those decide what the
     plugin needs (``requires`` given as a function of the parameters)."""
     plugin = stage.plugin
@@ -306,8 +370,10 @@ def policy_loss(
     validate: Validate = "full",
     metrics: bool | MetricLevel = "basic",
     weight: Tensor | None = None,
+    observe: bool = True,
 ) -> LossResult:
-    """The recipe's policy loss for one micro-batch.
+    """The recipe's policy loss for one micro-batch: ``−reduce(objective) + Σ coef · reduce(term)`` over the
+    recipe's regularisers.
 
     Without a ``normalizer`` the micro-batch is the whole population. With one, the returned loss is this
     micro-batch's share of the full-step reduction: summed over every micro-batch and rank it equals the full-batch
@@ -323,7 +389,15 @@ def policy_loss(
 
     ``weight`` (``[B, T]`` or ``[B]``, ≥ 0): a coefficient computed by the trainer itself (e.g. verl's
     ``rollout_is_weights``), multiplied into the objective after the gates exactly like a correction gate's weight;
-    it is detached — no gradient flows through it.
+    it is detached — no gradient flows through it. Like the correction gates' weights, it multiplies the policy
+    objective only, never a regulariser's term.
+
+    Regularisers: each stage adds ``coef · reduce(term)`` (``coef`` is its controller's coefficient when it has
+    one); its metrics go under ``reg/<name>/``: ``value`` (the reduced term, this micro-batch's share like the loss),
+    ``coef`` and what the regulariser declares. ``observe``: feed the stages' controllers this micro-batch's
+    observation (the default; an adapter passes False outside training, e.g. in evaluation, so that evaluation
+    cannot move a coefficient). The controllers are stepped by the trainer at optimizer-step boundaries
+    (:mod:`lossplug.control`).
     """
     compiled = compile_recipe(as_recipe(recipe))
     level = metric_level(metrics)
@@ -337,6 +411,8 @@ def policy_loss(
         violations = _missing(batch, ("advantage",), "policy_loss (compute it with lossplug.compute_advantages)")
         for stage in compiled.gates:
             violations += _missing(batch, stage.plugin.required_fields(stage.params), _who(stage))
+        for reg_stage in compiled.regularisers:
+            violations += _missing(batch, reg_stage.plugin.required_fields(reg_stage.params), _who(reg_stage))
         if weight is not None:
             violations += _weight_violations(weight, batch)
         _check(batch, compiled, violations)
@@ -366,12 +442,23 @@ def policy_loss(
     objective = zero_off(objective, inp.mask, inp._bits)
 
     red = compiled.reduction
-    loss = -_run(red, validate, objective, inp.mask, inp.lengths, population_of(inp.mask, normalizer, inp.lengths))
+    population = population_of(inp.mask, normalizer, inp.lengths)
+    loss = -_run(red, validate, objective, inp.mask, inp.lengths, population)
+    policy_term = loss
+
+    reg_metrics: dict[str, Tensor] = {}
+    for reg_stage in compiled.regularisers:
+        term, reduced, coef = _regularise(reg_stage, inp, population, normalizer, validate, level, observe, reg_metrics)
+        loss = loss + coef * reduced
+        del term
 
     metric_tensors: dict[str, Tensor] = {}
     if level != "off":
         with torch.no_grad():
             metric_tensors = _basic_metrics(inp, reports, loss)
+            if compiled.regularisers:
+                metric_tensors["policy/loss"] = policy_term.detach()
+                metric_tensors.update(reg_metrics)
             if level == "full":
                 _full_metrics(inp, reports, objective, metric_tensors)
             if compiled.has_metric_hooks:
@@ -385,6 +472,75 @@ def policy_loss(
                         )
                     metric_tensors.update(extra)
     return LossResult.model_construct(loss=loss, metric_tensors=metric_tensors)
+
+
+def _regularise(
+    stage: RegulariserStage,
+    inp: GateInput,
+    population: Population,
+    normalizer: Normalizer | None,
+    validate: str,
+    level: str,
+    observe: bool,
+    metrics: dict[str, Tensor],
+) -> tuple[Tensor, Tensor, float]:
+    """Run one regulariser stage: its term ``[B, T]`` zero off the actions, the term reduced (a micro-batch share of
+    the step, like the policy term) and the coefficient in force; its metrics (at ``level``) go into ``metrics``."""
+    out = _run(stage, validate, inp)
+    if validate == "full":
+        _check_regulariser_output(stage, out, inp.batch)
+    term = zero_off(out.term.to(inp.compute_dtype), inp.mask, inp._bits)
+    params = cast(RegulariserParams, stage.params)
+    if params.population == "micro_batch":
+        # the micro-batch's own denominators, its value weighted by its share of the step's responses: summed over
+        # the micro-batches of a step (equal in rows, as in TRL) it is the mean of their per-micro-batch values
+        own = population_of(inp.mask, None, inp.lengths)
+        reduced = _run(stage.reduction, validate, term, inp.mask, inp.lengths, own)
+        if normalizer is not None:
+            reduced = reduced * (inp.mask.shape[0] / normalizer.sequences)
+    else:
+        reduced = _run(stage.reduction, validate, term, inp.mask, inp.lengths, population)
+    coef = stage.coefficient
+    if observe and stage.controller is not None and out.observation is not None:
+        stage.controller.observe(out.observation.detach())
+    if level != "off":
+        declared = {**out.metrics, **out.details} if level == "full" else out.metrics
+        prefix = f"reg/{stage.metric_name}"
+        with torch.no_grad():
+            metrics[f"{prefix}/value"] = reduced.detach()
+            metrics[f"{prefix}/coef"] = torch.full((), coef, dtype=reduced.dtype, device=reduced.device)
+            for key, value in declared.items():
+                metrics[f"{prefix}/{key}"] = _evaluate(stage, f"its metric {key!r}", value, validate)
+    return term, reduced, coef
+
+
+def _check_regulariser_output(stage: RegulariserStage, out: object, batch: PolicyBatch) -> None:
+    """A regulariser's output before it is used: a :class:`RegulariserOutput` whose term is ``[B, T]`` like logp and
+    finite on the actions, metrics declared as mappings, a detached observation tensor."""
+    where = f"{stage.where} ({stage.plugin.name}, from {_registry.registry().origin('regulariser', stage.plugin.name)})"
+    if not isinstance(out, RegulariserOutput):
+        raise PluginError(
+            f"{where} must return a lossplug.RegulariserOutput or a [B, T] tensor, got {type(out).__name__}"
+        )
+    shape = list(batch.logp.shape)
+    term = out.term
+    if not isinstance(term, Tensor) or list(term.shape) != shape:
+        what = f"shape {list(term.shape)}" if isinstance(term, Tensor) else repr(term)
+        raise PluginError(f"{where}: a regulariser's term must be a tensor of shape {shape} like logp, got {what}")
+    bad = ~torch.isfinite(term.detach()) & batch.action_mask
+    if bool(bad.any()):
+        raise PluginError(f"{where}: its term is not finite on action positions at {describe_positions(bad)}")
+    for name in ("metrics", "details"):
+        value = getattr(out, name)
+        if not isinstance(value, Mapping):
+            raise PluginError(
+                f"{where}: RegulariserOutput.{name} must be a mapping of metric name → 0-d tensor (or a "
+                f"function returning one), got {_describe_value(value)}"
+            )
+    if out.observation is not None and not isinstance(out.observation, Tensor):
+        raise PluginError(
+            f"{where}: RegulariserOutput.observation must be a tensor or None, got {_describe_value(out.observation)}"
+        )
 
 
 def _check_gate_output(stage: Stage[GatePlugin], out: object, batch: PolicyBatch) -> None:
@@ -568,7 +724,7 @@ def _report(stage: Stage[GatePlugin], out: GateOutput, level: str, validate: str
     return _GateReport(stage.plugin.name, values, active)
 
 
-def _evaluate(stage: Stage[GatePlugin], what: str, value: Lazy, validate: str) -> Tensor:
+def _evaluate(stage: Stage[GatePlugin | RegulariserPlugin], what: str, value: Lazy, validate: str) -> Tensor:
     try:
         return evaluate(value)
     except _PASS_THROUGH:

@@ -21,14 +21,17 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from lossplug.contracts import AdvantageResult, LossplugError, PackedTransitions, PolicyBatch
 
 from .ops import action_bits, count_actions, zero_off, zero_off_uses_bits
+
+if TYPE_CHECKING:
+    from .control import StepController
 
 Tensor = torch.Tensor
 
@@ -404,4 +407,97 @@ def reduction(
     return lambda fn: ReductionPlugin(name, fn, params, _doc(fn, doc))
 
 
-AnyPlugin = AdvantagePlugin | GatePlugin | ReductionPlugin
+# ---------------------------------------------------------------------------------------------------------------------
+# Regularisers
+
+
+class RegulariserParams(Params):
+    """The parameters every regulariser has. A regulariser's own parameter model subclasses this one; it may change
+    the defaults (e.g. fix its own ``reduction``/``population`` convention)."""
+
+    coef: float = Field(
+        1.0,
+        allow_inf_nan=False,
+        description="coefficient: the loss gains coef · reduce(term) (for an adaptive regulariser, its initial value)",
+    )
+    reduction: str | dict[str, Any] | None = Field(
+        None,
+        description="the reduction of the term, named as a recipe names one (token, {name: fixed, budget: 1024}); "
+        "default: the recipe's reduction",
+    )
+    population: Literal["step", "micro_batch"] = Field(
+        "step",
+        description="step: the reduction's denominators are the step's population (the Normalizer's), like the "
+        "policy term; micro_batch: this micro-batch's own, its value then weighted by the micro-batch's share of "
+        "the step's responses (TRL's per-micro-batch means)",
+    )
+
+
+@dataclass(frozen=True)
+class RegulariserOutput:
+    """What a regulariser returns.
+
+    * ``term`` ``[B, T]``: the per-token value **added to the loss** (a KL estimate ≥ 0; an entropy bonus returns
+      ``−H`` so that a positive ``coef`` rewards entropy), carrying the gradient. The pipeline zeroes it off the
+      actions, reduces it and adds ``coef · reduce(term)`` to the loss. Correction weights never multiply it.
+    * ``metrics`` / ``details``: declared diagnostics, as :class:`GateOutput`'s (evaluated at ``metrics="basic"``
+      / ``"full"`` under ``no_grad``).
+    * ``observation``: a detached tensor fed to the stage's controller (:mod:`lossplug.control`), or None.
+    """
+
+    term: Tensor
+    metrics: Mapping[str, Lazy] = field(default_factory=dict)
+    details: Mapping[str, Lazy] = field(default_factory=dict)
+    observation: Tensor | None = None
+
+
+#: ``fn(inp, p)`` → a :class:`RegulariserOutput`, or the ``[B, T]`` term alone
+RegulariserFn = Callable[[GateInput, Any], "RegulariserOutput | Tensor"]
+#: ``controller(p)`` → the stage's controller for these parameters, or None when the coefficient is static
+ControllerFactory = Callable[[Any], "StepController | None"]
+
+
+@dataclass(frozen=True)
+class RegulariserPlugin(_RequiresMixin):
+    name: str
+    fn: RegulariserFn
+    params: type[RegulariserParams]
+    requires: Requires
+    controller: ControllerFactory | None
+    doc: str
+    kind: Literal["regulariser"] = "regulariser"
+    role: None = None
+
+    def __call__(self, inp: GateInput, p: Params) -> RegulariserOutput:
+        out = self.fn(inp, p)
+        return RegulariserOutput(term=out) if isinstance(out, Tensor) else out
+
+    def make_controller(self, p: Params) -> StepController | None:
+        """The stage's controller for parameters ``p`` (None: a static coefficient)."""
+        return None if self.controller is None else self.controller(p)
+
+
+def regulariser(
+    name: str,
+    *,
+    params: type[RegulariserParams] = RegulariserParams,
+    requires: Requires = (),
+    controller: ControllerFactory | None = None,
+    doc: str | None = None,
+) -> Callable[[RegulariserFn], RegulariserPlugin]:
+    """Declare a regulariser: a per-token term added to the loss with a coefficient, ``loss += coef · reduce(term)``.
+
+    ``params`` must subclass :class:`RegulariserParams` (``coef``, ``reduction``, ``population``); ``requires``
+    names the optional batch fields it reads (or is a function of the parameters returning them); ``controller``
+    is a function of the parameters returning the stage's :class:`~lossplug.control.StepController` (an adaptive
+    coefficient), or None for a static one.
+    """
+    if not (isinstance(params, type) and issubclass(params, RegulariserParams)):
+        raise LossplugError(
+            f"regulariser '{name}': params must subclass lossplug.RegulariserParams (coef, reduction, population), "
+            f"got {params!r}"
+        )
+    return lambda fn: RegulariserPlugin(name, fn, params, _requires(requires), controller, _doc(fn, doc))
+
+
+AnyPlugin = AdvantagePlugin | GatePlugin | ReductionPlugin | RegulariserPlugin

@@ -34,7 +34,7 @@ from lossplug.contracts.errors import did_you_mean
 
 from . import hookspecs
 from .needs import required_fields
-from .plugin import AdvantagePlugin, AnyPlugin, GatePlugin, ReductionPlugin
+from .plugin import AdvantagePlugin, AnyPlugin, GatePlugin, ReductionPlugin, RegulariserPlugin
 
 ENTRY_POINT_GROUP = "lossplug"
 DISABLE_ENV = "LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD"
@@ -44,15 +44,17 @@ BUILTIN_NAME = "lossplug.builtin"
 ENTRY_POINT_PREFIX = "entrypoint:"
 IMPORT_FAILED = "failed to import"
 
-KINDS: dict[str, type[AdvantagePlugin] | type[GatePlugin] | type[ReductionPlugin]] = {
+KINDS: dict[str, type[AdvantagePlugin] | type[GatePlugin] | type[ReductionPlugin] | type[RegulariserPlugin]] = {
     "advantage": AdvantagePlugin,
     "gate": GatePlugin,
     "reduction": ReductionPlugin,
+    "regulariser": RegulariserPlugin,
 }
 HOOKS = {
     "advantage": "lossplug_register_advantages",
     "gate": "lossplug_register_gates",
     "reduction": "lossplug_register_reductions",
+    "regulariser": "lossplug_register_regularisers",
 }
 
 
@@ -138,6 +140,8 @@ class Registry:
     def lookup(self, kind: Literal["gate"], name: str, where: str = "") -> GatePlugin: ...
     @overload
     def lookup(self, kind: Literal["reduction"], name: str, where: str = "") -> ReductionPlugin: ...
+    @overload
+    def lookup(self, kind: Literal["regulariser"], name: str, where: str = "") -> RegulariserPlugin: ...
     @overload
     def lookup(self, kind: str, name: str, where: str = "") -> AnyPlugin: ...
 

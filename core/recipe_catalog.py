@@ -2,7 +2,7 @@
 
 ``lossplug.contracts`` holds a recipe's structure and the :class:`~lossplug.contracts.recipe.Catalog` protocol; the
 checks that need the plugins live here — does the named plugin exist, do its parameters pass its pydantic model, is
-a gate in the role its position asks for, what does a preset say. The package ``lossplug`` installs :data:`CATALOG`
+a gate in the role its position asks for, does a regulariser's own reduction exist, what does a preset say. The package ``lossplug`` installs :data:`CATALOG`
 when ``lossplug.contracts`` is imported (``core/__init__.py``) behind a lazy stand-in, so this module and the
 registry are only loaded when the first recipe is checked.
 """
@@ -52,7 +52,13 @@ class RegistryCatalog:
         if role is not None and plugin.role != role:
             raise RecipeError(f"{where} ({spec.name}): {_ROLE_RULES[role]}, but '{spec.name}' is a {plugin.role} gate")
         # the record names every parameter, defaults included, so a run can be reproduced from it alone
-        return PluginSpec(name=spec.name, params=params.model_dump())
+        dumped = params.model_dump()
+        if kind == "regulariser" and dumped.get("reduction") is not None:
+            # a regulariser's own reduction is checked like the recipe's, and recorded with its defaults filled in
+            own = f"{where}.reduction"
+            reduction = self.check_stage("reduction", PluginSpec.parse(dumped["reduction"], own), own)
+            dumped["reduction"] = reduction.to_dict()
+        return PluginSpec(name=spec.name, params=dumped)
 
     def preset(self, name: str) -> Mapping[str, Any]:
         return plugin_registry.registry().preset(name)

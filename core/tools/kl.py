@@ -46,7 +46,9 @@ Controllers (the coefficient β of the penalty ``−β·KL``):
 * :class:`FixedKLController` — constant β.
 
 All three expose ``.value`` and ``.update(current_kl, n_steps)`` like verl's, so either can be handed to verl's
-``apply_kl_penalty``.
+``apply_kl_penalty``; and they are :class:`lossplug.control.Controller` s — ``coefficient``, ``state_dict()`` /
+``load_state_dict()`` — the state mechanism the adaptive regularisers share (save and restore them with a checkpoint
+the same way, see :mod:`lossplug.control`).
 """
 
 from __future__ import annotations
@@ -319,6 +321,11 @@ class AdaptiveKLController:
         self.value = min(max(self.value, self.min_kl_coef), self.max_kl_coef)
         return self.value
 
+    @property
+    def coefficient(self) -> float:
+        """The coefficient in force (``value``): a :class:`lossplug.control.Controller`."""
+        return self.value
+
     def state_dict(self) -> dict[str, Any]:
         return {"value": self.value}
 
@@ -360,6 +367,11 @@ class ProportionalKLController:
         self.value = float(self.value * mult)
         return self.value
 
+    @property
+    def coefficient(self) -> float:
+        """The coefficient in force (``value``): a :class:`lossplug.control.Controller`."""
+        return self.value
+
     def state_dict(self) -> dict[str, Any]:
         return {"value": self.value}
 
@@ -377,6 +389,11 @@ class FixedKLController:
         self.value = float(kl_coef)
 
     def update(self, current_kl: float | Tensor | None = None, n_steps: int | None = None) -> float:
+        return self.value
+
+    @property
+    def coefficient(self) -> float:
+        """The coefficient in force (``value``): a :class:`lossplug.control.Controller`."""
         return self.value
 
     def state_dict(self) -> dict[str, Any]:

@@ -137,6 +137,17 @@ def registered_reductions(before):
         finite_loss_with_gradient({"gates": ["ppo_clip"], "reduction": row["name"]})
 
 
+def registered_regularisers(before):
+    new = added(before, "regulariser")
+    assert new, "the example registered no regulariser"
+    for row in new:
+        recipe = {**PLAIN, "regularisers": [{"name": row["name"], "coef": 0.5}]}
+        finite_loss_with_gradient(recipe)
+        plain, regularised = (lossplug.policy_loss(batch(), r) for r in (PLAIN, recipe))
+        assert float(plain.loss.detach()) != float(regularised.loss.detach()), "the regulariser changed nothing"
+        assert f"reg/{row['name']}/value" in regularised.metrics
+
+
 def registered_presets(before):
     new = added(before, "preset")
     assert new, "the example registered no preset"
@@ -167,6 +178,7 @@ EFFECTS: dict[str, Callable[[Before], None]] = {
     "lossplug_register_advantages": registered_advantages,
     "lossplug_register_gates": registered_gates,
     "lossplug_register_reductions": registered_reductions,
+    "lossplug_register_regularisers": registered_regularisers,
     "lossplug_register_presets": registered_presets,
     "lossplug_validate_batch": validator_refuses_a_bad_batch,
     "lossplug_extra_metrics": metrics_appear,

@@ -1,0 +1,120 @@
+"""KL to the frozen reference policy: ``term = w · kl(logp, ref_logp)`` per action token, added to the loss as
+``coef · reduce(term)``.
+
+With ``logp`` the current policy's log-prob of the sampled token (carries the gradient), ``ref`` the reference
+policy's (detached) and ``δ = ref − logp``, the estimators are verl 0.9.1's ``kl_penalty(logprob, ref_logprob,
+mode)`` — KL(π_θ ‖ π_ref) estimated on tokens sampled from the policy (Schulman, "Approximating KL divergence",
+2020)::
+
+    k1, kl            logp − ref                                  unbiased, may be negative
+    abs               |logp − ref|
+    k2, mse           ½ (logp − ref)²                             ≥ 0, biased; ∂/∂logp = logp − ref
+    k3, low_var_kl    clamp(exp(δ') − δ' − 1, −10, 10),           ≥ 0, unbiased up to the clamps
+                      δ' = clamp(δ, −20, 20)
+    <mode>+           straight-through: <mode>'s value, k2's gradient (k3+ is verl's default for kl_loss_type)
+
+``clamp: false`` computes ``k3`` / ``low_var_kl`` as the plain ``exp(δ) − δ − 1`` (TRL's ``beta`` term) with only
+``δ ≤ 20`` kept against overflow — no ±10 clamp of the estimate.
+
+``ratio_weight`` — TRL's ``use_bias_correction_kl``: the estimate is multiplied by the update ratio
+``r = π_θ / π_old`` so that the KL is importance-weighted to the current policy when the tokens were sampled from
+``π_old``: ``token``: ``r_t = exp(logp_t − old_t)``; ``sequence``: ``r = exp(mean_t(logp_t − old_t))`` over the
+response's action tokens (TRL's ratio under ``importance_sampling_level="sequence"``). As in TRL the ratio is **not
+detached**: the gradient flows through the ratio and through the estimate. The log-ratio is clamped to ±20 (like the
+gates' update ratio; TRL does not clamp — a difference only where TRL's ratio is already ``exp(20)``).
+
+Correction weights (engine importance weights) never multiply the term — in TRL the ``beta`` term is added after
+the vLLM importance-sampling ratio multiplied the policy term, in verl the KL loss is computed apart from the
+rollout-correction weights.
+
+Reference: verl 0.9.1 ``verl.trainer.ppo.core_algos.kl_penalty`` / ``kl_penalty_forward`` (the estimators, the
+clamps and the ``+`` straight-through), used by ``dp_actor`` with ``use_kl_loss`` / ``kl_loss_type`` /
+``kl_loss_coef``; TRL 1.16 ``GRPOTrainer._compute_loss`` (``trl/trainer/grpo_trainer.py`` 3097-3105: ``per_token_kl =
+exp(ref − logp) − (ref − logp) − 1``, ``per_token_kl * coef_1`` with ``use_bias_correction_kl``; 3148-3149: ``+ beta
+· per_token_kl`` after the importance weights).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, cast
+
+import torch
+from pydantic import Field
+
+import lossplug
+
+Tensor = torch.Tensor
+
+Estimator = Literal[
+    "k1", "k2", "k3", "kl", "abs", "mse", "low_var_kl", "k1+", "k3+", "kl+", "abs+", "low_var_kl+", "k2+", "mse+"
+]
+#: the log-ratio bound of the update ratio and of the unclamped k3 (the gates' bound)
+MAX_LOG_RATIO = 20.0
+
+
+class KLParams(lossplug.RegulariserParams):
+    coef: float = Field(
+        0.001,
+        allow_inf_nan=False,
+        description="KL coefficient β: the loss gains β · reduce(KL) (verl's kl_loss_coef, default 0.001; TRL's beta)",
+    )
+    estimator: Estimator = Field(
+        "low_var_kl",
+        description="verl's kl_penalty mode: k1/kl, abs, k2/mse, k3/low_var_kl; a '+' suffix keeps the value and "
+        "takes k2's gradient (straight-through, e.g. k3+)",
+    )
+    ratio_weight: Literal["none", "token", "sequence"] = Field(
+        "none",
+        description="multiply the estimate by the update ratio π_θ/π_old (TRL's use_bias_correction_kl): per token, "
+        "or the sequence ratio exp(mean log-ratio); not detached, as in TRL",
+    )
+    clamp: bool = Field(
+        True,
+        description="verl's clamps of k3/low_var_kl (log-ratio to ±20, estimate to ±10); false: the plain "
+        "exp(δ) − δ − 1 of TRL's beta term (δ ≤ 20 against overflow only)",
+    )
+
+
+def _requires(p: KLParams) -> tuple[str, ...]:
+    return ("ref_logp",) if p.ratio_weight == "none" else ("ref_logp", "old_logp")
+
+
+def estimate(logp: Tensor, ref: Tensor, estimator: str, clamp: bool = True) -> Tensor:
+    """The per-token estimate of ``estimator`` — verl's ``kl_penalty(logp, ref, estimator)``, value and gradient
+    (``clamp=False``: k3 without verl's ±10 clamp of the estimate)."""
+    straight_through = estimator.endswith("+")
+    base = estimator[:-1] if straight_through else estimator
+    if base in ("kl", "k1"):
+        forward = logp - ref
+    elif base == "abs":
+        forward = (logp - ref).abs()
+    elif base in ("mse", "k2"):
+        forward = 0.5 * (logp - ref).square()
+    elif clamp:  # k3 / low_var_kl, verl's operations in verl's order
+        kl = torch.clamp(ref - logp, min=-20, max=20)
+        forward = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+    else:  # TRL's exp(ref − logp) − (ref − logp) − 1, the log-ratio kept below exp's overflow
+        delta = (ref - logp).clamp(max=MAX_LOG_RATIO)
+        forward = torch.exp(delta) - delta - 1
+    if not straight_through or base in ("mse", "k2"):
+        return forward
+    backward = 0.5 * (logp - ref).square()
+    return backward - backward.detach() + forward.detach()
+
+
+@lossplug.regulariser("kl", params=KLParams, requires=_requires)
+def kl(inp: lossplug.GateInput, p: KLParams) -> lossplug.RegulariserOutput:
+    """``β · reduce(w · kl_est(logp, ref_logp))``: the KL to the reference with any of verl's estimators, optionally
+    weighted by the update ratio ``w`` (TRL's bias-corrected KL).
+
+    Reference: verl ``core_algos.kl_penalty`` (use_kl_loss, kl_loss_type, kl_loss_coef); TRL ``GRPOTrainer``
+    (beta, use_bias_correction_kl).
+    """
+    ref = cast(Tensor, inp.ref_logp)  # declared in requires=: a batch without it fails validation
+    term = estimate(inp.logp, ref, p.estimator, p.clamp)
+    if p.ratio_weight != "none":
+        log_ratio = inp.update_log_ratio()
+        if p.ratio_weight == "sequence":
+            log_ratio = (log_ratio.sum(-1) / inp.lengths.clamp(min=1).to(log_ratio.dtype)).unsqueeze(-1)
+        term = term * log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+    return lossplug.RegulariserOutput(term=term, metrics={"token_mean": lambda: inp.masked_mean(term.detach())})
