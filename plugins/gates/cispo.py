@@ -17,6 +17,11 @@ The two references differ, and both are reproduced exactly:
   recommends 5.0), no log-ratio clamp → ``{name: cispo, eps_low: null, ratio_max: 5.0, log_ratio_clamp: null}``.
   MiniMax-M1 itself sets no lower bound either.
 
+``cispo_seq`` uses the sequence ratio ``s_i = exp(mean_t log r_it)`` (GSPO's) in place of ``r`` — one weight per
+response, each token's gradient still through its own ``logp`` (TRL ``importance_sampling_level="sequence"``)::
+
+    J_it = sg(clip(s_i, lower, upper)) · A_it · logp_it
+
 Without a log-ratio clamp the weight stays finite anyway: an upper bound is mandatory, and ``clamp(inf, max=c) = c``.
 
 Detach/gradient contract: the coefficient ``clip(r)`` is explicitly ``.detach()``-ed — gradient flows through the
@@ -25,7 +30,8 @@ Detach/gradient contract: the coefficient ``clip(r)`` is explicitly ``.detach()`
 Paper: MiniMax, 2025, *MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention*,
 arXiv:2506.13585 (CISPO); the absolute cap ``ratio_max`` as in ScaleRL (Khatri et al., 2025, arXiv:2510.13786).
 
-Reference: verl ``compute_policy_loss_cispo``; TRL ``loss_type="cispo"``.
+Reference: verl ``compute_policy_loss_cispo``; TRL ``loss_type="cispo"`` (``importance_sampling_level`` token or
+sequence).
 """
 
 from __future__ import annotations
@@ -89,12 +95,41 @@ class CISPOParams(lossplug.Params):
 @lossplug.gate("cispo", params=CISPOParams, requires=("old_logp",))
 def cispo(inp: lossplug.GateInput, p: CISPOParams) -> lossplug.GateOutput:
     """CISPO: sg(clip(r, 1−eps_low, 1+eps_high or ratio_max))·A·logp; every token keeps its gradient."""
-    adv = inp.broadcast_advantage()  # × logp, which is 0 off the actions
     with torch.no_grad():
         log_ratio = inp.update_log_ratio().detach()
         if p.log_ratio_clamp is not None:
             log_ratio = clamp_exact(log_ratio, -p.log_ratio_clamp, p.log_ratio_clamp)
-        ratio = log_ratio.exp()
+    return _cispo(inp, p, log_ratio.exp(), per_response=False)
+
+
+@lossplug.gate("cispo_seq", params=CISPOParams, requires=("old_logp",), level="sequence")
+def cispo_seq(inp: lossplug.GateInput, p: CISPOParams) -> lossplug.GateOutput:
+    """CISPO on the sequence ratio: sg(clip(s, 1−eps_low, 1+eps_high or ratio_max))·A·logp, s = exp(mean_t log r_t).
+
+    One weight per response, the length-normalised (geometric-mean) ratio of GSPO, saturated by the same bounds;
+    each token's gradient still flows through its own ``logp`` only. TRL's ``loss_type="cispo"`` with
+    ``importance_sampling_level="sequence"``: ``{name: cispo_seq, eps_low: null, ratio_max: epsilon_high,
+    log_ratio_clamp: null}``.
+
+    Paper: MiniMax, 2025, *MiniMax-M1*, arXiv:2506.13585 (CISPO); the sequence ratio of Zheng et al., 2025,
+    *Group Sequence Policy Optimization*, arXiv:2507.18071.
+
+    Reference: TRL ``GRPOTrainer._compute_loss`` (``loss_type="cispo"``, ``importance_sampling_level="sequence"``).
+    """
+    with torch.no_grad():
+        log_ratio = inp.update_log_ratio().detach()
+        # mean over each response's action tokens (0 off them), [B, 1]
+        seq_log_ratio = log_ratio.sum(-1, keepdim=True) / inp.lengths.clamp(min=1).unsqueeze(-1).to(log_ratio.dtype)
+        if p.log_ratio_clamp is not None:
+            seq_log_ratio = seq_log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
+    return _cispo(inp, p, seq_log_ratio.exp(), per_response=True)
+
+
+def _cispo(inp: lossplug.GateInput, p: CISPOParams, ratio: torch.Tensor, *, per_response: bool) -> lossplug.GateOutput:
+    """The objective sg(clip(ratio))·A·logp and its cut fractions; ``ratio`` is ``[B, T]`` (1 off the actions) or a
+    ``[B, 1]`` column (counted once per action token of its response)."""
+    adv = inp.broadcast_advantage()  # × logp, which is 0 off the actions
+    with torch.no_grad():
         coefficient = ratio.clamp(min=p.lower, max=p.upper)
     objective = coefficient.detach() * adv * inp.logp
 
@@ -122,5 +157,6 @@ def cispo(inp: lossplug.GateInput, p: CISPOParams) -> lossplug.GateOutput:
             "clip_frac_low": lambda: fraction(1),
             "clip_frac_high": lambda: fraction(2),
         },
-        active=lambda: inp.mask,  # the clip saturates the weight only: every action token keeps its gradient
+        # the clip saturates the weight only: every action token (every non-empty response) keeps its gradient
+        active=lambda: inp.lengths > 0 if per_response else inp.mask,
     )

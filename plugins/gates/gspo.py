@@ -12,6 +12,14 @@ geometric mean of the token ratios, computed in log space (a product of T ratios
 ``s_i`` carries the gradient of *every* token of response ``i``: ∂s_i/∂logp_iu = s_i / |y_i|. The clip decision is
 one per response (and advantage sign): a response is kept or saturated as a whole.
 
+``delta`` (optional, TRL's ``delta`` — INTELLECT-2's two-sided clip) caps the unclipped branch::
+
+    J_it = min(min(s_i, δ)·A_it, clip(s_i, 1 − eps_low, 1 + eps_high)·A_it)
+
+so a negative-advantage response whose ratio exceeds ``δ`` contributes ``δ·A`` and no gradient (TRL:
+``coef_1 = clamp(coef_1, max=delta)`` after ``coef_2`` is taken from the unclamped ratio). ``null`` (the default)
+leaves the objective above bit for bit.
+
 ``gspo_token`` (GSPO-token, as verl's ``compute_policy_loss_gspo`` implements it)::
 
     s_it = sg(s_i) · π_θ(y_it) / sg(π_θ(y_it))     i.e.  log s_it = sg(log s_i) + logp_it − sg(logp_it)
@@ -30,7 +38,8 @@ response gets ``s_i = 1`` (its length is clamped to 1 and its log-ratio sum is 0
 
 Paper: Zheng et al., 2025, *Group Sequence Policy Optimization*, arXiv:2507.18071 (GSPO and GSPO-token).
 
-Reference: verl ``compute_policy_loss_gspo`` (``loss_mode=gspo``); TRL ``importance_sampling_level="sequence"``.
+Reference: verl ``compute_policy_loss_gspo`` (``loss_mode=gspo``); TRL ``importance_sampling_level="sequence"``
+(``delta``: TRL ``GRPOTrainer._compute_loss``; Prime Intellect, 2025, *INTELLECT-2*, arXiv:2505.07291).
 """
 
 from __future__ import annotations
@@ -54,6 +63,12 @@ class GSPOParams(lossplug.Params):
     log_ratio_clamp: float = Field(
         10.0, gt=0, le=80, description="the log sequence ratio is clamped to ± this before exp (verl: 10)"
     )
+    delta: float | None = Field(
+        None,
+        gt=0,
+        description="cap on the unclipped branch: min(min(s, delta)·A, clip(s)·A) (TRL's delta, INTELLECT-2); "
+        "null: none",
+    )
 
 
 def _sequence_log_ratio(inp: lossplug.GateInput) -> torch.Tensor:
@@ -66,8 +81,10 @@ def _sequence_log_ratio(inp: lossplug.GateInput) -> torch.Tensor:
 
 
 def _clipped(ratio: torch.Tensor, adv: torch.Tensor, p: GSPOParams) -> torch.Tensor:
-    """min(s·A, clip(s, 1 − eps_low, 1 + eps_high)·A)."""
-    return torch.minimum(ratio * adv, ratio.clamp(1 - p.eps_low, 1 + p.eps_high) * adv)
+    """min(s·A, clip(s, 1 − eps_low, 1 + eps_high)·A), with ``delta``: min(min(s, δ)·A, clip(s)·A)."""
+    clipped = ratio.clamp(1 - p.eps_low, 1 + p.eps_high) * adv
+    unclipped = ratio if p.delta is None else ratio.clamp(max=p.delta)
+    return torch.minimum(unclipped * adv, clipped)
 
 
 def _output(
@@ -90,9 +107,16 @@ def _output(
         r = ratio.detach()
         return (r < 1 - p.eps_low) & (adv < 0), (r > 1 + p.eps_high) & (adv > 0)
 
+    @functools.cache
+    def capped() -> torch.Tensor:
+        # with delta: a ratio above δ where A < 0 takes the constant branch δ·A (no gradient)
+        return (
+            (ratio.detach() > p.delta) & (adv < 0) if p.delta is not None else torch.zeros_like(adv, dtype=torch.bool)
+        )
+
     def active() -> torch.Tensor:
         low, high = cut()
-        kept = ~(low | high)
+        kept = ~(low | high | capped()) if p.delta is not None else ~(low | high)
         # a response still carries gradient if any of its action tokens is not cut
         return any_rows(kept & inp.mask) if per_response else kept
 
@@ -101,6 +125,7 @@ def _output(
         metrics={
             "clip_frac_low": lambda: inp.token_fraction(cut()[0], false_off_actions=True),
             "clip_frac_high": lambda: inp.token_fraction(cut()[1], false_off_actions=True),
+            **({"delta_frac": lambda: inp.token_fraction(capped(), false_off_actions=True)} if p.delta else {}),
         },
         details=response_stats("seq_ratio", seq_ratio.detach(), inp.lengths > 0),
         active=active,

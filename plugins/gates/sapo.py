@@ -14,6 +14,10 @@ temperature. Note that at ``r = 1`` the objective's *value* is ``2A/τ``, not ``
 policy gradient there. Nothing is clipped, so no token is dropped outright; ``active`` marks the tokens whose
 gradient gate is not exactly zero (it underflows to 0 only for extreme ratios).
 
+``sapo_seq`` uses GSPO's sequence ratio ``s_i = exp(mean_t log r_it)`` in place of ``r`` (TRL
+``importance_sampling_level="sequence"``): ``J_it = (4/τ)·σ(τ·(s_i − 1))·A_it``, whose gradient reaches every token
+of the response through ``s_i`` (∂s_i/∂logp_it = s_i/|y_i|).
+
 Defaults ``tau_pos = 1.0``, ``tau_neg = 1.05``: the SAPO paper's values, and the defaults of both TRL
 (``sapo_temperature_pos/neg``) and verl (``actor.tau_pos/tau_neg``). ``tau_neg > tau_pos`` damps off-policy
 negative-advantage updates faster, which the paper found stabilising. verl always reduces SAPO with
@@ -25,7 +29,8 @@ Detach/gradient contract: ``old_logp`` and the advantage are constants (explicit
 
 Paper: Gao et al., 2025, *Soft Adaptive Policy Optimization*, arXiv:2511.20347.
 
-Reference: verl ``compute_policy_loss_sapo``; TRL ``loss_type="sapo"``.
+Reference: verl ``compute_policy_loss_sapo``; TRL ``loss_type="sapo"`` (``importance_sampling_level`` token or
+sequence).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import torch
 from pydantic import Field
 
 import lossplug
-from lossplug.ops import clamp_exact
+from lossplug.ops import any_rows, clamp_exact
 
 
 class SAPOParams(lossplug.Params):
@@ -48,18 +53,49 @@ class SAPOParams(lossplug.Params):
 @lossplug.gate("sapo", params=SAPOParams, requires=("old_logp",))
 def sapo(inp: lossplug.GateInput, p: SAPOParams) -> lossplug.GateOutput:
     """SAPO: (4/τ)·σ(τ(r−1))·A with τ = tau_pos for A > 0, tau_neg otherwise; gradient r·sech²(τ(r−1)/2)·A."""
-    adv = inp.broadcast_advantage()  # a [B] advantage: τ and A are [B, 1] columns
     ratio = clamp_exact(inp.update_log_ratio(), -p.log_ratio_clamp, p.log_ratio_clamp).exp()
+    return _sapo(inp, p, ratio, per_response=False)
+
+
+@lossplug.gate("sapo_seq", params=SAPOParams, requires=("old_logp",), level="sequence")
+def sapo_seq(inp: lossplug.GateInput, p: SAPOParams) -> lossplug.GateOutput:
+    """SAPO on the sequence ratio: (4/τ)·σ(τ(s−1))·A with s = exp(mean_t log r_t), carrying every token's gradient.
+
+    The soft gate of SAPO applied to GSPO's length-normalised sequence ratio, one per response; ∂s/∂logp_t = s/|y|.
+    TRL's ``loss_type="sapo"`` with ``importance_sampling_level="sequence"``: ``{name: sapo_seq, tau_pos:
+    sapo_temperature_pos, tau_neg: sapo_temperature_neg, log_ratio_clamp: 80}`` (TRL clamps nothing).
+
+    Paper: Gao et al., 2025, *Soft Adaptive Policy Optimization*, arXiv:2511.20347 (its sequence-level variant);
+    the sequence ratio of Zheng et al., 2025, *Group Sequence Policy Optimization*, arXiv:2507.18071.
+
+    Reference: TRL ``GRPOTrainer._compute_loss`` (``loss_type="sapo"``, ``importance_sampling_level="sequence"``).
+    """
+    log_ratio = inp.update_log_ratio()
+    # mean over each response's action tokens (0 off them), [B, 1], carrying every token's gradient
+    seq_log_ratio = log_ratio.sum(-1, keepdim=True) / inp.lengths.clamp(min=1).unsqueeze(-1).to(log_ratio.dtype)
+    ratio = seq_log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
+    return _sapo(inp, p, ratio, per_response=True)
+
+
+def _sapo(inp: lossplug.GateInput, p: SAPOParams, ratio: torch.Tensor, *, per_response: bool) -> lossplug.GateOutput:
+    """The objective (4/τ)·σ(τ(ratio − 1))·A, ``[B, T]``, and its diagnostics; ``ratio`` is ``[B, T]`` or a per-response
+    ``[B, 1]`` column."""
+    adv = inp.broadcast_advantage()  # a [B] advantage: τ and A are [B, 1] columns
     # in the ratio's dtype, not float32
     tau = torch.full(adv.shape, p.tau_neg, dtype=ratio.dtype, device=ratio.device).masked_fill(adv > 0, p.tau_pos)
     # (4/τ)·A is a constant of the update: one [B, 1] (or [B, T]) coefficient, one multiplication carrying gradient
-    objective = torch.sigmoid((ratio - 1).mul_(tau)) * ((4 / tau) * adv)  # (in place: one [B, T] buffer fewer)
+    shifted = ratio - 1
+    # in place (one [B, T] buffer fewer) unless τ is wider than the ratio ([B, 1] ratio, [B, T] advantage)
+    shifted = shifted.mul_(tau) if shifted.shape == torch.broadcast_shapes(shifted.shape, tau.shape) else shifted * tau
+    objective = torch.sigmoid(shifted) * ((4 / tau) * adv)
+    if objective.shape != inp.mask.shape:  # a [B, 1] ratio and a [B] advantage: one value per response
+        objective = objective.expand(inp.mask.shape)
 
     # nothing is cut: the gate's diagnostics are distributions of its gradient gate, at metrics="full" only
     @functools.cache
     def gradient_gate() -> torch.Tensor:
         x = tau * (ratio.detach() - 1)
-        return 4 * torch.sigmoid(x) * torch.sigmoid(-x)  # sech²(x/2)
+        return (4 * torch.sigmoid(x) * torch.sigmoid(-x)).expand(inp.mask.shape)  # sech²(x/2)
 
     mask = inp.mask
     return lossplug.GateOutput(
@@ -70,5 +106,6 @@ def sapo(inp: lossplug.GateInput, p: SAPOParams) -> lossplug.GateOutput:
             # tokens whose gradient is damped by more than half
             "soft_frac": lambda: inp.token_fraction(gradient_gate() < 0.5),
         },
-        active=lambda: gradient_gate() > 0,
+        # per token, or per response for the sequence ratio (a response carries gradient if any token does)
+        active=lambda: any_rows((gradient_gate() > 0) & mask) if per_response else gradient_gate() > 0,
     )
