@@ -332,3 +332,80 @@ def test_whitened_estimators_have_token_mean_zero(inputs):
         adv = lossplug.compute_advantages(batch, recipe(name))
         tokens = torch.where(mask, adv.unsqueeze(-1) if adv.ndim == 1 else adv, 0)
         assert abs(float(tokens.sum())) <= 1e-6 * max(1.0, float(tokens.abs().sum()))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Optimal token baseline: the kernel (not a plugin: PolicyBatch has no sum_pi_squared field)
+
+
+def otb_inputs(case: dict, seed: int, *, is_weights: bool) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    B = case["mask"].shape[0]
+    old_logp = -2 * torch.rand(B, T, generator=g, dtype=F64)
+    extra = {
+        "old_log_probs": old_logp,
+        "sum_pi_squared": torch.exp(old_logp) ** 2 + 0.3 * torch.rand(B, T, generator=g, dtype=F64),
+    }
+    if is_weights:
+        extra["rollout_is_weights"] = 0.5 + torch.rand(B, T, generator=g, dtype=F64)
+    return extra
+
+
+def verl_with(case: dict, estimator: str, extra: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    data = data_proto(case)
+    for key, value in extra.items():
+        data.batch[key] = value.clone()
+    config = OmegaConf.create({"adv_estimator": estimator, "gamma": 1.0, "lam": 1.0})
+    out = compute_advantage(data, adv_estimator=estimator, config=config)
+    return out.batch["advantages"], out.batch["returns"]
+
+
+@pytest.mark.parametrize("is_weights", [False, True])
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize(
+    "estimator, align", [("optimal_token_baseline", "position"), ("tir_optimal_token_baseline", "action")]
+)
+def test_optimal_token_baseline_kernel_matches_verl(estimator, align, dense, is_weights):
+    from lossplug.plugins.advantages.optimal_baseline import optimal_token_baseline_advantage
+
+    case = make_case(90 + dense + 2 * is_weights, dense=dense)
+    # a group with a strictly longest response: its tail baseline is zeroed
+    extra = otb_inputs(case, 7, is_weights=is_weights)
+    expect = verl_with(case, estimator, extra)
+    got = optimal_token_baseline_advantage(
+        case["rewards"],
+        case["mask"],
+        case["group"],
+        extra["old_log_probs"],
+        extra["sum_pi_squared"],
+        extra.get("rollout_is_weights"),
+        align=align,
+    )
+    assert relative_difference(case, got, expect) <= TOL
+    # without the zero tail: verl's function called directly
+    fn = getattr(
+        core_algos,
+        {"position": "compute_optimal_token_baseline_advantage"}.get(
+            align, "compute_multi_turn_optimal_token_baseline_advantage"
+        ),
+    )
+    expect = fn(
+        token_level_rewards=case["rewards"],
+        response_mask=case["mask"].long(),
+        index=case["uid"],
+        old_log_probs=extra["old_log_probs"],
+        sum_pi_squared=extra["sum_pi_squared"],
+        rollout_is_weights=extra.get("rollout_is_weights"),
+        handle_zero_tail=False,
+    )
+    got = optimal_token_baseline_advantage(
+        case["rewards"],
+        case["mask"],
+        case["group"],
+        extra["old_log_probs"],
+        extra["sum_pi_squared"],
+        extra.get("rollout_is_weights"),
+        align=align,
+        zero_tail=False,
+    )
+    assert relative_difference(case, got, expect) <= TOL
