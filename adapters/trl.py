@@ -135,6 +135,7 @@ if TYPE_CHECKING:
 
     from trl import GRPOConfig, GRPOTrainer
 
+    from lossplug.control import StepController
     from lossplug.pipeline import CompiledRecipe, MetricLevel, Validate
 
     _TrainerBase = GRPOTrainer  # what the mixin is combined with, for type checkers
@@ -170,9 +171,9 @@ POPULATIONS = ("generation", "micro_batch")
 VALIDATE = ("full", "off")
 
 #: fields of PolicyBatch the adapter can fill from TRL's batch (ref_logp / behavior_logp conditionally)
-_PROVIDED = {"logp", "action_mask", "old_logp", "advantage", "group_id", "reward"}
+_PROVIDED = {"logp", "action_mask", "old_logp", "advantage", "group_id", "reward", "entropy", "reward_components"}
 #: fields the advantage stage sees (it runs on rewards gathered over processes, before any log-prob exists)
-_ADVANTAGE_PROVIDED = {"reward", "group_id"}
+_ADVANTAGE_PROVIDED = {"reward", "group_id", "reward_components"}
 #: multimodal / model keyword inputs TRL forwards to ``_get_per_token_logps_and_entropies``
 _FORWARD_KEYS = (
     "pixel_values",
@@ -236,47 +237,139 @@ def _versions() -> dict[str, str]:
 # TRL settings → lossplug recipe
 
 
-def trl_equivalent(args: GRPOConfig) -> tuple[Recipe, Population]:
-    """The lossplug recipe and population that reproduce TRL's native loss for ``args`` (a ``GRPOConfig``).
+#: lower / upper IcePop bound standing in for TRL's "no bound" (``vllm_importance_sampling_clip_min/max=None``): the
+#: gates clamp the engine log-ratio at ±80, so every ratio lies in [exp(−80), exp(80)] ⊂ (1e-38, 1e38) — never rejected
+_NO_LOW, _NO_HIGH = 1e-38, 1e38
+#: the gates' log-ratio clamp where TRL has none (the gates' maximum): differs only where TRL's ratio is exp(80)
+_NO_CLAMP = 80.0
 
-    Raises :class:`~lossplug.LossplugError` for a ``loss_type`` / setting without an exact equivalent.
-    """
+
+def _update_gate(args: GRPOConfig) -> dict[str, Any]:
+    """TRL's ``loss_type`` × ``importance_sampling_level`` → the recipe's update gate."""
     loss_type = args.loss_type
     eps_low = args.epsilon
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     sequence = args.importance_sampling_level == "sequence"
-    if args.multi_objective_aggregation != "sum_then_normalize":
-        raise LossplugError(
-            f"trl_equivalent: multi_objective_aggregation={args.multi_objective_aggregation!r} has no "
-            "lossplug advantage (normalise each reward function, then sum); use 'sum_then_normalize'"
-        )
-    gate: dict[str, Any]
-    advantage = {"name": "grpo", "scale": args.scale_rewards, "std": "sample", "eps": 1e-4, "eps_mode": "add"}
     if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
         if sequence:
+            gate = {"name": "gspo", "eps_low": eps_low, "eps_high": eps_high, "log_ratio_clamp": _NO_CLAMP}
             if args.delta is not None:
-                raise LossplugError(
-                    "trl_equivalent: delta with importance_sampling_level='sequence' has no "
-                    "lossplug gate (gspo has no dual clip)"
-                )
-            gate = {"name": "gspo", "eps_low": eps_low, "eps_high": eps_high, "log_ratio_clamp": 80.0}
-        else:
-            gate = {"name": "ppo_clip", "eps_low": eps_low, "eps_high": eps_high}
-            if args.delta is not None:
-                gate["dual_clip_c"] = args.delta  # min(clamp(r, max=δ)·A, clip(r)·A) ≡ dual clip at δ
-    elif loss_type == "cispo":
-        if sequence:
-            raise LossplugError("trl_equivalent: cispo with importance_sampling_level='sequence' has no lossplug gate")
-        gate = {"name": "cispo", "eps_low": None, "eps_high": None, "ratio_max": eps_high, "log_ratio_clamp": None}
-    elif loss_type == "sapo":
-        if sequence:
-            raise LossplugError("trl_equivalent: sapo with importance_sampling_level='sequence' has no lossplug gate")
-        gate = {"name": "sapo", "tau_pos": args.sapo_temperature_pos, "tau_neg": args.sapo_temperature_neg}
-    else:
-        raise LossplugError(
-            f"trl_equivalent: loss_type={loss_type!r} has no lossplug equivalent (supported: grpo, "
-            "bnpo, dr_grpo, dapo, cispo, sapo, luspo)"
-        )
+                gate["delta"] = args.delta  # TRL: coef_1 = clamp(coef_1, max=delta) after coef_2 is taken
+            return gate
+        gate = {"name": "ppo_clip", "eps_low": eps_low, "eps_high": eps_high}
+        if args.delta is not None:
+            gate["dual_clip_c"] = args.delta  # min(clamp(r, max=δ)·A, clip(r)·A) ≡ dual clip at δ
+        return gate
+    if loss_type == "cispo":
+        return {
+            "name": "cispo_seq" if sequence else "cispo",
+            "eps_low": None,
+            "eps_high": None,
+            "ratio_max": eps_high,
+            "log_ratio_clamp": None,
+        }
+    if loss_type == "sapo":
+        return {
+            "name": "sapo_seq" if sequence else "sapo",
+            "tau_pos": args.sapo_temperature_pos,
+            "tau_neg": args.sapo_temperature_neg,
+        }
+    if loss_type == "vespo":
+        gate = {
+            "name": "vespo",
+            "k_pos": args.vespo_k_pos,
+            "lambda_pos": args.vespo_lambda_pos,
+            "k_neg": args.vespo_k_neg,
+            "lambda_neg": args.vespo_lambda_neg,
+        }
+        if args.use_vllm and args.vllm_importance_sampling_correction:
+            # TRL folds its truncated / masked token IS ratios into the gamma weight's sequence ratio (and refuses
+            # the sequence modes with vespo) instead of multiplying the loss by them
+            gate.update(
+                engine_correction=args.vllm_importance_sampling_mode,
+                engine_ratio_min=args.vllm_importance_sampling_clip_min,
+                engine_ratio_max=args.vllm_importance_sampling_clip_max,
+            )
+        return gate
+    raise LossplugError(
+        f"trl_equivalent: loss_type={loss_type!r} has no lossplug equivalent (supported: grpo, bnpo, dr_grpo, "
+        "dapo, cispo, sapo, luspo, vespo)"
+    )
+
+
+def _engine_correction(args: GRPOConfig) -> dict[str, Any] | None:
+    """``use_vllm`` + ``vllm_importance_sampling_correction`` → the engine-ratio correction gate TRL's
+    ``vllm_importance_sampling_mode`` is (None when TRL applies none).
+
+    TRL (``_generate_and_score_completions``): ``ρ = exp((old − sampling)·mask)`` per token (NaN → ratio 1), for
+    ``sequence_*`` modes ``exp(Σ_t …)``, the product of the token ratios; ``*_truncate``: ``clamp(ρ, clip_min,
+    clip_max)``; ``*_mask``: ``ρ`` where ``clip_min ≤ ρ ≤ clip_max``, else 0 (a missing bound: none).
+    """
+    if not (args.use_vllm and args.vllm_importance_sampling_correction):
+        return None
+    mode = args.vllm_importance_sampling_mode
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if mode not in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+        raise LossplugError(f"trl_equivalent: unknown vllm_importance_sampling_mode={mode!r}")
+    sequence = mode.startswith("sequence_")
+    if mode.endswith("_truncate"):
+        if low is not None or high is None:
+            raise LossplugError(
+                f"trl_equivalent: vllm_importance_sampling_mode={mode!r} with vllm_importance_sampling_clip_min="
+                f"{low!r}, clip_max={high!r}: lossplug's truncated IS (tis / tis_seq) caps from above only; TRL "
+                "raises ratios below clip_min to clip_min. Set clip_min=None (and a clip_max), or use a *_mask mode"
+            )
+        return {"name": "tis_seq" if sequence else "tis", "cap": high, "log_ratio_clamp": _NO_CLAMP}
+    return {
+        "name": "icepop_seq" if sequence else "icepop",
+        "low": _NO_LOW if low is None else low,
+        "high": _NO_HIGH if high is None else high,
+        "log_ratio_clamp": _NO_CLAMP,
+    }
+
+
+def _off_policy_mask(args: GRPOConfig, sampling_logprobs: bool) -> dict[str, Any]:
+    return {
+        "name": "off_policy_mask",
+        "threshold": args.off_policy_mask_threshold,
+        "sampling_logp": "behavior_logp" if sampling_logprobs else "old_logp",
+    }
+
+
+def _advantage(args: GRPOConfig) -> dict[str, Any]:
+    """TRL's ``multi_objective_aggregation`` × ``scale_rewards`` → the recipe's advantage."""
+    if args.multi_objective_aggregation == "sum_then_normalize":
+        return {"name": "grpo", "scale": args.scale_rewards, "std": "sample", "eps": 1e-4, "eps_mode": "add"}
+    if args.multi_objective_aggregation == "normalize_then_sum":
+        # TRL weights each function's group-normalised reward with reward_weights, then normalises the sum over the
+        # batch (scale_rewards plays no part)
+        weights = args.reward_weights
+        return {"name": "normalize_then_sum", **({"weights": list(weights)} if weights is not None else {})}
+    raise LossplugError(
+        f"trl_equivalent: multi_objective_aggregation={args.multi_objective_aggregation!r} is not a TRL 1.16 setting"
+    )
+
+
+def trl_equivalent(args: GRPOConfig, *, sampling_logprobs: bool | None = None) -> tuple[Recipe, Population]:
+    """The lossplug recipe and population that reproduce TRL's native loss for ``args`` (a ``GRPOConfig``): every
+    option of TRL 1.16 that touches the loss (the table in the module docstring and the README).
+
+    ``sampling_logprobs``: whether the trainer has behaviour log-probs (``sampling_per_token_logps``: vLLM or a
+    ``rollout_func``); default ``args.use_vllm``. Only the off-policy mask depends on it (TRL's rule: the sampling
+    log-probs when there are any, else the old ones) — pass True for a trainer with a ``rollout_func``.
+
+    Raises :class:`~lossplug.LossplugError` for a setting without an exact equivalent.
+    """
+    loss_type = args.loss_type
+    gates = [_update_gate(args)]
+    # TRL multiplies these into the per-token policy loss (never into the KL): a product, so their order is free
+    if args.off_policy_mask_threshold is not None:
+        gates.append(_off_policy_mask(args, args.use_vllm if sampling_logprobs is None else sampling_logprobs))
+    if args.top_entropy_quantile < 1.0:
+        gates.append({"name": "top_entropy", "quantile": args.top_entropy_quantile})
+    engine = _engine_correction(args)
+    if engine is not None and loss_type != "vespo":  # (vespo folds it into its own weight, see _update_gate)
+        gates.append(engine)
     reduction = {
         "grpo": {"name": "response"},
         "sapo": {"name": "response"},
@@ -284,11 +377,60 @@ def trl_equivalent(args: GRPOConfig) -> tuple[Recipe, Population]:
         "dr_grpo": {"name": "fixed", "budget": float(args.max_completion_length)},  # type: ignore[arg-type]
         "dapo": {"name": "token"},
         "cispo": {"name": "token"},
+        "vespo": {"name": "token"},
         "luspo": {"name": "sequence_sum"},
     }[loss_type]
     population: Population = "micro_batch" if loss_type == "bnpo" else "generation"
-    recipe = Recipe.load({"name": f"trl-{loss_type}", "advantage": advantage, "gates": [gate], "reduction": reduction})
-    return recipe, population
+    spec: dict[str, Any] = {
+        "name": f"trl-{loss_type}",
+        "advantage": _advantage(args),
+        "gates": gates,
+        "reduction": reduction,
+    }
+    regularisers = _regularisers(args)
+    if regularisers:
+        spec["regularisers"] = regularisers
+    return Recipe.load(spec), population
+
+
+def _regularisers(args: GRPOConfig) -> list[dict[str, Any]]:
+    """TRL's KL (``beta``) and entropy bonus (``entropy_coef`` / ``use_adaptive_entropy``) as regulariser stages."""
+    out: list[dict[str, Any]] = []
+    if args.beta != 0.0:
+        # TRL's k3, times the update ratio coef_1 (with its gradient) when use_bias_correction_kl: the sequence
+        # ratio when importance_sampling_level="sequence" (coef_1 is then one per response)
+        weight = "none"
+        if args.use_bias_correction_kl:
+            weight = "sequence" if args.importance_sampling_level == "sequence" else "token"
+        out.append({"name": "kl", "coef": args.beta, "estimator": "k3", "ratio_weight": weight, "clamp": False})
+    if (args.entropy_coef != 0.0 or args.use_adaptive_entropy) and args.top_entropy_quantile < 1.0:
+        # TRL's bonus then acts on the high-entropy tokens only (mask × entropy_mask): the static bonus is kept by
+        # the adapter itself, exactly; the adaptive controller observes those tokens too, which no stage can
+        if args.use_adaptive_entropy:
+            raise LossplugError(
+                "trl_equivalent: use_adaptive_entropy with top_entropy_quantile < 1: TRL's adaptive bonus and its "
+                "controller act on the high-entropy tokens only, which lossplug's entropy regulariser cannot "
+                "select; set top_entropy_quantile=1.0 or use a static entropy_coef"
+            )
+    elif args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        # TRL's bonus: a token mean over this micro-batch's (entropy-masked) action tokens, scaled only for gradient
+        # accumulation, whatever the loss_type — the regulariser's own reduction and population
+        entropy: dict[str, Any] = {
+            "name": "entropy",
+            "coef": args.entropy_coef,
+            "reduction": "token",
+            "population": "micro_batch",
+        }
+        if args.use_adaptive_entropy:
+            entropy.update(
+                adaptive=True,
+                coef_min=args.entropy_coef_min,
+                coef_max=args.entropy_coef_max,
+                coef_delta=args.entropy_coef_delta,
+                target=args.entropy_target,
+            )
+        out.append(entropy)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -363,6 +505,42 @@ def write_record(trainer: GRPOTrainer, directory: str | Path | None = None) -> P
     (path / "recipe.yaml").write_text(st.recipe.to_yaml())
     (path / "provenance.json").write_text(st.provenance.model_dump_json(indent=2) + "\n")
     args = trainer.args
+    replaced = [
+        "loss_type",
+        "epsilon",
+        "epsilon_high",
+        "delta",
+        "importance_sampling_level",
+        "scale_rewards",
+        "multi_objective_aggregation",
+        "sapo_temperature_pos",
+        "sapo_temperature_neg",
+        "vespo_k_pos",
+        "vespo_lambda_pos",
+        "vespo_k_neg",
+        "vespo_lambda_neg",
+        "off_policy_mask_threshold",
+        "top_entropy_quantile",
+        "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max",
+    ]
+    kept = [
+        "num_iterations",
+        "gradient_accumulation_steps",
+        "steps_per_generation",
+        "num_generations",
+        "max_completion_length",
+        "mask_truncated_completions",
+        "temperature",
+        "use_vllm",
+    ]
+    kl = ["beta", "use_bias_correction_kl"]
+    entropy = ["entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max"]
+    entropy += ["entropy_coef_delta", "entropy_target"]
+    (replaced if st.recipe_kl else kept).extend(kl)
+    (replaced if st.recipe_entropy else kept).extend(entropy)
     record = {
         "versions": _versions(),
         "adapter": {
@@ -375,35 +553,8 @@ def write_record(trainer: GRPOTrainer, directory: str | Path | None = None) -> P
             "recipe_advantage": st.compiled.advantage is not None,
         },
         # TRL settings the recipe replaces (recorded so that a reader of the run knows they did not apply)
-        "trl_settings_replaced": {
-            k: getattr(args, k, None)
-            for k in (
-                "loss_type",
-                "epsilon",
-                "epsilon_high",
-                "delta",
-                "importance_sampling_level",
-                "scale_rewards",
-                "sapo_temperature_pos",
-                "sapo_temperature_neg",
-            )
-        },
-        "trl_settings_kept": {
-            k: getattr(args, k, None)
-            for k in (
-                "beta",
-                "use_bias_correction_kl",
-                "num_iterations",
-                "gradient_accumulation_steps",
-                "steps_per_generation",
-                "num_generations",
-                "max_completion_length",
-                "mask_truncated_completions",
-                "temperature",
-                "entropy_coef",
-                "use_vllm",
-            )
-        },
+        "trl_settings_replaced": {k: getattr(args, k, None) for k in replaced},
+        "trl_settings_kept": {k: getattr(args, k, None) for k in kept},
     }
     (path / "versions.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     return path
@@ -421,6 +572,14 @@ class _State:
     population: Population
     provenance: Provenance
     kl_sequence_level: bool
+    #: the batch fields the recipe's gates and regularisers read (entropies are computed only when one does)
+    needs: frozenset[str] = frozenset()
+    #: the recipe has a KL regulariser: it replaces TRL's beta term (else the adapter adds TRL's own)
+    recipe_kl: bool = False
+    #: the recipe has an entropy regulariser: it replaces TRL's bonus (else the adapter adds TRL's static one)
+    recipe_entropy: bool = False
+    #: the recipe's top_entropy quantile: TRL's static bonus then acts on the high-entropy tokens only
+    top_entropy_quantile: float | None = None
     metrics: MetricLevel = "basic"
     rewards_per_func: torch.Tensor | None = None
     rounds: int = 0
@@ -446,6 +605,36 @@ def _check_options(validate: str, population: str, metrics: bool | str = "basic"
     return metric_level(metrics)
 
 
+def _regulariser_stages(compiled: CompiledRecipe) -> tuple[Any, ...]:
+    """The compiled recipe's regulariser stages (none before the regulariser kind existed)."""
+    return tuple(getattr(compiled, "regularisers", ()))
+
+
+def _named(stages: tuple[Any, ...], name: str) -> list[Any]:
+    return [s for s in stages if s.plugin.name == name]
+
+
+def _spec(stage: Any) -> str:
+    """A stage as a recipe line: ``{name: tis, cap: 3.0}``."""
+    params = ", ".join(f"{k}: {v}" for k, v in stage.items() if k != "name")
+    return "{name: " + stage["name"] + (", " + params if params else "") + "}"
+
+
+def _same_params(stage: Any, wanted: dict[str, Any]) -> bool:
+    """Whether a compiled stage has the parameters of the ``wanted`` spec (the ones it names)."""
+    named = {k: v for k, v in wanted.items() if k != "name"}
+    try:  # through the plugin's own model, so that equal settings written differently compare equal
+        want = type(stage.params).model_validate({**stage.params.model_dump(), **named}).model_dump()
+    except ValueError:
+        return False
+    got = stage.params.model_dump()
+
+    def norm(key: str, value: Any) -> Any:  # a regulariser's reduction, as compiled: a mapping
+        return {"name": value} if key == "reduction" and isinstance(value, str) else value
+
+    return all(norm(k, got.get(k)) == norm(k, want.get(k)) for k in named)
+
+
 def _refusals(trainer: GRPOTrainer, compiled: CompiledRecipe, provenance: Provenance) -> list[str]:
     trl = _trl()
     args = _config(trainer)
@@ -455,35 +644,101 @@ def _refusals(trainer: GRPOTrainer, compiled: CompiledRecipe, provenance: Proven
             "use_liger_kernel=True: on TRL < 1.14 Liger's GRPO loss bypasses _compute_loss, so the recipe "
             "would never run"
         )
+    gates = compiled.gates
+    regularisers = _regulariser_stages(compiled)
+    reads = {f for stage in (*gates, *regularisers) for f in required_fields(stage.plugin, stage.params)}
+
+    # TRL options that weight the policy term: the recipe must carry exactly the same weight as a gate (it replaces
+    # TRL's, which the adapter never applies) — never silently dropped or changed
+    has_behavior = args.use_vllm or getattr(trainer, "rollout_func", None) is not None
+    wanted: list[tuple[str, dict[str, Any], str]] = []  # (TRL's setting, the gate it is, how to unset it)
     if args.use_vllm and args.vllm_importance_sampling_correction:
-        out.append(
-            "use_vllm with vllm_importance_sampling_correction=True: lossplug expresses engine-ratio "
-            "corrections as recipe gates reading sampling_per_token_logps (e.g. gates: [..., {name: tis, "
-            "cap: 2.0}] or icepop); set vllm_importance_sampling_correction=False so they are not applied twice"
-        )
+        what = f"use_vllm with vllm_importance_sampling_correction=True (mode {args.vllm_importance_sampling_mode!r})"
+        if compiled.update.plugin.name == "vespo":
+            vespo = {
+                "name": "vespo",
+                "engine_correction": args.vllm_importance_sampling_mode,
+                "engine_ratio_min": args.vllm_importance_sampling_clip_min,
+                "engine_ratio_max": args.vllm_importance_sampling_clip_max,
+            }
+            if not _same_params(compiled.update, vespo):
+                out.append(
+                    f"{what}: with a vespo update gate TRL folds its IS ratio into the gamma weight; set the gate's "
+                    f"engine_correction: {vespo['engine_correction']}, engine_ratio_min: {vespo['engine_ratio_min']}, "
+                    f"engine_ratio_max: {vespo['engine_ratio_max']} (or vllm_importance_sampling_correction=False)"
+                )
+        else:
+            engine = _engine_correction(args)
+            assert engine is not None
+            wanted.append(
+                (f"{what}: TRL's importance-sampling correction", engine, "vllm_importance_sampling_correction=False")
+            )
     if args.off_policy_mask_threshold is not None:
-        out.append(
-            "off_policy_mask_threshold: TRL's off-policy sequence mask is not applied by lossplug; express it "
-            "as a correction gate in the recipe"
+        wanted.append(
+            (
+                f"off_policy_mask_threshold={args.off_policy_mask_threshold}: TRL's off-policy sequence mask",
+                _off_policy_mask(args, has_behavior),
+                "off_policy_mask_threshold=None",
+            )
         )
     if args.top_entropy_quantile < 1.0:
-        out.append("top_entropy_quantile < 1: TRL's high-entropy token mask is not applied by lossplug")
-    if args.use_adaptive_entropy:
-        out.append(
-            "use_adaptive_entropy=True: the adaptive entropy controller is not supported (a static entropy_coef is)"
+        wanted.append(
+            (
+                f"top_entropy_quantile={args.top_entropy_quantile}: TRL's high-entropy token mask",
+                {"name": "top_entropy", "quantile": args.top_entropy_quantile},
+                "top_entropy_quantile=1.0",
+            )
         )
-    has_behavior = args.use_vllm or getattr(trainer, "rollout_func", None) is not None
+    for what, gate, unset in wanted:
+        if not any(_same_params(s, gate) for s in _named(gates[1:], gate["name"])):
+            out.append(
+                f"{what} is a recipe gate in lossplug (which never applies TRL's own): add gates: [..., "
+                f"{_spec(gate)}] (what trl_equivalent maps it to; a gate of other settings would silently change "
+                f"TRL's) or set {unset}"
+            )
+
+    # KL and entropy: one term each, never counted twice
+    trl_terms = {r["name"]: r for r in _regularisers(args)}
+    kl_stages = _named(regularisers, "kl")
+    if kl_stages:
+        coef = sum(float(s.params.coef) for s in kl_stages)
+        if trainer.beta == 0.0:
+            out.append(
+                f"the recipe has a KL regulariser, but beta=0: TRL computes reference log-probs only when beta != 0. "
+                f"Set beta={coef} (the recipe's KL coefficient): the recipe's KL then replaces TRL's"
+            )
+        elif abs(coef - trainer.beta) > 1e-12 * max(abs(coef), abs(trainer.beta)):
+            out.append(
+                f"the recipe has a KL regulariser (coef {coef}) and TRL's beta={trainer.beta} is another: the KL would "
+                f"be set twice. Set beta={coef} (it then only switches TRL's reference log-probs on; the recipe's KL "
+                "replaces TRL's) or drop the recipe's KL stage"
+            )
+    entropy_stages = _named(regularisers, "entropy")
+    trl_entropy = trl_terms.get("entropy")
+    if entropy_stages and (args.entropy_coef != 0.0 or args.use_adaptive_entropy):
+        if trl_entropy is None or len(entropy_stages) > 1 or not _same_params(entropy_stages[0], trl_entropy):
+            same = f" or make the stage {_spec(trl_entropy)}" if trl_entropy is not None else ""
+            out.append(
+                f"the recipe has an entropy regulariser and TRL's entropy bonus is on as well (entropy_coef="
+                f"{args.entropy_coef}, use_adaptive_entropy={args.use_adaptive_entropy}, top_entropy_quantile="
+                f"{args.top_entropy_quantile}) with other settings: it would be counted twice. Set entropy_coef=0 "
+                f"and use_adaptive_entropy=False (the recipe's replaces TRL's){same}"
+            )
+    elif args.use_adaptive_entropy:
+        out.append(
+            f"use_adaptive_entropy=True: the adaptive coefficient is a recipe regulariser in lossplug; add "
+            f"regularisers: [..., {_spec(cast(dict[str, Any], trl_entropy))}] (what trl_equivalent maps it to)"
+        )
+
     provided = set(_PROVIDED)
     if trainer.beta != 0.0:
         provided.add("ref_logp")
     if has_behavior:
         provided.add("behavior_logp")
-    reads_behavior = False
-    for stage in compiled.gates:
-        reads = required_fields(stage.plugin, stage.params)
-        missing = [f for f in reads if f not in provided]
-        reads_behavior |= "behavior_logp" in reads
-        for name in missing:
+    for stage in (*gates, *regularisers):
+        for name in required_fields(stage.plugin, stage.params):
+            if name in provided:
+                continue
             why = {
                 "ref_logp": "TRL computes reference log-probs only when beta != 0",
                 "behavior_logp": "TRL has rollout log-probs only with use_vllm=True or a rollout_func",
@@ -495,17 +750,12 @@ def _refusals(trainer: GRPOTrainer, compiled: CompiledRecipe, provenance: Proven
         if missing:
             out.append(
                 f"recipe.advantage ({adv_stage.plugin.name}) reads {', '.join(missing)}: in TRL the advantage "
-                "stage sees only the rewards and prompt groups (no critic, no token rewards)"
+                "stage sees only the rewards, the per-function rewards and the prompt groups (no critic, no token "
+                "rewards)"
             )
         if "padded" not in adv_stage.plugin.layouts:
             out.append(f"recipe.advantage ({adv_stage.plugin.name}) works on the packed layout only")
-        if args.multi_objective_aggregation != "sum_then_normalize":
-            out.append(
-                f"multi_objective_aggregation={args.multi_objective_aggregation!r}: the recipe's advantage "
-                "replaces TRL's, and is computed from the weighted sum of the raw rewards; use "
-                "'sum_then_normalize' or a recipe without an advantage stage"
-            )
-    if reads_behavior and not any("behavior_logp" in m for m in out):
+    if "behavior_logp" in reads and not any("behavior_logp" in m for m in out) and has_behavior:
         try:
             provenance.check()
         except LossplugError as err:
@@ -548,6 +798,8 @@ def _setup(
             "lossplug cannot run this recipe in this TRL trainer without changing its meaning:\n  - "
             + "\n  - ".join(problems)
         )
+    regularisers = _regulariser_stages(compiled)
+    top_entropy = _named(compiled.gates, "top_entropy")
     trainer._lossplug = _State(
         recipe=recipe_obj,
         compiled=compiled,
@@ -556,6 +808,12 @@ def _setup(
         provenance=provenance,
         metrics=level,
         kl_sequence_level=compiled.update.plugin.level == "sequence",
+        needs=frozenset(
+            f for stage in (*compiled.gates, *regularisers) for f in required_fields(stage.plugin, stage.params)
+        ),
+        recipe_kl=bool(_named(regularisers, "kl")),
+        recipe_entropy=bool(_named(regularisers, "entropy")),
+        top_entropy_quantile=top_entropy[0].params.quantile if top_entropy else None,
     )
 
 
@@ -610,11 +868,15 @@ def group_advantages(
     advantages = torch.zeros_like(rewards)
     if everything or bool(valid.any()):
         r, ids = (rewards, group_ids) if everything else (rewards[valid], group_ids[valid])
+        components = None
+        if "reward_components" in required_fields(st.compiled.advantage.plugin, st.compiled.advantage.params):
+            components = rewards_per_func if everything else rewards_per_func[valid]
         batch = PolicyBatch.unchecked(
             logp=torch.zeros(r.shape[0], 1, dtype=r.dtype, device=device),
             action_mask=torch.ones(r.shape[0], 1, dtype=torch.bool, device=device),
             reward=r,
             group_id=ids,
+            reward_components=components,
         )
         result = lossplug.estimate_advantages(batch, st.recipe, validate=st.validate)
         adv = result.advantage
@@ -661,6 +923,35 @@ def _log_metrics(trainer: GRPOTrainer, mode: str, metrics: dict[str, torch.Tenso
         values = accelerator.gather(values.unsqueeze(0)).nanmean(0)
     for name, value in zip(names, values.tolist()):
         trainer._metrics[mode][f"lossplug/{name}"].append(value)
+
+
+#: the file, in each checkpoint folder, holding the recipe's controller state (adaptive coefficients)
+CONTROLLER_STATE_FILE = "lossplug_controllers.json"
+
+
+def _controllers(recipe: Recipe) -> dict[str, StepController]:
+    """The recipe's step controllers (adaptive regulariser coefficients), by stage."""
+    from lossplug.control import controllers
+
+    return controllers(recipe)
+
+
+def _step_controllers(trainer: GRPOTrainer, st: _State, mode: str) -> None:
+    """At an optimizer-step boundary (the window's last micro-batch, after its loss used the coefficient in force —
+    TRL's order), step the recipe's controllers on the window's observations summed over processes; evaluation never
+    moves a coefficient (TRL: train mode only). Logs TRL's ``entropy_coef`` for the recipe's entropy stage as TRL
+    does (every optimizer step: the adaptive coefficient just updated, or the static one)."""
+    if mode != "train" or not trainer.accelerator.sync_gradients:
+        return
+    ctrls = _controllers(st.recipe)
+    accelerator = trainer.accelerator
+    all_reduce = (lambda t: accelerator.reduce(t, reduction="sum")) if accelerator.num_processes > 1 else None
+    for stage in _regulariser_stages(lossplug.compile_recipe(st.recipe)):
+        where = stage.where.removeprefix("recipe.")
+        ctrl = ctrls.get(where)
+        coefficient = float(ctrl.step(all_reduce)) if ctrl is not None else float(stage.params.coef)
+        if stage.plugin.name == "entropy":
+            trainer._metrics[mode]["entropy_coef"].append(coefficient)
 
 
 class _Mixin(_TrainerBase):
@@ -711,6 +1002,8 @@ class _Mixin(_TrainerBase):
                 logged[len(logged) - len(values) + i] = v
         output["lossplug_group_id"] = group_ids[local]
         output["lossplug_reward"] = rewards[local]
+        # one column per reward function, unweighted (NaN where a function returned None): TRL's rewards_per_func
+        output["lossplug_reward_components"] = rewards_per_func[local]
         _log_metrics(self, mode, metrics)
         return output
 
@@ -724,12 +1017,17 @@ class _Mixin(_TrainerBase):
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         logits_to_keep = completion_ids.size(1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        # TRL's own terms, where the recipe has none of its own (read here: TRL's attributes are the truth)
+        trl_kl = self.beta != 0.0 and not st.recipe_kl
+        trl_entropy = bool(self._entropy_bonus_enabled) and not st.recipe_entropy
+        # entropies only when something reads them: a recipe stage, or TRL's static bonus the adapter keeps
+        want_entropy = "entropy" in st.needs or trl_entropy
         out = self._get_per_token_logps_and_entropies(
             model,
             input_ids,
             attention_mask,
             logits_to_keep,
-            compute_entropy=True,
+            compute_entropy=want_entropy,
             compute_aux_loss=self.aux_loss_enabled,
             **{k: inputs.get(k) for k in _FORWARD_KEYS},
         )
@@ -781,6 +1079,9 @@ class _Mixin(_TrainerBase):
             reward = inputs.get("lossplug_reward")
             if reward is not None and not bool(torch.isfinite(take(reward)).all()):
                 reward = None
+            components = inputs.get("lossplug_reward_components") if "reward_components" in st.needs else None
+            if components is not None and not bool(torch.isfinite(take(components)).all()):
+                components = None  # (a function returned None for some row: the contract's rule names the field)
             batch = PolicyBatch.unchecked(
                 logp=take(logps),
                 action_mask=take(action),
@@ -790,16 +1091,29 @@ class _Mixin(_TrainerBase):
                 advantage=take(advantages),
                 group_id=take(inputs.get("lossplug_group_id")),
                 reward=take(reward),
+                entropy=take(entropies) if "entropy" in st.needs else None,
+                reward_components=take(components),
             )
-            result = lossplug.policy_loss(batch, st.recipe, normalizer, validate=st.validate, metrics=st.metrics)
+            result = lossplug.policy_loss(
+                batch,
+                st.recipe,
+                normalizer,
+                validate=st.validate,
+                metrics=st.metrics,
+                observe=mode == "train",  # evaluation never moves an adaptive coefficient (TRL: train mode only)
+            )
             loss = result.loss * scale
             metrics.update(result.metric_tensors)
+            recipe_kl = result.metric_tensors.get("reg/kl/token_mean")
+            if recipe_kl is not None:  # TRL's "kl" metric (the masked token mean of the KL term), from the recipe's
+                self._metrics[mode]["kl"].append(float(recipe_kl))
             # this micro-batch's share × the number of micro-batches: averaged over the micro-batches (and processes)
             # at log time, the recipe's loss over the whole population
             metrics["loss"] = result.loss.detach() * steps * processes
+        _step_controllers(self, st, mode)
 
         per_token_kl = None
-        if self.beta != 0.0:
+        if trl_kl:  # TRL's beta KL, the recipe having none of its own
             ref = inputs["ref_per_token_logps"]
             delta = torch.where(action, ref - logps, 0)
             per_token_kl = torch.exp(delta) - delta - 1
@@ -813,8 +1127,12 @@ class _Mixin(_TrainerBase):
                 loss = loss + self.beta * kl_term * scale
                 metrics["kl"] = kl_term.detach() * steps * processes  # reduced like the loss (not × beta)
 
-        if self._entropy_bonus_enabled:  # TRL's static entropy bonus, unchanged (adaptive mode is refused)
-            entropy_loss = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+        if trl_entropy:  # TRL's static entropy bonus, the recipe having no entropy regulariser
+            assert entropies is not None  # computed: want_entropy
+            effective = mask
+            if st.top_entropy_quantile is not None:  # TRL: the bonus acts on the tokens the entropy mask keeps
+                effective = mask * self.get_high_entropy_mask(entropies, mask, 1 - st.top_entropy_quantile)
+            entropy_loss = (entropies * effective).sum() / effective.sum().clamp(min=1.0) / accumulation
             policy_loss = loss.detach()
             loss = loss - self.entropy_coef * entropy_loss
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
@@ -833,9 +1151,32 @@ class _Mixin(_TrainerBase):
         with torch.no_grad():
             if per_token_kl is not None:
                 self._metrics[mode]["kl"].append(global_masked_mean(per_token_kl.detach()))
-            self._metrics[mode]["entropy"].append(global_masked_mean(entropies.detach()))
+            if entropies is not None:
+                self._metrics[mode]["entropy"].append(global_masked_mean(entropies.detach()))
         _log_metrics(self, mode, metrics)
         return loss
+
+    # -- checkpoints: the recipe's controller state (adaptive coefficients) ----------------------------------------
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        from lossplug.control import controller_state
+
+        state = controller_state(_state(self).recipe)
+        if state and self.args.should_save:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            (folder / CONTROLLER_STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = Path(checkpoint) / CONTROLLER_STATE_FILE
+        if path.is_file():
+            from lossplug.control import load_controller_state
+
+            load_controller_state(_state(self).recipe, json.loads(path.read_text()))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

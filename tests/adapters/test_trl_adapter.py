@@ -91,15 +91,140 @@ def test_trl_equivalent_mapping(tmp_module, loss_type, gate, reduction, populati
     assert Recipe.from_yaml(recipe.to_yaml()) == recipe
 
 
+@pytest.mark.parametrize(
+    "settings, gates",
+    [
+        # loss_type × importance_sampling_level (each proven end to end in test_trl_parity_e2e.py)
+        (
+            {"loss_type": "vespo", "vespo_k_pos": 1.5, "vespo_lambda_neg": 2.5},
+            [{"name": "vespo", "k_pos": 1.5, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.5}],
+        ),
+        (
+            {"loss_type": "cispo", "importance_sampling_level": "sequence", "epsilon_high": 5.0},
+            [{"name": "cispo_seq", "eps_low": None, "eps_high": None, "ratio_max": 5.0, "log_ratio_clamp": None}],
+        ),
+        (
+            {"loss_type": "sapo", "importance_sampling_level": "sequence", "sapo_temperature_neg": 1.2},
+            [{"name": "sapo_seq", "tau_pos": 1.0, "tau_neg": 1.2}],
+        ),
+        (
+            {"loss_type": "grpo", "importance_sampling_level": "sequence", "delta": 1.5},
+            [{"name": "gspo", "eps_low": 0.2, "eps_high": 0.2, "log_ratio_clamp": 80.0, "delta": 1.5}],
+        ),
+        ({"loss_type": "grpo", "delta": 2.0}, [{"name": "ppo_clip", "dual_clip_c": 2.0}]),
+        # corrections: TRL multiplies the per-token policy loss by them
+        (
+            {"off_policy_mask_threshold": 0.3},
+            [{"name": "ppo_clip"}, {"name": "off_policy_mask", "threshold": 0.3, "sampling_logp": "old_logp"}],
+        ),
+        ({"top_entropy_quantile": 0.2}, [{"name": "ppo_clip"}, {"name": "top_entropy", "quantile": 0.2}]),
+        # vLLM importance sampling: every mode, with TRL's bounds (a missing bound: none)
+        (
+            {"use_vllm": True, "vllm_importance_sampling_mode": "token_truncate"},
+            [{"name": "ppo_clip"}, {"name": "tis", "cap": 3.0, "log_ratio_clamp": 80.0}],
+        ),
+        (
+            {
+                "use_vllm": True,
+                "vllm_importance_sampling_mode": "sequence_truncate",
+                "vllm_importance_sampling_clip_max": 2,
+            },
+            [{"name": "ppo_clip"}, {"name": "tis_seq", "cap": 2.0, "ratio": "product", "log_ratio_clamp": 80.0}],
+        ),
+        (
+            {"use_vllm": True, "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.5},
+            [{"name": "ppo_clip"}, {"name": "icepop", "low": 0.5, "high": 3.0, "log_ratio_clamp": 80.0}],
+        ),
+        (
+            {"use_vllm": True},  # TRL's default mode: sequence_mask, clip_max 3, no clip_min
+            [{"name": "ppo_clip"}, {"name": "icepop_seq", "low": 1e-38, "high": 3.0, "ratio": "product"}],
+        ),
+        (
+            {
+                "use_vllm": True,
+                "vllm_importance_sampling_mode": "sequence_mask",
+                "vllm_importance_sampling_clip_min": 0.1,
+                "vllm_importance_sampling_clip_max": None,
+            },
+            [{"name": "ppo_clip"}, {"name": "icepop_seq", "low": 0.1, "high": 1e38}],
+        ),
+        (
+            {"use_vllm": True, "vllm_importance_sampling_correction": False},
+            [{"name": "ppo_clip"}],  # no correction: TRL's loss has none either
+        ),
+        (  # vespo folds the truncated / masked token ratios into its weight: no separate correction gate
+            {"loss_type": "vespo", "use_vllm": True, "vllm_importance_sampling_mode": "token_mask"},
+            [{"name": "vespo", "engine_correction": "token_mask", "engine_ratio_min": None, "engine_ratio_max": 3.0}],
+        ),
+    ],
+)
+def test_trl_equivalent_maps_every_loss_option(tmp_module, settings, gates):
+    recipe, _ = trl_equivalent(config(tmp_module, **settings))
+    assert [g.name for g in recipe.gates] == [g["name"] for g in gates]
+    for got, want in zip(recipe.gates, gates):
+        assert {k: got.params[k] for k in want if k != "name"} == {k: v for k, v in want.items() if k != "name"}
+    assert Recipe.from_yaml(recipe.to_yaml()) == recipe
+
+
+def test_trl_equivalent_maps_the_other_settings(tmp_module):
+    recipe, population = trl_equivalent(config(tmp_module, loss_type="vespo"))
+    assert (recipe.reduction.name, population) == ("token", "generation")  # TRL reduces vespo like dapo
+    # the off-policy mask reads the sampling log-probs when the trainer has them (vLLM, a rollout_func)
+    for kw, source in (({}, "behavior_logp"), ({"use_vllm": True}, "behavior_logp")):
+        args = config(tmp_module, off_policy_mask_threshold=0.1, vllm_importance_sampling_correction=False, **kw)
+        recipe, _ = trl_equivalent(args, sampling_logprobs=True if not kw else None)
+        assert recipe.gates[1].params["sampling_logp"] == source
+    # normalize_then_sum: the per-function rewards, weighted after normalisation
+    recipe, _ = trl_equivalent(
+        config(tmp_module, multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5])
+    )
+    assert recipe.advantage.name == "normalize_then_sum"
+    assert tuple(recipe.advantage.params["weights"]) == (1.0, 0.5)
+    # regularisers: beta (k3, × the update ratio per token / per sequence), the entropy bonus (TRL's reduction)
+    recipe, _ = trl_equivalent(config(tmp_module, beta=0.04))
+    kl = recipe.regularisers[0]
+    assert kl.name == "kl"
+    assert {k: kl.params[k] for k in ("coef", "estimator", "ratio_weight", "clamp")} == {
+        "coef": 0.04,
+        "estimator": "k3",
+        "ratio_weight": "token",
+        "clamp": False,  # TRL's plain exp(δ) − δ − 1
+    }
+    recipe, _ = trl_equivalent(config(tmp_module, beta=0.04, importance_sampling_level="sequence"))
+    assert recipe.regularisers[0].params["ratio_weight"] == "sequence"
+    recipe, _ = trl_equivalent(config(tmp_module, beta=0.04, use_bias_correction_kl=False))
+    assert recipe.regularisers[0].params["ratio_weight"] == "none"
+    recipe, _ = trl_equivalent(config(tmp_module, entropy_coef=0.01))
+    entropy = recipe.regularisers[0]
+    assert (entropy.name, entropy.params["coef"], entropy.params["population"]) == ("entropy", 0.01, "micro_batch")
+    recipe, _ = trl_equivalent(
+        config(tmp_module, use_adaptive_entropy=True, entropy_coef=0.1, entropy_target=0.3, entropy_coef_delta=0.01)
+    )
+    params = recipe.regularisers[0].params
+    assert (params["adaptive"], params["target"], params["coef_delta"], params["coef_min"], params["coef_max"]) == (
+        True,
+        0.3,
+        0.01,
+        0.0,
+        1.0,
+    )
+    # the static bonus with top_entropy_quantile < 1 acts on the high-entropy tokens: the adapter keeps TRL's own
+    recipe, _ = trl_equivalent(config(tmp_module, entropy_coef=0.01, top_entropy_quantile=0.5))
+    assert not recipe.regularisers
+
+
 def test_trl_equivalent_refuses_what_has_no_equivalent(tmp_module):
-    with pytest.raises(LossplugError, match="vespo"):
-        trl_equivalent(config(tmp_module, loss_type="vespo"))
-    with pytest.raises(LossplugError, match="sequence"):
-        trl_equivalent(config(tmp_module, loss_type="sapo", importance_sampling_level="sequence"))
-    with pytest.raises(LossplugError, match="normalize_then_sum"):
-        trl_equivalent(config(tmp_module, multi_objective_aggregation="normalize_then_sum"))
-    recipe, _ = trl_equivalent(config(tmp_module, loss_type="grpo", delta=2.0))
-    assert recipe.gates[0].params["dual_clip_c"] == 2.0
+    with pytest.raises(LossplugError, match="caps from above only"):  # TIS has no lower clamp
+        trl_equivalent(
+            config(
+                tmp_module,
+                use_vllm=True,
+                vllm_importance_sampling_mode="token_truncate",
+                vllm_importance_sampling_clip_min=0.5,
+            )
+        )
+    with pytest.raises(LossplugError, match="high-entropy tokens only"):
+        trl_equivalent(config(tmp_module, use_adaptive_entropy=True, top_entropy_quantile=0.5))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -156,18 +281,51 @@ def test_a_bad_recipe_fails_before_the_model_is_touched(plain):
 @pytest.mark.parametrize(
     "setting, value, message",
     [
-        ("use_vllm", True, "vllm_importance_sampling_correction=False"),
-        ("off_policy_mask_threshold", 0.5, "off_policy_mask_threshold"),
-        ("top_entropy_quantile", 0.2, "top_entropy_quantile"),
-        ("use_adaptive_entropy", True, "adaptive entropy"),
+        ("use_vllm", True, r"importance-sampling correction is a recipe gate.*icepop_seq.*correction=False"),
+        ("off_policy_mask_threshold", 0.5, r"off-policy sequence mask is a recipe gate.*off_policy_mask"),
+        ("top_entropy_quantile", 0.2, r"high-entropy token mask is a recipe gate.*top_entropy, quantile: 0.2"),
+        ("use_adaptive_entropy", True, r"adaptive coefficient is a recipe regulariser.*adaptive: True"),
     ],
 )
-def test_refuses_trl_options_it_would_silently_drop(plain, setting, value, message):
+def test_refuses_trl_options_the_recipe_does_not_carry(plain, setting, value, message):
+    """A TRL option that weights the loss must be in the recipe (trl_equivalent puts it there): the adapter never
+    applies TRL's own, so a recipe without it would silently drop it."""
     trainer = plain()
     setattr(trainer.args, setting, value)
     with pytest.raises(LossplugError, match=message):
         attach(trainer, "dapo")
     assert type(trainer) is trl.GRPOTrainer  # a refused attach leaves the trainer as it was
+    attach(trainer, trl_equivalent(trainer.args)[0])  # the equivalent recipe carries it
+
+
+def test_refuses_a_recipe_option_of_other_settings_than_trl(plain):
+    trainer = plain()
+    trainer.args.top_entropy_quantile = 0.2
+    with pytest.raises(LossplugError, match="quantile: 0.2"):
+        attach(trainer, {"preset": "dapo", "gates": ["ppo_clip", {"name": "top_entropy", "quantile": 0.5}]})
+
+
+def test_kl_and_entropy_are_never_counted_twice(plain, tmp_path):
+    model, tok = tiny.tiny_model_and_tokenizer(tmp_path / "model")
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=[tiny.length_reward],
+        args=config(tmp_path, beta=0.04, entropy_coef=0.01),
+        train_dataset=tiny.tiny_dataset(),
+        processing_class=tok,
+    )
+    kl = {"name": "kl", "coef": 0.1, "estimator": "k2"}
+    with pytest.raises(LossplugError, match=r"KL regulariser \(coef 0.1\) and TRL's beta=0.04.*twice"):
+        attach(trainer, {"preset": "dapo", "regularisers": [kl]})
+    with pytest.raises(LossplugError, match="entropy regulariser and TRL's entropy bonus.*counted twice"):
+        attach(trainer, {"preset": "dapo", "regularisers": [{"name": "entropy", "coef": 0.5}]})
+    # the recipe's own KL replaces TRL's when beta names its coefficient (beta only switches the reference on)
+    attach(trainer, {"preset": "dapo", "regularisers": [{**kl, "coef": 0.04}]})
+    assert trainer._lossplug.recipe_kl and not trainer._lossplug.recipe_entropy
+    # without beta TRL computes no reference log-probs
+    trainer.beta = 0.0
+    with pytest.raises(LossplugError, match="beta=0: TRL computes reference log-probs only when beta != 0"):
+        attach(trainer, {"preset": "dapo", "regularisers": [kl]})
 
 
 @pytest.mark.parametrize(
@@ -183,12 +341,13 @@ def test_refuses_recipes_reading_fields_trl_does_not_have(plain, recipe, message
         attach(plain(), recipe)
 
 
-def test_refuses_normalize_then_sum_with_a_recipe_advantage(plain):
+def test_a_recipe_advantage_replaces_normalize_then_sum(plain, tmp_path):
+    """TRL's multi_objective_aggregation is a setting of TRL's advantage, which the recipe's replaces (recorded)."""
     trainer = plain()
     trainer.args.multi_objective_aggregation = "normalize_then_sum"
-    with pytest.raises(LossplugError, match="normalize_then_sum"):
-        attach(trainer, "grpo")
-    attach(trainer, {"gates": ["ppo_clip"], "reduction": "token"})  # no advantage stage: TRL's is kept
+    attach(trainer, "grpo")
+    versions = json.loads((adapter.write_record(trainer, tmp_path / "record") / "versions.json").read_text())
+    assert versions["trl_settings_replaced"]["multi_objective_aggregation"] == "normalize_then_sum"
 
 
 def test_refuses_a_class_that_overrides_compute_loss(plain):
@@ -285,7 +444,8 @@ def test_behaviour_logprobs_feed_the_engine_ratio(rollout_trainer):
     ratio = torch.where(torch.isnan(behavior), 1.0, (old - behavior).exp())  # ...and get engine ratio 1 (TRL)
     assert m["lossplug/ratio/engine/mean"][0] == pytest.approx(float(ratio[action].mean()), rel=1e-5)
     assert m["lossplug/behavior_logp/unscored_frac"][0] > 0
-    assert "lossplug/tis/trunc_frac" in m and "entropy" in m
+    assert "lossplug/tis/trunc_frac" in m
+    assert "entropy" not in m  # nothing in the recipe reads entropies: not computed
     assert trainer._lossplug.provenance.behavior.engine.startswith("rollout_func TinyRollout")
 
 
