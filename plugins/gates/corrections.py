@@ -20,10 +20,24 @@ Each returns a **detached** weight (``[B, T]`` token level, ``[B]`` sequence lev
 gate's objective (``role="correction"``): the weight carries no gradient by construction — it is computed from
 detached log-probs under ``no_grad`` and ``.detach()``-ed explicitly — so gradient flows only through the update
 gate's ``logp``. ``active`` marks what still carries gradient (weight > 0).
+
+``batch_normalize`` (verl's ``rollout_is_batch_normalize``) divides the weights by their mean over the batch the
+gate is given — over its action tokens (token level) or its responses with an action token (sequence level) — when
+that mean exceeds 1e-8: ``w ← w / mean(w)``. verl takes that mean over the whole rollout batch in the driver (before
+it is split into mini- and micro-batches, on the response mask before rejection): a gate reproduces it exactly only
+when it is given that whole batch. Otherwise compute the weights once per rollout batch with
+:func:`lossplug.plugins.gates.rollout_weights.whole_batch_weight` and pass each micro-batch's rows to
+``policy_loss(weight=...)`` — the way verl hands ``rollout_is_weights`` to its loss.
+
+Metrics: each gate reports its cut fractions (``metrics``) and, at ``metrics="full"``, verl's
+``compute_is_metrics`` under verl's names (``rollout_is_mean``, ``_std``, ``_eff_sample_size``, ``_seq_*``, … of
+the weights *before* batch normalisation; ``rollout_is_batch_norm_factor`` when normalising), over the batch the
+gate is given.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -31,6 +45,8 @@ from pydantic import Field, model_validator
 
 import lossplug
 from lossplug.ops import clamp_exact, response_stats
+
+from . import rollout_stats as rs
 
 REQUIRES = ("old_logp", "behavior_logp")
 
@@ -44,6 +60,16 @@ def _clamp_field() -> Any:
     )
 
 
+def _batch_normalize_field() -> Any:
+    return Field(
+        False,
+        description=(
+            "divide the weights by their mean over the batch the gate is given, when above 1e-8 (verl's "
+            "rollout_is_batch_normalize; exact against verl when that batch is verl's whole rollout batch)"
+        ),
+    )
+
+
 def _sequence_ratio_field() -> Any:
     return Field(
         "product",
@@ -54,12 +80,14 @@ def _sequence_ratio_field() -> Any:
 class TISParams(lossplug.Params):
     cap: float = Field(2.0, gt=0, description="upper cap C of the weight min(ρ, C) (verl default 2.0)")
     log_ratio_clamp: float = _clamp_field()
+    batch_normalize: bool = _batch_normalize_field()
 
 
 class TISSequenceParams(lossplug.Params):
     cap: float = Field(2.0, gt=0, description="upper cap C of the sequence weight min(ρ_i, C)")
     ratio: Literal["product", "geometric"] = _sequence_ratio_field()
     log_ratio_clamp: float = _clamp_field()
+    batch_normalize: bool = _batch_normalize_field()
 
 
 class _IcePopBounds(lossplug.Params):
@@ -68,18 +96,20 @@ class _IcePopBounds(lossplug.Params):
 
     @model_validator(mode="after")
     def _ordered(self) -> _IcePopBounds:
-        if not self.low < self.high:
-            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        if not self.low <= self.high:  # (verl accepts low == high: only ρ = low is kept)
+            raise ValueError(f"low ({self.low}) must not be above high ({self.high})")
         return self
 
 
 class IcePopParams(_IcePopBounds):
     log_ratio_clamp: float = _clamp_field()
+    batch_normalize: bool = _batch_normalize_field()
 
 
 class IcePopSequenceParams(_IcePopBounds):
     ratio: Literal["product", "geometric"] = _sequence_ratio_field()
     log_ratio_clamp: float = _clamp_field()
+    batch_normalize: bool = _batch_normalize_field()
 
 
 def _token_log_ratio(inp: lossplug.GateInput, p: TISParams | IcePopParams) -> torch.Tensor:
@@ -87,11 +117,14 @@ def _token_log_ratio(inp: lossplug.GateInput, p: TISParams | IcePopParams) -> to
     return clamp_exact(inp.engine_log_ratio(), -p.log_ratio_clamp, p.log_ratio_clamp)
 
 
-def _sequence_log_ratio(inp: lossplug.GateInput, p: TISSequenceParams | IcePopSequenceParams) -> torch.Tensor:
+def _sequence_log_ratio(
+    inp: lossplug.GateInput, p: TISSequenceParams | IcePopSequenceParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clamped sequence log-ratio ``[B]`` and the unclamped one (verl's metrics read the latter)."""
     log_ratio = inp.engine_log_ratio().sum(-1)
     if p.ratio == "geometric":
         log_ratio = log_ratio / inp.lengths.clamp(min=1).to(log_ratio.dtype)
-    return clamp_exact(log_ratio, -p.log_ratio_clamp, p.log_ratio_clamp)
+    return clamp_exact(log_ratio, -p.log_ratio_clamp, p.log_ratio_clamp), log_ratio
 
 
 def _fraction(inp: lossplug.GateInput, hit: torch.Tensor, off_actions_false: bool) -> torch.Tensor:
@@ -107,26 +140,133 @@ def _valid(inp: lossplug.GateInput, ratio: torch.Tensor) -> torch.Tensor:
     return inp.lengths > 0 if ratio.ndim == 1 else inp.mask
 
 
-def _tis(ratio: torch.Tensor, cap: float, inp: lossplug.GateInput) -> lossplug.GateOutput:
+def _count(inp: lossplug.GateInput, ratio: torch.Tensor) -> torch.Tensor:
+    """The denominator of a mean over the actions (token level) or the non-empty responses (sequence level)."""
+    return torch.count_nonzero(inp.lengths > 0).clamp(min=1) if ratio.ndim == 1 else inp.action_tokens
+
+
+def _batch_mean(inp: lossplug.GateInput, weight: torch.Tensor) -> torch.Tensor:
+    """verl's normalising mean: over the action tokens (token level) or the responses with an action token
+    (sequence level: one weight per response)."""
+    if weight.ndim == 1:
+        valid = inp.lengths > 0
+        return torch.where(valid, weight, 0).sum() / torch.count_nonzero(valid).clamp(min=1)
+    return rs.token_mean(inp, weight)
+
+
+def _verl_is_metrics(
+    inp: lossplug.GateInput,
+    weight: torch.Tensor,
+    ratio: torch.Tensor,
+    metric_log_ratio: torch.Tensor | None,
+    upper: float,
+    lower: float | None,
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """verl's ``compute_is_metrics`` (and IcePop's ``rollout_is_oob_ratio``) of the weights before batch
+    normalisation. ``ratio`` is the raw (clamped) ratio, ``metric_log_ratio`` the unclamped sequence log-ratio
+    (None at token level); ``lower`` is IcePop's bound (TIS: verl's ``1 / upper``)."""
+    low = 1.0 / upper if lower is None else lower
+    # verl's raw weights are 0 off the actions (ours are 1 there: both log-probs are cleaned to 0); every statistic
+    # below reads the actions only
+    out: dict[str, Callable[[], torch.Tensor]] = {"rollout_is_mean": lambda: rs.token_mean(inp, weight)}
+    if metric_log_ratio is None:
+        out["rollout_is_ratio_fraction_high"] = lambda: rs.token_fraction(inp, ratio > upper)
+        out["rollout_is_ratio_fraction_low"] = lambda: rs.token_fraction(inp, ratio < low)
+        out["rollout_is_max"] = lambda: rs.token_max(inp, weight)
+        out["rollout_is_min"] = lambda: rs.token_min(inp, weight)
+    else:
+        log_ratio = metric_log_ratio
+        out["rollout_is_max"] = lambda: log_ratio.max().clamp(max=rs.SAFETY_BOUND).exp()
+        out["rollout_is_min"] = lambda: log_ratio.min().exp()
+        # log-space thresholds, in float32 as verl computes them
+        out["rollout_is_ratio_fraction_high"] = lambda: (log_ratio > rs.float32_log(upper)).float().mean()
+        out["rollout_is_ratio_fraction_low"] = lambda: (log_ratio < rs.float32_log(low)).float().mean()
+    out["rollout_is_std"] = lambda: rs.clamped_std(inp, weight, 0.0, upper)
+
+    def ess() -> torch.Tensor:
+        clamped = weight.clamp(min=0.0, max=upper)
+        normalized = clamped / (rs.token_mean(inp, clamped) + 1e-8)
+        return 1.0 / rs.token_mean(inp, normalized.square())
+
+    out["rollout_is_eff_sample_size"] = ess
+    # per-response means over every row, as verl's (a row without actions counts 0)
+
+    def per_row(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(inp.lengths > 0, x, 0) if x.ndim == 1 else rs.row_mean(inp, x)
+
+    def seq_weights() -> torch.Tensor:
+        return per_row(weight)
+
+    def raw_seq_weights() -> torch.Tensor:
+        return per_row(ratio)
+
+    out["rollout_is_seq_mean"] = lambda: seq_weights().mean()
+    out["rollout_is_seq_std"] = lambda: rs.std_or_zero(seq_weights())
+    out["rollout_is_seq_max"] = lambda: seq_weights().max()
+    out["rollout_is_seq_min"] = lambda: seq_weights().min()
+    out["rollout_is_seq_max_deviation"] = lambda: (seq_weights() - 1.0).abs().max()
+    out["rollout_is_seq_fraction_high"] = lambda: (raw_seq_weights() > upper).float().mean()
+    out["rollout_is_seq_fraction_low"] = lambda: (raw_seq_weights() < low).float().mean()
+    if lower is not None:
+        out["rollout_is_oob_ratio"] = lambda: rs.token_fraction(inp, (ratio < lower) | (ratio > upper))
+    return out
+
+
+def _output(
+    inp: lossplug.GateInput,
+    weight: torch.Tensor,
+    batch_normalize: bool,
+    metrics: dict[str, Callable[[], torch.Tensor]],
+    details: dict[str, Callable[[], torch.Tensor]],
+    active: Callable[[], torch.Tensor],
+) -> lossplug.GateOutput:
+    if batch_normalize:
+        mean = _batch_mean(inp, weight)
+        above = mean > 1e-8
+        weight = torch.where(above, weight / mean, weight)
+        factor = torch.where(above, mean, torch.ones_like(mean))
+        metrics = {**metrics, "rollout_is_batch_norm_factor": lambda: factor}
+    return lossplug.GateOutput(weight=weight.detach(), metrics=metrics, details=details, active=active)
+
+
+def _tis(
+    ratio: torch.Tensor,
+    cap: float,
+    inp: lossplug.GateInput,
+    batch_normalize: bool,
+    metric_log_ratio: torch.Tensor | None = None,
+) -> lossplug.GateOutput:
     weight = ratio.clamp(max=cap)
     valid = _valid(inp, ratio)
-    return lossplug.GateOutput(
-        weight=weight.detach(),
+    return _output(
+        inp,
+        weight,
+        batch_normalize,
         metrics={"trunc_frac": lambda: _fraction(inp, ratio > cap, cap >= 1)},
         details={
             **response_stats("ratio", ratio, valid),
             "weight_mean": lambda: torch.where(valid, weight, 0).sum() / _count(inp, ratio),
+            **_verl_is_metrics(inp, weight, ratio, metric_log_ratio, cap, None),
         },
         active=lambda: weight > 0,
     )
 
 
-def _icepop(ratio: torch.Tensor, low: float, high: float, inp: lossplug.GateInput) -> lossplug.GateOutput:
+def _icepop(
+    ratio: torch.Tensor,
+    low: float,
+    high: float,
+    inp: lossplug.GateInput,
+    batch_normalize: bool,
+    metric_log_ratio: torch.Tensor | None = None,
+) -> lossplug.GateOutput:
     keep = (ratio >= low) & (ratio <= high)
     weight = torch.where(keep, ratio, torch.zeros_like(ratio))
     valid = _valid(inp, ratio)
-    return lossplug.GateOutput(
-        weight=weight.detach(),
+    return _output(
+        inp,
+        weight,
+        batch_normalize,
         metrics={
             "reject_frac_low": lambda: _fraction(inp, ratio < low, low <= 1),
             "reject_frac_high": lambda: _fraction(inp, ratio > high, high >= 1),
@@ -134,14 +274,10 @@ def _icepop(ratio: torch.Tensor, low: float, high: float, inp: lossplug.GateInpu
         details={
             **response_stats("ratio", ratio, valid),
             "weight_mean": lambda: torch.where(valid, weight, 0).sum() / _count(inp, ratio),
+            **_verl_is_metrics(inp, weight, ratio, metric_log_ratio, high, low),
         },
         active=lambda: keep,
     )
-
-
-def _count(inp: lossplug.GateInput, ratio: torch.Tensor) -> torch.Tensor:
-    """The denominator of a mean over the actions (token level) or the non-empty responses (sequence level)."""
-    return torch.count_nonzero(inp.lengths > 0).clamp(min=1) if ratio.ndim == 1 else inp.action_tokens
 
 
 @lossplug.gate("tis", params=TISParams, requires=REQUIRES, role="correction", level="token")
@@ -155,7 +291,7 @@ def tis(inp: lossplug.GateInput, p: TISParams) -> lossplug.GateOutput:
     ``rollout_is_threshold=cap``); TRL ``vllm_importance_sampling_mode="token_truncate"``.
     """
     with torch.no_grad():
-        return _tis(_token_log_ratio(inp, p).exp(), p.cap, inp)
+        return _tis(_token_log_ratio(inp, p).exp(), p.cap, inp, p.batch_normalize)
 
 
 @lossplug.gate("tis_seq", params=TISSequenceParams, requires=REQUIRES, role="correction", level="sequence")
@@ -169,7 +305,8 @@ def tis_seq(inp: lossplug.GateInput, p: TISSequenceParams) -> lossplug.GateOutpu
     ``rollout_is_threshold=cap``); TRL ``vllm_importance_sampling_mode="sequence_truncate"``.
     """
     with torch.no_grad():
-        return _tis(_sequence_log_ratio(inp, p).exp(), p.cap, inp)
+        log_ratio, unclamped = _sequence_log_ratio(inp, p)
+        return _tis(log_ratio.exp(), p.cap, inp, p.batch_normalize, unclamped)
 
 
 @lossplug.gate("icepop", params=IcePopParams, requires=REQUIRES, role="correction", level="token")
@@ -183,7 +320,7 @@ def icepop(inp: lossplug.GateInput, p: IcePopParams) -> lossplug.GateOutput:
     ``rollout_is_threshold="<low>_<high>"``); TRL ``vllm_importance_sampling_mode="token_mask"``.
     """
     with torch.no_grad():
-        return _icepop(_token_log_ratio(inp, p).exp(), p.low, p.high, inp)
+        return _icepop(_token_log_ratio(inp, p).exp(), p.low, p.high, inp, p.batch_normalize)
 
 
 @lossplug.gate("icepop_seq", params=IcePopSequenceParams, requires=REQUIRES, role="correction", level="sequence")
@@ -197,4 +334,5 @@ def icepop_seq(inp: lossplug.GateInput, p: IcePopSequenceParams) -> lossplug.Gat
     ``rollout_is_threshold="<low>_<high>"``); TRL ``vllm_importance_sampling_mode="sequence_mask"``.
     """
     with torch.no_grad():
-        return _icepop(_sequence_log_ratio(inp, p).exp(), p.low, p.high, inp)
+        log_ratio, unclamped = _sequence_log_ratio(inp, p)
+        return _icepop(log_ratio.exp(), p.low, p.high, inp, p.batch_normalize, unclamped)
