@@ -6,13 +6,101 @@ Interface (used by :func:`lossplug.adapters.verl_recipes.verl_equivalent`)::
 
 ``actor`` is verl's actor config as a plain dict (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
 ``clip_ratio_c``, ``loss_agg_mode``, ``policy_loss: {loss_mode, clip_cov_*, kl_cov_*, ppo_kl_coef, ...}``, ...).
+A key that is absent takes verl 0.9.1's default (``ActorConfig`` / ``PolicyLossConfig``).
+
+Every one of verl 0.9.1's twelve registered losses (``core_algos.POLICY_LOSS_REGISTRY``)::
+
+    vanilla      ppo_clip(eps_low, eps_high, dual_clip_c = clip_ratio_c)          (verl always dual-clips)
+    gspo         gspo_token(eps_low, eps_high)                                    (verl implements GSPO-token)
+    sapo         sapo(tau_pos, tau_neg)                   + reduction response    (ignores loss_agg_mode)
+    cispo        cispo(eps_low, eps_high)
+    gpg          reinforce                                                        (−A·logp, identical)
+    dppo_tv      dppo_tv(eps_low, eps_high, ratio_cap = clip_ratio_c)
+    dppo_kl      dppo_kl(eps_low, eps_high, ratio_cap = clip_ratio_c)
+    clip_cov     clip_cov(eps_low, eps_high, ratio, lb, ub)                       (random: verl's RNG replayed)
+    kl_cov       kl_cov(ratio, coef = ppo_kl_coef)
+    geo_mean     gmpo(eps_low, eps_high)                  + reduction response    (ignores loss_agg_mode)
+    dro          dro(beta = dro_beta)                                             (dro_beta is required)
+    bypass_mode  loss_type=reinforce: reinforce, bypass_is|bypass_is_seq, bypass_rs
+                 loss_type=ppo_clip:  ppo_clip (as vanilla), bypass_rs            (IS weights: verl's metrics only)
+
+``eps_low``/``eps_high`` are ``clip_ratio_low``/``clip_ratio_high`` (each falling back to ``clip_ratio``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from lossplug.contracts import LossplugError
+
+#: verl 0.9.1's ActorConfig / PolicyLossConfig / RolloutCorrectionConfig defaults for the keys read here
+ACTOR_DEFAULTS: dict[str, Any] = {
+    "clip_ratio": 0.2,
+    "clip_ratio_low": 0.2,
+    "clip_ratio_high": 0.2,
+    "clip_ratio_c": 3.0,
+    "tau_pos": 1.0,
+    "tau_neg": 1.05,
+    "loss_agg_mode": "token-mean",
+}
+POLICY_LOSS_DEFAULTS: dict[str, Any] = {
+    "loss_mode": "vanilla",
+    "clip_cov_ratio": 0.0002,
+    "clip_cov_lb": 1.0,
+    "clip_cov_ub": 5.0,
+    "kl_cov_ratio": 0.0002,
+    "ppo_kl_coef": 0.1,
+    "dro_beta": None,
+}
+ROLLOUT_CORRECTION_DEFAULTS: dict[str, Any] = {
+    "rollout_is": "sequence",
+    "rollout_is_threshold": 2.0,
+    "rollout_is_batch_normalize": False,
+    "rollout_rs": None,
+    "rollout_rs_threshold": None,
+    "loss_type": "ppo_clip",
+}
+#: verl's rollout_rs options (``rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS``)
+RS_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+
+#: notes for the losses whose verl function is batch-local or ignores loss_agg_mode (text for docs/verl.md)
+GEO_MEAN_NOTE = (
+    "geo_mean: verl returns torch.mean over the rows of each micro-batch and ignores loss_agg_mode and "
+    "global_batch_info (no x dp_size): recipe gmpo + reduction response equals it exactly when every rank runs one "
+    "micro-batch of global_batch_size / dp_size non-empty responses (no gradient accumulation, no dynamic batch "
+    "size, no padding rows); otherwise verl weights each micro-batch k by 1/rows_k instead of dp_size/global rows. "
+    "The response reduction over the step's population (lossplug's Normalizer) is the data-parallel-exact mean "
+    "over all responses of the step. verl averages rollout_is_weights geometrically per response for geo_mean; "
+    "lossplug's adapter multiplies them per token: with algorithm.rollout_correction.rollout_is set, not exact."
+)
+SAPO_NOTE = "sapo: verl always aggregates with seq-mean-token-mean (reduction response), whatever loss_agg_mode says."
+COVARIANCE_NOTE = (
+    "{mode}: the covariance statistics and the token selection are per micro-batch (as in verl), so they depend on "
+    "how the step is split; the aggregation follows loss_agg_mode and global_batch_info exactly."
+)
+CLIP_COV_RNG_NOTE = (
+    "clip_cov: the random choice replays verl's torch.randperm on the default CPU generator: identical selection for "
+    "the same RNG state at the call (the generator is then advanced by max(floor(clip_cov_ratio*B*T), 1) words, "
+    "verl's by candidates-1)."
+)
+GSPO_NOTE = (
+    "gspo: verl clamps the log sequence ratio at 10 from above only; gspo_token clamps it to [-10, 10]: identical "
+    "unless a response's mean log-ratio is below -10 (ratio < 4.5e-5)."
+)
 
 
 @dataclass(frozen=True)
@@ -25,5 +113,288 @@ class PolicyStages:
     notes: list[str] = field(default_factory=list)
 
 
+def _section(source: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+    value = source.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise LossplugError(f"{where}.{key} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _value(source: Mapping[str, Any], defaults: Mapping[str, Any], key: str) -> Any:
+    value = source.get(key)
+    return defaults[key] if value is None else value
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LossplugError(f"{where} must be a number, got {value!r}")
+    return float(value)
+
+
+def _clip_range(actor: Mapping[str, Any]) -> tuple[float, float]:
+    """(eps_low, eps_high): clip_ratio_low/high, each falling back to clip_ratio (verl's rule)."""
+    clip = _number(_value(actor, ACTOR_DEFAULTS, "clip_ratio"), "actor.clip_ratio")
+    low, high = (
+        actor.get("clip_ratio_low", ACTOR_DEFAULTS["clip_ratio_low"]),
+        actor.get("clip_ratio_high", ACTOR_DEFAULTS["clip_ratio_high"]),
+    )
+    return (
+        clip if low is None else _number(low, "actor.clip_ratio_low"),
+        clip if high is None else _number(high, "actor.clip_ratio_high"),
+    )
+
+
+def _clip_c(actor: Mapping[str, Any]) -> float:
+    return _number(_value(actor, ACTOR_DEFAULTS, "clip_ratio_c"), "actor.clip_ratio_c")
+
+
+def _ppo_clip(actor: Mapping[str, Any]) -> dict[str, Any]:
+    """verl's vanilla: clip-higher plus dual-clip, always on (clip_ratio_c must exceed 1, as verl asserts)."""
+    low, high = _clip_range(actor)
+    clip_c = _clip_c(actor)
+    if not clip_c > 1:
+        raise LossplugError(f"actor.clip_ratio_c={clip_c}: verl's dual-clip bound must be greater than 1")
+    return {"name": "ppo_clip", "eps_low": low, "eps_high": high, "dual_clip_c": clip_c}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bypass_mode
+
+
+def parse_is_threshold(spec: Any) -> tuple[float, float | None]:
+    """verl's ``rollout_is_threshold``: a number or ``"upper"`` (TIS), or ``"lower_upper"`` (IcePop) → (upper,
+    lower)."""
+    where = "policy_loss.rollout_correction.rollout_is_threshold"
+    lower: float | None = None
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise LossplugError(f"{where} must be a number or a 'lower_upper' string, got {spec!r}")
+    try:
+        if isinstance(spec, str) and "_" in spec.strip():
+            low_text, high_text = spec.strip().split("_", 1)
+            lower, upper = float(low_text), float(high_text)
+        else:
+            upper = float(spec)
+    except ValueError:
+        raise LossplugError(f"{where}={spec!r} is not a number or a 'lower_upper' pair") from None
+    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+        raise LossplugError(f"{where}={spec!r}: bounds must be positive with lower <= upper")
+    return upper, lower
+
+
+def parse_rejection_rules(options: Any, thresholds: Any) -> list[dict[str, Any]]:
+    """verl's ``rollout_rs`` (comma-chained options) and ``rollout_rs_threshold`` (one spec, or one per option) →
+    ``bypass_rs`` rules, with verl's validation."""
+    where = "policy_loss.rollout_correction.rollout_rs"
+    if not isinstance(options, str):
+        raise LossplugError(f"{where} must be a comma-separated string of options, got {options!r}")
+    names: list[str] = []
+    for option in (o.strip() for o in options.split(",")):
+        if not option:
+            continue
+        if option not in RS_OPTIONS:
+            raise LossplugError(f"{where}: unknown option {option!r} (verl's are {', '.join(RS_OPTIONS)})")
+        if option not in names:
+            names.append(option)
+    if not names:
+        raise LossplugError(f"{where}={options!r} names no option")
+    if thresholds is None:
+        raise LossplugError(f"{where}={options!r} needs rollout_rs_threshold (verl requires it)")
+    if isinstance(thresholds, bool) or not isinstance(thresholds, (int, float, str)):
+        raise LossplugError(f"{where}_threshold must be a number or a string, got {thresholds!r}")
+    specs = (
+        [str(thresholds)]
+        if not isinstance(thresholds, str)
+        else [s.strip() for s in thresholds.split(",") if s.strip()]
+    )
+    if len(specs) not in (1, len(names)):
+        raise LossplugError(
+            f"{where}_threshold={thresholds!r}: give one threshold for all {len(names)} options or one per option"
+        )
+    specs = specs * len(names) if len(specs) == 1 else specs
+    rules: list[dict[str, Any]] = []
+    for name, spec in zip(names, specs, strict=True):
+        try:
+            if name.endswith("k1"):
+                if "_" in spec:
+                    low_text, high_text = spec.split("_", 1)
+                    lower, upper = float(low_text), float(high_text)
+                else:
+                    upper = float(spec)
+                    lower = float(str(1.0 / upper))  # verl's own round trip
+                if lower <= 0 or upper <= 0 or lower > upper:
+                    raise LossplugError(f"{where}_threshold {spec!r} for {name}: need 0 < lower <= upper")
+                rules.append({"statistic": name, "upper": upper, "lower": lower})
+            else:
+                if "_" in spec:
+                    raise LossplugError(f"{where}_threshold {spec!r} for {name}: a k2/k3 option takes one upper bound")
+                upper = float(spec)
+                if upper <= 0:
+                    raise LossplugError(f"{where}_threshold {spec!r} for {name} must be positive")
+                rules.append({"statistic": name, "upper": upper})
+        except ValueError:
+            raise LossplugError(f"{where}_threshold {spec!r} for {name} is not a number") from None
+    return rules
+
+
+def _bypass(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages:
+    if policy.get("rollout_correction") is None:
+        raise LossplugError(
+            "actor.policy_loss.rollout_correction is missing: loss_mode=bypass_mode reads its loss_type and IS / "
+            "rejection settings there (verl's apply_bypass_mode copies algorithm.rollout_correction into it)"
+        )
+    corr = _section(policy, "rollout_correction", "actor.policy_loss")
+    loss_type = _value(corr, ROLLOUT_CORRECTION_DEFAULTS, "loss_type")
+    if loss_type == "reinforce":
+        gates: list[dict[str, Any]] = [{"name": "reinforce"}]
+        level = corr.get("rollout_is", ROLLOUT_CORRECTION_DEFAULTS["rollout_is"])
+        threshold = corr.get("rollout_is_threshold", ROLLOUT_CORRECTION_DEFAULTS["rollout_is_threshold"])
+        if level is not None and threshold is not None:
+            if level not in ("token", "sequence"):
+                raise LossplugError(
+                    f"actor.policy_loss.rollout_correction.rollout_is={level!r}: verl's levels are token, sequence"
+                )
+            upper, lower = parse_is_threshold(threshold)
+            normalize = bool(_value(corr, ROLLOUT_CORRECTION_DEFAULTS, "rollout_is_batch_normalize"))
+            gates.append(
+                {
+                    "name": "bypass_is" if level == "token" else "bypass_is_seq",
+                    "cap": upper,
+                    "low": lower,
+                    "batch_normalize": normalize,
+                }
+            )
+    elif loss_type == "ppo_clip":
+        gates = [_ppo_clip(actor)]  # verl computes the IS weights for its metrics only here
+    else:
+        raise LossplugError(
+            f"actor.policy_loss.rollout_correction.loss_type={loss_type!r}: verl's are 'reinforce' and 'ppo_clip'"
+        )
+    options = corr.get("rollout_rs")
+    if options is not None:
+        rules = parse_rejection_rules(options, corr.get("rollout_rs_threshold"))
+        agg = _value(actor, ACTOR_DEFAULTS, "loss_agg_mode")
+        # verl removes rejected tokens from the mask: only seq-mean-token-mean's per-response mean notices
+        renormalize = agg == "seq-mean-token-mean" and any(r["statistic"].startswith("token") for r in rules)
+        gates.append({"name": "bypass_rs", "rules": rules, "renormalize": renormalize})
+    return PolicyStages(gates)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The modes
+
+
+def _vanilla(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages:
+    return PolicyStages([_ppo_clip(actor)])
+
+
+def _gspo(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages:
+    low, high = _clip_range(actor)
+    return PolicyStages([{"name": "gspo_token", "eps_low": low, "eps_high": high}], notes=[GSPO_NOTE])
+
+
+def _sapo(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages:
+    tau_pos = _number(_value(actor, ACTOR_DEFAULTS, "tau_pos"), "actor.tau_pos")
+    tau_neg = _number(_value(actor, ACTOR_DEFAULTS, "tau_neg"), "actor.tau_neg")
+    return PolicyStages(
+        [{"name": "sapo", "tau_pos": tau_pos, "tau_neg": tau_neg}], {"name": "response"}, notes=[SAPO_NOTE]
+    )
+
+
+def _cispo(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages:
+    low, high = _clip_range(actor)
+    return PolicyStages([{"name": "cispo", "eps_low": low, "eps_high": high}])
+
+
+def _gpg(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages:
+    return PolicyStages([{"name": "reinforce"}])
+
+
+def _dppo(name: str) -> Callable[[Mapping[str, Any], Mapping[str, Any]], PolicyStages]:
+    def build(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages:
+        low, high = _clip_range(actor)
+        return PolicyStages([{"name": name, "eps_low": low, "eps_high": high, "ratio_cap": _clip_c(actor)}])
+
+    return build
+
+
+def _clip_cov(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages:
+    low, high = _clip_range(actor)
+    ratio = _number(_value(policy, POLICY_LOSS_DEFAULTS, "clip_cov_ratio"), "actor.policy_loss.clip_cov_ratio")
+    if not 0 < ratio <= 1:
+        raise LossplugError(f"actor.policy_loss.clip_cov_ratio={ratio} must be in (0, 1]")
+    gate = {
+        "name": "clip_cov",
+        "eps_low": low,
+        "eps_high": high,
+        "ratio": ratio,
+        "lb": _number(_value(policy, POLICY_LOSS_DEFAULTS, "clip_cov_lb"), "actor.policy_loss.clip_cov_lb"),
+        "ub": _number(_value(policy, POLICY_LOSS_DEFAULTS, "clip_cov_ub"), "actor.policy_loss.clip_cov_ub"),
+    }
+    return PolicyStages([gate], notes=[COVARIANCE_NOTE.format(mode="clip_cov"), CLIP_COV_RNG_NOTE])
+
+
+def _kl_cov(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages:
+    ratio = _number(_value(policy, POLICY_LOSS_DEFAULTS, "kl_cov_ratio"), "actor.policy_loss.kl_cov_ratio")
+    if not 0 < ratio <= 1:
+        raise LossplugError(f"actor.policy_loss.kl_cov_ratio={ratio} must be in (0, 1]")
+    # verl's function falls back to 1.0 when ppo_kl_coef is None (its config default is 0.1)
+    coef = policy.get("ppo_kl_coef", POLICY_LOSS_DEFAULTS["ppo_kl_coef"])
+    coef = 1.0 if coef is None else _number(coef, "actor.policy_loss.ppo_kl_coef")
+    return PolicyStages(
+        [{"name": "kl_cov", "ratio": ratio, "coef": coef}], notes=[COVARIANCE_NOTE.format(mode="kl_cov")]
+    )
+
+
+def _geo_mean(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages:
+    low, high = _clip_range(actor)
+    return PolicyStages(
+        [{"name": "gmpo", "eps_low": low, "eps_high": high}], {"name": "response"}, notes=[GEO_MEAN_NOTE]
+    )
+
+
+def _dro(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages:
+    beta = policy.get("dro_beta")
+    if beta is None or isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
+        raise LossplugError(
+            f"actor.policy_loss.dro_beta={beta!r}: loss_mode=dro needs a positive dro_beta (verl has no default)"
+        )
+    return PolicyStages([{"name": "dro", "beta": float(beta)}])
+
+
+MODES: dict[str, Callable[[Mapping[str, Any], Mapping[str, Any]], PolicyStages]] = {
+    "vanilla": _vanilla,
+    "gspo": _gspo,
+    "sapo": _sapo,
+    "cispo": _cispo,
+    "gpg": _gpg,
+    "dppo_tv": _dppo("dppo_tv"),
+    "dppo_kl": _dppo("dppo_kl"),
+    "clip_cov": _clip_cov,
+    "kl_cov": _kl_cov,
+    "geo_mean": _geo_mean,
+    "dro": _dro,
+    "bypass_mode": _bypass,
+}
+
+
 def policy_gates(actor: Mapping[str, Any]) -> PolicyStages:
-    raise NotImplementedError("being written (verl parity: policy losses)")
+    """The gates (and, for the modes that ignore ``loss_agg_mode``, the reduction) reproducing verl's
+    ``actor.policy_loss.loss_mode`` with the parameters it reads; a setting without an exact equivalent raises a
+    :class:`~lossplug.LossplugError` naming it."""
+    if not isinstance(actor, Mapping):
+        raise LossplugError(f"actor config must be a mapping (OmegaConf.to_container), got {type(actor).__name__}")
+    policy = _section(actor, "policy_loss", "actor")
+    mode = _value(policy, POLICY_LOSS_DEFAULTS, "loss_mode")
+    if mode == "lossplug":
+        raise LossplugError(
+            "actor.policy_loss.loss_mode=lossplug already runs a lossplug recipe: use "
+            "actor.policy_loss.recipe itself, not a translation"
+        )
+    build = MODES.get(mode)
+    if build is None:
+        raise LossplugError(
+            f"actor.policy_loss.loss_mode={mode!r} has no lossplug equivalent (verl 0.9.1's modes: {', '.join(MODES)})"
+        )
+    return build(actor, policy)
