@@ -116,3 +116,60 @@ def test_corrections_cannot_be_update_gates():
         lossplug.Recipe.load(
             {"gates": ["reinforce", {"name": "icepop", "low": 2.0, "high": 1.0}], "reduction": "token"}
         )
+
+
+def test_icepop_accepts_equal_bounds_like_verl():
+    # verl's "1.0_1.0" keeps only ρ = 1 exactly
+    lossplug.Recipe.load({"gates": ["reinforce", {"name": "icepop", "low": 1.0, "high": 1.0}], "reduction": "token"})
+
+
+@pytest.mark.parametrize(
+    "gate",
+    [
+        {"name": "tis", "cap": 1.5},
+        {"name": "tis_seq", "cap": 1.5},
+        {"name": "icepop", "low": 0.5, "high": 2.0},
+        {"name": "icepop_seq", "low": 0.5, "high": 2.0},
+    ],
+)
+def test_batch_normalize_gives_mean_one_over_the_batch(gate):
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(5, 6, generator=g, dtype=torch.float64) - 0.1
+    behavior = old - 0.3 * torch.randn(5, 6, generator=g, dtype=torch.float64)
+    mask = torch.rand(5, 6, generator=g) > 0.3
+    mask[:, 0] = True
+    plugin = lossplug.registry().plugins["gate"][gate["name"]]
+    params = {k: v for k, v in gate.items() if k != "name"}
+    raw = plugin(gate_input(old, behavior, mask), plugin.params(**params))
+    out = plugin(gate_input(old, behavior, mask), plugin.params(**params, batch_normalize=True))
+    if out.weight.ndim == 1:  # one weight per response: their mean over the responses
+        mean = out.weight.mean()
+    else:  # per token: the mean over the action tokens
+        mean = out.weight[mask].mean()
+    torch.testing.assert_close(mean, torch.tensor(1.0, dtype=torch.float64))
+    factor = out.metrics["rollout_is_batch_norm_factor"]()
+    torch.testing.assert_close(out.weight * factor, raw.weight)
+
+
+def test_batch_normalize_leaves_all_zero_weights_alone():
+    # every ratio outside [low, high]: the mean is 0 (≤ 1e-8), verl then divides by nothing (factor 1)
+    old = torch.full((2, 3), -1.0, dtype=torch.float64)
+    plugin = lossplug.registry().plugins["gate"]["icepop"]
+    out = plugin(gate_input(old, old - 2.0), plugin.params(low=0.5, high=2.0, batch_normalize=True))
+    assert torch.equal(out.weight, torch.zeros(2, 3, dtype=torch.float64))
+    assert float(out.metrics["rollout_is_batch_norm_factor"]()) == 1.0
+
+
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("rollout_rs", {"options": "seq_sum_k1,token_k3,seq_max_k2", "threshold": "0.5_2.0,0.1,0.2"}),
+        ("rollout_rs", {"options": "seq_mean_k2", "threshold": 0.05}),
+        ("tis_seq", {"cap": 3.0}),
+        ("icepop", {"low": 0.8, "high": 1.25}),
+    ],
+)
+def test_non_default_rollout_corrections_conform(name, params):
+    from lossplug.testing import assert_conforms
+
+    assert_conforms(name, kind="gate", params=params)
