@@ -2,44 +2,57 @@
 
 Two ways in::
 
-    from lossplug.adapters.trl import LossplugGRPOTrainer, attach
+    from lossplug.adapters.trl import LossplugGRPOTrainer, attach, trl_equivalent
 
     trainer = LossplugGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
                                   processing_class=tok, recipe="dapo")            # a GRPOTrainer subclass
     trainer = attach(GRPOTrainer(...), "dapo")                                    # a trainer you already built
+    recipe, population = trl_equivalent(args)                                     # TRL's own loss, as a recipe
+    trainer = attach(GRPOTrainer(..., args=args), recipe, population=population)
 
 Both give the same object: a ``GRPOTrainer`` (subclass) whose
 
 * **advantage** comes from the recipe's advantage plugin, computed in ``_generate_and_score_completions`` on the
   rewards TRL gathered over all processes — where every prompt group is still complete — and then sliced to this
   process's rows, exactly where TRL computes its own (a recipe without an advantage stage keeps TRL's);
-* **loss** (``_compute_loss``) is the recipe's gates and reduction, plus TRL's ``beta`` KL term reduced with
-  :func:`lossplug.reduce` (same denominators as the policy term).
+* **loss** (``_compute_loss``) is the recipe's gates, reduction and regularisers (KL, entropy). Where the recipe has
+  no KL regulariser TRL's ``beta`` term is added by the adapter (reduced with :func:`lossplug.reduce`, the policy
+  term's denominators); where it has no entropy regulariser TRL's static ``entropy_coef`` bonus is. TRL's own
+  weights on the policy term (vLLM importance sampling, off-policy mask, entropy mask) are never applied by the
+  adapter: the recipe carries them as gates.
 
 ``import lossplug`` never imports TRL, and neither does ``import lossplug.adapters.trl``: TRL is imported the first
 time ``LossplugGRPOTrainer`` is looked up or ``attach`` is called.
 
 What travels with the rows
 --------------------------
-``_generate_and_score_completions`` adds two per-row tensors to TRL's batch dict — ``lossplug_group_id`` (the prompt
-group, unique over the run) and ``lossplug_reward`` (the weighted raw reward TRL summed, NaN where every reward
-function returned ``None``) — so that they survive TRL's shuffle and split into micro-batches.
+``_generate_and_score_completions`` adds three per-row tensors to TRL's batch dict — ``lossplug_group_id`` (the
+prompt group, unique over the run), ``lossplug_reward`` (the weighted raw reward TRL summed, NaN where every reward
+function returned ``None``) and ``lossplug_reward_components`` (``[N, K]``: TRL's ``rewards_per_func``, one column
+per reward function, unweighted, NaN where a function returned ``None``) — so that they survive TRL's shuffle and
+split into micro-batches. The advantage stage sees all three on the gathered batch (``reward_components`` when its
+plugin reads them: TRL's ``normalize_then_sum`` weights each function's normalised reward, so the weights are the
+plugin's parameter, not folded into the components).
 
 The micro-batch TRL hands to ``_compute_loss`` becomes a :class:`lossplug.PolicyBatch`:
 
-=================  ====================================================================================
-``logp``           ``_get_per_token_logps_and_entropies`` of the model (carries the gradient)
-``action_mask``    ``completion_mask`` × ``tool_mask`` (tool / environment tokens are not actions); rows
-                   with no action at all (e.g. ``mask_truncated_completions``) are left out of the batch but
-                   still counted in the population, exactly as TRL's denominators count them
-``old_logp``       ``old_per_token_logps`` (``num_iterations > 1``, misaligned accumulation), else
-                   ``logp.detach()`` — TRL's own rule
-``behavior_logp``  ``sampling_per_token_logps`` (vLLM, ``rollout_func``); tokens the engine could not
-                   score (NaN) get ``old_logp`` — engine ratio exactly 1, TRL's convention
-``ref_logp``       ``ref_per_token_logps`` (``beta != 0``)
-``advantage``      ``advantages`` (the recipe's, see above)
-``group_id``       ``lossplug_group_id``;   ``reward``: ``lossplug_reward`` when every row has one
-=================  ====================================================================================
+=====================  ================================================================================
+``logp``               ``_get_per_token_logps_and_entropies`` of the model (carries the gradient)
+``action_mask``        ``completion_mask`` × ``tool_mask`` (tool / environment tokens are not actions); rows
+                       with no action at all (e.g. ``mask_truncated_completions``) are left out of the batch
+                       but still counted in the population, exactly as TRL's denominators count them
+``old_logp``           ``old_per_token_logps`` (``num_iterations > 1``, misaligned accumulation, vLLM IS), else
+                       ``logp.detach()`` — TRL's own rule
+``behavior_logp``      ``sampling_per_token_logps`` (vLLM, ``rollout_func``); tokens the engine could not
+                       score (NaN) get ``old_logp`` — engine ratio exactly 1, TRL's convention
+``ref_logp``           ``ref_per_token_logps`` (``beta != 0``)
+``entropy``            the entropies ``_get_per_token_logps_and_entropies`` computes — only when a recipe stage
+                       reads them (``top_entropy``, ``entropy``) or TRL's static bonus is kept; they carry the
+                       gradient (an entropy bonus differentiates them)
+``advantage``          ``advantages`` (the recipe's, see above)
+``group_id``           ``lossplug_group_id``;   ``reward``: ``lossplug_reward`` when every row has one
+``reward_components``  ``lossplug_reward_components`` when a stage reads them and every value is finite
+=====================  ================================================================================
 
 Reduction and TRL's gradient-accumulation convention
 ----------------------------------------------------
@@ -51,65 +64,111 @@ in eval). Two populations (``population=``):
 * ``"generation"`` (default) — the whole generation batch on all processes: ``num_items_in_batch`` action tokens,
   ``per_device_batch × steps_per_generation × num_processes`` responses — every row, as TRL counts them: a row
   emptied by ``mask_truncated_completions`` stays in TRL's mean, where lossplug's default population (no
-  ``Normalizer``) would leave it out — ``max_completion_length`` as the ``fixed`` budget. When ``steps_per_generation == gradient_accumulation_steps`` (TRL's default) that *is* the optimizer
-  step, and summing the losses of all micro-batches and processes gives exactly the full-step reduction. Otherwise
-  each accumulation window gets its share of the generation batch's reduction — TRL's own convention for ``dapo``.
+  ``Normalizer``) would leave it out — ``max_completion_length`` as the ``fixed`` budget. When
+  ``steps_per_generation == gradient_accumulation_steps`` (TRL's default) that *is* the optimizer step, and summing
+  the losses of all micro-batches and processes gives exactly the full-step reduction. Otherwise each accumulation
+  window gets its share of the generation batch's reduction — TRL's own convention for ``dapo``.
 * ``"micro_batch"`` — every micro-batch is its own population, extrapolated to the step: what TRL's ``bnpo`` does
   (a mean of per-micro-batch token means). Only the ``token`` reduction differs between the two (every micro-batch
   has the same number of rows, so response-based reductions agree).
 
-TRL ``loss_type`` → lossplug (:func:`trl_equivalent` builds these from a ``GRPOConfig``; each reproduces TRL's loss
-and gradients to float32 rounding, see ``tests/adapters/test_trl_equivalence.py``):
+TRL's ``GRPOConfig`` → lossplug
+-------------------------------
+:func:`trl_equivalent` builds the recipe (and population) that reproduces TRL's native loss; every row below is
+proven end to end — the parameters after two optimizer steps of a real ``GRPOTrainer`` (gradient accumulation 2,
+``num_iterations`` 2, ``beta`` > 0, float32) equal TRL's native run to float32 rounding — in
+``tests/adapters/test_trl_parity_e2e.py`` and ``tests/adapters/test_trl_equivalence.py``:
 
-=========  =====================================================================  ===============
-loss_type  recipe (gate · reduction)                                              population
-=========  =====================================================================  ===============
-grpo       ppo_clip(eps_low=epsilon, eps_high=epsilon_high) · response            generation
-bnpo       ppo_clip · token                                                       **micro_batch**
-dr_grpo    ppo_clip · fixed(budget=max_completion_length)                         generation
-dapo       ppo_clip · token                                                       generation
-cispo      cispo(eps_low=None, ratio_max=epsilon_high, log_ratio_clamp=None) · token  generation
-sapo       sapo(tau_pos=sapo_temperature_pos, tau_neg=sapo_temperature_neg) · response  generation
-luspo      ppo_clip (gspo when importance_sampling_level="sequence") · sequence_sum  generation
-=========  =====================================================================  ===============
+===========================================  ========================================================================
+TRL setting                                  recipe
+===========================================  ========================================================================
+``loss_type`` grpo / sapo                    reduction ``response``
+``loss_type`` bnpo                           reduction ``token``, population **micro_batch**
+``loss_type`` dr_grpo                        reduction ``fixed(budget=max_completion_length)``
+``loss_type`` dapo / cispo / vespo           reduction ``token``
+``loss_type`` luspo                          reduction ``sequence_sum``
+grpo/bnpo/dr_grpo/dapo/luspo                 gate ``ppo_clip(eps_low=epsilon, eps_high=epsilon_high)``; ``delta`` →
+                                             ``dual_clip_c`` (``min(clamp(r, max=δ)·A, clip(r)·A)`` is the dual clip)
+… ``importance_sampling_level=sequence``     gate ``gspo`` (same clip range, ``delta`` → ``gspo.delta``)
+``loss_type`` cispo (token / sequence)       gate ``cispo`` / ``cispo_seq(eps_low=None, ratio_max=epsilon_high,
+                                             log_ratio_clamp=None)``
+``loss_type`` sapo (token / sequence)        gate ``sapo`` / ``sapo_seq(tau_pos=sapo_temperature_pos,
+                                             tau_neg=sapo_temperature_neg)``
+``loss_type`` vespo                          gate ``vespo(k_pos, lambda_pos, k_neg, lambda_neg)`` (``vespo_*``)
+``off_policy_mask_threshold``                correction ``off_policy_mask(threshold, sampling_logp=behavior_logp``
+                                             with vLLM / a ``rollout_func``, else ``old_logp``)
+``top_entropy_quantile < 1``                 correction ``top_entropy(quantile)``
+``use_vllm`` +                               ``token_truncate`` → ``tis(cap=clip_max)``; ``sequence_truncate`` →
+``vllm_importance_sampling_correction``      ``tis_seq(cap=clip_max)``; ``token_mask`` → ``icepop(low=clip_min,
+(``_mode``, ``_clip_min``, ``_clip_max``)    high=clip_max)``; ``sequence_mask`` → ``icepop_seq(…)`` (the product of
+                                             the token ratios, as TRL); a missing bound: none; with vespo the
+                                             token modes are vespo's ``engine_correction`` instead
+``sum_then_normalize`` + ``scale_rewards``   advantage ``grpo(scale=scale_rewards, std=sample, eps=1e-4)``
+``normalize_then_sum`` + ``reward_weights``  advantage ``normalize_then_sum(weights=reward_weights)``
+``beta`` + ``use_bias_correction_kl``        regulariser ``kl(coef=beta, estimator=k3, clamp=False,
+                                             ratio_weight=token | sequence | none)``
+``entropy_coef``, ``use_adaptive_entropy``,  regulariser ``entropy(coef, reduction=token, population=micro_batch
+``entropy_coef_min/max/delta``,              [, adaptive, coef_min, coef_max, coef_delta, target])``; with
+``entropy_target``                           ``top_entropy_quantile < 1`` the static bonus stays the adapter's
+===========================================  ========================================================================
 
-with advantage ``grpo(scale=scale_rewards, std=sample, eps=1e-4)``; ``delta`` maps to ``ppo_clip.dual_clip_c`` (the
-same function: ``min(clamp(r, max=δ)·A, clip(r)·A) = max(min(r·A, clip(r)·A), δ·A)`` for ``A < 0``, unchanged for
-``A > 0``) and ``importance_sampling_level="sequence"`` to the ``gspo`` gate (log-ratio clamp 80: TRL has none).
-The gates clamp the update log-ratio at ±20 where TRL does not clamp at all — a difference only where TRL's
-ratio is already ``exp(20)``. lossplug's advantage is exactly 0 for a group of identical rewards, where TRL's is
-``(r − mean)/(0 + 1e-4)``: rounding noise of the mean, amplified 10⁴ times (0 too whenever the mean is exact).
+The engine-ratio gates clamp the log-ratio at ±80 and TRL does not clamp: a difference only where TRL's ratio is
+already ``exp(80)``; a missing IcePop bound is 1e-38 / 1e38 — outside every clamped ratio. The update gates clamp the
+update log-ratio at ±20 where TRL does not clamp at all. lossplug's advantage is exactly 0 for a group of identical
+rewards, where TRL's is ``(r − mean)/(0 + 1e-4)``: rounding noise of the mean, amplified 10⁴ times.
 
-KL (``beta != 0``): TRL's k3 ``exp(ref − logp) − (ref − logp) − 1``, times the update ratio when
-``use_bias_correction_kl`` (the sequence ratio when the recipe's update gate is sequence-level), reduced with
-:func:`lossplug.reduce` — so it shares the recipe's reduction and population — and added as ``+ beta · KL``. It is
-not multiplied by the recipe's engine corrections (as in TRL, where the vLLM correction does not touch the KL).
+TRL's options that weight the policy term are the recipe's, never the adapter's: when TRL's option is set the
+recipe must carry the same gate with the same settings (``trl_equivalent`` puts it there), else the trainer is
+refused — the adapter never multiplies TRL's ``importance_sampling_ratio``, so it cannot be applied twice, and a
+recipe without it cannot drop it silently. KL and entropy are counted once: a KL regulariser replaces TRL's
+``beta`` term (``beta`` must then equal the recipe's KL coefficient — it only switches TRL's reference log-probs on,
+which TRL computes only when ``beta != 0``); an entropy regulariser replaces TRL's bonus and must then have TRL's
+settings (or TRL's ``entropy_coef=0``, ``use_adaptive_entropy=False``). Neither is ever multiplied by a correction
+(TRL adds its KL after the vLLM correction multiplied the policy term). An adaptive coefficient steps at every
+optimizer step on the window's entropies over all processes (TRL's rule, TRL's order: the bonus of a window uses the
+coefficient from the end of the previous one), and is written into every checkpoint folder
+(:data:`CONTROLLER_STATE_FILE`) and restored on resume, as TRL does with ``entropy_ctrl_state.json``.
+
+Differences that remain, documented: with ``off_policy_mask_threshold`` and behaviour log-probs, a token the engine
+could not score (NaN) counts ``old − logp`` towards the response's KL where TRL counts 0 (the batch has one behaviour
+log-prob per token, and the engine ratio's convention, ``behavior = old``, wins; equal whenever ``old = logp``);
+``top_entropy`` takes the quantile over one process's micro-batch where TRL gathers all processes' (equal on one
+process; a warning otherwise); an entropy regulariser with ``population: micro_batch`` is under-weighted in a
+micro-batch that has rows without an action token (``mask_truncated_completions``), since those rows are left out
+of the batch; ``normalize_then_sum`` needs every reward function to score every row (TRL's NaN-aware means are not
+reproduced: a ``None`` from one function is a validation error).
 
 Refused (with a message, at construction / ``attach``), never silently changed
 ------------------------------------------------------------------------------
+Only what is genuinely outside the loss, or a recipe that would change TRL's meaning:
+
 * TRL versions other than those tested (:data:`TESTED_TRL`; ``LOSSPLUG_TRL_ALLOW_UNTESTED=1`` turns the refusal into
-  a warning), and ``use_liger_kernel`` on TRL < 1.14 (it bypasses ``_compute_loss`` there);
+  a warning), and ``use_liger_kernel`` on TRL < 1.14 (Liger's loss bypasses ``_compute_loss``: no seam);
 * ``RLOOTrainer`` (its batches carry per-sequence summed old log-probs and a KL folded into the reward — token-level
   gates cannot run on them; use ``LossplugGRPOTrainer`` with recipe ``rloo``) and anything not a ``GRPOTrainer``;
 * a trainer class that overrides ``_compute_loss`` itself (lossplug would replace it);
-* ``use_vllm`` with ``vllm_importance_sampling_correction=True`` (engine corrections are recipe gates — ``tis``,
-  ``icepop`` … — reading ``sampling_per_token_logps``; set the TRL option to False), ``off_policy_mask_threshold``,
-  ``top_entropy_quantile < 1`` and ``use_adaptive_entropy`` (TRL-side weights lossplug would not apply);
+* a TRL option that weights the loss (vLLM importance sampling, ``off_policy_mask_threshold``,
+  ``top_entropy_quantile``, ``use_adaptive_entropy``) without the recipe stage that is it, or with other settings;
+  a KL regulariser with ``beta = 0`` (no reference log-probs) or another ``beta``; an entropy regulariser beside
+  TRL's bonus of other settings;
 * a recipe whose plugins read fields TRL does not provide (``value``, ``trajectory_id``, ``terminated``…, ``ref_logp``
-  without ``beta``, ``behavior_logp`` without vLLM or a ``rollout_func``), and a recipe advantage together with
-  ``multi_objective_aggregation="normalize_then_sum"``;
+  without ``beta``, ``behavior_logp`` without vLLM or a ``rollout_func``);
 * behaviour log-probs of a different convention than the training log-probs (``Provenance.check``) when the
-  recipe reads them.
+  recipe reads them;
+* in :func:`trl_equivalent`: ``*_truncate`` vLLM modes with ``vllm_importance_sampling_clip_min`` (TRL raises ratios
+  below it; ``tis`` only caps from above) and ``use_adaptive_entropy`` with ``top_entropy_quantile < 1`` (TRL's
+  controller observes the high-entropy tokens only, which the entropy regulariser cannot select).
 
-Kept from TRL unchanged: the static entropy bonus (``entropy_coef``), the MoE auxiliary loss, eval mode, the
-``entropy`` and ``kl`` metrics. lossplug's own metrics are logged as ``lossplug/<name>`` in ``self._metrics[mode]``
-(averaged over processes), so they appear in TRL's logs; ``metrics="basic"`` (the default) keeps them to what costs
-about as much as TRL's own clip-ratio metrics, ``metrics="full"`` adds ratio quantiles and effective-sample
-fractions. With behaviour log-probs (vLLM) ``lossplug/engine/approx_kl`` is the mean over the actions of
-``sampling_per_token_logps − old_per_token_logps`` (unscored tokens count 0), the signed k1 KL between the engine and
-the trainer; TRL's ``sampling/sampling_logp_difference/mean`` is the mean of its absolute value. At ``train()``
-the recipe, the provenance and the versions are written to ``args.output_dir`` (``recipe.yaml``,
-``provenance.json``, ``versions.json``).
+Kept from TRL unchanged: the MoE auxiliary loss, eval mode, the ``kl`` metric (from the recipe's KL when it has one),
+the ``entropy`` metric (when entropies are computed), ``entropy_coef``. lossplug's own metrics are logged as
+``lossplug/<name>`` in ``self._metrics[mode]`` (averaged over processes), so they appear in TRL's logs;
+``metrics="basic"`` (the default) keeps them to what costs about as much as TRL's own clip-ratio metrics,
+``metrics="full"`` adds ratio quantiles and effective-sample fractions. With behaviour log-probs (vLLM)
+``lossplug/engine/approx_kl`` is the mean over the actions of ``sampling_per_token_logps − old_per_token_logps``
+(unscored tokens count 0), the signed k1 KL between the engine and the trainer; TRL's
+``sampling/sampling_logp_difference/mean`` is the mean of its absolute value. At ``train()`` the recipe, the
+provenance and the versions are written to ``args.output_dir`` (``recipe.yaml``, ``provenance.json``,
+``versions.json``).
 """
 
 from __future__ import annotations
@@ -614,10 +673,10 @@ def _named(stages: tuple[Any, ...], name: str) -> list[Any]:
     return [s for s in stages if s.plugin.name == name]
 
 
-def _spec(stage: Any) -> str:
+def _spec(stage: Mapping[str, Any]) -> str:
     """A stage as a recipe line: ``{name: tis, cap: 3.0}``."""
     params = ", ".join(f"{k}: {v}" for k, v in stage.items() if k != "name")
-    return "{name: " + stage["name"] + (", " + params if params else "") + "}"
+    return "{name: " + str(stage["name"]) + (", " + params if params else "") + "}"
 
 
 def _same_params(stage: Any, wanted: dict[str, Any]) -> bool:
@@ -800,6 +859,13 @@ def _setup(
         )
     regularisers = _regulariser_stages(compiled)
     top_entropy = _named(compiled.gates, "top_entropy")
+    if top_entropy and trainer.accelerator.num_processes > 1:
+        warnings.warn(
+            "lossplug: the top_entropy gate takes the entropy quantile over each process's micro-batch; TRL's "
+            "top_entropy_quantile gathers the action entropies of all processes first — the thresholds differ "
+            f"across the {trainer.accelerator.num_processes} processes (equal on one process)",
+            stacklevel=3,
+        )
     trainer._lossplug = _State(
         recipe=recipe_obj,
         compiled=compiled,
