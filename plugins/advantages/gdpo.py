@@ -38,7 +38,7 @@ Tensor = torch.Tensor
 
 
 class GDPOParams(lossplug.Params):
-    weights: list[float] | None = Field(
+    weights: tuple[float, ...] | None = Field(
         None, description="weight of each reward component (verl: algorithm.gdpo_reward_weights); default: all 1"
     )
     eps: float = Field(1e-6, ge=0, description="epsilon added to each component's group std (verl: 1e-6)")
@@ -74,7 +74,7 @@ def gdpo(batch: lossplug.PolicyBatch, p: GDPOParams) -> Tensor:
         )
     groups = Groups.from_ids(cast(Tensor, batch.group_id))  # required
     normalised = decoupled_group_normalisation(components, groups, p.eps)
-    weights = p.weights if p.weights is not None else [1.0] * K
+    weights = p.weights if p.weights is not None else (1.0,) * K
     total = weights[0] * normalised[:, 0]
     for k in range(1, K):  # in order, as verl accumulates them
         total = total + weights[k] * normalised[:, k]

@@ -210,6 +210,12 @@ def test_defaults_are_verl_algo_config_defaults():
         ({"adv_estimator": "gdpo"}, "algorithm.gdpo_reward_keys"),
         ({"adv_estimator": "gdpo", "gdpo_reward_keys": KEYS, "gdpo_reward_weights": [1.0]}, "gdpo_reward_weights"),
         ({"adv_estimator": "ppo"}, "algorithm.adv_estimator=ppo"),
+        ({"adv_estimator": "grpo", "use_kl_in_reward": True}, "algorithm.use_kl_in_reward"),
+        ({"adv_estimator": "gae", "use_kl_in_reward": True, "kl_penalty": "low_var_kl"}, "algorithm.kl_penalty"),
+        (
+            {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive", "kl_coef": 0.1}},
+            "algorithm.kl_ctrl.type",
+        ),
     ],
 )
 def test_unsupported_settings_are_refused_by_name(algorithm, setting):
@@ -233,3 +239,96 @@ def test_grpo_singleton_group_differs_from_verl():
     assert (got[0][singleton] == 0).all() and (score[singleton] != 0).all()
     assert torch.equal(expect[0][lone], (score[:, None] / one_plus_eps).expand_as(mask)[lone])
     assert (torch.where(rest, got[0] - expect[0], 0).abs().max() / expect[0].abs().max()) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Inside verl: the mapped spec as algorithm.lossplug under adv_estimator=lossplug (lossplug.adapters.verl)
+
+IN_VERL = [
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "opo",
+    "gpg",
+    "grpo_passk",
+    "rloo_vectorized",
+]
+# the adapter does not yet read these estimators' extra inputs from the DataProto
+NOT_YET_IN_VERL = {
+    "gdpo": "adapters/verl.py does not read the gdpo_reward_keys columns into PolicyBatch.reward_components",
+}
+
+
+def in_verl(data: DataProto, algorithm: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    pytest.importorskip("lossplug.adapters.verl")  # registers the estimator 'lossplug'
+    recipe = {"advantage": advantage_stage(algorithm), "gates": ["ppo_clip"], "reduction": "token"}
+    return theirs(data, {**algorithm, "adv_estimator": "lossplug", "lossplug": recipe})
+
+
+@pytest.mark.parametrize(
+    "case",
+    IN_VERL
+    + [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=why)) for name, why in NOT_YET_IN_VERL.items()],
+)
+def test_mapped_spec_inside_verl_equals_verl(case):
+    algorithm, sizes, tol = CASES[case]
+    baselines = case == "remax"
+    expect = theirs(data_proto(5, sizes, baselines=baselines), algorithm)
+    got = in_verl(data_proto(5, sizes, baselines=baselines), algorithm)
+    assert relative_difference(data_proto(5, sizes), got, expect) <= tol
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(name, marks=[pytest.mark.xfail(strict=True, reason=NOT_YET_IN_VERL[estimator])])
+        if (estimator := CASES[name][0]["adv_estimator"]) in NOT_YET_IN_VERL
+        else name
+        for name in sorted(CASES)
+    ],
+)
+def test_mapped_spec_through_the_adapters_compute_advantage_equals_verl(case):
+    """``lossplug.adapters.verl.compute_advantage(data, recipe)`` (custom trainers) on the same DataProto."""
+    adapter = pytest.importorskip("lossplug.adapters.verl")
+    algorithm, sizes, tol = CASES[case]
+    baselines = algorithm["adv_estimator"] == "remax"
+    expect = theirs(data_proto(6, sizes, baselines=baselines), algorithm)
+    recipe = {"advantage": advantage_stage(algorithm), "gates": ["ppo_clip"], "reduction": "token"}
+    out = adapter.compute_advantage(data_proto(6, sizes, baselines=baselines), recipe)
+    got = (out.batch["advantages"], out.batch["returns"])
+    assert relative_difference(data_proto(6, sizes), got, expect) <= tol
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# algorithm.use_kl_in_reward
+
+
+@pytest.mark.parametrize("beta", [0.001, 0.2])
+def test_kl_in_reward_maps_to_gae_kl_coef(beta):
+    from verl.trainer.ppo.core_algos import FixedKLController
+    from verl.trainer.ppo.ray_trainer import apply_kl_penalty
+
+    algorithm = {
+        "adv_estimator": "gae",
+        "gamma": 0.99,
+        "lam": 0.95,
+        "use_kl_in_reward": True,
+        "kl_penalty": "kl",
+        "kl_ctrl": {"type": "fixed", "kl_coef": beta},
+    }
+    assert advantage_stage(algorithm)["kl_coef"] == beta
+    data = data_proto(7)
+    g = torch.Generator().manual_seed(7)
+    noise = 0.3 * torch.randn(data.batch["old_log_probs"].shape, generator=g, dtype=F64)
+    data.batch["ref_log_prob"] = (data.batch["old_log_probs"] + noise).clamp(max=-1e-3)
+    data.batch["token_level_scores"] = data.batch["token_level_rewards"].clone()
+    batch = policy_batch(data, algorithm).replace(
+        ref_logp=data.batch["ref_log_prob"].clone(), reward=data.batch["token_level_scores"].clone()
+    )
+    data, _ = apply_kl_penalty(data, FixedKLController(beta), kl_penalty="kl")
+    expect = theirs(data, algorithm)
+    recipe = lossplug.Recipe.model_validate(
+        {"advantage": advantage_stage(algorithm), "gates": ["ppo_clip"], "reduction": "token"}
+    )
+    result = lossplug.estimate_advantages(batch, recipe)
+    assert relative_difference(data, (result.advantage, result.returns), expect) <= GAE_TOL
