@@ -175,7 +175,7 @@ class KLCovParams(lossplug.Params):
     ratio: float = Field(
         2e-4, gt=0, le=1, description="fraction of the action tokens given the KL penalty (verl: kl_cov_ratio)"
     )
-    coef: float = Field(0.1, ge=0, description="coefficient of the |log r| penalty (verl: ppo_kl_coef, 0.1)")
+    coef: float = Field(0.1, ge=0, description="coefficient of the penalty coef·abs(log r) (verl: ppo_kl_coef, 0.1)")
     log_ratio_clamp: float = Field(20.0, gt=0, le=80, description="the log-ratio is clamped to ± this before exp")
 
 
