@@ -26,6 +26,9 @@ LOGP_TOLERANCE = 1e-3
 #: entropies may fall below 0 by this much (rounding of −Σ p·log p in low precision) before they are rejected.
 ENTROPY_TOLERANCE = 1e-3
 
+#: a sum of squared probabilities may exceed 1 by this much (low-precision rounding) before it is rejected.
+PROBABILITY_TOLERANCE = 1e-3
+
 Tensor = torch.Tensor
 
 
@@ -445,6 +448,9 @@ class PolicyBatch(_TensorModel):
     #: TRL's ``_get_per_token_logps_and_entropies``, verl's ``entropy``); detached data for entropy-aware gates
     #: and regularisers
     entropy: Tensor | None = None
+    #: ``[B, T]`` Σ_v π_old(v)² over the vocabulary at each position (verl's ``sum_pi_squared``,
+    #: ``actor.calculate_sum_pi_squared=True``): in [0, 1] on the actions; the optimal token baselines read it
+    sum_pi_squared: Tensor | None = None
     #: ``[B]`` reward of a baseline response to the same prompt (ReMax: the greedy decode's reward)
     reward_baseline: Tensor | None = None
     #: ``[B, K]`` one column per reward function, before any aggregation (TRL's ``normalize_then_sum``, verl's GDPO)
@@ -476,6 +482,7 @@ class PolicyBatch(_TensorModel):
         "terminated": (False, True, "bool"),
         "final_value": (False, True, "float"),
         "entropy": (True, False, "float"),
+        "sum_pi_squared": (True, False, "float"),
         "reward_baseline": (False, True, "float"),
         "reward_components": (False, False, "float"),  # [B, K]: its own shape rule
     }
@@ -533,6 +540,8 @@ class PolicyBatch(_TensorModel):
         entropy = fields.get("entropy")
         if entropy is not None and not _entropy_passes_on_host(entropy, fields["action_mask"]):
             return False
+        if fields.get("sum_pi_squared") is not None:
+            return False  # its [0, 1] rule: the full path
         final_value = fields.get("final_value")
         return final_value is None  # truncation rules: the full path
 
@@ -603,6 +612,13 @@ class PolicyBatch(_TensorModel):
                 mask & ~(torch.isfinite(entropy) & (entropy >= -ENTROPY_TOLERANCE)),
                 "entropy",
                 f"must be finite and >= 0 (tolerance {ENTROPY_TOLERANCE}) on action positions",
+            )
+        sum_pi_squared = fields.get("sum_pi_squared")
+        if sum_pi_squared is not None:
+            checks.when_any(
+                mask & ~((sum_pi_squared >= 0) & (sum_pi_squared <= 1 + PROBABILITY_TOLERANCE)),
+                "sum_pi_squared",
+                f"must be in [0, 1] (tolerance {PROBABILITY_TOLERANCE}) on action positions: Σ_v π(v)² of a distribution",
             )
         final_value = fields.get("final_value")
         if final_value is not None:

@@ -242,3 +242,14 @@ def test_reward_components_are_b_by_k() -> None:
             _parity_batch(reward_components=bad)
     with pytest.raises(BatchValidationError, match=r"reward_components: must be finite"):
         _parity_batch(reward_components=torch.tensor([[1.0, float("inf")], [0.0, 0.0]]))
+
+
+def test_sum_pi_squared_is_a_probability_mass_on_actions() -> None:
+    ok = torch.tensor([[0.5, 1.0, float("nan")], [0.2, 3.0, 0.9]])  # garbage off the actions is allowed
+    assert _parity_batch(sum_pi_squared=ok).sum_pi_squared is ok
+    for bad in (
+        torch.tensor([[0.5, 1.2, 0.0], [0.2, 0.0, 0.9]]),
+        torch.tensor([[0.5, 0.5, 0.0], [float("nan"), 0, 0.9]]),
+    ):
+        with pytest.raises(BatchValidationError, match=r"sum_pi_squared: must be in \[0, 1\]"):
+            _parity_batch(sum_pi_squared=bad)
