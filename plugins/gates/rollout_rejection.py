@@ -207,12 +207,14 @@ def _criterion_metrics(
     dtype = stat.dtype
     zero = torch.zeros((), dtype=torch.float32, device=stat.device)
     token_level = stat.ndim == 2
-    seq = rs.ValidRows(inp, rs.row_mean(inp, stat) if token_level else stat)
+    # built on first use: at metrics="off" nothing here runs
+    seq = functools.cache(lambda: rs.ValidRows(inp, rs.row_mean(inp, stat) if token_level else stat))
 
     def rejected_responses() -> Tensor:
         hit = ~keep if not token_level else (~keep & inp.mask).any(-1)
-        count = torch.count_nonzero(hit & seq.valid)
-        return count.to(dtype) / seq.count.clamp(min=1).to(dtype)
+        rows = seq()
+        count = torch.count_nonzero(hit & rows.valid)
+        return count.to(dtype) / rows.count.clamp(min=1).to(dtype)
 
     metrics: dict[str, Callable[[], Tensor]] = {
         f"{p}_masked_fraction": lambda: rs.token_mean(inp, (~keep).to(dtype)),
@@ -225,19 +227,19 @@ def _criterion_metrics(
         details[f"{p}_fraction_high"] = lambda: rs.token_fraction(inp, stat > c.high)
         details[f"{p}_fraction_low"] = (lambda: rs.token_fraction(inp, stat < low)) if is_k1 else (lambda: zero)
     else:
-        details[f"{p}_max"] = seq.max
-        details[f"{p}_min"] = seq.min
-        details[f"{p}_fraction_high"] = lambda: seq.fraction(stat > c.high)
-        details[f"{p}_fraction_low"] = (lambda: seq.fraction(stat < low)) if is_k1 else (lambda: zero)
+        details[f"{p}_max"] = lambda: seq().max()
+        details[f"{p}_min"] = lambda: seq().min()
+        details[f"{p}_fraction_high"] = lambda: seq().fraction(stat > c.high)
+        details[f"{p}_fraction_low"] = (lambda: seq().fraction(stat < low)) if is_k1 else (lambda: zero)
     details[f"{p}_std"] = lambda: rs.clamped_std(inp, stat, low, c.high)
-    details[f"{p}_seq_mean"] = seq.mean
-    details[f"{p}_seq_std"] = seq.std
-    details[f"{p}_seq_max"] = seq.max
-    details[f"{p}_seq_min"] = seq.min
-    details[f"{p}_seq_max_deviation"] = seq.abs_max
-    details[f"{p}_seq_fraction_high"] = lambda: seq.fraction(seq.values > c.high)
+    details[f"{p}_seq_mean"] = lambda: seq().mean()
+    details[f"{p}_seq_std"] = lambda: seq().std()
+    details[f"{p}_seq_max"] = lambda: seq().max()
+    details[f"{p}_seq_min"] = lambda: seq().min()
+    details[f"{p}_seq_max_deviation"] = lambda: seq().abs_max()
+    details[f"{p}_seq_fraction_high"] = lambda: seq().fraction(seq().values > c.high)
     if is_k1:
-        details[f"{p}_seq_fraction_low"] = lambda: seq.fraction(seq.values < low)
+        details[f"{p}_seq_fraction_low"] = lambda: seq().fraction(seq().values < low)
     return metrics, details
 
 
