@@ -87,7 +87,7 @@ class StepController(Controller, Protocol):
 
     def step(self, all_reduce: AllReduce | None = None) -> float:
         """At an optimizer-step boundary: reduce the window over ranks, apply the rule, reset the window; return
-        the new coefficient."""
+        the coefficient in force for the next window."""
         ...
 
 
@@ -110,7 +110,8 @@ class WindowController:
             return self.coefficient
         if all_reduce is not None:
             window = all_reduce(window)
-        return self.update(self.measure(window))
+        self.update(self.measure(window))
+        return self.coefficient
 
     def reset_window(self) -> None:
         """Forget what was observed since the last :meth:`step` (e.g. after an evaluation pass that observed)."""

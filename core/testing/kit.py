@@ -31,13 +31,11 @@ from lossplug.contracts import (
 )
 from lossplug.needs import required_fields
 from lossplug.plugin import (
-    AdvantagePlugin,
+    AnyPlugin,
     GateInput,
     GateOutput,
-    GatePlugin,
     Params,
     Population,
-    ReductionPlugin,
     evaluate,
 )
 
@@ -47,8 +45,7 @@ if TYPE_CHECKING:
     from lossplug.pipeline import MetricLevel
 
 Tensor = torch.Tensor
-AnyPlugin = AdvantagePlugin | GatePlugin | ReductionPlugin
-KINDS = ("advantage", "gate", "reduction")
+KINDS = ("advantage", "gate", "reduction", "regulariser")
 RTOL, ATOL = 1e-9, 1e-12  # float64 comparisons
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -160,6 +157,8 @@ class Subject:
             return Recipe.model_validate({"gates": gates, "reduction": reduction})
         if self.kind == "reduction":
             return Recipe.model_validate({"gates": [ref], "reduction": self.spec})
+        if self.kind == "regulariser":
+            return Recipe.model_validate({"gates": [ref], "reduction": reduction, "regularisers": [self.spec]})
         return Recipe.model_validate({"advantage": self.spec, "gates": [ref], "reduction": "token"})
 
     def param_model(self) -> Params:
@@ -202,7 +201,21 @@ def _check(
 
 
 def _fields(**kw: Any) -> dict[str, Tensor]:
-    return _b.policy_fields(**kw)
+    """Every PolicyBatch field (:func:`lossplug.testing.batches.policy_fields`) plus a per-token ``entropy`` (> 0), a
+    ``reward_baseline`` ``[B]`` and two ``reward_components`` ``[B, 2]`` (their sum is ``reward``)."""
+    fields = _b.policy_fields(**kw)
+    g = torch.Generator().manual_seed(int(kw.get("seed", 0)) + 11)
+    logp = fields["logp"]
+    fields["entropy"] = (0.05 + 2.0 * torch.rand(logp.shape, generator=g, dtype=torch.float64)).to(logp.dtype)
+    reward = fields["reward"]
+    first = torch.randn(reward.shape, generator=g, dtype=torch.float64).to(reward.dtype)
+    fields["reward_components"] = torch.stack([first, reward - first], dim=-1)
+    fields["reward_baseline"] = torch.randn(reward.shape, generator=g, dtype=torch.float64).to(reward.dtype)
+    return fields
+
+
+#: the per-token fields a check poisons off the actions
+TOKEN_FIELDS = _b.TOKEN_FIELDS + ("entropy",)
 
 
 BUDGET = 16.0  # the fixed token budget per response the checks' Normalizers carry
@@ -379,6 +392,10 @@ def _params_schema(s: Subject) -> None:
 def _output_contract(s: Subject) -> None:
     if s.kind == "gate":
         return _gate_output_contract(s)
+    if s.kind == "regulariser":
+        from .kit_regularisers import regulariser_output_contract
+
+        return regulariser_output_contract(s)
     if s.kind == "reduction":
         f = _fields()
         mask = f["action_mask"]
@@ -476,15 +493,15 @@ def _gate_output_contract(s: Subject) -> None:
 
 @_check(
     "requires_declared",
-    ("gate", "advantage"),
+    ("gate", "advantage", "regulariser"),
     "the plugin runs on a batch holding only the fields it declares in requires=",
 )
 def _requires_declared(s: Subject) -> None:
     full = _adv_fields(s) if s.kind == "advantage" else _fields()
     keep = {"logp", "action_mask", *s.requires}
-    if s.kind == "gate":
+    if s.kind in ("gate", "regulariser"):
         keep.add("advantage")
-        if s.role == "correction":
+        if s.role == "correction" or s.kind == "regulariser":
             ref = lossplug.registry().plugins["gate"][reference_update_gate()]
             keep |= set(required_fields(ref))
     elif s.plugin.min_group_size > 0:
@@ -493,7 +510,7 @@ def _requires_declared(s: Subject) -> None:
     if s.kind == "advantage" and "padded" not in s.plugin.layouts:
         raise CheckSkipped("applies to padded-layout advantages (a packed batch has no optional fields)")
     try:
-        if s.kind == "gate":
+        if s.kind in ("gate", "regulariser"):
             _run(s, minimal)
         else:
             _advantage_of(s, PolicyBatch(**minimal))
@@ -637,7 +654,7 @@ def _masked_poison(s: Subject) -> None:
         clean = _fields(token_advantage=token_adv)
         mask = clean["action_mask"]
         dirty = dict(clean)
-        for name in _b.TOKEN_FIELDS + (("advantage",) if token_adv else ()):
+        for name in TOKEN_FIELDS + (("advantage",) if token_adv else ()):
             dirty[name] = _b.poison(clean[name], ~mask, seed=len(name))
         norm = _normalizer(clean)
         a = _run(s, clean, normalizer=norm)
@@ -705,11 +722,15 @@ def _masked_layout(s: Subject) -> None:
 
 @_check(
     "detached",
-    ("gate",),
+    ("gate", "regulariser"),
     "gradient flows only through logp: corrections' weights, metrics and `active` carry none, and nothing "
     "reaches old_logp, behavior_logp, ref_logp or the advantage",
 )
 def _detached(s: Subject) -> None:
+    if s.kind == "regulariser":
+        from .kit_regularisers import regulariser_detached
+
+        return regulariser_detached(s)
     f = _fields()
     everything = ("logp", "old_logp", "behavior_logp", "ref_logp", "advantage")
     inp, _ = _gate_input(f, grad=everything)
@@ -760,7 +781,7 @@ EXTREME_ROWS = (  # (logp, old_logp, behavior_logp): update and engine log-ratio
 
 @_check(
     "metric_levels",
-    ("gate",),
+    ("gate", "regulariser"),
     "metrics 'off', 'basic' and 'full' give the same loss and gradient; 'basic' reports a subset of 'full' with "
     "the same values",
 )
@@ -810,7 +831,7 @@ def _metric_levels(s: Subject) -> None:
 
 @_check(
     "extreme_ratios",
-    ("gate",),
+    ("gate", "regulariser"),
     "log-ratios of ±50 to ±1000 (update and engine) give a finite loss, gradient and metrics in fp32 and bf16",
 )
 def _extreme_ratios(s: Subject) -> None:
@@ -824,6 +845,7 @@ def _extreme_ratios(s: Subject) -> None:
     adv = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0).to(torch.float64)
     for dtype in (torch.float32, torch.bfloat16):
         f = dict(logp=logp, old_logp=old, behavior_logp=beh, ref_logp=old.flip(0), advantage=adv, action_mask=mask)
+        f["entropy"] = torch.linspace(0, 12, rows * T, dtype=torch.float64).reshape(rows, T)  # 0 to ≈ log(vocab)
         f = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in f.items()}
         f["group_id"] = torch.arange(rows) // 2
         for a_sign in (1, -1):
@@ -856,10 +878,12 @@ def _splits(B: int) -> list[list[list[int]]]:
 
 @_check(
     "microbatch_split",
-    ("gate", "reduction"),
+    ("gate", "reduction", "regulariser"),
     "under a Normalizer, the losses and gradients of any split into micro-batches add up to the full batch's",
 )
 def _microbatch_split(s: Subject) -> None:
+    if s.kind == "regulariser" and getattr(s.param_model(), "population", "step") != "step":
+        raise CheckSkipped("population='micro_batch' reduces over each micro-batch alone, by design")
     f = _fields(B=6)
     norm = _normalizer(f)
     full = _run(s, f, normalizer=norm)
@@ -1090,3 +1114,7 @@ def assert_conforms(
 ) -> ConformanceReport:
     """:func:`check_plugin`, raising :class:`ConformanceError` (an ``AssertionError``) listing every failure."""
     return check_plugin(plugin, kind=kind, params=params, checks=checks, skip=skip).raise_for_failures()
+
+
+# the regularisers' own checks register themselves in CHECKS (they use the helpers above)
+from . import kit_regularisers as _kit_regularisers  # noqa: E402,F401

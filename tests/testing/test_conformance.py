@@ -58,6 +58,20 @@ def test_non_default_parameters_conform_too(name, params):
     assert_conforms(name, kind="gate", params=params)
 
 
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("kl", {"estimator": "k3+", "ratio_weight": "token"}),
+        ("kl", {"estimator": "k3", "clamp": False, "ratio_weight": "sequence"}),  # TRL's bias-corrected KL
+        ("kl", {"estimator": "k1", "reduction": "response"}),
+        ("entropy", {"coef": 0.01, "adaptive": True, "target": 0.5}),
+        ("entropy", {"coef": 0.01, "reduction": "token", "population": "micro_batch"}),  # TRL's bonus
+    ],
+)
+def test_non_default_regulariser_parameters_conform_too(name, params):
+    assert_conforms(name, kind="regulariser", params=params)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Deliberately broken plugins
 
@@ -171,7 +185,35 @@ def adjacent_groups(batch, p):
     return p.scale * (r - r.mean(-1, keepdim=True)).reshape(-1)
 
 
+@lossplug.regulariser("ref_gradient", requires=("ref_logp",))
+def ref_gradient(inp, p):
+    """(logp − ref)² from the raw batch: the gradient reaches ref_logp."""
+    return lossplug.RegulariserOutput(term=(inp.logp - inp.batch.ref_logp) ** 2)
+
+
+@lossplug.regulariser("per_response_term")
+def per_response_term(inp, p):
+    """One value per response, [B] instead of [B, T]."""
+    return lossplug.RegulariserOutput(term=inp.logp.sum(-1))
+
+
+@lossplug.regulariser("squared_coef")
+def squared_coef(inp, p):
+    """Applies its coefficient itself (coef · logp), so the loss gains coef² · reduce(logp)."""
+    return lossplug.RegulariserOutput(term=p.coef * inp.logp)
+
+
+@lossplug.regulariser("graph_observation")
+def graph_observation(inp, p):
+    """−logp, observing Σ logp without detaching it."""
+    return lossplug.RegulariserOutput(term=-inp.logp, observation=inp.logp.sum().reshape(1))
+
+
 BROKEN = [
+    (ref_gradient, {}, {"detached": "gradient reached ref_logp"}),
+    (per_response_term, {}, {"output_contract": "term must be a float tensor [B, T]"}),
+    (squared_coef, {}, {"coefficient_linear": "not linear in coef"}),
+    (graph_observation, {}, {"detached": "observation"}),
     (leaky_seq, {}, {"masked_poison": "NaN"}),
     (sticky_weight, {}, {"detached": "weight carries gradient"}),
     (loss_not_objective, {}, {"ratio_one": "sign is flipped"}),

@@ -1,0 +1,140 @@
+"""The conformance checks of regularisers (registered in :data:`lossplug.testing.kit.CHECKS` on import).
+
+A regulariser is exercised through the real :func:`lossplug.policy_loss` with the reference update gate
+(``reinforce``) and the regulariser as the recipe's only regulariser stage; the checks that inspect its raw output
+call it directly on the pipeline's own :class:`~lossplug.GateInput`. The kind's generic checks (docstring,
+parameters, masked poison and layout, metric levels, extreme log-ratios, micro-batch splits, requires) live in
+:mod:`lossplug.testing.kit`; the ones below are the kind's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from lossplug.contracts import PolicyBatch
+from lossplug.plugin import RegulariserOutput, RegulariserParams
+
+from .kit import (
+    CheckFailed,
+    CheckSkipped,
+    Subject,
+    _check,
+    _fields,
+    _first_diff,
+    _gate_input,
+    _normalizer,
+    _run,
+)
+
+Tensor = torch.Tensor
+#: the fields a regulariser may differentiate: the log-probs and the entropy (computed from the same logits)
+DIFFERENTIABLE = ("logp", "entropy")
+
+
+def _output(s: Subject, fields: Mapping[str, Tensor], grad: tuple[str, ...] = DIFFERENTIABLE) -> RegulariserOutput:
+    inp, _ = _gate_input(fields, grad=grad)
+    out: RegulariserOutput = s.plugin(inp, s.param_model())
+    return out
+
+
+def regulariser_output_contract(s: Subject) -> None:
+    """A RegulariserOutput whose term is a float ``[B, T]`` tensor, declared metrics 0-d tensors, the observation a
+    tensor or None; parameters subclassing RegulariserParams."""
+    if not issubclass(s.plugin.params, RegulariserParams):
+        raise CheckFailed(
+            f"params {s.plugin.params.__name__} must subclass lossplug.RegulariserParams (coef, reduction, population)"
+        )
+    unknown = set(s.requires) - set(PolicyBatch.model_fields)
+    if unknown:
+        raise CheckFailed(f"requires names fields PolicyBatch does not have: {sorted(unknown)}")
+    f = _fields()
+    out = _output(s, f)
+    B, T = f["logp"].shape
+    if not isinstance(out, RegulariserOutput):
+        raise CheckFailed(f"a regulariser must return lossplug.RegulariserOutput or a tensor, got {type(out).__name__}")
+    problems = []
+    if not isinstance(out.term, Tensor) or tuple(out.term.shape) != (B, T) or not out.term.is_floating_point():
+        what = f"{out.term.dtype} {list(out.term.shape)}" if isinstance(out.term, Tensor) else type(out.term).__name__
+        problems.append(f"term must be a float tensor [B, T] = [{B}, {T}] like logp, got {what}")
+    elif not bool(torch.isfinite(out.term[f["action_mask"]]).all()):
+        problems.append("term is not finite on action tokens for ordinary inputs")
+    for part in ("metrics", "details"):
+        value = getattr(out, part)
+        if not isinstance(value, Mapping):
+            problems.append(f"RegulariserOutput.{part} must be a mapping, got {type(value).__name__}")
+            continue
+        with torch.no_grad():
+            for key, metric in value.items():
+                v = metric() if callable(metric) else metric
+                if not isinstance(key, str) or not isinstance(v, Tensor) or v.ndim != 0:
+                    problems.append(f"metric {key!r} must be a 0-d tensor (or a function returning one)")
+    if out.observation is not None and not isinstance(out.observation, Tensor):
+        problems.append(f"observation must be a tensor or None, got {type(out.observation).__name__}")
+    if problems:
+        raise CheckFailed("; ".join(problems))
+
+
+def regulariser_detached(s: Subject) -> None:
+    """Gradient only through logp and entropy: none reaches old_logp, behavior_logp, ref_logp or the advantage; the
+    declared metrics and the observation carry none."""
+    f = _fields()
+    everything = ("logp", "entropy", "old_logp", "behavior_logp", "ref_logp", "advantage")
+    out = _output(s, f, grad=everything)
+    live = sorted(
+        k for part in (out.metrics, out.details) for k, v in part.items() if isinstance(v, Tensor) and v.requires_grad
+    )
+    if live:
+        raise CheckFailed(
+            f"metric(s) {', '.join(live)} carry gradient: declare them as functions (evaluated under no_grad) or "
+            "detach them"
+        )
+    if isinstance(out.observation, Tensor) and out.observation.requires_grad:
+        raise CheckFailed("the observation (fed to the controller across steps) carries gradient: .detach() it")
+    run = _run(s, f, normalizer=_normalizer(f), grad=everything)
+    leaks = {
+        k: float(g.abs().sum())
+        for k, g in run.grads.items()
+        if k not in DIFFERENTIABLE and g is not None and bool((g != 0).any())
+    }
+    if leaks:
+        names = ", ".join(f"{k} (Σ|grad| = {v:.3g})" for k, v in leaks.items())
+        raise CheckFailed(
+            f"gradient reached {names}: a regulariser differentiates logp (and entropy) only; treat the reference, "
+            "old and behaviour log-probs and the advantage as constants"
+        )
+
+
+@_check(
+    "coefficient_linear",
+    ("regulariser",),
+    "the loss is the policy loss plus coef · reduce(term): linear in coef, and reg/<name>/value is reduce(term)",
+)
+def _coefficient_linear(s: Subject) -> None:
+    if s.plugin.make_controller(s.param_model()) is not None:
+        raise CheckSkipped("the coefficient is its controller's (adaptive), not the recipe's coef")
+    f = _fields()
+    norm = _normalizer(f)
+    runs = {}
+    for coef in (0.0, 1.0, 2.5):
+        subject = Subject(s.kind, s.name, s.plugin, {**s.params, "coef": coef}, s.source)
+        runs[coef] = _run(subject, f, normalizer=norm, grad=DIFFERENTIABLE)
+    base, one, other = runs[0.0], runs[1.0], runs[2.5]
+    term = one.loss - base.loss
+    diff = _first_diff(other.loss, base.loss + 2.5 * term, rtol=1e-7, atol=1e-10)
+    if diff:
+        raise CheckFailed(f"the loss is not linear in coef: with coef=2.5 {diff}")
+    for name in DIFFERENTIABLE:
+        g0, g1, g2 = (r.grads.get(name) for r in (base, one, other))
+        if g0 is None or g1 is None or g2 is None:
+            continue
+        diff = _first_diff(g2, g0 + 2.5 * (g1 - g0), rtol=1e-7, atol=1e-10)
+        if diff:
+            raise CheckFailed(f"the gradient through {name} is not linear in coef {diff}")
+    key = next((k for k in one.metrics if k.startswith(f"reg/{s.name}") and k.endswith("/value")), None)
+    if key is None:
+        raise CheckFailed(f"no reg/{s.name}/value metric was reported")
+    diff = _first_diff(one.metrics[key], term, rtol=1e-7, atol=1e-10)
+    if diff:
+        raise CheckFailed(f"{key} is not the reduced term (loss(coef=1) − loss(coef=0)): {diff}")
