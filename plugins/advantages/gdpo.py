@@ -12,7 +12,8 @@ component separately keeps a reward with a large spread from drowning a weaker o
 response, the token-weighted whitening included) and carry no gradient.
 
 verl 0.9.1 computes GDPO in float32 (it casts the components with ``np.float32``) and always divides by the std
-(``norm_adv_by_std_in_grpo`` is not passed to it); this plugin computes in the components' dtype.
+(``norm_adv_by_std_in_grpo`` is not passed to it); this plugin computes in the components' dtype (at least
+float32).
 
 Paper: GDPO: Group reward-Decoupled Normalization Policy Optimization, 2026, arXiv:2601.05242.
 
@@ -32,7 +33,7 @@ import lossplug
 from lossplug.contracts import LossplugError
 from lossplug.ops import Groups
 
-from .verl_statistics import constant_group, group_mean_or_zero, whiten_rows
+from .verl_statistics import at_least_float32, constant_group, group_mean_or_zero, whiten_rows
 
 Tensor = torch.Tensor
 
@@ -65,7 +66,7 @@ def gdpo(batch: lossplug.PolicyBatch, p: GDPOParams) -> Tensor:
 
     Reference: verl ``compute_gdpo_outcome_advantage``.
     """
-    components = cast(Tensor, batch.reward_components)  # required
+    components = at_least_float32(cast(Tensor, batch.reward_components))  # required
     K = components.shape[-1]
     if p.weights is not None and len(p.weights) != K:
         raise LossplugError(

@@ -25,7 +25,7 @@ import lossplug
 from lossplug.ops import Groups
 
 from .group_relative import sequence_scores
-from .verl_statistics import constant_group, group_mean_or_zero
+from .verl_statistics import at_least_float32, constant_group, group_mean_or_zero
 
 Tensor = torch.Tensor
 
@@ -39,7 +39,7 @@ def gpg(batch: lossplug.PolicyBatch, p: lossplug.NoParams) -> Tensor:
 
     Reference: verl ``compute_gpg_outcome_advantage``.
     """
-    score = sequence_scores(batch)
+    score = at_least_float32(sequence_scores(batch))
     groups = Groups.from_ids(cast(Tensor, batch.group_id))  # required
     nonzero = torch.count_nonzero(score)
     alpha = (score.shape[0] / nonzero.clamp(min=1)).to(score.dtype)  # float32 division first, as verl's

@@ -23,7 +23,7 @@ import lossplug
 from lossplug.ops import Groups
 
 from .group_relative import sequence_scores
-from .verl_statistics import constant_group
+from .verl_statistics import at_least_float32, constant_group
 
 Tensor = torch.Tensor
 
@@ -36,7 +36,7 @@ def opo(batch: lossplug.PolicyBatch, p: lossplug.NoParams) -> Tensor:
 
     Reference: verl ``compute_opo_outcome_advantage``.
     """
-    score = sequence_scores(batch)
+    score = at_least_float32(sequence_scores(batch))
     groups = Groups.from_ids(cast(Tensor, batch.group_id))  # required
     length = batch.action_mask.sum(-1).to(score.dtype)
     baseline = groups.sum(length * score) / groups.sum(length)

@@ -26,6 +26,7 @@ import lossplug
 from lossplug.ops import Groups
 
 from .group_relative import sequence_scores
+from .verl_statistics import at_least_float32
 
 Tensor = torch.Tensor
 
@@ -46,7 +47,7 @@ def grpo_passk(batch: lossplug.PolicyBatch, p: PassKParams) -> Tensor:
 
     Reference: verl ``compute_grpo_passk_outcome_advantage``.
     """
-    score = sequence_scores(batch)
+    score = at_least_float32(sequence_scores(batch))
     groups = Groups.from_ids(cast(Tensor, batch.group_id))  # required
     rows = torch.arange(score.shape[0], device=score.device)
     best = groups.amax(score)

@@ -37,7 +37,7 @@ from lossplug.ops import Groups
 
 from .gae import reverse_linear_scan
 from .group_relative import sequence_scores
-from .verl_statistics import constant_group, group_mean_or_zero, masked_whiten, whiten_rows
+from .verl_statistics import at_least_float32, constant_group, group_mean_or_zero, masked_whiten, whiten_rows
 
 Tensor = torch.Tensor
 
@@ -50,7 +50,7 @@ def discounted_returns(batch: lossplug.PolicyBatch, gamma: float) -> Tensor:
     """
     mask = batch.action_mask
     reward = cast(Tensor, batch.reward)  # required
-    dtype = reward.dtype if reward.is_floating_point() else torch.float32
+    dtype = torch.promote_types(reward.dtype, torch.float32)  # at least float32, as gae: bf16 sums drift
     lengths = mask.sum(-1)
     ends = torch.cumsum(lengths, 0) - 1  # packed index of each row's last action token
     nonempty = lengths > 0  # all rows under the contract; validate="off" may pass empty rows
@@ -96,7 +96,7 @@ def reinforce_plus_plus_baseline(batch: lossplug.PolicyBatch, p: lossplug.NoPara
 
     Reference: verl ``compute_reinforce_plus_plus_baseline_outcome_advantage``.
     """
-    score = sequence_scores(batch)
+    score = at_least_float32(sequence_scores(batch))
     groups = Groups.from_ids(cast(Tensor, batch.group_id))  # required
     centered = score - group_mean_or_zero(groups, score)
     centered = torch.where(constant_group(groups, score), torch.zeros_like(centered), centered)

@@ -38,7 +38,7 @@ def remax(batch: lossplug.PolicyBatch, p: lossplug.NoParams) -> lossplug.Advanta
     """
     reward = cast(Tensor, batch.reward)  # required
     baseline = cast(Tensor, batch.reward_baseline)  # required
-    dtype = torch.promote_types(reward.dtype, baseline.dtype) if reward.is_floating_point() else baseline.dtype
+    dtype = torch.promote_types(torch.promote_types(reward.dtype, baseline.dtype), torch.float32)  # ≥ float32
     baseline = baseline.to(dtype)
     if reward.ndim == 1:
         score = reward.to(dtype)

@@ -11,6 +11,7 @@
   single action token (``n − 1 = 0``); here the Bessel factor is then 1 (no division by zero).
 * :func:`whiten_rows` — the same for a per-response value broadcast over its action tokens (each response weighs
   by its number of action tokens, as in verl's ``[B, T]`` tensors); returns ``[B]``.
+* :func:`at_least_float32` — the estimators compute in float32 or wider (bf16 rewards are upcast).
 * :func:`group_mean_or_zero` — verl's outcome baselines: the group mean, and 0 for a group of one (verl sets
   ``mean = 0, std = 1`` for singletons instead of giving them no signal).
 
@@ -25,6 +26,11 @@ import torch
 from lossplug.ops import Groups
 
 Tensor = torch.Tensor
+
+
+def at_least_float32(x: Tensor) -> Tensor:
+    """``x`` in float32 or wider: group statistics and whitening of bf16/fp16 rewards would round visibly."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
