@@ -937,6 +937,16 @@ def group_advantages(
         components = None
         if "reward_components" in required_fields(st.compiled.advantage.plugin, st.compiled.advantage.params):
             components = rewards_per_func if everything else rewards_per_func[valid]
+            unscored = torch.isnan(components)
+            if bool(unscored.any()):
+                rows = unscored.any(-1).nonzero().squeeze(-1).tolist()[:8]
+                funcs = sorted({trainer.reward_func_names[k] for k in unscored.nonzero()[:, 1].tolist()})
+                raise LossplugError(
+                    f"recipe.advantage ({st.compiled.advantage.plugin.name}) reads reward_components, but reward "
+                    f"function(s) {funcs} returned None for some completions (rows {rows} of the scorable ones): "
+                    "lossplug's per-function rewards must all be scored (TRL's NaN-aware per-function means are not "
+                    "reproduced); return a number from every reward function or use sum_then_normalize"
+                )
         batch = PolicyBatch.unchecked(
             logp=torch.zeros(r.shape[0], 1, dtype=r.dtype, device=device),
             action_mask=torch.ones(r.shape[0], 1, dtype=torch.bool, device=device),

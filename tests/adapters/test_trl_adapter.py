@@ -424,6 +424,33 @@ def test_rows_carry_group_ids_and_rewards_through_the_shuffle(rollout_trainer):
         assert torch.allclose(a, torch.where(r.max() == r.min(), 0.0, expected), atol=1e-5)
 
 
+def test_rows_carry_the_per_function_rewards(rollout_trainer):
+    """TRL's rewards_per_func (one column per reward function, unweighted) travel with the rows like the reward."""
+    _, micro_batches = rollout_trainer
+    for mb in micro_batches:
+        components = mb["lossplug_reward_components"]
+        assert components.shape == (mb["completion_ids"].shape[0], 1)
+        assert torch.equal(components[:, 0], mb["lossplug_reward"])  # one function, weight 1
+
+
+def test_per_function_rewards_must_all_be_scored(tmp_path):
+    def sometimes_none(completions, **kwargs):
+        return [None if i % 3 == 1 else 1.0 for i, _ in enumerate(completions)]
+
+    tok = tiny.tiny_tokenizer()
+    trainer = LossplugGRPOTrainer(
+        model=tiny.tiny_model(tok),
+        reward_funcs=[tiny.length_reward, sometimes_none],
+        args=config(tmp_path, multi_objective_aggregation="normalize_then_sum"),
+        train_dataset=tiny.tiny_dataset(),
+        processing_class=tok,
+        recipe=trl_equivalent(config(tmp_path, multi_objective_aggregation="normalize_then_sum"))[0],
+    )
+    trainer.model.train()
+    with pytest.raises(LossplugError, match=r"reward function\(s\) \['sometimes_none'\] returned None"):
+        trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
 def test_behaviour_logprobs_feed_the_engine_ratio(rollout_trainer):
     trainer, micro_batches = rollout_trainer
     mb = micro_batches[0]
