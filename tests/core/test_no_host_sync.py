@@ -52,6 +52,9 @@ def meta_batch(sequence_advantage: bool) -> tuple[lossplug.PolicyBatch, torch.Te
         old_logp=empty(B, T),
         behavior_logp=empty(B, T),
         ref_logp=empty(B, T),
+        entropy=empty(B, T).requires_grad_(),
+        reward_baseline=empty(B),
+        reward_components=empty(B, 2),
         advantage=empty(B) if sequence_advantage else empty(B, T),
     )
     return batch, logp
@@ -72,6 +75,35 @@ def test_loss_step_makes_no_host_sync(gate, reduction, metrics):
         result.loss.backward()  # the backward pass too
         assert result.loss.device.type == DEVICE and logp.grad is not None
         assert all(v.device.type == DEVICE for v in result.metric_tensors.values())
+
+
+#: every built-in regulariser with parameter sets that take each code path (estimators, ratio weights, adaptive
+#: controller, own reduction, micro-batch population)
+REGULARISER_SPECS = [
+    *({"name": "kl", "estimator": e} for e in ("k1", "abs", "k2", "k3", "k3+")),
+    {"name": "kl", "estimator": "k3", "clamp": False, "ratio_weight": "token"},
+    {"name": "kl", "estimator": "low_var_kl", "ratio_weight": "sequence", "reduction": "response"},
+    {"name": "entropy", "coef": 0.01},
+    {"name": "entropy", "coef": 0.01, "adaptive": True, "reduction": "token", "population": "micro_batch"},
+]
+
+
+@pytest.mark.parametrize("metrics", ["off", "basic", "full"])
+@pytest.mark.parametrize("spec", REGULARISER_SPECS, ids=lambda s: "-".join(str(v) for v in s.values()))
+def test_regularisers_make_no_host_sync(spec, metrics):
+    rec = lossplug.Recipe.model_validate({"gates": ["ppo_clip"], "reduction": "token", "regularisers": [spec]})
+    for normalizer in (None, lossplug.Normalizer(action_tokens=20, sequences=B, budget=16.0)):
+        batch, logp = meta_batch(True)
+        result = lossplug.policy_loss(batch, rec, normalizer, validate="off", metrics=metrics)
+        result.loss.backward()
+        assert result.loss.device.type == DEVICE and logp.grad is not None
+        assert all(v.device.type == DEVICE for v in result.metric_tensors.values())
+    for controller in lossplug.controllers(rec).values():  # the observations stayed on the device, unsynced
+        assert controller._window is not None and controller._window.device.type == DEVICE
+
+
+def test_every_builtin_regulariser_is_covered():
+    assert set(builtin("regulariser")) <= {s["name"] for s in REGULARISER_SPECS}
 
 
 def test_trainer_weights_make_no_host_sync():
