@@ -19,13 +19,14 @@ nothing; the clamp binds only where verl's ratio is beyond e^±20).
 
 Randomness (``clip_cov``): the selection is verl's exactly under the same torch RNG state — seed (or
 ``torch.set_rng_state``) before each call and both pick the same tokens. verl draws ``torch.randperm(n)`` on the
-default CPU generator (``n`` the number of candidates) and keeps its first ``k``; knowing ``n`` on the host is a
-device→host synchronisation, so the gate instead reads the next 32-bit words of that generator's MT19937 stream from
-``torch.get_rng_state()`` and replays the first ``k`` steps of randperm's Fisher–Yates shuffle
-(``z = word mod (n − i)``; swap ``i ↔ i + z``) as tensor operations on the device, with ``n`` and ``k`` kept as
-tensors — no host sync. It then advances the generator by ``max(⌊ratio · B·T⌋, 1)`` words, where verl advances it by
-``n − 1``: the generator states after the two calls differ. (Exact for ``n < 2³²/20``, torch's small-``n`` randperm
-path; a test checks the replay against ``torch.randperm``.)
+default CPU generator (``n`` the number of candidates) and keeps its first ``k``. On the CPU the gate does the same
+(the generator then advances alike). On an accelerator, knowing ``n`` on the host would be a device→host
+synchronisation, so the gate instead reads the next 32-bit words of that generator's MT19937 stream from
+``torch.get_rng_state()`` and replays the first ``k`` steps of randperm's Fisher–Yates shuffle (``z = word mod
+(n − i)``; swap ``i ↔ i + z``) as tensor operations on the device, with ``n`` and ``k`` kept as tensors — no host
+sync, ``max(⌊ratio · B·T⌋, 1)`` small sequential steps. It then advances the generator by that many words, where
+verl advances it by ``n − 1``: the selection is the same, the generator states after the call differ. (Exact for
+``n < 2³²/20``, torch's small-``n`` randperm path; a test checks the replay against ``torch.randperm``.)
 
 ``kl_cov``'s top-k takes a fixed ``K = max(⌊ratio · B·T⌋, 1)`` from the shapes over all positions (non-actions at
 −inf) and keeps the first ``k`` — verl's ``topk(k)`` of the action tokens, without its host sync. Ties in ``c_t``
@@ -85,10 +86,20 @@ def _advance_cpu_generator(count: int) -> None:
     torch.empty(count, dtype=torch.int32).random_()
 
 
-def shuffled_prefix(n: Tensor, k: Tensor, max_k: int, size: int, device: torch.device) -> Tensor:
-    """``torch.randperm(n)[:k]`` under the current CPU RNG state, as a ``[max_k]`` tensor whose entries past ``k`` are
-    ``size`` (a sentinel), without reading ``n`` or ``k`` (0-d int64 tensors, ``k ≤ min(n, max_k)``, ``n ≤ size``)
-    on the host. Advances the CPU generator by ``max_k`` words."""
+def shuffled_prefix(n: Tensor, k: Tensor, max_k: int, size: int, *, replay: bool | None = None) -> Tensor:
+    """``torch.randperm(n)[:k]`` under the current CPU RNG state, as a ``[max_k]`` tensor on ``n``'s device whose
+    entries past ``k`` are ``size`` (a sentinel); ``n`` and ``k`` are 0-d int64 tensors with ``k ≤ min(n, max_k)``,
+    ``n ≤ size``.
+
+    On the CPU (reading a tensor there costs no device synchronisation) it calls ``torch.randperm(n)`` itself, as
+    verl does, and the generator advances by ``n − 1`` words. On an accelerator (``replay``, or forced with
+    ``replay=True``) it replays the shuffle without reading ``n`` or ``k`` on the host and advances the generator by
+    ``max_k`` words."""
+    device = n.device
+    if not (device.type != "cpu" if replay is None else replay):
+        n_host, k_host = int(n), int(k)
+        head = torch.randperm(n_host)[:k_host] if n_host > 0 else torch.zeros(0, dtype=torch.int64)
+        return torch.cat([head, torch.full((max_k - k_host,), size, dtype=torch.int64)])
     draws = torch.tensor(next_cpu_words(max_k), dtype=torch.int64).to(device, non_blocking=True)
     _advance_cpu_generator(max_k)
     perm = torch.arange(size, device=device)
@@ -154,7 +165,7 @@ def clip_cov(inp: lossplug.GateInput, p: ClipCovParams) -> lossplug.GateOutput:
         n = torch.count_nonzero(candidate)
         k = torch.minimum(_budget(p.ratio, count), n)
         max_k = max(int(p.ratio * size), 1)
-        chosen = shuffled_prefix(n, k, max_k, size, candidate.device)
+        chosen = shuffled_prefix(n, k, max_k, size)
         picked = torch.zeros(size + 1, dtype=torch.bool, device=candidate.device)
         picked[chosen] = True
         # candidate j (in row-major order, as torch.nonzero lists them) is cut if j is among the chosen ranks

@@ -14,6 +14,7 @@ both sides run under the same torch RNG state (seeded before each call).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from verl.trainer.config.algorithm import RolloutCorrectionConfig
 from verl.trainer.ppo import core_algos
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
+from lossplug.plugins.gates import covariance
 from lossplug.plugins.gates.covariance import next_cpu_words, shuffled_prefix
 
 DT = torch.float64
@@ -261,7 +263,7 @@ def test_the_replay_is_torch_randperm():
                 state = torch.get_rng_state()
                 expected = torch.randperm(n)[:k]
                 torch.set_rng_state(state)
-                got = shuffled_prefix(torch.tensor(n), torch.tensor(k), k + 2, max(n, 4), torch.device("cpu"))
+                got = shuffled_prefix(torch.tensor(n), torch.tensor(k), k + 2, max(n, 4), replay=True)
                 assert got[:k].tolist() == expected.tolist()
                 assert (got[k:] == max(n, 4)).all()
 
@@ -271,13 +273,13 @@ def test_the_replay_reads_without_advancing_and_then_advances():
     state = torch.get_rng_state()
     first = next_cpu_words(3)
     assert torch.equal(torch.get_rng_state(), state) and next_cpu_words(3) == first
-    shuffled_prefix(torch.tensor(9), torch.tensor(2), 4, 9, torch.device("cpu"))
+    shuffled_prefix(torch.tensor(9), torch.tensor(2), 4, 9, replay=True)
     torch.set_rng_state(state)
     torch.empty(4, dtype=torch.int32).random_()
     assert torch.equal(torch.get_rng_state(), state) is False
     advanced = torch.get_rng_state()
     torch.set_rng_state(state)
-    shuffled_prefix(torch.tensor(9), torch.tensor(2), 4, 9, torch.device("cpu"))
+    shuffled_prefix(torch.tensor(9), torch.tensor(2), 4, 9, replay=True)
     assert torch.equal(torch.get_rng_state(), advanced)
 
 
@@ -288,10 +290,19 @@ CLIP_COV_CASES = [  # (clip_cov_ratio, lb, ub): the default budget (1 token) and
 ]
 
 
+@pytest.fixture(params=["cpu", "replay"])
+def selection_path(request, monkeypatch):
+    """clip_cov's two ways to draw verl's random tokens: torch.randperm itself (CPU tensors), and the sync-free replay
+    of its shuffle that accelerators take (forced here on the CPU)."""
+    if request.param == "replay":
+        monkeypatch.setattr(covariance, "shuffled_prefix", functools.partial(shuffled_prefix, replay=True))
+    return request.param
+
+
 @pytest.mark.parametrize("dp", DP)
 @pytest.mark.parametrize("agg", AGG_MODES)
 @pytest.mark.parametrize("ratio, lb, ub", CLIP_COV_CASES)
-def test_clip_cov(ratio, lb, ub, agg, dp):
+def test_clip_cov(ratio, lb, ub, agg, dp, selection_path):
     step = make_step(5, scale=0.5, adv_scale=2.0)
     gate = {"name": "clip_cov", "eps_low": 0.2, "eps_high": 0.28, "ratio": ratio, "lb": lb, "ub": ub}
     policy = {"clip_cov_ratio": ratio, "clip_cov_lb": lb, "clip_cov_ub": ub}
@@ -314,7 +325,26 @@ def test_clip_cov(ratio, lb, ub, agg, dp):
     assert all(c > 0 for c in cut)
 
 
-def test_clip_cov_choice_depends_on_the_rng_and_matches_under_each_state():
+def test_clip_cov_on_the_cpu_leaves_the_generator_where_verl_does():
+    step = make_step(5, scale=0.5, adv_scale=2.0)
+    config = actor_config("clip_cov", "token-mean", {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.05})
+    torch.manual_seed(3)
+    core_algos.get_policy_loss_fn("clip_cov")(
+        step["old_log_prob"], step["log_prob"], step["advantages"], step["response_mask"], config=config
+    )
+    after_verl = torch.get_rng_state()
+    torch.manual_seed(3)
+    batch = lossplug.PolicyBatch(
+        logp=step["log_prob"],
+        old_logp=step["old_log_prob"],
+        advantage=step["advantages"],
+        action_mask=step["response_mask"],
+    )
+    lossplug.policy_loss(batch, gates({"name": "clip_cov", "ratio": 0.2, "lb": 0.05}))
+    assert torch.equal(torch.get_rng_state(), after_verl)
+
+
+def test_clip_cov_choice_depends_on_the_rng_and_matches_under_each_state(selection_path):
     """With many candidates and a budget below their number, different seeds cut different tokens — and each
     seed's cut is verl's (the gradients agree to 1e-8)."""
     step = make_step(5, scale=0.5, adv_scale=2.0)
