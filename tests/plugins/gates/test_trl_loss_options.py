@@ -32,6 +32,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import lossplug
 
@@ -474,3 +476,20 @@ def test_top_entropy_makes_no_host_sync():
         params = {"engine_correction": "token_mask"} if name == "vespo" else {}
         recipe = lossplug.Recipe.model_validate({"gates": [{"name": name, **params}], "reduction": {"name": "token"}})
         lossplug.policy_loss(batch, recipe, validate="off", metrics="full").loss.backward()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), rho=st.floats(0.0, 1.0), rho2=st.floats(0.0, 1.0))
+def test_top_entropy_keeps_at_least_the_top_fraction_and_more_for_a_larger_quantile(seed, rho, rho2):
+    """At least ⌈ρ·(n − 1)⌉ of the n action tokens pass (those at or above the interpolated quantile), the weight is
+    nested in ρ, and it is 0 off the actions."""
+    f = fields(seed % 97)
+    inp = lossplug.GateInput.from_batch(lossplug.PolicyBatch(**f))
+    plugin = lossplug.registry().plugins["gate"]["top_entropy"]
+    small, large = sorted((rho, rho2))
+    w_small = plugin(inp, plugin.params(quantile=small)).weight.bool()
+    w_large = plugin(inp, plugin.params(quantile=large)).weight.bool()
+    mask = f["action_mask"]
+    n = int(mask.sum())
+    assert not (w_large & ~mask).any() and not (w_small & ~w_large).any()
+    assert int(w_small.sum()) >= math.ceil(small * (n - 1) - 1e-6) and int(w_small.sum()) >= 1
