@@ -210,6 +210,10 @@ def kl_cov(inp: lossplug.GateInput, p: KLCovParams) -> lossplug.GateOutput:
     objective = torch.where(penalised, surrogate - p.coef * log_ratio.abs(), surrogate)
     return lossplug.GateOutput(
         objective=objective,
-        metrics={"kl_frac": lambda: inp.token_fraction(penalised)},
+        metrics={
+            "kl_frac": lambda: inp.token_fraction(penalised),
+            # verl's actor/ppo_kl for kl_cov: the mean |log r| over the action tokens (zero off them)
+            "abs_kl": lambda: log_ratio.detach().abs().sum() / inp.action_tokens,
+        },
         active=lambda: inp.mask,
     )

@@ -388,6 +388,8 @@ def test_kl_cov(ratio, coef, sequence_advantage, agg, dp):
         "kl_cov", agg, gates(gate, agg=agg), step, dp, policy={"kl_cov_ratio": ratio, "ppo_kl_coef": coef}
     )
     assert all(p["kl_cov/kl_frac"] > 0 for _, p in metrics)
+    for v, p in metrics:
+        assert p["kl_cov/abs_kl"] == pytest.approx(v["actor/ppo_kl"], rel=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
