@@ -1180,9 +1180,6 @@ class _Mixin(_TrainerBase):
             )
             loss = result.loss * scale
             metrics.update(result.metric_tensors)
-            recipe_kl = result.metric_tensors.get("reg/kl/token_mean")
-            if recipe_kl is not None:  # TRL's "kl" metric (the masked token mean of the KL term), from the recipe's
-                self._metrics[mode]["kl"].append(float(recipe_kl))
             # this micro-batch's share × the number of micro-batches: averaged over the micro-batches (and processes)
             # at log time, the recipe's loss over the whole population
             metrics["loss"] = result.loss.detach() * steps * processes
@@ -1229,7 +1226,13 @@ class _Mixin(_TrainerBase):
                 self._metrics[mode]["kl"].append(global_masked_mean(per_token_kl.detach()))
             if entropies is not None:
                 self._metrics[mode]["entropy"].append(global_masked_mean(entropies.detach()))
+        recipe_kl = self._metrics[mode]["lossplug/reg/kl/token_mean"] if st.recipe_kl else None
+        logged = len(recipe_kl) if recipe_kl is not None else 0
         _log_metrics(self, mode, metrics)
+        if recipe_kl is not None and len(recipe_kl) > logged:
+            # TRL's "kl" metric (the token mean of the KL term), from the recipe's KL: averaged over the processes
+            # like every lossplug metric (TRL reduces sums and counts instead)
+            self._metrics[mode]["kl"].append(recipe_kl[-1])
         return loss
 
     # -- checkpoints: the recipe's controller state (adaptive coefficients) ----------------------------------------
