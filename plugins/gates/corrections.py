@@ -11,8 +11,9 @@ Token variants use ``ρ_t`` per action token; sequence variants use one ratio pe
 sum clamped to ``± log_ratio_clamp`` (verl's ``SAFETY_BOUND`` = 20) before ``exp``. ``ratio: geometric`` uses the
 length-normalised ``exp(mean_t log ρ_t)`` instead (GSPO-style; lower variance, biased; not a verl mode).
 
-* ``tis`` / ``tis_seq`` — truncated importance sampling: ``w = min(ρ, cap)`` (verl: ``rollout_is_threshold=cap``,
-  TRL: ``vllm_importance_sampling_mode="token_truncate"/"sequence_truncate"`` with ``clip_max=cap``).
+* ``tis`` / ``tis_seq`` — truncated importance sampling: ``w = min(ρ, cap)``, or ``clamp(ρ, floor, cap)`` with a
+  ``floor`` (verl: ``rollout_is_threshold=cap``, TRL: ``vllm_importance_sampling_mode="token_truncate"`` /
+  ``"sequence_truncate"`` with ``clip_max=cap``, ``clip_min=floor``).
 * ``icepop`` / ``icepop_seq`` — two-sided rejection: ``w = ρ`` if ``low ≤ ρ ≤ high`` else ``0`` (verl:
   ``rollout_is_threshold="low_high"``, TRL: ``..._mask`` modes).
 
@@ -77,14 +78,34 @@ def _sequence_ratio_field() -> Any:
     )
 
 
-class TISParams(lossplug.Params):
+def _floor_field() -> Any:
+    return Field(
+        None,
+        gt=0,
+        description="optional lower bound F of the weight clamp(ρ, F, C) (TRL's vllm_importance_sampling_clip_min "
+        "with the *_truncate modes); none by default, as in verl",
+    )
+
+
+class _TISBounds(lossplug.Params):
+    @model_validator(mode="after")
+    def _floor_below_cap(self) -> _TISBounds:
+        floor, cap = getattr(self, "floor", None), getattr(self, "cap", None)
+        if floor is not None and cap is not None and not floor <= cap:
+            raise ValueError(f"floor ({floor}) must not exceed cap ({cap})")
+        return self
+
+
+class TISParams(_TISBounds):
     cap: float = Field(2.0, gt=0, description="upper cap C of the weight min(ρ, C) (verl default 2.0)")
+    floor: float | None = _floor_field()
     log_ratio_clamp: float = _clamp_field()
     batch_normalize: bool = _batch_normalize_field()
 
 
-class TISSequenceParams(lossplug.Params):
+class TISSequenceParams(_TISBounds):
     cap: float = Field(2.0, gt=0, description="upper cap C of the sequence weight min(ρ_i, C)")
+    floor: float | None = _floor_field()
     ratio: Literal["product", "geometric"] = _sequence_ratio_field()
     log_ratio_clamp: float = _clamp_field()
     batch_normalize: bool = _batch_normalize_field()
@@ -235,14 +256,18 @@ def _tis(
     inp: lossplug.GateInput,
     batch_normalize: bool,
     metric_log_ratio: torch.Tensor | None = None,
+    floor: float | None = None,
 ) -> lossplug.GateOutput:
-    weight = ratio.clamp(max=cap)
+    weight = ratio.clamp(min=floor, max=cap)
     valid = _valid(inp, ratio)
+    metrics = {"trunc_frac": lambda: _fraction(inp, ratio > cap, cap >= 1)}
+    if floor is not None:
+        metrics["floor_frac"] = lambda: _fraction(inp, ratio < floor, floor <= 1)
     return _output(
         inp,
         weight,
         batch_normalize,
-        metrics={"trunc_frac": lambda: _fraction(inp, ratio > cap, cap >= 1)},
+        metrics=metrics,
         details={
             **response_stats("ratio", ratio, valid),
             "weight_mean": lambda: torch.where(valid, weight, 0).sum() / _count(inp, ratio),
@@ -291,7 +316,7 @@ def tis(inp: lossplug.GateInput, p: TISParams) -> lossplug.GateOutput:
     ``rollout_is_threshold=cap``); TRL ``vllm_importance_sampling_mode="token_truncate"``.
     """
     with torch.no_grad():
-        return _tis(_token_log_ratio(inp, p).exp(), p.cap, inp, p.batch_normalize)
+        return _tis(_token_log_ratio(inp, p).exp(), p.cap, inp, p.batch_normalize, floor=p.floor)
 
 
 @lossplug.gate("tis_seq", params=TISSequenceParams, requires=REQUIRES, role="correction", level="sequence")
@@ -306,7 +331,7 @@ def tis_seq(inp: lossplug.GateInput, p: TISSequenceParams) -> lossplug.GateOutpu
     """
     with torch.no_grad():
         log_ratio, unclamped = _sequence_log_ratio(inp, p)
-        return _tis(log_ratio.exp(), p.cap, inp, p.batch_normalize, unclamped)
+        return _tis(log_ratio.exp(), p.cap, inp, p.batch_normalize, unclamped, floor=p.floor)
 
 
 @lossplug.gate("icepop", params=IcePopParams, requires=REQUIRES, role="correction", level="token")

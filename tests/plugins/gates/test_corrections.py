@@ -173,3 +173,31 @@ def test_non_default_rollout_corrections_conform(name, params):
     from lossplug.testing import assert_conforms
 
     assert_conforms(name, kind="gate", params=params)
+
+
+@pytest.mark.parametrize("name", ["tis", "tis_seq"])
+def test_floor_reproduces_trls_truncate_with_clip_min(name):
+    """TRL's *_truncate modes clamp the engine ratio to [clip_min, clip_max] (grpo_trainer.py, the
+    vllm_importance_sampling_correction block): ``tis(floor=clip_min, cap=clip_max)`` is that weight."""
+    torch.manual_seed(3)
+    B, T = 4, 6
+    mask = torch.rand(B, T) < 0.8
+    mask[:, 0] = True
+    old = -torch.rand(B, T, dtype=torch.float64) * 2
+    behavior = -torch.rand(B, T, dtype=torch.float64) * 2
+    diff = (old - behavior) * mask
+    if name == "tis_seq":
+        diff = diff.sum(-1)
+    expected = torch.clamp(torch.exp(diff), min=0.7, max=1.4)
+    plugin = lossplug.registry().plugins["gate"][name]
+    out = plugin(gate_input(old, behavior, mask), plugin.params(floor=0.7, cap=1.4, log_ratio_clamp=80))
+    if name == "tis":
+        out_weight, expected = torch.where(mask, out.weight, 0), torch.where(mask, expected, 0)
+    else:
+        out_weight = out.weight
+    torch.testing.assert_close(out_weight, expected, rtol=1e-15, atol=0)
+
+
+def test_floor_must_not_exceed_cap():
+    with pytest.raises(lossplug.RecipeError, match=r"floor \(3.0\) must not exceed cap \(2.0\)"):
+        lossplug.Recipe.load({"gates": ["ppo_clip", {"name": "tis", "floor": 3.0, "cap": 2.0}], "reduction": "token"})
