@@ -389,7 +389,7 @@ def test_kl_cov(ratio, coef, sequence_advantage, agg, dp):
     )
     assert all(p["kl_cov/kl_frac"] > 0 for _, p in metrics)
     for v, p in metrics:
-        assert p["kl_cov/abs_kl"] == pytest.approx(v["actor/ppo_kl"], rel=1e-12)
+        assert p["kl_cov/abs_kl"] == pytest.approx(v["actor/ppo_kl"], rel=1e-6)  # (metrics are float32)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
