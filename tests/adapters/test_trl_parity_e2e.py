@@ -228,6 +228,11 @@ def test_adaptive_entropy_state_is_saved_with_checkpoints_and_restored(model_dir
     train(native, ours=False)
     trainer = build(model_dir, tmp_path / "ours", settings, rollouts, vllm, **extra)
     train(trainer, ours=True)
+
+    def logged(t):
+        return [e["entropy_coef"] for e in t.state.log_history if "entropy_coef" in e]
+
+    assert logged(trainer) == pytest.approx(logged(native)) and len(logged(native)) == 2  # TRL's metric, same values
     for step in (1, 2):
         theirs = json.loads((tmp_path / "native" / f"checkpoint-{step}" / "entropy_ctrl_state.json").read_text())
         saved = json.loads((tmp_path / "ours" / f"checkpoint-{step}" / CONTROLLER_STATE_FILE).read_text())
