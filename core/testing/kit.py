@@ -723,8 +723,8 @@ def _masked_layout(s: Subject) -> None:
 @_check(
     "detached",
     ("gate", "regulariser"),
-    "gradient flows only through logp: corrections' weights, metrics and `active` carry none, and nothing "
-    "reaches old_logp, behavior_logp, ref_logp or the advantage",
+    "gradient flows only through logp (a regulariser's also through entropy): corrections' weights, metrics, "
+    "`active` and observations carry none, and nothing reaches old_logp, behavior_logp, ref_logp or the advantage",
 )
 def _detached(s: Subject) -> None:
     if s.kind == "regulariser":

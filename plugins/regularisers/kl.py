@@ -104,8 +104,9 @@ def estimate(logp: Tensor, ref: Tensor, estimator: str, clamp: bool = True) -> T
 
 @lossplug.regulariser("kl", params=KLParams, requires=_requires)
 def kl(inp: lossplug.GateInput, p: KLParams) -> lossplug.RegulariserOutput:
-    """``β · reduce(w · kl_est(logp, ref_logp))``: the KL to the reference with any of verl's estimators, optionally
-    weighted by the update ratio ``w`` (TRL's bias-corrected KL).
+    """``β · reduce(w · kl_est(logp, ref_logp))``: the KL to the reference, any verl estimator, ``w`` the ratio.
+
+    ``kl_est`` is one of verl's ``kl_penalty`` estimators; ``w`` is 1 or the update ratio (TRL's bias-corrected KL).
 
     Reference: verl ``core_algos.kl_penalty`` (use_kl_loss, kl_loss_type, kl_loss_coef); TRL ``GRPOTrainer``
     (beta, use_bias_correction_kl).
