@@ -15,6 +15,12 @@ both sides run under the same torch RNG state (seeded before each call).
 from __future__ import annotations
 
 import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import pytest
@@ -499,3 +505,80 @@ def test_bypass_cases_reject_and_truncate_something():
             for key, value in result.metrics.items():
                 if key.endswith(("reject_frac", "trunc_frac")):
                     assert 0 < value < 1, (gate, key, value)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bypass_mode's batch-normalised IS weights across data-parallel ranks: verl's distributed_masked_mean
+
+DISTRIBUTED_SCRIPT = textwrap.dedent("""
+    import json, os, sys, unittest.mock, torch
+    import torch.distributed as dist
+    import lossplug
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.ppo import core_algos
+    from verl.workers.config import ActorConfig, PolicyLossConfig
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    rows, width = 8, 10
+    g = torch.Generator().manual_seed(0)  # the same step on both ranks; each takes its half
+    lengths = torch.randint(2, width + 1, (rows,), generator=g)
+    mask = torch.arange(width) < lengths[:, None]
+    old = -torch.rand(rows, width, generator=g, dtype=torch.float64) * 2 - 0.05
+    logp = (old + 0.4 * torch.randn(rows, width, generator=g, dtype=torch.float64)).clamp(max=-1e-4)
+    adv = torch.randn(rows, width, generator=g, dtype=torch.float64)
+    half = slice(rank * rows // 2, (rank + 1) * rows // 2)
+    tokens = int(mask.sum())
+    result = {}
+    for level, gate in (("token", "bypass_is"), ("sequence", "bypass_is_seq")):
+        corr = RolloutCorrectionConfig(
+            loss_type="reinforce", rollout_is=level, rollout_is_threshold=1.5, rollout_is_batch_normalize=True
+        )
+        config = ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=4,
+                             policy_loss=PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=corr))
+        config.global_batch_info.update(dp_size=2, batch_num_tokens=tokens, global_batch_size=rows)
+        verl_logp = logp[half].clone().requires_grad_()
+        ref, _ = core_algos.get_policy_loss_fn("bypass_mode")(
+            old_log_prob=old[half], log_prob=verl_logp, advantages=adv[half], response_mask=mask[half],
+            loss_agg_mode="token-mean", config=config)
+        ref.backward()
+        ours_logp = logp[half].clone().requires_grad_()
+        batch = lossplug.PolicyBatch(logp=ours_logp, old_logp=old[half], advantage=adv[half], action_mask=mask[half])
+        recipe = {"gates": ["reinforce", {"name": gate, "cap": 1.5, "batch_normalize": True}], "reduction": "token"}
+        loss = lossplug.policy_loss(batch, recipe, lossplug.Normalizer(action_tokens=tokens, sequences=rows)).loss * 2
+        loss.backward()
+        # negative control: the same recipe normalised over this rank alone differs from verl
+        with unittest.mock.patch.object(dist, "is_initialized", lambda: False):
+            local = lossplug.policy_loss(batch, recipe, lossplug.Normalizer(action_tokens=tokens, sequences=rows))
+        result[level] = [
+            abs(float(loss - ref)) / abs(float(ref)),
+            float((ours_logp.grad - verl_logp.grad).abs().max() / verl_logp.grad.abs().max()),
+            abs(float(local.loss.detach() * 2 - ref)) / abs(float(ref)),
+        ]
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+""")
+
+
+def test_bypass_batch_normalisation_is_global_across_ranks(tmp_path):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun not found")
+    script = tmp_path / "bypass_dp.py"
+    script.write_text(DISTRIBUTED_SCRIPT)
+    proc = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for r in (0, 1):
+        diffs = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert set(diffs) == {"token", "sequence"}
+        assert max(max(d[:2]) for d in diffs.values()) <= TOL, diffs
+        assert min(d[2] for d in diffs.values()) > 1e-6, diffs  # a rank-local mean would not do
