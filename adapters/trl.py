@@ -98,9 +98,10 @@ grpo/bnpo/dr_grpo/dapo/luspo                 gate ``ppo_clip(eps_low=epsilon, ep
 ``off_policy_mask_threshold``                correction ``off_policy_mask(threshold, sampling_logp=behavior_logp``
                                              with vLLM / a ``rollout_func``, else ``old_logp``)
 ``top_entropy_quantile < 1``                 correction ``top_entropy(quantile)``
-``use_vllm`` +                               ``token_truncate`` → ``tis(cap=clip_max)``; ``sequence_truncate`` →
-``vllm_importance_sampling_correction``      ``tis_seq(cap=clip_max)``; ``token_mask`` → ``icepop(low=clip_min,
-(``_mode``, ``_clip_min``, ``_clip_max``)    high=clip_max)``; ``sequence_mask`` → ``icepop_seq(…)`` (the product of
+``use_vllm`` +                               ``token_truncate`` → ``tis(cap=clip_max, floor=clip_min)``;
+``vllm_importance_sampling_correction``      ``sequence_truncate`` → ``tis_seq(…)``; ``token_mask`` →
+(``_mode``, ``_clip_min``, ``_clip_max``)    ``icepop(low=clip_min, high=clip_max)``; ``sequence_mask`` →
+                                             ``icepop_seq(…)`` (the product of
                                              the token ratios, as TRL); a missing bound: none; with vespo the
                                              token modes are vespo's ``engine_correction`` instead
 ``sum_then_normalize`` + ``scale_rewards``   advantage ``grpo(scale=scale_rewards, std=sample, eps=1e-4)``
@@ -155,8 +156,7 @@ Only what is genuinely outside the loss, or a recipe that would change TRL's mea
   without ``beta``, ``behavior_logp`` without vLLM or a ``rollout_func``);
 * behaviour log-probs of a different convention than the training log-probs (``Provenance.check``) when the
   recipe reads them;
-* in :func:`trl_equivalent`: ``*_truncate`` vLLM modes with ``vllm_importance_sampling_clip_min`` (TRL raises ratios
-  below it; ``tis`` only caps from above) and ``use_adaptive_entropy`` with ``top_entropy_quantile < 1`` (TRL's
+* in :func:`trl_equivalent`: ``use_adaptive_entropy`` with ``top_entropy_quantile < 1`` (TRL's
   controller observes the high-entropy tokens only, which the entropy regulariser cannot select).
 
 Kept from TRL unchanged: the MoE auxiliary loss, eval mode, the ``kl`` metric (from the recipe's KL when it has one),
@@ -372,13 +372,14 @@ def _engine_correction(args: GRPOConfig) -> dict[str, Any] | None:
         raise LossplugError(f"trl_equivalent: unknown vllm_importance_sampling_mode={mode!r}")
     sequence = mode.startswith("sequence_")
     if mode.endswith("_truncate"):
-        if low is not None or high is None:
-            raise LossplugError(
-                f"trl_equivalent: vllm_importance_sampling_mode={mode!r} with vllm_importance_sampling_clip_min="
-                f"{low!r}, clip_max={high!r}: lossplug's truncated IS (tis / tis_seq) caps from above only; TRL "
-                "raises ratios below clip_min to clip_min. Set clip_min=None (and a clip_max), or use a *_mask mode"
-            )
-        return {"name": "tis_seq" if sequence else "tis", "cap": high, "log_ratio_clamp": _NO_CLAMP}
+        gate: dict[str, Any] = {
+            "name": "tis_seq" if sequence else "tis",
+            "cap": _NO_HIGH if high is None else high,
+            "log_ratio_clamp": _NO_CLAMP,
+        }
+        if low is not None:
+            gate["floor"] = low  # TRL raises ratios below clip_min to clip_min
+        return gate
     return {
         "name": "icepop_seq" if sequence else "icepop",
         "low": _NO_LOW if low is None else low,

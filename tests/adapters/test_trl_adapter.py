@@ -131,6 +131,14 @@ def test_trl_equivalent_mapping(tmp_module, loss_type, gate, reduction, populati
             },
             [{"name": "ppo_clip"}, {"name": "tis_seq", "cap": 2.0, "ratio": "product", "log_ratio_clamp": 80.0}],
         ),
+        (  # clip_min with a *_truncate mode: TRL raises ratios below it to it — tis' floor
+            {
+                "use_vllm": True,
+                "vllm_importance_sampling_mode": "token_truncate",
+                "vllm_importance_sampling_clip_min": 0.5,
+            },
+            [{"name": "ppo_clip"}, {"name": "tis", "cap": 3.0, "floor": 0.5, "log_ratio_clamp": 80.0}],
+        ),
         (
             {"use_vllm": True, "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.5},
             [{"name": "ppo_clip"}, {"name": "icepop", "low": 0.5, "high": 3.0, "log_ratio_clamp": 80.0}],
@@ -214,15 +222,6 @@ def test_trl_equivalent_maps_the_other_settings(tmp_module):
 
 
 def test_trl_equivalent_refuses_what_has_no_equivalent(tmp_module):
-    with pytest.raises(LossplugError, match="caps from above only"):  # TIS has no lower clamp
-        trl_equivalent(
-            config(
-                tmp_module,
-                use_vllm=True,
-                vllm_importance_sampling_mode="token_truncate",
-                vllm_importance_sampling_clip_min=0.5,
-            )
-        )
     with pytest.raises(LossplugError, match="high-entropy tokens only"):
         trl_equivalent(config(tmp_module, use_adaptive_entropy=True, top_entropy_quantile=0.5))
 

@@ -79,6 +79,7 @@ CASES: dict[str, tuple[dict, str, tuple | None]] = {
     "vllm_token_truncate": (BASE, "tiny", ("token_truncate", None, 2.0)),
     "vllm_token_mask": (BASE, "tiny", ("token_mask", 0.2, 5.0)),
     "vllm_sequence_truncate": (BASE, "tiny", ("sequence_truncate", None, 3.0)),
+    "vllm_token_truncate_floor": (BASE, "tiny", ("token_truncate", 0.9, 1.1)),
     "vllm_sequence_mask": (BASE, "tiny", ("sequence_mask", 1e-3, 50.0)),
     "vllm_sequence_mask_no_low": ({"loss_type": "grpo"}, "tiny", ("sequence_mask", None, 3.0)),
     "vespo_vllm_token_truncate": ({"loss_type": "vespo"}, "tiny", ("token_truncate", None, 3.0)),
