@@ -563,6 +563,7 @@ DISTRIBUTED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_bypass_batch_normalisation_is_global_across_ranks(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     if torchrun is None:
