@@ -29,12 +29,21 @@ verl ``adv_estimator`` → lossplug advantage spec:
 * ``gpg`` → ``{name: gpg}``
 * ``gdpo`` → ``{name: gdpo, eps: 1e-6, weights: gdpo_reward_weights}`` (weights only when set; reads
   ``PolicyBatch.reward_components``, one column per ``gdpo_reward_keys`` entry, in that order)
-* ``optimal_token_baseline``, ``tir_optimal_token_baseline`` → refused: they read ``sum_pi_squared`` (Σ_v π(v)² per
-  token, from the actor) and verl's ``rollout_is_weights``, which a PolicyBatch does not carry
+* ``optimal_token_baseline``, ``tir_optimal_token_baseline`` → ``{name: <the same>}`` (read
+  ``PolicyBatch.old_logp`` and ``sum_pi_squared``); refused when ``algorithm.rollout_correction`` computes rollout IS
+  weights (``rollout_is`` set, not ``bypass_mode``): verl then scales the baseline's weights by ``rollout_is_weights²``,
+  which a PolicyBatch does not carry
 
 Differences that remain (documented at each plugin): lossplug's ``grpo`` gives a group of one advantage 0 where verl
 gives ``R / (1 + 1e-6)``; lossplug's ``rloo`` refuses groups of one (verl: ``rloo`` keeps ``R``, ``rloo_vectorized``
-gives 0); verl computes ``grpo_vectorized`` and ``gdpo`` in float32.
+gives 0); verl computes ``grpo_vectorized`` and ``gdpo`` in float32; lossplug's ``gae`` whitens with a float64 Bessel
+factor (verl's is float32: ≤ 3e-8 relative); ``optimal_token_baseline`` counts positions from each response's first
+action token (verl: from its first token — the same for responses that start with a generated token).
+
+Inside verl's trainer (``adv_estimator=lossplug``) a plugin sees only what ``compute_advantage`` hands a registered
+estimator — rewards, mask, uid and ``reward_baselines``: ``gae`` (values), ``gdpo`` (reward components) and the
+optimal token baselines (``old_log_probs``, ``sum_pi_squared``) run there as verl's own estimators, or through
+``lossplug.adapters.verl.compute_advantage(data, recipe)`` in a custom trainer.
 """
 
 from __future__ import annotations
@@ -66,10 +75,10 @@ VERL_ESTIMATORS: tuple[str, ...] = (
 VERL_GROUP_EPS = 1e-6
 
 _OPTIMAL_BASELINE_REFUSAL = (
-    "algorithm.adv_estimator={name}: no lossplug equivalent — the optimal token baseline weighs each token by "
-    "w_t = 1 − 2·π(a_t) + Σ_v π(v)², which needs sum_pi_squared (Σ over the vocabulary of π², per token, computed "
-    "by verl's actor with actor.calculate_sum_pi_squared=True) and verl's rollout_is_weights; a PolicyBatch carries "
-    "neither (old_logp gives π(a_t) only). Use grpo, rloo or opo for a group baseline without them."
+    "algorithm.rollout_correction.rollout_is={rollout_is!r} with adv_estimator={name}: no lossplug equivalent — "
+    "verl then weighs the optimal token baseline by rollout_is_weights² (w_t = (1 − 2·π(a_t) + Σπ²)·ρ̄_t²), and a "
+    "PolicyBatch does not carry verl's rollout IS weights; set rollout_is=null (the correction gates still apply "
+    "IS weights to the loss) or bypass_mode=true"
 )
 
 
@@ -155,7 +164,12 @@ def advantage_stage(algorithm: Mapping[str, Any]) -> dict[str, Any]:
             gdpo["weights"] = [float(w) for w in weights]
         return gdpo
     if name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
-        raise LossplugError(_OPTIMAL_BASELINE_REFUSAL.format(name=name))
+        correction = algorithm.get("rollout_correction") or {}
+        # as verl's compute_rollout_correction_and_add_to_batch reads it (decoupled mode only)
+        rollout_is = correction.get("rollout_is")
+        if rollout_is is not None and not correction.get("bypass_mode", False):
+            raise LossplugError(_OPTIMAL_BASELINE_REFUSAL.format(rollout_is=rollout_is, name=name))
+        return {"name": name}
     raise LossplugError(
         f"algorithm.adv_estimator={name}: not a verl 0.9.1 advantage estimator (known: {', '.join(VERL_ESTIMATORS)})"
     )

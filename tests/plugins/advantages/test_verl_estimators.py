@@ -54,6 +54,7 @@ def make_case(seed: int, sizes=SIZES, *, dense: bool = False, holes: bool = True
     if holes:  # observation/tool tokens inside multi-turn responses, never the last response token
         hole = torch.rand(B, T, generator=g) < 0.25
         hole[torch.arange(B), lengths - 1] = False
+        hole[:, 0] = False  # a response starts with a generated token (verl's do)
         mask &= ~hole
     score = torch.randint(0, 3, (B,), generator=g).to(F64) + 0.5 * torch.rand(B, generator=g, dtype=F64)
     score[torch.rand(B, generator=g) < 0.2] = 0.0  # some responses without reward (GPG's α)
@@ -344,7 +345,9 @@ def otb_inputs(case: dict, seed: int, *, is_weights: bool) -> dict:
     old_logp = -2 * torch.rand(B, T, generator=g, dtype=F64)
     extra = {
         "old_log_probs": old_logp,
-        "sum_pi_squared": torch.exp(old_logp) ** 2 + 0.3 * torch.rand(B, T, generator=g, dtype=F64),
+        # π(a)² + (the rest's Σπ², between 0 and (1 − π(a))²): a real distribution's Σ_v π(v)²
+        "sum_pi_squared": torch.exp(old_logp) ** 2
+        + torch.rand(B, T, generator=g, dtype=F64) * (1 - torch.exp(old_logp)) ** 2,
     }
     if is_weights:
         extra["rollout_is_weights"] = 0.5 + torch.rand(B, T, generator=g, dtype=F64)
@@ -409,3 +412,44 @@ def test_optimal_token_baseline_kernel_matches_verl(estimator, align, dense, is_
         zero_tail=False,
     )
     assert relative_difference(case, got, expect) <= TOL
+
+
+@pytest.mark.parametrize("scores", [False, True])
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_optimal_token_baseline_plugins_match_verl(estimator, dense, scores):
+    if dense and scores:
+        pytest.skip("dense token rewards have no [B] form")
+    case = make_case(95 + dense, dense=dense)
+    extra = otb_inputs(case, 3, is_weights=False)
+    expect = verl_with(case, estimator, extra)
+    batch = policy_batch(case, scores=scores).replace(
+        old_logp=extra["old_log_probs"], sum_pi_squared=extra["sum_pi_squared"]
+    )
+    result = lossplug.estimate_advantages(batch, recipe(estimator))
+    assert result.advantage.shape == case["mask"].shape
+    assert relative_difference(case, (result.advantage, result.returns), expect) <= TOL
+
+
+@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_optimal_token_baseline_ignores_a_prompt_in_front(estimator):
+    """Positions count from each response's first action token: masked columns in front change nothing."""
+    case = make_case(97)
+    extra = otb_inputs(case, 4, is_weights=False)
+    batch = policy_batch(case).replace(old_logp=extra["old_log_probs"], sum_pi_squared=extra["sum_pi_squared"])
+    B = batch.batch_size
+
+    def pad(x, fill):
+        return torch.cat([torch.full((B, 3), fill, dtype=x.dtype), x], -1)
+
+    shifted = lossplug.PolicyBatch(
+        logp=pad(batch.logp, 0.0),
+        action_mask=pad(batch.action_mask, False),
+        reward=pad(batch.reward, 0.0),
+        group_id=batch.group_id,
+        old_logp=pad(batch.old_logp, -1.0),
+        sum_pi_squared=pad(batch.sum_pi_squared, 0.5),
+    )
+    plain = lossplug.compute_advantages(batch, recipe(estimator))
+    moved = lossplug.compute_advantages(shifted, recipe(estimator))
+    torch.testing.assert_close(moved[:, 3:], plain, rtol=0, atol=0)
