@@ -14,6 +14,8 @@ import inspect
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import lossplug
 from lossplug import BatchValidationError, PolicyBatch, Recipe
@@ -220,3 +222,22 @@ def test_extreme_log_ratios_stay_finite_in_float32():
                 old_logp=(logp - 30).float(),
             )
             assert torch.isfinite(result.loss) and torch.isfinite(grad).all(), (estimator, weight)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.floats(-30, -1e-3), min_size=4, max_size=4),
+    st.lists(st.floats(-30, -1e-3), min_size=4, max_size=4),
+)
+def test_straight_through_keeps_the_value_and_takes_k2s_gradient(logps, refs):
+    logp = torch.tensor(logps, dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor(refs, dtype=torch.float64)
+    (k2_grad,) = torch.autograd.grad(estimate(logp, ref, "k2").sum(), logp)
+    for base in ("k1", "kl", "abs", "k3", "low_var_kl"):
+        plus = estimate(logp, ref, base + "+")
+        (grad,) = torch.autograd.grad(plus.sum(), logp)
+        torch.testing.assert_close(plus, estimate(logp, ref, base), rtol=0, atol=0)
+        torch.testing.assert_close(grad, k2_grad, rtol=0, atol=0)
+    k3 = estimate(logp, ref, "k3")
+    assert (k3 >= 0).all() and (k3 <= 10).all()
+    assert (estimate(logp, ref, "k3", clamp=False) >= -1e-12).all()
