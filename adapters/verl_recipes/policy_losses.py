@@ -97,6 +97,16 @@ CLIP_COV_RNG_NOTE = (
     "the same RNG state at the call (the generator is then advanced by max(floor(clip_cov_ratio*B*T), 1) words, "
     "verl's by candidates-1)."
 )
+BYPASS_NOTE = (
+    "bypass_mode: verl forces loss_mode=bypass_mode whenever algorithm.rollout_correction.bypass_mode is true "
+    "(apply_bypass_mode copies the rollout_correction block into actor.policy_loss), and old_log_prob then holds "
+    "the rollout log-probs: the IS weights and rejection are computed inside the loss, per micro-batch."
+)
+BATCH_NORMALIZE_NOTE = (
+    "bypass_mode with rollout_is_batch_normalize: verl divides by the weights' mean over the micro-batch (all-reduced "
+    "over the ranks' same micro-batch when torch.distributed is initialised), not over the step: bypass_is/"
+    "bypass_is_seq with batch_normalize do the same. A step-wide mean has no bypass-mode equivalent in verl."
+)
 GSPO_NOTE = (
     "gspo: verl clamps the log sequence ratio at 10 from above only; gspo_token clamps it to [-10, 10]: identical "
     "unless a response's mean log-ratio is below -10 (ratio < 4.5e-5)."
@@ -278,7 +288,10 @@ def _bypass(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages
         # verl removes rejected tokens from the mask: only seq-mean-token-mean's per-response mean notices
         renormalize = agg == "seq-mean-token-mean" and any(r["statistic"].startswith("token") for r in rules)
         gates.append({"name": "bypass_rs", "rules": rules, "renormalize": renormalize})
-    return PolicyStages(gates)
+    notes = [BYPASS_NOTE]
+    if any(g.get("batch_normalize") for g in gates):
+        notes.append(BATCH_NORMALIZE_NOTE)
+    return PolicyStages(gates, notes=notes)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
