@@ -65,21 +65,24 @@ LOSS_AGG_REDUCTIONS: dict[str, str] = {
     "seq-mean-token-sum-norm": "fixed",
 }
 
-#: verl's ``kl_loss_type`` (``core_algos.kl_penalty``) → the ``kl`` regulariser's ``estimator``
-KL_ESTIMATORS: dict[str, str] = {
-    "kl": "k1",
-    "k1": "k1",
-    "abs": "abs",
-    "mse": "mse",
-    "k2": "k2",
-    "low_var_kl": "low_var_kl",
-    "k3": "k3",
-    "k3+": "k3+",
-    "low_var_kl+": "k3+",  # verl strips the '+' and dispatches low_var_kl and k3 to the same code
-    # '+' on k2/mse is the plain estimator in verl (its value and gradient already are k2's)
-    "k2+": "k2",
-    "mse+": "mse",
-}
+#: verl's ``kl_loss_type`` values (``core_algos.kl_penalty``): the ``kl`` regulariser's ``estimator`` takes the same
+#: names with the same meaning (``+``: straight-through, the value of the mode and the gradient of k2)
+KL_ESTIMATORS: tuple[str, ...] = (
+    "kl",
+    "k1",
+    "abs",
+    "mse",
+    "k2",
+    "low_var_kl",
+    "k3",
+    "kl+",
+    "k1+",
+    "abs+",
+    "mse+",
+    "k2+",
+    "low_var_kl+",
+    "k3+",
+)
 
 
 def as_plain(config: Any, what: str) -> dict[str, Any] | None:
@@ -159,18 +162,17 @@ def verl_regularisers(actor: Mapping[str, Any], reduction: str | None = None) ->
         out.append({"name": "entropy", "coef": entropy_coeff, **own})
     if actor.get("use_kl_loss"):
         kl_type = str(actor.get("kl_loss_type", ACTOR_DEFAULTS["kl_loss_type"]))
-        estimator = KL_ESTIMATORS.get(kl_type)
-        if estimator is None:
+        if kl_type not in KL_ESTIMATORS:
             raise LossplugError(
                 f"verl_equivalent: actor.kl_loss_type={kl_type!r} has no lossplug estimator (supported: "
                 f"{', '.join(KL_ESTIMATORS)}; verl itself raises NotImplementedError for 'full')"
             )
         coef = actor.get("kl_loss_coef", ACTOR_DEFAULTS["kl_loss_coef"])
-        out.append({"name": "kl", "coef": float(coef), "estimator": estimator, **own})
+        out.append({"name": "kl", "coef": float(coef), "estimator": kl_type, **own})
     return out
 
 
-def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None) -> Recipe:
+def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None, *, whole_batch: bool = False) -> Recipe:
     """The lossplug recipe that computes what verl 0.9.1 computes for this configuration.
 
     ``actor_config``: verl's ``actor_rollout_ref.actor`` (``DictConfig``, ``ActorConfig`` or a mapping; missing keys
@@ -188,6 +190,13 @@ def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None) -> R
     policy part is verl's default actor (``vanilla``: clip 0.2, dual-clip 3.0, ``token-mean``) — what verl
     computes when the actor section is left alone; verl's estimator ``algorithm.lossplug`` reads only the advantage
     stage. Raises :class:`~lossplug.LossplugError` naming the setting for anything without an exact equivalent.
+
+    ``whole_batch``: every loss call will see one whole rollout batch (no mini- or micro-batches), which makes
+    ``rollout_is_batch_normalize`` exact (refused otherwise; see :mod:`.rollout_correction`).
+
+    Under verl itself (``loss_mode=lossplug``) verl's driver still computes the rollout correction and hands the loss
+    ``rollout_is_weights``: there, leave the correction gates out (``algorithm_config`` without
+    ``rollout_correction``, or use only the recipe's ``gates[0]``) — the adapter refuses to correct twice.
     """
     from . import advantages, policy_losses, rollout_correction
 
@@ -227,7 +236,11 @@ def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None) -> R
                 raise LossplugError(
                     f"verl_equivalent: algorithm.rollout_correction must be a mapping, got {type(correction).__name__}"
                 )
-            gates += rollout_correction.correction_gates(correction)
+            # the aggregation verl applies to the policy term decides whether a rejection is exact as a weight
+            applied = next((m for m, r in LOSS_AGG_REDUCTIONS.items() if r == reduction["name"]), None)
+            gates += rollout_correction.correction_gates(
+                correction, loss_agg_mode=applied or full_actor["loss_agg_mode"], whole_batch=whole_batch
+            )
         if algorithm.get("adv_estimator") is not None:
             recipe["advantage"] = advantages.advantage_stage(algorithm)
             recipe["name"] += f"+{algorithm['adv_estimator']}"

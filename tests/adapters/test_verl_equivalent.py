@@ -310,3 +310,101 @@ def test_actor_defaults_are_verls_own() -> None:
                 assert getattr(theirs.policy_loss, sub) == default, f"policy_loss.{sub}"
         else:
             assert getattr(theirs, key) == value, key
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What verl users see
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_verls_metric_keys_carry_verls_values(agg: str) -> None:
+    """``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and ``actor/ppo_kl`` under ``loss_mode=lossplug`` have
+    ``compute_policy_loss_vanilla``'s definitions, micro-batch by micro-batch."""
+    theirs_cfg = actor("vanilla", agg)
+    recipe = try_equivalent(theirs_cfg)
+    ours_cfg = actor(
+        "vanilla", agg, policy_loss=LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe.to_dict())
+    )
+    inputs = make_inputs(11)
+    seen = 0.0
+    for mb in micro_batches(inputs, 1, 0):
+        results = []
+        for name, config in (("vanilla", theirs_cfg), ("lossplug", ours_cfg)):
+            config.global_batch_info.update(global_info(inputs, 1, theirs_cfg.loss_scale_factor))
+            _, metrics = get_policy_loss_fn(name)(
+                old_log_prob=mb["old_log_prob"],
+                log_prob=mb["log_prob"],
+                advantages=mb["advantages"],
+                response_mask=mb["response_mask"],
+                loss_agg_mode=agg,
+                config=config,
+            )
+            results.append(metrics)
+        for key in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):
+            assert results[1][key] == pytest.approx(results[0][key], abs=1e-12), key
+        seen += results[0]["actor/pg_clipfrac"] + results[0]["actor/pg_clipfrac_lower"]
+    assert seen > 0  # the inputs clip
+
+
+def test_verls_own_composed_config() -> None:
+    """The config verl's trainer composes (Hydra, ``ppo_trainer.yaml``) goes in as it is: its default algorithm
+    (``gae``), and GRPO with token-level TIS switched on."""
+    import os
+
+    import verl.trainer
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(verl.trainer.__file__), "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        default = compose(config_name="ppo_trainer")
+        grpo_tis = compose(
+            config_name="ppo_trainer",
+            overrides=["algorithm.adv_estimator=grpo", "algorithm.rollout_correction.rollout_is=token"],
+        )
+    recipe = try_equivalent(default.actor_rollout_ref.actor, default.algorithm)
+    assert recipe.advantage is not None and recipe.advantage.name == "gae"
+    assert [g.name for g in recipe.gates] == ["ppo_clip"]
+    recipe = try_equivalent(grpo_tis.actor_rollout_ref.actor, grpo_tis.algorithm)
+    assert recipe.advantage is not None and recipe.advantage.name == "grpo"
+    assert [g.name for g in recipe.gates][:2] == ["ppo_clip", "tis"]
+    assert recipe.gates[1].params["cap"] == 2.0
+
+
+def test_a_correction_recipe_under_verls_own_rollout_correction_is_refused() -> None:
+    """Under verl, the driver computes the rollout correction and hands the loss ``rollout_is_weights``: a recipe
+    that carries the same correction would apply it twice."""
+    config = actor("vanilla", "token-mean")
+    recipe = try_equivalent(config, {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}})
+    ours = actor(
+        "vanilla", "token-mean", policy_loss=LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe.to_dict())
+    )
+    mb = micro_batches(make_inputs(2), 1, 0)[0]
+    with pytest.raises(LossplugError, match="correct the engine mismatch twice"):
+        get_policy_loss_fn("lossplug")(
+            old_log_prob=mb["old_log_prob"],
+            log_prob=mb["log_prob"],
+            advantages=mb["advantages"],
+            response_mask=mb["response_mask"],
+            loss_agg_mode="token-mean",
+            config=ours,
+            rollout_is_weights=torch.ones_like(mb["log_prob"]),
+        )
+
+
+def test_regularisers_verl_does_not_add_are_refused_under_verl() -> None:
+    """verl hands a policy loss neither entropy nor ref_log_prob: a recipe KL term that verl's ppo_loss will not
+    add (use_kl_loss false) is refused, naming the settings — never silently dropped or counted twice."""
+    recipe = try_equivalent({"use_kl_loss": True, "kl_loss_coef": 0.05})
+    ours = actor(
+        "vanilla", "token-mean", policy_loss=LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe.to_dict())
+    )
+    mb = micro_batches(make_inputs(2), 1, 0)[0]
+    with pytest.raises(LossplugError, match="use_kl_loss=False"):
+        get_policy_loss_fn("lossplug")(
+            old_log_prob=mb["old_log_prob"],
+            log_prob=mb["log_prob"],
+            advantages=mb["advantages"],
+            response_mask=mb["response_mask"],
+            loss_agg_mode="token-mean",
+            config=ours,
+        )

@@ -24,13 +24,16 @@ ENV_VARS = ("VERL_USE_EXTERNAL_PLUGINS", "VERL_USE_EXTERNAL_MODULES")
 
 #: run in a fresh interpreter: `import verl` first, nothing of lossplug imported by hand
 PROBE = textwrap.dedent("""
-    import json, sys
-    import verl
+    import json, sys, warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import verl
     from verl.trainer.ppo import core_algos
     out = {
         "imported_by_verl": "lossplug.adapters.verl" in sys.modules,
         "policy_loss": getattr(core_algos.POLICY_LOSS_REGISTRY.get("lossplug"), "__qualname__", None),
         "estimator": getattr(core_algos.ADV_ESTIMATOR_REGISTRY.get("lossplug"), "__qualname__", None),
+        "trl_warnings": [str(w.message) for w in caught if "TRL" in str(w.message)],
     }
     try:
         core_algos.get_policy_loss_fn("lossplug")
@@ -86,6 +89,10 @@ def test_import_verl_alone_registers_lossplug_and_none_disables_it(tmp_path):
     assert auto["policy_loss"] == "compute_policy_loss_lossplug"
     assert auto["estimator"] == "compute_lossplug_advantage"
     assert auto["check"] == "ok"
+
+    # the TRL-beside-verl trap is named at `import verl`, once, exactly when this environment has it
+    expected = adapter.trl_breaks_verl()
+    assert auto["trl_warnings"] == ([] if expected is None else [expected])
 
     none = results["none"]
     assert not none["imported_by_verl"] and not none["resolvable"], none
@@ -287,3 +294,38 @@ def test_import_lossplug_does_not_import_verl(tmp_path):
     code = "import sys, lossplug; lossplug.list_plugins(); print('verl' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _fake_trl(root, *, has_value_head: bool = False, experimental_ppo: bool = False):
+    package = root / "trl"
+    package.mkdir()
+    (package / "__init__.py").write_text("AutoModelForCausalLMWithValueHead = None\n" if has_value_head else "\n")
+    if experimental_ppo:
+        (package / "experimental" / "ppo").mkdir(parents=True)
+    return root
+
+
+@pytest.mark.parametrize(
+    "has_value_head,experimental_ppo,broken", [(False, False, True), (True, False, False), (False, True, False)]
+)
+def test_trl_beside_verl_is_detected_without_importing_trl(
+    tmp_path, monkeypatch, has_value_head, experimental_ppo, broken
+):
+    """verl's FSDP monkey patch imports AutoModelForCausalLMWithValueHead from trl.experimental.ppo or trl whenever
+    TRL is importable: a TRL with neither breaks verl, and the message says how to get out."""
+    monkeypatch.delitem(sys.modules, "trl", raising=False)
+    monkeypatch.syspath_prepend(
+        str(_fake_trl(tmp_path, has_value_head=has_value_head, experimental_ppo=experimental_ppo))
+    )
+    problem = adapter.trl_breaks_verl()
+    assert "trl" not in sys.modules
+    if broken:
+        assert problem is not None
+        assert "monkey_patch.py" in problem and "pip uninstall trl" in problem and "lossplug[verl]" in problem
+    else:
+        assert problem is None
+
+
+def test_no_trl_no_warning(monkeypatch):
+    monkeypatch.setitem(sys.modules, "trl", None)  # what find_spec sees when TRL is not importable
+    assert adapter.trl_breaks_verl() is None
