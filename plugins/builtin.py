@@ -25,7 +25,24 @@ def lossplug_register_advantages(register: Callable[[lossplug.AdvantagePlugin], 
     register(gae.gae)
     register(length_adaptive_gae.length_adaptive_gae)
     # verl's estimators (verl parity)
+    from lossplug.plugins.advantages import gdpo, gpg, opo, optimal_baseline, passk, reinforce_plus_plus, remax
+
+    for estimator in (
+        optimal_baseline.optimal_token_baseline,
+        optimal_baseline.tir_optimal_token_baseline,
+        reinforce_plus_plus.reinforce_plus_plus,
+        reinforce_plus_plus.reinforce_plus_plus_baseline,
+        remax.remax,
+        opo.opo,
+        passk.grpo_passk,
+        gpg.gpg,
+        gdpo.gdpo,
+    ):
+        register(estimator)
     # TRL's multi-reward aggregation (TRL parity)
+    from lossplug.plugins.advantages import multi_reward
+
+    register(multi_reward.normalize_then_sum)
 
 
 @lossplug.hookimpl
@@ -47,8 +64,36 @@ def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> 
     ):
         register(plugin)
     # verl's policy losses (verl parity)
+    from lossplug.plugins.gates import bypass, covariance, dppo, dro, geo_mean
+
+    for plugin in (
+        dppo.dppo_tv,
+        dppo.dppo_kl,
+        dro.dro,
+        geo_mean.gmpo,
+        covariance.clip_cov,
+        covariance.kl_cov,
+        bypass.bypass_is,
+        bypass.bypass_is_seq,
+        bypass.bypass_rs,
+    ):
+        register(plugin)
     # verl's rollout correction suite (verl parity)
+    from lossplug.plugins.gates import offpolicy_metrics, rollout_rejection
+
+    register(rollout_rejection.rollout_rs)
+    register(offpolicy_metrics.offpolicy_metrics)
     # TRL's loss options (TRL parity)
+    from lossplug.plugins.gates import off_policy_mask, top_entropy, vespo
+
+    for trl_gate in (
+        cispo.cispo_seq,
+        sapo.sapo_seq,
+        vespo.vespo,
+        off_policy_mask.off_policy_mask,
+        top_entropy.top_entropy,
+    ):
+        register(trl_gate)
 
 
 @lossplug.hookimpl
@@ -67,3 +112,11 @@ def lossplug_register_reductions(register: Callable[[lossplug.ReductionPlugin], 
 def lossplug_register_presets(register: RegisterPreset) -> None:
     for name, (recipe, source) in PRESETS.items():
         register(name, recipe, source=source)
+
+
+@lossplug.hookimpl
+def lossplug_register_regularisers(register: Callable[[lossplug.RegulariserPlugin], None]) -> None:
+    from lossplug.plugins.regularisers import entropy, kl
+
+    register(kl.kl)
+    register(entropy.entropy)
