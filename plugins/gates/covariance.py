@@ -29,8 +29,9 @@ verl advances it by ``n − 1``: the selection is the same, the generator states
 ``n < 2³²/20``, torch's small-``n`` randperm path; a test checks the replay against ``torch.randperm``.)
 
 ``kl_cov``'s top-k takes a fixed ``K = max(⌊ratio · B·T⌋, 1)`` from the shapes over all positions (non-actions at
-−inf) and keeps the first ``k`` — verl's ``topk(k)`` of the action tokens, without its host sync. Ties in ``c_t``
-(measure zero for real-valued inputs) may be broken differently.
+−inf) and keeps the first ``k`` — verl's ``topk(k)`` of the action tokens, without its host sync. Its means are
+sums over ``[B, T]`` where verl averages the gathered action tokens on the CPU (last-bit differences), and ties in
+``c_t`` may be broken differently: either matters only at an exact or near tie (measure zero for real-valued inputs).
 
 Detach/gradient contract: the selection and the statistics are constants of the update (computed under
 ``no_grad``); gradient flows through ``logp`` in ``r`` (and in ``|log r|``) only.
