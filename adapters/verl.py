@@ -25,12 +25,24 @@ Batch mapping (verl → :class:`~lossplug.PolicyBatch`): ``log_prob`` → ``logp
 a caller passes it) → ``behavior_logp`` for the recipe's correction gates, and verl's own rollout-correction weights
 ``rollout_is_weights`` multiply the objective after the gates (detached), exactly as verl's built-in losses apply them.
 For the estimator: ``token_level_rewards`` → ``reward`` ``[B, T]``, ``uid`` (numpy object array) → integer
-``group_id``, and — for critic-based plugins such as ``gae`` — ``values`` (plus ``old_log_probs``/``ref_log_prob``)
-from the ``DataProto`` that ``ray_trainer.compute_advantage`` is processing, because verl passes only rewards, mask,
-index and config to a registered estimator (the one seam here that reads verl's call stack; it checks the tensor
-identity and raises if it cannot find the batch). Rows with no action token (verl's synthetic padding rows, or
+``group_id``, ``reward_baselines`` → ``reward_baseline``. verl's ``ray_trainer.compute_advantage`` passes a
+registered estimator nothing else, so a plugin that needs the critic's ``values`` (``gae``) or log-probs is refused
+there with the way out: :func:`compute_advantage` ``(data, recipe)`` on the ``DataProto`` in a custom trainer (it
+reads every field from ``data.batch``), or verl's own estimator. Rows with no action token (verl's synthetic padding rows, or
 responses removed by rollout rejection sampling) are left out of the lossplug batch; they get zero advantages and
 contribute nothing to the loss, as in verl.
+
+Regularisers. verl's ``ppo_loss`` adds the entropy bonus and the KL loss around any policy loss, from the actor's
+``entropy_coeff`` / ``use_kl_loss`` settings, and hands a policy loss neither entropies nor reference log-probs. A
+recipe's regularisers must therefore be exactly those terms (as :func:`verl_equivalent` writes them); the adapter then
+computes only the policy term, so each is counted once, and refuses any other regulariser naming the settings.
+
+Metrics. verl's own keys with verl's definitions — ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
+``actor/ppo_kl`` — beside lossplug's under ``actor/lossplug/``.
+
+TRL beside verl. verl's FSDP workers import ``AutoModelForCausalLMWithValueHead`` from any importable TRL, which
+TRL ≥ 1.0 does not have; importing this module (at ``import verl``) warns once when that is the environment
+(:func:`trl_breaks_verl`): install ``lossplug[verl]``, not ``lossplug[all]``, where verl runs.
 
 Reduction. The returned loss is this micro-batch's share of the full optimizer step: a :class:`~lossplug.Normalizer`
 is built from verl's ``config.global_batch_info`` (``batch_num_tokens`` → action tokens, ``global_batch_size`` →
@@ -405,68 +417,72 @@ def _config_value(config: Any, key: str, default: Any) -> Any:
     return default if value is None else value
 
 
-_policy_terms: dict[tuple[Any, ...], Recipe] = {}
+#: (id(recipe), verl's settings) → (recipe, its policy term); the recipe is kept so that its id is never reused
+_policy_terms: dict[tuple[Any, ...], tuple[Recipe, Recipe]] = {}
+
+
+def _reduction_name(reduction: Any, default: str) -> str:
+    if reduction is None:
+        return default
+    return str(reduction if isinstance(reduction, str) else reduction["name"])
 
 
 def _policy_term(recipe: Recipe, config: Any, loss_agg_mode: str) -> Recipe:
-    """The recipe without its regularisers, once each is found to be exactly the term verl's ``ppo_loss`` adds
+    """The recipe without its regularisers, once they are found to be exactly the terms verl's ``ppo_loss`` adds
     itself around the policy loss (``entropy_coeff``; ``use_kl_loss``, ``kl_loss_type``, ``kl_loss_coef``; reduced
-    with ``loss_agg_mode``) — so each is counted once. verl hands a policy loss neither the entropy nor the reference
-    log-probs, so a regulariser verl does not add cannot be computed here: it is refused, naming the setting."""
+    with ``loss_agg_mode`` over the step) — so each is counted once. verl hands a policy loss neither the entropy nor
+    the reference log-probs, so a regulariser verl does not add cannot be computed here: it is refused, naming the
+    settings. Resolved once per recipe and settings."""
     entropy_coeff = float(_config_value(config, "entropy_coeff", 0.0))
     use_kl = bool(_config_value(config, "use_kl_loss", False))
     kl_type = str(_config_value(config, "kl_loss_type", "low_var_kl"))
     kl_coef = float(_config_value(config, "kl_loss_coef", 0.001))
-    key = (id(recipe), recipe.to_json(), entropy_coeff, use_kl, kl_type, kl_coef, loss_agg_mode)
+    key = (id(recipe), entropy_coeff, use_kl, kl_type, kl_coef, loss_agg_mode)
     cached = _policy_terms.get(key)
     if cached is not None:
-        return cached
+        return cached[1]
     from lossplug.adapters.verl_recipes import verl_regularisers
 
-    verl_adds = verl_regularisers(
-        {"entropy_coeff": entropy_coeff, "use_kl_loss": use_kl, "kl_loss_type": kl_type, "kl_loss_coef": kl_coef}
+    settings = {"entropy_coeff": entropy_coeff, "use_kl_loss": use_kl, "kl_loss_type": kl_type, "kl_loss_coef": kl_coef}
+    agg = LOSS_AGG_MODES.get(loss_agg_mode, loss_agg_mode)
+    verl_adds = verl_regularisers(settings, agg)
+    described = (
+        f"actor.entropy_coeff={entropy_coeff}, use_kl_loss={use_kl}, kl_loss_type={kl_type}, kl_loss_coef={kl_coef}, "
+        f"loss_agg_mode={loss_agg_mode}"
     )
-    agg = LOSS_AGG_MODES.get(loss_agg_mode)
-    ours = [(spec.name, spec.params) for spec in recipe.regularisers]
-    if ours:
-        expected = (
-            Recipe.load(
-                {
-                    "gates": [g.to_dict() for g in recipe.gates],
-                    "reduction": recipe.reduction.to_dict(),
-                    "regularisers": [{**r, "reduction": agg} for r in verl_adds],
-                }
-            )
-            if verl_adds
-            else None
-        )
-        theirs = [] if expected is None else [(s.name, s.params) for s in expected.regularisers]
+    if recipe.regularisers:
+        base = {"gates": [g.to_dict() for g in recipe.gates], "reduction": recipe.reduction.to_dict()}
+        expected = Recipe.load({**base, "regularisers": verl_adds}).regularisers if verl_adds else ()
 
-        def effective(params: Mapping[str, Any]) -> dict[str, Any]:
-            return {**params, "reduction": params.get("reduction") or recipe.reduction.name}
+        def comparable(specs: tuple[Any, ...]) -> list[tuple[str, list[tuple[str, Any]]]]:
+            out = []
+            for spec in specs:
+                params = dict(spec.params)
+                params["reduction"] = _reduction_name(params.get("reduction"), recipe.reduction.name)
+                out.append((spec.name, sorted(params.items(), key=lambda kv: kv[0])))
+            return sorted(out, key=repr)
 
-        if sorted((n, sorted(effective(p).items())) for n, p in ours) != sorted(
-            (n, sorted(effective(p).items())) for n, p in theirs
-        ):
+        if comparable(recipe.regularisers) != comparable(expected):
+            ours = [s.to_dict() for s in recipe.regularisers]
             raise LossplugError(
-                f"{POLICY_RECIPE_KEY}: the recipe's regularisers {[dict(name=n, **p) for n, p in ours]} are not what "
-                f"verl's ppo_loss adds around the policy loss for actor.entropy_coeff={entropy_coeff}, "
-                f"use_kl_loss={use_kl}, kl_loss_type={kl_type}, kl_loss_coef={kl_coef}, loss_agg_mode="
-                f"{loss_agg_mode} ({[dict(name=n, **p) for n, p in theirs]}); verl passes a policy loss neither the "
-                f"entropy nor ref_log_prob, so entropy and KL terms come from those actor settings — set them to "
-                f"match the recipe (lossplug.adapters.verl.verl_equivalent(actor) builds the recipe from them)"
+                f"{POLICY_RECIPE_KEY}: the recipe's regularisers {ours} are not what verl's ppo_loss adds around the "
+                f"policy loss for {described} ({verl_adds or 'nothing'}); verl passes a policy loss neither the "
+                f"entropy nor ref_log_prob, so under verl the entropy and KL terms come from those actor settings: set "
+                f"them to match the recipe (lossplug.adapters.verl.verl_equivalent(actor) builds the recipe from them)"
             )
-    elif verl_adds:
-        _warn_once(
-            f"regularisers:{key}",
-            (
-                f"lossplug: verl's ppo_loss adds {', '.join(r['name'] for r in verl_adds)} (actor.entropy_coeff / "
-                f"use_kl_loss) to the recipe's policy loss; the recipe {POLICY_RECIPE_KEY} does not list them, so its "
-                f"record does not describe the whole loss (verl_equivalent(actor) gives the recipe that does)"
-            ),
-        )
-    term = recipe if not ours else Recipe.load({k: v for k, v in recipe.to_dict().items() if k != "regularisers"})
-    _policy_terms[key] = term
+        term = Recipe.load({k: v for k, v in recipe.to_dict().items() if k != "regularisers"})
+    else:
+        if verl_adds:
+            _warn_once(
+                f"regularisers:{key[1:]}",
+                (
+                    f"lossplug: verl's ppo_loss adds {', '.join(r['name'] for r in verl_adds)} ({described}) to the "
+                    f"policy loss of {POLICY_RECIPE_KEY}, which does not list them: its record does not describe the "
+                    f"whole loss (verl_equivalent(actor) gives the recipe that does)"
+                ),
+            )
+        term = recipe
+    _policy_terms[key] = (recipe, term)
     return term
 
 
