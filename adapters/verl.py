@@ -73,7 +73,7 @@ from verl.trainer.ppo import core_algos
 from verl.workers.config import PolicyLossConfig
 
 import lossplug
-from lossplug.adapters.verl_recipes import verl_equivalent
+from lossplug.adapters.verl_recipes import LOSS_AGG_REDUCTIONS, verl_equivalent
 from lossplug.contracts import LossplugError, Normalizer, PolicyBatch, Recipe, RecipeError
 from lossplug.contracts.normalizer import whole_count
 from lossplug.pipeline import Validate, metric_level
@@ -104,13 +104,7 @@ MODULE = __name__
 POLICY_RECIPE_KEY = "actor_rollout_ref.actor.policy_loss.recipe"
 ADVANTAGE_RECIPE_KEY = "algorithm.lossplug"
 #: verl's loss_agg_mode → the lossplug reduction that computes the same aggregation (every mode has one)
-LOSS_AGG_MODES: dict[str, str] = {
-    "token-mean": "token",
-    "seq-mean-token-mean": "response",
-    "seq-mean-token-sum": "sequence_sum",
-    "seq-mean-token-sum-norm": "fixed",
-    "token-sum": "token_sum",
-}
+LOSS_AGG_MODES: dict[str, str] = dict(LOSS_AGG_REDUCTIONS)  # one table, shared with verl_equivalent
 
 Tensor = torch.Tensor
 _warned: set[str] = set()
