@@ -202,7 +202,8 @@ def _check(
 
 def _fields(**kw: Any) -> dict[str, Tensor]:
     """Every PolicyBatch field (:func:`lossplug.testing.batches.policy_fields`) plus a per-token ``entropy`` (> 0), a
-    ``reward_baseline`` ``[B]`` and two ``reward_components`` ``[B, 2]`` (their sum is ``reward``)."""
+    ``reward_baseline`` ``[B]``, two ``reward_components`` ``[B, 2]`` (their sum is ``reward``) and a per-token
+    ``sum_pi_squared`` consistent with ``old_logp``."""
     fields = _b.policy_fields(**kw)
     g = torch.Generator().manual_seed(int(kw.get("seed", 0)) + 11)
     logp = fields["logp"]
@@ -211,11 +212,15 @@ def _fields(**kw: Any) -> dict[str, Tensor]:
     first = torch.randn(reward.shape, generator=g, dtype=torch.float64).to(reward.dtype)
     fields["reward_components"] = torch.stack([first, reward - first], dim=-1)
     fields["reward_baseline"] = torch.randn(reward.shape, generator=g, dtype=torch.float64).to(reward.dtype)
+    # Σ_v π(v)² of a distribution whose sampled token has probability p = exp(old_logp): between p² and p² + (1 − p)²
+    p = torch.exp(fields["old_logp"].to(torch.float64))
+    spread = torch.rand(logp.shape, generator=g, dtype=torch.float64)
+    fields["sum_pi_squared"] = (p**2 + spread * (1 - p) ** 2).to(logp.dtype)
     return fields
 
 
 #: the per-token fields a check poisons off the actions
-TOKEN_FIELDS = _b.TOKEN_FIELDS + ("entropy",)
+TOKEN_FIELDS = _b.TOKEN_FIELDS + ("entropy", "sum_pi_squared")
 
 
 BUDGET = 16.0  # the fixed token budget per response the checks' Normalizers carry

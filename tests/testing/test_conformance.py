@@ -13,7 +13,16 @@ from lossplug.testing import CHECKS, ConformanceError, assert_conforms, check_pl
 # suite, as a reminder to delete the entry.
 #: (kind, name, check) → why a built-in is known not to conform yet (each one is a strict xfail: fixing it fails the
 #: suite until the entry is removed)
-KNOWN: dict[tuple[str, str, str], str] = {}
+KNOWN: dict[tuple[str, str, str], str] = {
+    # verl's covariance losses select tokens by statistics of the micro-batch they see (verl: the same), and clip_cov
+    # cuts k random tokens whatever the ratio — by design, documented in docs/verl.md
+    ("gate", "clip_cov", "ratio_one"): "clip_cov cuts k random tokens even at ratio 1 (verl's rule)",
+    ("gate", "clip_cov", "microbatch_split"): "covariance statistics and the token selection are per micro-batch",
+    ("gate", "kl_cov", "microbatch_split"): "covariance statistics and the top-k selection are per micro-batch",
+    # penalties on the log-ratio that do not scale with the advantage (verl's definitions)
+    ("gate", "kl_cov", "zero_advantage"): "the |log r| penalty of the selected tokens applies with A = 0",
+    ("gate", "dro", "zero_advantage"): "DRO's −β·log r penalty does not depend on A",
+}
 
 
 def builtin_cases():
