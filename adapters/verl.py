@@ -63,7 +63,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -609,6 +609,7 @@ _EXTRA_FIELDS = {
     "ref_logp": "ref_log_prob",
     "behavior_logp": "rollout_log_probs",
     "reward_baseline": "reward_baselines",
+    "sum_pi_squared": "sum_pi_squared",
 }
 #: the DataProto keys ``ray_trainer.compute_advantage`` hands a registered estimator (besides rewards, mask, uid)
 _PASSED_BY_VERL = frozenset({"reward_baselines"})
@@ -674,13 +675,15 @@ def compute_lossplug_advantage(
     return _estimate(recipe, ADVANTAGE_RECIPE_KEY, token_level_rewards, response_mask, index, extra, from_verl=True)
 
 
-def compute_advantage(data: Any, recipe: Any) -> Any:
+def compute_advantage(data: Any, recipe: Any, *, reward_keys: Sequence[str] | None = None) -> Any:
     """The recipe's advantage stage on a verl ``DataProto``, for custom trainers: the explicit path for plugins that
     read more than verl hands a registered estimator (``gae`` reads the critic's ``values``).
 
     Reads ``token_level_rewards``, ``response_mask`` and ``non_tensor_batch["uid"]``, plus whatever the plugin
-    requires of ``values``, ``old_log_probs``, ``ref_log_prob``, ``rollout_log_probs`` and ``reward_baselines``
-    from ``data.batch``; writes ``data.batch["advantages"]`` and ``data.batch["returns"]`` (``[B, T]``, zero off the
+    requires of ``values``, ``old_log_probs``, ``ref_log_prob``, ``rollout_log_probs``, ``reward_baselines`` and
+    ``sum_pi_squared`` from ``data.batch``; ``reward_keys`` (verl's ``algorithm.gdpo_reward_keys``) name the
+    per-response reward components, read from ``data.non_tensor_batch`` (or ``data.batch``) as the columns of
+    ``PolicyBatch.reward_components`` for multi-reward plugins (``gdpo``). Writes ``data.batch["advantages"]`` and ``data.batch["returns"]`` (``[B, T]``, zero off the
     response mask) and returns ``data`` — what ``verl.trainer.ppo.ray_trainer.compute_advantage`` does with verl's
     own estimators. ``recipe``: a :class:`~lossplug.Recipe`, preset name, YAML/JSON path or mapping.
     """
@@ -693,6 +696,8 @@ def compute_advantage(data: Any, recipe: Any) -> Any:
         if needed not in keys:
             raise LossplugError(f"compute_advantage: data.batch has no '{needed}' (keys: {', '.join(sorted(keys))})")
     extra = {key: batch[key] for key in _EXTRA_FIELDS.values() if key in keys}
+    if reward_keys:
+        extra[_REWARD_COMPONENTS] = _reward_components(data, list(reward_keys), batch["token_level_rewards"])
     uid = data.non_tensor_batch.get("uid") if getattr(data, "non_tensor_batch", None) is not None else None
     adv, ret = _estimate(
         recipe, where, batch["token_level_rewards"], batch["response_mask"], uid, extra, from_verl=False
@@ -700,6 +705,34 @@ def compute_advantage(data: Any, recipe: Any) -> Any:
     batch["advantages"] = adv
     batch["returns"] = ret
     return data
+
+
+#: the pseudo DataProto key under which compute_advantage hands the stacked reward components to _estimate
+_REWARD_COMPONENTS = "reward_components"
+
+
+def _reward_components(data: Any, reward_keys: list[str], rewards: Tensor) -> Tensor:
+    """``[B, K]`` float64: one column per key, from ``non_tensor_batch`` (verl's reward manager's per-response scores)
+    or ``batch``."""
+    non_tensor = getattr(data, "non_tensor_batch", None) or {}
+    columns = []
+    for key in reward_keys:
+        if key in non_tensor:
+            column = torch.as_tensor(np.asarray(non_tensor[key], dtype=np.float64))
+        elif key in data.batch.keys():
+            column = data.batch[key].to(torch.float64)
+        else:
+            raise LossplugError(
+                f"compute_advantage: reward_keys names '{key}', which is in neither data.non_tensor_batch "
+                f"({', '.join(sorted(non_tensor)) or 'empty'}) nor data.batch"
+            )
+        if column.ndim != 1 or column.shape[0] != rewards.shape[0]:
+            raise LossplugError(
+                f"compute_advantage: reward component '{key}' must hold one value per response "
+                f"([{rewards.shape[0]}]), got shape {list(column.shape)}"
+            )
+        columns.append(column.to(rewards.device))
+    return torch.stack(columns, -1)
 
 
 def _estimate(
@@ -723,8 +756,9 @@ def _estimate(
 
     extra: dict[str, Tensor] = {}
     required = plugin.required_fields(stage.params)
-    for name in (f for f in _EXTRA_FIELDS if f in required):
-        verl_key = _EXTRA_FIELDS[name]
+    fields_by_key = {**_EXTRA_FIELDS, "reward_components": _REWARD_COMPONENTS}
+    for name in (f for f in fields_by_key if f in required):
+        verl_key = fields_by_key[name]
         value = extra_by_verl_key.get(verl_key)
         if value is not None:
             extra[name] = value
@@ -738,9 +772,13 @@ def _estimate(
                 f"from data.batch"
             )
         else:
+            hint = {
+                "values": " (a critic-based recipe needs critic.enable=True)",
+                _REWARD_COMPONENTS: " (pass reward_keys=, verl's algorithm.gdpo_reward_keys)",
+                "sum_pi_squared": " (verl computes it with actor.calculate_sum_pi_squared=True)",
+            }.get(verl_key, "")
             raise LossplugError(
-                f"{key}: advantage plugin '{plugin.name}' needs '{verl_key}', which the batch does not hold"
-                + (" (a critic-based recipe needs critic.enable=True)" if verl_key == "values" else "")
+                f"{key}: advantage plugin '{plugin.name}' needs '{verl_key}', which the batch does not hold{hint}"
             )
     if not bool(keep.any()):
         return advantages, returns

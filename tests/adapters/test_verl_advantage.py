@@ -212,3 +212,37 @@ def test_rewards_outside_the_response_mask_are_refused():
 
 def test_the_estimator_is_the_registered_one():
     assert core_algos.get_adv_estimator_fn("lossplug") is compute_lossplug_advantage
+
+
+def test_compute_advantage_reads_reward_components_by_key():
+    """Multi-reward plugins (gdpo) read ``PolicyBatch.reward_components``: ``reward_keys`` (verl's
+    ``algorithm.gdpo_reward_keys``) name the per-response scores in ``non_tensor_batch``, one column each."""
+    import lossplug
+    from lossplug.contracts import PolicyBatch
+
+    batch = make_batch(8)
+    g = torch.Generator().manual_seed(8)
+    components = {k: np.asarray(torch.rand(B, generator=g, dtype=DT)) for k in ("accuracy", "format")}
+    data = data_proto(batch)
+    data.non_tensor_batch.update(components)
+    spec = {"name": "gdpo"}
+    out = lossplug_compute_advantage(data, recipe(spec), reward_keys=["accuracy", "format"])
+
+    mask = batch["response_mask"].bool()
+    direct = lossplug.estimate_advantages(
+        PolicyBatch(
+            logp=torch.zeros(B, T, dtype=DT),
+            action_mask=mask,
+            reward=batch["token_level_rewards"],
+            group_id=group_ids(batch["uid"]),
+            reward_components=torch.stack([torch.as_tensor(components[k]) for k in ("accuracy", "format")], -1),
+        ),
+        recipe(spec),
+    ).advantage
+    expected = torch.where(mask, direct if direct.ndim == 2 else direct[:, None].expand(B, T), 0)
+    assert torch.equal(out.batch["advantages"], expected)
+
+    with pytest.raises(LossplugError, match="reward_keys"):
+        lossplug_compute_advantage(data_proto(batch), recipe(spec))
+    with pytest.raises(LossplugError, match="'style', which is in neither"):
+        lossplug_compute_advantage(data, recipe(spec), reward_keys=["style"])
