@@ -464,3 +464,28 @@ def test_under_verls_ppo_loss_the_correction_is_verls_rollout_correction_and_the
         verl_step(disagreeing, x, advantages)
     with pytest.raises(LossplugError, match="passes no rollout_log_probs"):
         compute_policy_loss_lossplug(x["old"], x["logp"], advantages, x["action"], "token-mean", actor)
+
+
+def test_the_readme_section_shows_this_recipe_and_these_settings() -> None:
+    import yaml
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Same recipe in TRL and verl", 1)[1].split("\n## ", 1)[0]
+    shown = lossplug.Recipe.load(yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])).to_dict()
+    ours = lossplug.Recipe.load(RECIPE_YAML).to_dict()
+    shown.pop("name", None)
+    ours.pop("name", None)
+    assert shown == ours
+    lines = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    settings = dict(token.split("=", 1) for token in lines.split() if "=" in token)
+    actor = {
+        k.removeprefix("actor_rollout_ref.actor."): yaml.safe_load(v) for k, v in settings.items() if "actor." in k
+    }
+    correction = {
+        k.removeprefix("algorithm.rollout_correction."): yaml.safe_load(v)
+        for k, v in settings.items()
+        if k.startswith("algorithm.rollout_correction.")
+    }
+    assert actor == {k: v for k, v in VERL_ACTOR.items() if not k.startswith("clip_ratio")}
+    assert correction == VERL_ROLLOUT_CORRECTION
+    assert "beta=0.04" in section
