@@ -531,8 +531,13 @@ def compute_policy_loss_lossplug(
             ),
         )
 
-    if compiled.corrections:
-        names = ", ".join(f"recipe.gates[{i + 1}] ({s.plugin.name})" for i, s in enumerate(compiled.corrections))
+    # corrections on the engine ratio read the rollout engine's log-probs; bypass mode's gates (bypass_is, bypass_rs)
+    # read old_logp, which verl's apply_bypass_mode has set to the rollout log-probs
+    engine_side = [
+        (i, s) for i, s in enumerate(compiled.corrections) if "behavior_logp" in s.plugin.required_fields(s.params)
+    ]
+    if engine_side:
+        names = ", ".join(f"recipe.gates[{i + 1}] ({s.plugin.name})" for i, s in engine_side)
         if rollout_is_weights is not None:
             raise LossplugError(
                 f"{POLICY_RECIPE_KEY}: the recipe's corrections {names} and verl's rollout correction "

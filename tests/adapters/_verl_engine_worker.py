@@ -101,6 +101,28 @@ LOSS_MODES = ("gspo", "sapo", "cispo", "gpg", "geo_mean", "clip_cov", "kl_cov", 
 for _mode in LOSS_MODES:
     CASES[f"loss_mode_{_mode}"] = ("default", [f"actor_rollout_ref.actor.policy_loss.loss_mode={_mode}"])
 CASES["loss_mode_dro"][1].append("actor_rollout_ref.actor.policy_loss.dro_beta=0.5")  # verl has no default
+#: bypass mode: verl's apply_bypass_mode copies algorithm.rollout_correction into policy_loss (old = rollout log-probs)
+_BYPASS = "actor_rollout_ref.actor.policy_loss.rollout_correction"
+CASES["loss_mode_bypass_reinforce"] = (
+    "default",
+    [
+        "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+        f"+{_BYPASS}.bypass_mode=True",
+        f"+{_BYPASS}.loss_type=reinforce",
+        f"+{_BYPASS}.rollout_is=token",
+        f"+{_BYPASS}.rollout_is_threshold=2.0",
+    ],
+)
+CASES["loss_mode_bypass_ppo_clip"] = (
+    "default",
+    [
+        "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+        f"+{_BYPASS}.bypass_mode=True",
+        f"+{_BYPASS}.loss_type=ppo_clip",
+        f"+{_BYPASS}.rollout_rs=seq_mean_k1",
+        f"+{_BYPASS}.rollout_rs_threshold=1.5",
+    ],
+)
 #: the negative controls, on this case: recipes that are not verl's, which must change the parameters
 CONTROL = "vanilla"
 
