@@ -123,6 +123,23 @@ CASES["loss_mode_bypass_ppo_clip"] = (
         f"+{_BYPASS}.rollout_rs_threshold=1.5",
     ],
 )
+#: verl's driver-side rollout correction (TIS weights in the batch, handed to the loss as rollout_is_weights): the
+#: recipe is the actor's alone, the adapter applies the weights as verl's losses do
+CASES["rollout_is_weights"] = ("default", VANILLA + REGULARISED)
+WITH_ROLLOUT_IS_WEIGHTS = {"rollout_is_weights"}
+
+
+def with_rollout_is_weights(batch: Any) -> Any:
+    """The batch with truncated IS weights min(exp(old − rollout), 2) as verl's driver computes them (here the rollout
+    log-probs are the old ones plus noise)."""
+    data = copy.deepcopy(batch)
+    g = torch.Generator().manual_seed(1)
+    mask = data.batch["response_mask"].float()
+    log_weight = 0.5 * torch.randn(mask.shape, generator=g)
+    data.batch["rollout_is_weights"] = (log_weight.exp().clamp(max=2.0) * mask).contiguous()
+    return data
+
+
 #: the negative controls, on this case: recipes that are not verl's, which must change the parameters
 CONTROL = "vanilla"
 
@@ -408,8 +425,9 @@ def main() -> None:
         if engine not in actors:
             actors[engine] = Actor(config)
         actor = actors[engine]
-        theirs, their_metrics = actor.run(config, batch)
-        ours, our_metrics = actor.run(lossplug_config(copy.deepcopy(config), recipe), batch)
+        data = with_rollout_is_weights(batch) if case in WITH_ROLLOUT_IS_WEIGHTS else batch
+        theirs, their_metrics = actor.run(config, data)
+        ours, our_metrics = actor.run(lossplug_config(copy.deepcopy(config), recipe), data)
         entry: dict[str, Any] = {
             "recipe": recipe,
             "max_abs_diff": max_abs_diff(theirs, ours),
