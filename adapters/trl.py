@@ -72,6 +72,11 @@ in eval). Two populations (``population=``):
   (a mean of per-micro-batch token means). Only the ``token`` reduction differs between the two (every micro-batch
   has the same number of rows, so response-based reductions agree).
 
+The ``Normalizer`` also counts the micro-batches: ``steps_per_generation × num_processes`` (``num_processes`` in
+eval). A regulariser with ``population: micro_batch`` (TRL's entropy bonus, a token mean over each micro-batch, divided
+by the accumulation steps) weighs ``1 / micro_batches`` of its micro-batch's own mean — exactly TRL's, even when
+``mask_truncated_completions`` left rows out of the batch.
+
 TRL's ``GRPOConfig`` → lossplug
 -------------------------------
 :func:`trl_equivalent` builds the recipe (and population) that reproduces TRL's native loss; every row below is
@@ -134,9 +139,7 @@ Differences that remain, documented: with ``off_policy_mask_threshold`` and beha
 could not score (NaN) counts ``old − logp`` towards the response's KL where TRL counts 0 (the batch has one behaviour
 log-prob per token, and the engine ratio's convention, ``behavior = old``, wins; equal whenever ``old = logp``);
 ``top_entropy`` takes the quantile over one process's micro-batch where TRL gathers all processes' (equal on one
-process; a warning otherwise); an entropy regulariser with ``population: micro_batch`` is under-weighted in a
-micro-batch that has rows without an action token (``mask_truncated_completions``), since those rows are left out
-of the batch; ``normalize_then_sum`` needs every reward function to score every row (TRL's NaN-aware means are not
+process; a warning otherwise); ``normalize_then_sum`` needs every reward function to score every row (TRL's NaN-aware means are not
 reproduced: a ``None`` from one function is a validation error).
 
 Refused (with a message, at construction / ``attach``), never silently changed
@@ -1136,6 +1139,10 @@ class _Mixin(_TrainerBase):
             sequences=sequences,
             groups=sequences // num_generations if sequences % num_generations == 0 else None,
             budget=float(self.max_completion_length),  # type: ignore[arg-type]
+            # TRL's per-micro-batch means (its entropy bonus) each weigh 1 / accumulation, and DDP averages the
+            # processes: with the adapter's scale, 1 / (steps × processes) of a micro-batch's own mean, whatever
+            # rows the micro-batch lost to mask_truncated_completions
+            micro_batches=steps * processes,
         )
 
         keep = action.any(-1)

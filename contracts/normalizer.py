@@ -34,6 +34,12 @@ class Normalizer(BaseModel):
     by :meth:`for_masks`, counts only responses with at least one action token (a fully masked row is not a response
     of the population — verl's and OpenRLHF's convention); a trainer that keeps such rows in its mean (TRL, whose
     ``mask_truncated_completions`` rows stay in the mean) counts them here — the TRL adapter does.
+
+    ``micro_batches`` is the number of micro-batches the step is split into, over all ranks. A regulariser with
+    ``population: micro_batch`` (a per-micro-batch mean, like TRL's entropy bonus) is weighted by ``1 /
+    micro_batches`` when it is given — exactly the trainer's mean of per-micro-batch values, whatever rows a
+    micro-batch holds — else by the micro-batch's share of the responses, ``rows / sequences`` (the same when every
+    micro-batch has the same number of rows and none is left out of a micro-batch).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -47,6 +53,9 @@ class Normalizer(BaseModel):
     #: the fixed generation budget per response (e.g. ``max_completion_length``) used by the ``fixed`` reduction
     #: when its recipe gives none
     budget: float | None = Field(default=None, gt=0)
+    #: micro-batches in the whole step (all ranks), where known: the weight ``1 / micro_batches`` of a regulariser
+    #: whose population is its micro-batch
+    micro_batches: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -56,7 +65,7 @@ class Normalizer(BaseModel):
         if not isinstance(data, dict):
             raise LossplugError(f"Normalizer: expected keyword counts, got {type(data).__name__}")
         data = dict(data)
-        for name in ("action_tokens", "sequences", "groups", "budget"):
+        for name in ("action_tokens", "sequences", "groups", "budget", "micro_batches"):
             value = data.get(name)
             if value is None:
                 if name in ("action_tokens", "sequences"):
@@ -82,10 +91,13 @@ class Normalizer(BaseModel):
         budget: float | None = None,
         group_ids: Iterable[torch.Tensor] | None = None,
         count_empty_responses: bool = False,
+        micro_batches: int | None = None,
     ) -> Normalizer:
         """The population of the micro-batches whose action masks are given (e.g. all micro-batches of a step).
 
-        Responses without an action token are not counted unless ``count_empty_responses`` (TRL's convention)."""
+        Responses without an action token are not counted unless ``count_empty_responses`` (TRL's convention).
+        ``micro_batches`` is passed through, not counted from the masks: the masks given may be the whole step's in
+        one tensor while the step runs as several micro-batches."""
         masks = list(action_masks)
         tokens = sum(int(m.sum()) for m in masks)
         sequences = sum(
@@ -94,23 +106,32 @@ class Normalizer(BaseModel):
         groups = None
         if group_ids is not None:
             groups = int(torch.unique(torch.cat([g.reshape(-1).cpu() for g in group_ids])).numel())
-        return cls(action_tokens=tokens, sequences=sequences, groups=groups, budget=budget)
+        return cls(action_tokens=tokens, sequences=sequences, groups=groups, budget=budget, micro_batches=micro_batches)
 
     @classmethod
     def all_reduce(cls, local: Normalizer, group: Any = None) -> Normalizer:
         """Sum this rank's local population over a ``torch.distributed`` process group.
 
         ``groups`` is summed too, which is exact when every prompt group lives on one rank (as in TRL and verl,
-        where the rollouts of a prompt are scattered only within the rank's generation batch).
+        where the rollouts of a prompt are scattered only within the rank's generation batch). ``micro_batches``
+        (this rank's, where given) is summed into the step's count over all ranks; every rank must then give it.
         """
         import torch.distributed as dist
 
-        counts = torch.tensor([local.action_tokens, local.sequences, local.groups or 0], dtype=torch.float64)
+        counts = torch.tensor(
+            [local.action_tokens, local.sequences, local.groups or 0, local.micro_batches or 0], dtype=torch.float64
+        )
         if dist.get_backend(group) == "nccl":
             counts = counts.cuda()
         dist.all_reduce(counts, group=group)
-        tokens, sequences, groups = (int(round(v)) for v in counts.tolist())
-        return cls(action_tokens=tokens, sequences=sequences, groups=groups or None, budget=local.budget)
+        tokens, sequences, groups, micro_batches = (int(round(v)) for v in counts.tolist())
+        return cls(
+            action_tokens=tokens,
+            sequences=sequences,
+            groups=groups or None,
+            budget=local.budget,
+            micro_batches=(micro_batches or None) if local.micro_batches is not None else None,
+        )
 
     def check_covers(self, action_tokens: int, sequences: int) -> None:
         """Refuse a population smaller than the micro-batch it normalises — a denominator that cannot be right."""

@@ -492,12 +492,19 @@ def _regularise(
     term = zero_off(out.term.to(inp.compute_dtype), inp.mask, inp._bits)
     params = cast(RegulariserParams, stage.params)
     if params.population == "micro_batch":
-        # the micro-batch's own denominators, its value weighted by its share of the step's responses: summed over
-        # the micro-batches of a step (equal in rows, as in TRL) it is the mean of their per-micro-batch values
+        # the micro-batch's own denominators, its value weighted by 1 / (the step's micro-batches) where the
+        # Normalizer counts them — summed over the step, exactly the mean of the per-micro-batch values (TRL's) even
+        # when rows were left out of a micro-batch — else by its share of the step's responses (the same for
+        # micro-batches equal in rows)
         own = population_of(inp.mask, None, inp.lengths)
         reduced = _run(stage.reduction, validate, term, inp.mask, inp.lengths, own)
         if normalizer is not None:
-            reduced = reduced * (inp.mask.shape[0] / normalizer.sequences)
+            share = (
+                1.0 / normalizer.micro_batches
+                if normalizer.micro_batches is not None
+                else inp.mask.shape[0] / normalizer.sequences
+            )
+            reduced = reduced * share
     else:
         reduced = _run(stage.reduction, validate, term, inp.mask, inp.lengths, population)
     coef = stage.coefficient
