@@ -24,7 +24,8 @@ row — that row's trace is not chained); where ``terminated`` is True or not gi
 positions of any input never reach them.
 
 ``whiten`` (default on, like TRL's PPO and verl's GAE) standardises the advantages over all action tokens of the
-batch (transitions, for packed) with the unbiased variance: ``(A − mean) / sqrt(var + 1e-8)``. ``critic_lam``
+batch (transitions, for packed) with the unbiased variance: ``(A − mean) / sqrt(var + 1e-8)``, exactly verl's and
+TRL's ``masked_whiten`` (its Bessel factor ``n / (n − 1)`` in float32, as theirs on an integer mask). ``critic_lam``
 (default: ``lam``) is the λ of the returns: VAPO-style decoupled λ, the advantages still use ``lam``.
 ``kl_coef`` (padded only) adds seed 2's KL-shaped reward ``−kl_coef·(old_logp − ref_logp)`` on every action token
 (see :func:`lossplug.tools.kl.kl_shaped_rewards`), reading ``old_logp`` (the sampling policy) and ``ref_logp``.
@@ -160,9 +161,17 @@ def _gae(
 
 
 def _whiten(x: Tensor) -> Tensor:
-    """``masked_whiten`` over every element of a packed vector (unbiased variance), without a mask."""
-    centered = x - x.mean()
-    var = torch.dot(centered, centered) / max(x.numel() - 1, 1)  # two-pass, like masked_var
+    """verl's (and TRL's) ``masked_whiten`` over every element of a packed vector (unbiased variance), bit for bit.
+
+    Their mask is an integer (verl's ``response_mask``) or bool tensor (TRL's ``~padding_mask``), so its count is an
+    integer and ``n + 1e-8`` and the Bessel factor ``n / (n − 1)`` come out in torch's default float dtype
+    (float32) — reproduced here by the same promotions on an integer count; a float64 Bessel factor would differ
+    from both by up to ~3e-8 relative. The count is filled on the device (``torch.full``, no host copy, no sync).
+    One difference: they raise on a single element (``n − 1 = 0``); here the Bessel factor is then 1."""
+    count = torch.full((), x.numel(), dtype=torch.int64, device=x.device)
+    mean = x.sum() / (count + 1e-8)
+    centered = x - mean
+    var = (centered * centered).sum() / (count + 1e-8) * (count / (count - 1).clamp(min=1))  # two-pass, as theirs
     return centered * torch.rsqrt(var + 1e-8)
 
 

@@ -30,9 +30,6 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 F64 = torch.float64
 TOL = 1e-8
 FLOAT32_TOL = 1e-5
-# lossplug's gae whitens with the exact float64 Bessel factor n / (n − 1); verl's masked_whiten computes it in float32
-# (its response_mask is an integer tensor), which moves the std by up to ~3e-8 relative. Measured: 2.9e-8.
-GAE_TOL = 5e-8
 T, PROMPT = 11, 4
 KEYS = ["format_reward", "accuracy_reward"]
 WITH_SINGLETON = (4, 1, 3, 5, 4, 2)
@@ -134,8 +131,8 @@ def relative_difference(data: DataProto, got, expect) -> float:
 
 # (algorithm config, group sizes, tolerance)
 CASES = {
-    "gae": ({"adv_estimator": "gae", "gamma": 0.99, "lam": 0.95}, WITH_SINGLETON, GAE_TOL),
-    "gae-1-1": ({"adv_estimator": "gae"}, WITH_SINGLETON, GAE_TOL),
+    "gae": ({"adv_estimator": "gae", "gamma": 0.99, "lam": 0.95}, WITH_SINGLETON, TOL),
+    "gae-1-1": ({"adv_estimator": "gae"}, WITH_SINGLETON, TOL),
     "grpo": ({"adv_estimator": "grpo"}, WITHOUT_SINGLETON, TOL),
     "grpo-no-std": ({"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": False}, WITHOUT_SINGLETON, TOL),
     "grpo_vectorized": ({"adv_estimator": "grpo_vectorized"}, WITHOUT_SINGLETON, FLOAT32_TOL),
@@ -189,16 +186,13 @@ def test_mapped_recipe_equals_verl_compute_advantage(case, seed):
     assert relative_difference(data, got, expect) <= tol
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gae's whitening uses a float64 Bessel factor, verl's a float32 one (2.9e-8 relative); when gae adopts "
-    "verl's masked_whiten exactly (plugins/advantages/verl_statistics.py), set GAE_TOL to TOL and delete this test",
-)
 def test_gae_whitening_is_exact_to_1e_8():
+    """verl's masked_whiten on its integer response_mask computes the Bessel factor n / (n − 1) in float32; gae's
+    whitening does the same (a float64 factor differed by up to 2.9e-8 relative on these seeds; now ~4e-16)."""
     algorithm = CASES["gae"][0]
-    for seed in range(4):  # measured: 4.7e-9, 1.5e-8, 8.1e-9, 2.9e-8
+    for seed in range(4):
         expect, got = theirs(data_proto(seed), algorithm), ours(data_proto(seed), algorithm)
-        assert relative_difference(data_proto(seed), got, expect) <= TOL
+        assert relative_difference(data_proto(seed), got, expect) <= 1e-14
 
 
 @pytest.mark.parametrize("estimator", OTB)
@@ -347,4 +341,4 @@ def test_kl_in_reward_maps_to_gae_kl_coef(beta):
         {"advantage": advantage_stage(algorithm), "gates": ["ppo_clip"], "reduction": "token"}
     )
     result = lossplug.estimate_advantages(batch, recipe)
-    assert relative_difference(data, (result.advantage, result.returns), expect) <= GAE_TOL
+    assert relative_difference(data, (result.advantage, result.returns), expect) <= TOL

@@ -55,10 +55,34 @@ def seed2_compute_advantages(values, rewards, mask, gamma, lam):
 
 
 def trl_masked_whiten(values, mask, shift_mean=True):
-    mean = (values * mask).sum() / mask.sum()
-    var = ((values - mean) ** 2 * mask).sum() / mask.sum() * mask.sum() / (mask.sum() - 1)
-    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    """The seed's ``masked_whiten`` (TRL's ``trl.core``), verbatim in its arithmetic: the Bessel factor
+    ``mask_sum / (mask_sum − 1)`` is computed in the mask's dtype (float32 for an integer or float32 mask)."""
+
+    def masked_mean(x, m):
+        return (x * m).sum() / m.sum()
+
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    mask_sum = mask.sum()
+    variance = variance * (mask_sum / (mask_sum - 1))
+    whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
     return whitened if shift_mean else whitened + mean
+
+
+def test_whitening_bessel_factor_is_float32_like_the_seed_and_verl():
+    """A float64 mask would give a float64 Bessel factor: the whitened values then differ by ~1e-8 relative, no more
+    (the only difference between the two readings of the seed's masked_whiten)."""
+    gen = torch.Generator().manual_seed(1)
+    mask = torch.rand(4, 7, generator=gen) < 0.7
+    mask[:, 0] = True
+    value, reward = torch.randn(4, 7, generator=gen, dtype=F64), torch.randn(4, 7, generator=gen, dtype=F64)
+    got = lossplug.estimate_advantages(policy_batch(mask, value, reward), recipe(gamma=1.0, lam=0.95)).advantage
+    raw = lossplug.estimate_advantages(policy_batch(mask, value, reward), recipe(gamma=1.0, lam=0.95, whiten=False))
+    for seed_mask in (mask.long(), mask.to(torch.float32)):
+        exact = trl_masked_whiten(raw.advantage, seed_mask)
+        torch.testing.assert_close(got[mask], exact[mask], rtol=0, atol=1e-12)
+    float64 = trl_masked_whiten(raw.advantage, mask.to(F64))
+    assert 0 < (got[mask] - float64[mask]).abs().max() <= 1e-7
 
 
 def random_mask(B, T, gen, gaps=True, left=True):
@@ -200,7 +224,9 @@ def test_seed2_reference_loop_on_right_padded_contiguous_batch(whiten):
     rewards = torch.randn(B, T, generator=gen, dtype=F64)
     _, ref_adv, ref_ret = seed2_compute_advantages(values, rewards, mask.to(F64), gamma=0.99, lam=0.95)
     if whiten:
-        ref_adv = trl_masked_whiten(ref_adv, mask.to(F64))
+        # the seed's mask is a torch.FloatTensor (float32): its masked_whiten's Bessel factor mask_sum / (mask_sum − 1)
+        # is then float32, as verl's on its integer response_mask — gae reproduces that bit for bit
+        ref_adv = trl_masked_whiten(ref_adv, mask.to(torch.float32))
     # padding holds garbage: the contract says it is never read
     batch = policy_batch(mask, values.masked_fill(~mask, float("nan")), rewards.masked_fill(~mask, float("inf")))
     res = lossplug.estimate_advantages(batch, recipe(gamma=0.99, lam=0.95, whiten=whiten))
