@@ -33,7 +33,10 @@ when it is given that whole batch. Otherwise compute the weights once per rollou
 Metrics: each gate reports its cut fractions (``metrics``) and, at ``metrics="full"``, verl's
 ``compute_is_metrics`` under verl's names (``rollout_is_mean``, ``_std``, ``_eff_sample_size``, ``_seq_*``, … of
 the weights *before* batch normalisation; ``rollout_is_batch_norm_factor`` when normalising), over the batch the
-gate is given.
+gate is given. Equal to verl's wherever verl's are finite; where verl's overflow, these stay finite: the effective
+sample size of a batch whose weights are all 0 is 0 (verl: ``1 / 0 = inf``), and the sequence level's
+``rollout_is_min`` is clamped at e^``SAFETY_BOUND`` like verl's ``rollout_is_max`` (verl's is unclamped: above
+its own maximum past e^20, inf past float32's e^88.7).
 """
 
 from __future__ import annotations
@@ -198,16 +201,21 @@ def _verl_is_metrics(
     else:
         log_ratio = metric_log_ratio
         out["rollout_is_max"] = lambda: log_ratio.max().clamp(max=rs.SAFETY_BOUND).exp()
-        out["rollout_is_min"] = lambda: log_ratio.min().exp()
+        # verl's exp(min) is unclamped: beyond e^SAFETY_BOUND it exceeds its own rollout_is_max, and overflows to inf
+        # past float32's e^88.7; clamped like the max, it is verl's wherever min ≤ SAFETY_BOUND and never above max
+        out["rollout_is_min"] = lambda: log_ratio.min().clamp(max=rs.SAFETY_BOUND).exp()
         # log-space thresholds, in float32 as verl computes them
         out["rollout_is_ratio_fraction_high"] = lambda: (log_ratio > rs.float32_log(upper)).float().mean()
         out["rollout_is_ratio_fraction_low"] = lambda: (log_ratio < rs.float32_log(low)).float().mean()
     out["rollout_is_std"] = lambda: rs.clamped_std(inp, weight, 0.0, upper)
 
     def ess() -> torch.Tensor:
-        clamped = weight.clamp(min=0.0, max=upper)
+        # in float64: with a log_ratio_clamp far beyond 20 a float32 second moment can underflow to a denormal
+        clamped = rs.wide(weight).clamp(min=0.0, max=upper)
         normalized = clamped / (rs.token_mean(inp, clamped) + 1e-8)
-        return 1.0 / rs.token_mean(inp, normalized.square())
+        second_moment = rs.token_mean(inp, normalized.square())
+        # every weight 0 (IcePop rejected the whole batch): no effective sample, 0 where verl's 1 / 0 is inf
+        return torch.where(second_moment > 0, 1.0 / second_moment, torch.zeros_like(second_moment))
 
     out["rollout_is_eff_sample_size"] = ess
     # per-response means over every row, as verl's (a row without actions counts 0)

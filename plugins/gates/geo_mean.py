@@ -36,7 +36,7 @@ import torch
 from pydantic import Field
 
 import lossplug
-from lossplug.ops import clamp_exact, response_stats
+from lossplug.ops import any_rows, clamp_exact, response_stats
 
 
 class GMPOParams(lossplug.Params):
@@ -67,6 +67,12 @@ def gmpo(inp: lossplug.GateInput, p: GMPOParams) -> lossplug.GateOutput:
     def cut() -> torch.Tensor:
         return log_ratio.detach() != clipped.detach()
 
+    def active() -> torch.Tensor:
+        # a token is cut on the side its advantage pushes (as the clip fractions count it); a response still carries
+        # gradient if any of its action tokens is not cut (gspo's convention for a sequence ratio)
+        pushed_cut = cut() & (((log_ratio.detach() > 0) & (adv > 0)) | ((log_ratio.detach() < 0) & (adv < 0)))
+        return any_rows(~pushed_cut & inp.mask)
+
     return lossplug.GateOutput(
         objective=objective,
         metrics={
@@ -75,4 +81,5 @@ def gmpo(inp: lossplug.GateInput, p: GMPOParams) -> lossplug.GateOutput:
             "clip_frac_low": lambda: inp.token_fraction(cut(), adv < 0),
         },
         details=response_stats("seq_ratio", seq_ratio.detach(), inp.lengths > 0),
+        active=active,
     )

@@ -14,6 +14,10 @@ the batch's responses (``mean_i``) and over its action tokens (``E_t``)::
     chi2_token = E_t[ρ²] − 1                                  (ρ with log ρ clamped to ±20)
     chi2_seq   = mean_i exp(2 · clamp(Σ_t log ρ_it, ±20)) − 1
 
+The unclamped exponentials (the perplexities, ``ppl_ratio``, ``k3_kl``) are computed in float64, so that they stay
+finite where verl's float32 ones overflow to inf (a mean log-prob below −88.7 per token, a token log-ratio above
+88.7; float64 holds up to e^709), and equal verl's for float64 log-probs.
+
 The weight is 1 for every response (``[B]``): adding the gate to a recipe changes neither the loss nor its gradient;
 it only reports these metrics (``metrics``, under these names) for the batch it is given — in TRL or plain PyTorch
 as in verl, which logs them as ``rollout_corr/<name>`` over its whole rollout batch.
@@ -62,20 +66,21 @@ def offpolicy_metrics(inp: lossplug.GateInput, p: lossplug.NoParams) -> lossplug
         return torch.exp(2.0 * summed).mean() - 1.0
 
     metrics: dict[str, Callable[[], Tensor]] = {
-        "training_ppl": lambda: torch.exp(-mean_old()).mean(),
+        "training_ppl": lambda: torch.exp(-rs.wide(mean_old())).mean(),
         "training_log_ppl": lambda: (-mean_old()).mean(),
         "kl": lambda: rs.token_mean(inp, -log_ratio),
-        "k3_kl": lambda: rs.token_mean(inp, torch.exp(log_ratio) - log_ratio - 1),
-        "rollout_ppl": lambda: torch.exp(-mean_behavior()).mean(),
+        "k3_kl": lambda: rs.token_mean(inp, torch.exp(rs.wide(log_ratio)) - rs.wide(log_ratio) - 1),
+        "rollout_ppl": lambda: torch.exp(-rs.wide(mean_behavior())).mean(),
         "rollout_log_ppl": lambda: (-mean_behavior()).mean(),
         "log_ppl_diff": lambda: log_ppl_diff().mean(),
         "log_ppl_abs_diff": lambda: log_ppl_diff().abs().mean(),
         "log_ppl_diff_max": lambda: log_ppl_diff().max(),
         "log_ppl_diff_min": lambda: log_ppl_diff().min(),
-        "ppl_ratio": lambda: torch.exp(log_ppl_diff()).mean(),
+        "ppl_ratio": lambda: torch.exp(rs.wide(log_ppl_diff())).mean(),
         "chi2_token": lambda: (
             rs.token_mean(inp, log_ratio.clamp(min=-rs.SAFETY_BOUND, max=rs.SAFETY_BOUND).exp().square()) - 1.0
         ),
         "chi2_seq": chi2_seq,
     }
-    return lossplug.GateOutput(weight=weight, metrics=metrics)
+    # every response stays active (weight 1): reported like any sequence-level correction's cut, here none
+    return lossplug.GateOutput(weight=weight, metrics=metrics, active=lambda: weight > 0)

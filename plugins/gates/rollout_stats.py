@@ -27,6 +27,12 @@ Tensor = torch.Tensor
 SAFETY_BOUND = 20.0
 
 
+def wide(x: Tensor) -> Tensor:
+    """``x`` in float64 (float32 on Apple's MPS, which has no float64), for metrics that exponentiate or invert: a
+    perplexity ``exp(100)`` overflows float32 (max ≈ e^88.7) but not float64 (≈ e^709)."""
+    return x.to(torch.float32 if x.device.type == "mps" else torch.float64)
+
+
 def token_mean(inp: lossplug.GateInput, x: Tensor) -> Tensor:
     """Mean over the action tokens of ``x`` ``[B, T]``, or of a per-response ``x`` ``[B]`` repeated over each
     response's action tokens."""

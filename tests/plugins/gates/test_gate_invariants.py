@@ -7,7 +7,6 @@ Each gate runs through the public API (PolicyBatch + policy_loss + a Recipe); a 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import pytest
@@ -33,11 +32,30 @@ BUILTIN = {
 }
 #: gates whose contract is "detached coefficient × A × logp": the gradient wrt logp does not depend on logp
 DETACHED_COEFFICIENT = {"cispo", "dis", "reinforce"}
-TOKEN_FIELDS = ("logp", "old_logp", "behavior_logp", "ref_logp", "value", "reward", "advantage")
+TOKEN_FIELDS = ("logp", "old_logp", "behavior_logp", "ref_logp", "value", "reward", "advantage", "entropy")
+
+
+#: (gate, invariant) → why a built-in gate departs from the invariant by design. Each is a strict xfail: the invariant
+#: still runs for the gate, and if it ever holds the XPASS fails the suite (remove the entry). Mirrors the by-design
+#: entries of KNOWN in tests/testing/test_conformance.py (verl's definitions, documented in docs/verl.md).
+BY_DESIGN: dict[tuple[str, str], str] = {
+    ("dro", "zero_advantage"): "DRO's −β·(log r)²/2 penalty does not depend on A (verl's compute_policy_loss_dro)",
+    ("kl_cov", "zero_advantage"): "the coef·|log r| penalty of the selected tokens applies with A = 0 (verl's kl_cov)",
+}
 
 
 def plugin(name):
     return lossplug.registry().plugins["gate"][name]
+
+
+def gates_for(invariant: str) -> list:
+    """Every registered gate, as parameters of the test of ``invariant``, its BY_DESIGN departures strict xfails."""
+    return [
+        pytest.param(name, marks=pytest.mark.xfail(reason=BY_DESIGN[name, invariant], strict=True))
+        if (name, invariant) in BY_DESIGN
+        else name
+        for name in GATES
+    ]
 
 
 @functools.cache
@@ -79,6 +97,8 @@ class Case:
             reward=rand(B, T),
             advantage=adv,
         )
+        # drawn last, so that the draws above stay those of the seeds hypothesis has stored
+        fields["entropy"] = rand(B, T) * 2
         out = {k: v.to(dt) for k, v in fields.items()}
         out["action_mask"] = mask
         return out
@@ -100,7 +120,11 @@ def cases(draw) -> Case:
 def run(name: str, case: Case, fields: dict, *, metrics: bool = True):
     logp = fields["logp"].clone().requires_grad_()
     batch = lossplug.PolicyBatch(**{**fields, "logp": logp})
-    result = lossplug.policy_loss(batch, recipe(name, case.reduction, case.T), metrics=metrics)
+    # a gate that draws at random (clip_cov's token cut, verl's randperm on the CPU generator) draws the same for the
+    # same case: two runs compare like with like, and the global generator is left as it was
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(case.seed)
+        result = lossplug.policy_loss(batch, recipe(name, case.reduction, case.T), metrics=metrics)
     result.loss.backward()
     return result, logp.grad
 
@@ -113,7 +137,10 @@ def test_every_builtin_gate_is_registered_and_documented():
         for field, info in p.params.model_fields.items():
             assert info.description, f"{name}.{field} has no description"
         if p.role == "correction":
-            assert {"old_logp", "behavior_logp"} <= set(p.requires), name
+            # a correction weighs by something of the batch beyond logp (the engine ratio for tis/icepop, the
+            # update-old ratio for bypass_*, the entropy for top_entropy): it declares what it reads. That its
+            # weight is detached is test_detached_coefficients_carry_no_gradient's
+            assert p.required_fields(p.params()), name
 
 
 @pytest.mark.parametrize("name", GATES)
@@ -152,7 +179,7 @@ def test_masked_positions_never_leak(name, case, poison):
     assert clean.metrics == dirty.metrics
 
 
-@pytest.mark.parametrize("name", GATES)
+@pytest.mark.parametrize("name", gates_for("zero_advantage"))
 @given(case=cases())
 def test_zero_advantage_gives_zero_gradient(name, case):
     fields = case.tensors()
@@ -177,6 +204,7 @@ def gate_input(fields: dict, *, inputs_require_grad: bool):
         old_logp=leaf(fields["old_logp"]),
         behavior_logp=leaf(fields["behavior_logp"]),
         ref_logp=leaf(fields["ref_logp"]),
+        entropy=leaf(fields["entropy"]),
     )
     return lossplug.GateInput.from_batch(batch)
 
@@ -205,8 +233,9 @@ def test_gradient_flows_only_through_logp(name, case):
     inp = gate_input(case.tensors(), inputs_require_grad=True)
     out = p(inp, p.params())
     value = out.objective if p.role == "update" else out.weight
-    others = [inp.batch.old_logp, inp.batch.behavior_logp, inp.batch.ref_logp, inp.batch.advantage]
-    grads = torch.autograd.grad(value.sum(), others, allow_unused=True) if value.requires_grad else [None] * 4
+    batch = inp.batch
+    others = [batch.old_logp, batch.behavior_logp, batch.ref_logp, batch.advantage, batch.entropy]
+    grads = torch.autograd.grad(value.sum(), others, allow_unused=True) if value.requires_grad else [None] * 5
     for gr in grads:
         assert gr is None or (gr == 0).all()
 
@@ -229,7 +258,10 @@ def test_extreme_log_ratios_stay_finite(name, case):
     result, grad = run(name, case, fields)
     assert torch.isfinite(result.loss)
     assert torch.isfinite(grad).all()
-    assert all(math.isfinite(v) for v in result.metrics.values()), result.metrics
+    # each metric finite in the dtype it is computed in (the exponentiated ones in float64: a perplexity e^100 is
+    # beyond float32); result.metrics' float conversion is contracts/results.py's
+    infinite = {k: v for k, v in result.metric_tensors.items() if not torch.isfinite(v).all()}
+    assert not infinite, infinite
 
 
 @pytest.mark.parametrize("name", GATES)
