@@ -56,9 +56,11 @@ adds itself (lossplug never adds them). ``loss_agg_mode`` ↔ reduction: ``token
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata as md
 import importlib.util
 import json
+import operator
 import os
 import sys
 import threading
@@ -390,18 +392,69 @@ def _policy_recipe(config: Any) -> Recipe:
     return load_recipe(source, POLICY_RECIPE_KEY)
 
 
-def _verl_clip_fractions(update_gate: str, found: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """verl's own clip metrics, with ``compute_policy_loss_vanilla``'s definitions, from the update gate's cut
-    fractions (means over the micro-batch's action tokens, like verl's ``masked_mean``): ``actor/pg_clipfrac`` —
-    tokens whose clipped branch is taken (``r > 1 + eps_high`` with ``A > 0`` or ``r < 1 − eps_low`` with ``A < 0``);
-    ``actor/pg_clipfrac_lower`` — tokens held at the dual-clip bound ``c·A`` (``A < 0``), 0 without dual clip.
-    Present when the update gate reports ``clip_frac_low`` and ``clip_frac_high`` (``ppo_clip`` does), so a
-    dashboard built on verl's keys keeps working after ``loss_mode=lossplug``."""
-    low, high = found.get(f"{update_gate}/clip_frac_low"), found.get(f"{update_gate}/clip_frac_high")
-    if low is None or high is None:
-        return {}
-    dual = found.get(f"{update_gate}/clip_frac_dual")
-    return {"actor/pg_clipfrac": low + high, "actor/pg_clipfrac_lower": dual if dual is not None else low * 0}
+def _sum(*keys: str) -> Callable[[Callable[[str], Tensor | None]], Tensor | None]:
+    def total(get: Callable[[str], Tensor | None]) -> Tensor | None:
+        parts = [get(k) for k in keys]
+        return None if any(p is None for p in parts) else functools.reduce(operator.add, parts)
+
+    return total
+
+
+def _zero(get: Callable[[str], Tensor | None]) -> Tensor | None:
+    approx_kl = get("@approx_kl")
+    return None if approx_kl is None else approx_kl * 0
+
+
+#: update gate → verl's metric keys with the definitions of the verl loss mode that gate reproduces (``core_algos``);
+#: each entry reads the gate's own metrics (``get("clip_frac_low")``) — ``"@approx_kl"`` is lossplug's
+#: ``update/approx_kl``, verl's ``ppo_kl`` for every mode but ``kl_cov``
+_VERL_METRICS: dict[str, dict[str, Callable[[Callable[[str], Tensor | None]], Tensor | None]]] = {
+    # vanilla: clipped-branch tokens; tokens held at the dual-clip bound c·A (A < 0)
+    "ppo_clip": {
+        "actor/pg_clipfrac": _sum("clip_frac_low", "clip_frac_high"),
+        "actor/pg_clipfrac_lower": lambda get: (
+            get("clip_frac_dual") if get("clip_frac_dual") is not None else _zero(get)
+        ),
+    },
+    # gspo (GSPO-token): clipped tokens; pg_clipfrac_lower is always 0 in verl
+    "gspo_token": {"actor/pg_clipfrac": _sum("clip_frac_low", "clip_frac_high"), "actor/pg_clipfrac_lower": _zero},
+    "gspo": {"actor/pg_clipfrac": _sum("clip_frac_low", "clip_frac_high"), "actor/pg_clipfrac_lower": _zero},
+    "cispo": {"actor/pg_clipfrac": lambda get: get("clip_frac"), "actor/pg_clipfrac_lower": _zero},
+    "sapo": {"actor/pg_clipfrac": _zero, "actor/pg_clipfrac_lower": _zero},  # verl reports 0 for both
+    # dppo: tokens masked out of the update; kept tokens whose ratio exceeds clip_ratio_c
+    "dppo_tv": {
+        "actor/pg_clipfrac": lambda get: get("mask_frac"),
+        "actor/pg_clipfrac_lower": lambda get: get("trunc_frac"),
+    },
+    "dppo_kl": {
+        "actor/pg_clipfrac": lambda get: get("mask_frac"),
+        "actor/pg_clipfrac_lower": lambda get: get("trunc_frac"),
+    },
+    "clip_cov": {"actor/pg_clipfrac": lambda get: get("cov_cut_frac")},  # tokens whose gradient the covariance cut
+    "kl_cov": {"actor/ppo_kl": lambda get: get("abs_kl")},  # verl's kl_cov reports mean |log-ratio| as ppo_kl
+    # geo_mean: clipped tokens with A > 0 / with A < 0
+    "gmpo": {
+        "actor/pg_clipfrac": lambda get: get("clip_frac_high"),
+        "actor/pg_clipfrac_lower": lambda get: get("clip_frac_low"),
+    },
+}
+
+
+def _verl_metrics(update_gate: str, found: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """verl's own metric keys for the update gate, with the definitions of the verl loss mode it reproduces (means over
+    the micro-batch's action tokens, like verl's ``masked_mean``), so a dashboard built on verl's keys keeps working
+    after ``loss_mode=lossplug``: ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and, for ``kl_cov``,
+    ``actor/ppo_kl`` (see :data:`_VERL_METRICS`). A gate verl has no loss for adds none."""
+
+    def get(name: str) -> Tensor | None:
+        return found.get("update/approx_kl" if name == "@approx_kl" else f"{update_gate}/{name}")
+
+    out = {}
+    for key, compute in _VERL_METRICS.get(update_gate, {}).items():
+        value = compute(get)
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def _config_value(config: Any, key: str, default: Any) -> Any:
@@ -597,7 +650,8 @@ def compute_policy_loss_lossplug(
             engine_kl = found.pop("engine/approx_kl", None)
             if engine_kl is not None:
                 tensors["actor/rollout_corr/kl"] = engine_kl
-            tensors.update(_verl_clip_fractions(compiled.update.plugin.name, found))
+            gate_metrics = found if approx_kl is None else {**found, "update/approx_kl": approx_kl}
+            tensors.update(_verl_metrics(compiled.update.plugin.name, gate_metrics))
             tensors.update({f"actor/lossplug/{k}": v for k, v in found.items()})
             values = torch.stack([t.detach().double().reshape(()) for t in tensors.values()]).tolist()
         metrics = dict(zip(tensors, values))

@@ -48,8 +48,9 @@ TOLERANCE = 1e-6
 #: the negative controls must differ by far more than rounding
 CONTROL_MIN = 1e-4
 DP_SIZES = (1, 2)
-#: the cases that run verl's vanilla loss: verl's metric values must come back under verl's keys
-VANILLA_CASES = [c for c in CASES if not c.startswith("loss_mode_")]
+#: verl's bypass_mode computes its metrics on its own rollout-correction quantities (not mapped): every other case
+#: must give back verl's metric keys with verl's values
+METRIC_CASES = [c for c in CASES if not c.startswith("loss_mode_bypass")]
 
 
 def _free_port() -> int:
@@ -144,10 +145,10 @@ KNOWN_DIFFERENT = {
 }
 
 
-def _cases_with_known_differences() -> list[Any]:
+def _cases_with_known_differences(cases: Any = None) -> list[Any]:
     return [
         pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_DIFFERENT[c], strict=True)) if c in KNOWN_DIFFERENT else c
-        for c in CASES
+        for c in (CASES if cases is None else cases)
     ]
 
 
@@ -164,13 +165,16 @@ def test_parameters_after_two_steps_equal_verls(runs: dict[int, dict[str, Any]],
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", VANILLA_CASES)
+@pytest.mark.parametrize("case", _cases_with_known_differences(METRIC_CASES))
 @pytest.mark.parametrize("dp", DP_SIZES)
 def test_verls_metric_keys_keep_verls_values(runs: dict[int, dict[str, Any]], dp: int, case: str) -> None:
+    """Each of verl's keys that verl's loss mode reports comes back under ``loss_mode=lossplug`` with verl's value,
+    mini-batch by mini-batch (vanilla's three, and each mode's own definitions of them)."""
     entry = _entry(runs, dp, case)
     theirs, ours = entry["metrics"]["verl"], entry["metrics"]["lossplug"]
-    for key in VERL_METRICS:
-        assert key in theirs and key in ours, f"{key} missing: verl {sorted(theirs)}, lossplug {sorted(ours)}"
+    # (gpg reports none of them)
+    for key in theirs:
+        assert key in ours, f"{key} missing: verl {sorted(theirs)}, lossplug {sorted(ours)}"
         assert len(theirs[key]) == len(ours[key]), key
         for a, b in zip(theirs[key], ours[key]):
             assert abs(a - b) <= 1e-6, f"dp{dp} {case} {key}: verl {theirs[key]} vs lossplug {ours[key]}"
