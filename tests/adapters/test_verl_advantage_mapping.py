@@ -265,12 +265,6 @@ IN_VERL = [
     "grpo_passk",
     "rloo_vectorized",
 ]
-# lossplug.adapters.verl.compute_advantage(data, recipe) does not yet read these estimators' extra inputs
-NOT_YET_IN_ADAPTER = {
-    "gdpo": "adapters/verl.py does not read the gdpo_reward_keys columns into PolicyBatch.reward_components",
-    "optimal_token_baseline": "adapters/verl.py does not read sum_pi_squared into PolicyBatch.sum_pi_squared",
-    "tir_optimal_token_baseline": "adapters/verl.py does not read sum_pi_squared into PolicyBatch.sum_pi_squared",
-}
 
 
 def in_verl(data: DataProto, algorithm: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,23 +282,17 @@ def test_mapped_spec_inside_verl_equals_verl(case):
     assert relative_difference(data_proto(5, sizes), got, expect) <= tol
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(name, marks=[pytest.mark.xfail(strict=True, reason=NOT_YET_IN_ADAPTER[estimator])])
-        if (estimator := CASES[name][0]["adv_estimator"]) in NOT_YET_IN_ADAPTER
-        else name
-        for name in sorted(CASES)
-    ],
-)
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_mapped_spec_through_the_adapters_compute_advantage_equals_verl(case):
-    """``lossplug.adapters.verl.compute_advantage(data, recipe)`` (custom trainers) on the same DataProto."""
+    """``lossplug.adapters.verl.compute_advantage(data, recipe, reward_keys=)`` (custom trainers) on the same
+    DataProto: it reads ``sum_pi_squared`` (optimal token baselines) and the ``gdpo_reward_keys`` columns itself."""
     adapter = pytest.importorskip("lossplug.adapters.verl")
     algorithm, sizes, tol = CASES[case]
     baselines = algorithm["adv_estimator"] == "remax"
     expect = theirs(data_proto(6, sizes, baselines=baselines), algorithm)
     recipe = {"advantage": advantage_stage(algorithm), "gates": ["ppo_clip"], "reduction": "token"}
-    out = adapter.compute_advantage(data_proto(6, sizes, baselines=baselines), recipe)
+    reward_keys = algorithm.get("gdpo_reward_keys")
+    out = adapter.compute_advantage(data_proto(6, sizes, baselines=baselines), recipe, reward_keys=reward_keys)
     got = (out.batch["advantages"], out.batch["returns"])
     assert relative_difference(data_proto(6, sizes), got, expect) <= tol
 
