@@ -408,3 +408,32 @@ def test_regularisers_verl_does_not_add_are_refused_under_verl() -> None:
             loss_agg_mode="token-mean",
             config=ours,
         )
+
+
+@pytest.mark.parametrize("loss_mode", [m for m in VERL_LOSS_MODES if m not in ("bypass_mode", "vanilla")])
+def test_each_loss_modes_metric_keys_carry_its_values(loss_mode: str) -> None:
+    """Each of ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl`` that a verl loss mode reports
+    comes back under ``loss_mode=lossplug`` with that mode's own definition, micro-batch by micro-batch."""
+    theirs_cfg = actor(loss_mode, "token-mean")
+    recipe = try_equivalent(theirs_cfg)
+    policy = LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe.to_dict())
+    ours_cfg = actor(loss_mode, "token-mean", policy_loss=policy)
+    inputs = make_inputs(11)
+    for mb in micro_batches(inputs, 1, 0):
+        results = []
+        for name, config in ((loss_mode, theirs_cfg), ("lossplug", ours_cfg)):
+            config.global_batch_info.update(global_info(inputs, 1, None))
+            torch.manual_seed(1234)  # clip_cov draws random tokens: the same RNG state for both
+            _, metrics = get_policy_loss_fn(name)(
+                old_log_prob=mb["old_log_prob"],
+                log_prob=mb["log_prob"],
+                advantages=mb["advantages"],
+                response_mask=mb["response_mask"],
+                loss_agg_mode="token-mean",
+                config=config,
+            )
+            results.append(metrics)
+        for key in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):
+            if key in results[0]:
+                assert key in results[1], f"{loss_mode}: {key} missing"
+                assert results[1][key] == pytest.approx(results[0][key], abs=1e-12), f"{loss_mode}: {key}"
