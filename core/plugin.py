@@ -428,8 +428,9 @@ class RegulariserParams(Params):
     population: Literal["step", "micro_batch"] = Field(
         "step",
         description="step: the reduction's denominators are the step's population (the Normalizer's), like the "
-        "policy term; micro_batch: this micro-batch's own, its value then weighted by the micro-batch's share of "
-        "the step's responses (TRL's per-micro-batch means)",
+        "policy term; micro_batch: this micro-batch's own, its value then weighted by 1 / Normalizer.micro_batches "
+        "when the Normalizer gives it, else by the micro-batch's share of the step's responses (TRL's "
+        "per-micro-batch means)",
     )
 
 
