@@ -7,7 +7,8 @@ drift from it, and links from the docs to files of the repository outside ``docs
 * ``cli.md`` — the ``lossplug`` command line, from the Typer app (Typer's own Markdown renderer).
 * ``api/lossplug.md`` — mkdocstrings directives for every name of ``lossplug.__all__``, grouped by defining module.
 * ``<!-- generated: trl_equivalent -->`` in a page becomes the table of what
-  :func:`lossplug.adapters.trl.trl_equivalent` returns for each TRL ``loss_type`` (TRL's ``GRPOConfig`` defaults).
+  :func:`lossplug.adapters.trl.trl_equivalent` returns for each TRL ``loss_type`` and each loss option (TRL's
+  ``GRPOConfig`` defaults otherwise).
 * mkdocstrings reads the sources statically (griffe), which cannot follow the ``package-dir`` mapping of
   pyproject.toml (``lossplug`` = ``core/``, ``lossplug.contracts`` = ``contracts/``…): :func:`on_config` lays the
   package out as it is installed — a temporary folder of symbolic links — and puts it first on the handler's paths.
@@ -114,23 +115,42 @@ def trl_equivalent_table() -> str:
     from lossplug.adapters.trl import trl_equivalent
 
     defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
-    loss_types = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
-    rows = ["| `loss_type` | advantage | gates | reduction | population |", "|---|---|---|---|---|"]
+    cispo = {"epsilon_high": 5.0}  # TRL's recommended value for cispo (its default would cap at 0.2)
+    cases: list[tuple[str, dict[str, object]]] = [
+        (f"`loss_type={t}`", {"loss_type": t}) for t in ("grpo", "bnpo", "dr_grpo", "dapo", "sapo", "luspo", "vespo")
+    ]
+    cases[4:4] = [("`loss_type=cispo` (`epsilon_high=5.0`)", {"loss_type": "cispo", **cispo})]
+    cases += [
+        ("`importance_sampling_level=sequence` (grpo)", {"importance_sampling_level": "sequence"}),
+        ("… with `delta=1.5`", {"importance_sampling_level": "sequence", "delta": 1.5}),
+        ("`cispo`, sequence level", {"loss_type": "cispo", "importance_sampling_level": "sequence", **cispo}),
+        ("`sapo`, sequence level", {"loss_type": "sapo", "importance_sampling_level": "sequence"}),
+        ("`off_policy_mask_threshold=0.5`", {"off_policy_mask_threshold": 0.5}),
+        ("`top_entropy_quantile=0.2`", {"top_entropy_quantile": 0.2}),
+        ("`multi_objective_aggregation=normalize_then_sum`", {"multi_objective_aggregation": "normalize_then_sum"}),
+        ("`use_vllm` (TRL's IS default: `sequence_mask`)", {"use_vllm": True}),
+        (
+            "`use_vllm`, `token_truncate`, `clip_min=0.5`",
+            {"use_vllm": True, "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_min": 0.5},
+        ),
+        ("`beta=0.04` (`use_bias_correction_kl`: TRL's default)", {"beta": 0.04}),
+        ("`beta=0.04`, `use_bias_correction_kl=False`", {"beta": 0.04, "use_bias_correction_kl": False}),
+        ("`entropy_coef=0.01`", {"entropy_coef": 0.01}),
+        ("`use_adaptive_entropy`", {"use_adaptive_entropy": True}),
+    ]
+    rows = ["| `GRPOConfig` | advantage | gates | regularisers | reduction | population |", "|---|---|---|---|---|---|"]
 
     def stage(s):
         params = ", ".join(f"{k}={v}" for k, v in s.items() if k != "name" and v is not None)
         return f"`{s['name']}`" + (f" ({params})" if params else "")
 
-    for loss_type in loss_types:
-        overrides = {"loss_type": loss_type}
-        if loss_type == "cispo":
-            overrides["epsilon_high"] = 5.0  # TRL's recommended value for cispo (its default would cap at 0.2)
+    for label, overrides in cases:
         recipe, population = trl_equivalent(types.SimpleNamespace(**{**defaults, **overrides}))
         data = recipe.to_dict()
-        name = f"`{loss_type}`" + (" (`epsilon_high=5.0`)" if loss_type == "cispo" else "")
+        regularisers = "; ".join(stage(r) for r in data.get("regularisers", [])) or "—"
         rows.append(
-            f"| {name} | {stage(data['advantage'])} | {'; '.join(stage(g) for g in data['gates'])} | "
-            f"{stage(data['reduction'])} | `{population}` |"
+            f"| {label} | {stage(data['advantage'])} | {'; '.join(stage(g) for g in data['gates'])} | "
+            f"{regularisers} | {stage(data['reduction'])} | `{population}` |"
         )
     return "\n".join(rows)
 
