@@ -8,6 +8,8 @@ imported inside the functions.
 
 from __future__ import annotations
 
+import math
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,16 +47,53 @@ def parse_gate_spec(text: str) -> dict[str, Any]:
     return {"name": name.strip(), **parse_assignments([kv for kv in rest.split(",") if kv], "--gate parameters")}
 
 
+#: the old policy's probability of every token the curves are drawn at
+OLD_PROB = 0.2
+
+#: gates the default plot leaves out, and why: their coefficient does not depend on any ratio, so each panel would
+#: be ``reinforce``'s flat line (``--gate`` still draws them)
+NOT_PLOTTED: dict[str, str] = {
+    "top_entropy": "keeps tokens by the rank of their entropy in the batch, whatever the ratio",
+    "offpolicy_metrics": "diagnostics only: its weight is 1 whatever the ratio",
+}
+
+#: parameters the default plot draws a gate with, where its defaults cut nothing (verl's bypass_rs has no rule
+#: unless rollout_rs is set; this is verl's token_k1 with threshold 2)
+PLOTTED_WITH: dict[str, dict[str, Any]] = {
+    "bypass_rs": {"rules": [{"statistic": "token_k1", "upper": 2.0}]},
+}
+
+
 def default_gate_specs(registry: Registry) -> list[dict[str, Any]]:
-    """Every registered update gate (plus PPO's dual clip), then every correction: what a full plot shows."""
+    """Every registered update gate (plus PPO's dual clip), then every correction: what a full plot shows (but the
+    gates of :data:`NOT_PLOTTED`)."""
     gates = registry.plugins["gate"]
+
+    def spec(name: str) -> dict[str, Any]:
+        return {"name": name, **PLOTTED_WITH.get(name, {})}
+
     specs: list[dict[str, Any]] = []
-    for name in sorted(n for n, p in gates.items() if p.role == "update"):
-        specs.append({"name": name})
+    for name in sorted(n for n, p in gates.items() if p.role == "update" and n not in NOT_PLOTTED):
+        specs.append(spec(name))
         if name == "ppo_clip":
             specs.append({"name": "ppo_clip", "dual_clip_c": 3.0})
-    specs += [{"name": n} for n in sorted(n for n, p in gates.items() if p.role == "correction")]
+    specs += [spec(n) for n in sorted(n for n, p in gates.items() if p.role == "correction" and n not in NOT_PLOTTED)]
     return specs
+
+
+def ratio_axis(plugin: AnyPlugin, spec: dict[str, Any]) -> str:
+    """Which ratio a gate's curve is drawn against: ``"update"`` (``r = π_θ/π_old``: update gates, and corrections
+    that read ``old_logp`` but not ``behavior_logp`` — verl's bypass gates, whose ``π_old`` is the rollout policy),
+    ``"engine"`` (``ρ = π_old/π_behaviour``: corrections that read ``behavior_logp``) or ``"none"`` (a correction
+    that reads neither, e.g. ``top_entropy``: a flat curve)."""
+    from lossplug.needs import required_fields
+
+    if plugin.role == "update":
+        return "update"
+    fields = required_fields(plugin, _params_of(plugin, spec))
+    if "behavior_logp" in fields:
+        return "engine"
+    return "update" if "old_logp" in fields else "none"
 
 
 def _params_of(plugin: AnyPlugin, spec: dict[str, Any]) -> Params:
@@ -64,9 +103,12 @@ def _params_of(plugin: AnyPlugin, spec: dict[str, Any]) -> Params:
 def gate_coefficients(spec: dict[str, Any], ratios: npt.ArrayLike, advantage: float) -> np.ndarray:
     """∂J/∂logp per token, by autograd through the real plugin and ``lossplug.policy_loss``.
 
+    Each token has ``π_old = 0.2`` (less where the ratios need it, so that ``π_θ = r·π_old ≤ 1`` and
+    ``π_behaviour = π_old/ρ ≤ 1``).
     Update gates: one single-token response per ratio ``r = π_θ/π_old`` (``behavior_logp = old_logp``, so ratios
-    against the behaviour policy are ``r`` too). Corrections: composed after ``reinforce`` at ``r = 1``, one
-    response per engine ratio ``ρ = π_old/π_behaviour``.
+    against the behaviour policy are ``r`` too). Corrections: composed after ``reinforce``, one response per ratio
+    of their :func:`ratio_axis` — the engine ratio ``ρ = π_old/π_behaviour`` at ``r = 1``, or the update ratio ``r``
+    at ``ρ = 1``. Every batch carries an entropy of 1 per token (for gates that read one).
     """
     import torch
 
@@ -76,13 +118,18 @@ def gate_coefficients(spec: dict[str, Any], ratios: npt.ArrayLike, advantage: fl
     reg = registry()
     plugin = reg.lookup("gate", spec["name"], "plot")
     r = torch.as_tensor(ratios, dtype=torch.float64).reshape(-1, 1)
-    base = torch.full_like(r, -10.0)
+    gates: list[Any] = [spec]
     if plugin.role == "correction":
-        ref = "reinforce" if "reinforce" in reg.plugins["gate"] else "ppo_clip"
-        gates = [ref, spec]
+        gates.insert(0, "reinforce" if "reinforce" in reg.plugins["gate"] else "ppo_clip")
+    # π_old = 0.2, lowered where the ratios need it for the varied policy to stay a probability (π_θ = r·π_old,
+    # π_behaviour = π_old/ρ): the curves of gates that bound probability gaps (DPPO's) show their trust region,
+    # which vanishes at tiny probabilities; the others read ratios only
+    engine = ratio_axis(plugin, spec) == "engine"
+    room = float(r.min()) if engine else 1.0 / float(r.max())
+    base = torch.full_like(r, math.log(min(OLD_PROB, room)))
+    if engine:
         logp, old, behavior = base.clone(), base, base - r.log()
     else:
-        gates = [spec]
         logp, old, behavior = base + r.log(), base, base
     logp.requires_grad_(True)
     n = r.shape[0]
@@ -91,6 +138,7 @@ def gate_coefficients(spec: dict[str, Any], ratios: npt.ArrayLike, advantage: fl
         old_logp=old,
         behavior_logp=behavior,
         ref_logp=old,
+        entropy=torch.ones_like(r),
         action_mask=torch.ones_like(r, dtype=torch.bool),
         advantage=torch.full((n,), float(advantage), dtype=torch.float64),
     )
@@ -124,13 +172,17 @@ def plot_gates(path: Path, specs: list[dict[str, Any]], ratio_max: float = 4.0, 
             ax.plot(ratios, coef, color=color, lw=2, label=label)
             ax.plot(ratios, ratios * adv, color=color, lw=0.8, ls=":", alpha=0.6)
         params = ", ".join(f"{k}={v}" for k, v in spec.items() if k != "name")
-        ax.set_title(
-            spec["name"] + (f" ({params})" if params else "") + (" · correction" if correction else ""), fontsize=10
-        )
+        title = spec["name"] + (f" ({params})" if params else "") + (" · correction" if correction else "")
+        ax.set_title(textwrap.fill(title, 48), fontsize=10 if len(title) <= 48 else 8)
         ax.axhline(0, color="0.6", lw=0.6)
         ax.axvline(1, color="0.6", lw=0.6)
-        xlabel = "engine ratio ρ = π_old / π_behaviour" if correction else "ratio r = π_θ / π_old"
-        if not correction and "behavior_logp" in required_fields(plugin, _params_of(plugin, spec)):
+        axis = ratio_axis(plugin, spec)
+        xlabel = {
+            "engine": "engine ratio ρ = π_old / π_behaviour",
+            "update": "ratio r = π_θ / π_old",
+            "none": "ratio (not read by this gate)",
+        }[axis]
+        if axis == "update" and "behavior_logp" in required_fields(plugin, _params_of(plugin, spec)):
             xlabel += "  (= π_θ / π_behaviour here)"
         ax.set_xlabel(xlabel, fontsize=8)
         ax.grid(alpha=0.25)

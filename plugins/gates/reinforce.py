@@ -12,10 +12,15 @@ the policy gradient; it is not an estimate of the return.
 Detach/gradient contract: the advantage is a constant (explicitly detached); gradient flows through ``logp`` only.
 Needs no log-probs besides ``logp``; every action token is active.
 
-Paper: Williams, 1992, *Simple Statistical Gradient-Following Algorithms for Connectionist Reinforcement
-Learning*, Machine Learning 8, 229–256.
+GPG's policy loss is this objective too: its other ingredient, the group-relative advantage rescaled for the groups
+that carry no learning signal, is the ``gpg`` advantage plugin, not a gate.
 
-Reference: verl ``compute_policy_loss_reinforce``.
+Paper: Williams, 1992, *Simple Statistical Gradient-Following Algorithms for Connectionist Reinforcement
+Learning*, Machine Learning 8, 229–256; Chu et al., 2025, *GPG: A Simple and Strong Reinforcement Learning Baseline
+for Model Reasoning*, arXiv:2504.02546.
+
+Reference: verl ``compute_policy_loss_reinforce``; verl ``compute_policy_loss_gpg`` (``loss_mode=gpg``, identical:
+``−A·logp``, times ``rollout_is_weights`` when given, aggregated by ``loss_agg_mode``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,16 @@ itself is drawn in tests/test_cli.py (``lossplug plot gates``)."""
 import pytest
 
 import lossplug
-from lossplug.gate_curves import default_gate_specs, gate_coefficients, parse_assignments, parse_gate_spec
+from lossplug.gate_curves import (
+    NOT_PLOTTED,
+    default_gate_specs,
+    gate_coefficients,
+    parse_assignments,
+    parse_gate_spec,
+    ratio_axis,
+)
+
+RATIOS = [0.3, 0.6, 1.0, 1.5, 2.5, 3.5]
 
 
 def test_assignments_are_yaml_scalars():
@@ -48,3 +57,34 @@ def test_coefficients_follow_the_clip_and_the_correction_weights():
 def test_an_unknown_gate_is_a_recipe_error():
     with pytest.raises(lossplug.RecipeError, match="unknown gate plugin 'no_such_gate'"):
         gate_coefficients({"name": "no_such_gate"}, [1.0], 1.0)
+
+
+@pytest.mark.parametrize("spec", default_gate_specs(lossplug.registry()), ids=lambda s: str(s))
+def test_every_plotted_gate_draws_its_own_curve(spec):
+    """The default plot shows each gate doing something reinforce's flat A does not, somewhere on the ratio axis
+    (reinforce itself is the flat line), and is the policy gradient at ratio 1."""
+    curves = {adv: gate_coefficients(spec, RATIOS, adv) for adv in (1.0, -1.0)}
+    for adv, coef in curves.items():
+        assert coef[RATIOS.index(1.0)] == pytest.approx(adv, rel=1e-6)
+    departs = any(c != pytest.approx(adv, rel=1e-6) for adv, coef in curves.items() for c in coef)
+    assert departs == (spec["name"] != "reinforce"), curves
+
+
+@pytest.mark.parametrize("name", sorted(NOT_PLOTTED))
+def test_gates_left_out_of_the_plot_are_flat_but_still_drawable(name):
+    """What NOT_PLOTTED says stays true: on request the gate draws, and its curve is A at every ratio."""
+    for adv in (1.0, -1.0):
+        assert gate_coefficients({"name": name}, RATIOS, adv).tolist() == pytest.approx([adv] * len(RATIOS))
+
+
+def test_each_correction_is_drawn_against_the_ratio_it_reads():
+    reg = lossplug.registry().plugins["gate"]
+    axes = {n: ratio_axis(p, {"name": n}) for n, p in reg.items()}
+    assert {axes[n] for n in ("tis", "tis_seq", "icepop", "icepop_seq", "rollout_rs")} == {"engine"}
+    assert {axes[n] for n in ("bypass_is", "bypass_is_seq", "bypass_rs", "ppo_clip", "dppo_tv")} == {"update"}
+    assert axes["top_entropy"] == "none"
+
+
+def test_dppo_is_drawn_where_its_probability_trust_region_binds():
+    # π_old = 0.2: a gap π_θ − π_old above eps_high (0.2, verl's clip_ratio_high) cuts A > 0 beyond r = 2
+    assert gate_coefficients({"name": "dppo_tv"}, [1.5, 2.5], 1.0).tolist() == pytest.approx([1.5, 0.0])
