@@ -21,7 +21,7 @@ from verl.trainer.ppo import core_algos
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 
 import lossplug
-from lossplug.adapters.verl import POLICY_RECIPE_KEY, LossplugPolicyLossConfig, load_recipe
+from lossplug.adapters.verl import POLICY_RECIPE_KEY, LossplugPolicyLossConfig, load_recipe, verl_equivalent
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "verl"
@@ -48,7 +48,12 @@ def test_example_overrides_compose_with_verls_config(composer, name, preset, cri
     actor = cfg.actor_rollout_ref.actor
     assert actor.policy_loss._target_ == "lossplug.adapters.verl.LossplugPolicyLossConfig"
     assert actor.policy_loss.loss_mode == "lossplug" and actor.policy_loss.recipe == preset
-    assert cfg.algorithm.adv_estimator == "lossplug" and cfg.algorithm.lossplug == preset
+    if critic:  # verl passes a registered estimator no critic values: GAE stays verl's own, equal to the recipe's
+        assert cfg.algorithm.adv_estimator == "gae"
+        advantage = verl_equivalent(algorithm_config=cfg.algorithm).advantage
+        assert advantage is not None and advantage.to_dict() == lossplug.Recipe.preset(preset).advantage.to_dict()
+    else:
+        assert cfg.algorithm.adv_estimator == "lossplug" and cfg.algorithm.lossplug == preset
 
     # verl's own driver-side check instantiates the actor config, i.e. LossplugPolicyLossConfig (recipe validated);
     # its critic part would load the critic model's tokenizer, which needs the model files (not here)
@@ -69,10 +74,17 @@ def test_example_overrides_compose_with_verls_config(composer, name, preset, cri
     rewards = torch.zeros(B, T)
     rewards[:, -1] = torch.tensor([1.0, 0.0, 1.0, 0.5])
     index = __import__("numpy").array(["a", "a", "b", "b"], dtype=object)
-    kwargs = {"values": torch.randn(B, T)} if critic else {}
-    adv, ret = core_algos.get_adv_estimator_fn(cfg.algorithm.adv_estimator)(
-        token_level_rewards=rewards, response_mask=mask, index=index, config=cfg.algorithm, **kwargs
-    )
+    estimator = core_algos.get_adv_estimator_fn(cfg.algorithm.adv_estimator)
+    if critic:  # verl's own gae (called by verl with gamma/lam, no index)
+        adv, ret = estimator(
+            token_level_rewards=rewards,
+            values=torch.randn(B, T),
+            response_mask=mask,
+            gamma=cfg.algorithm.gamma,
+            lam=cfg.algorithm.lam,
+        )
+    else:
+        adv, ret = estimator(token_level_rewards=rewards, response_mask=mask, index=index, config=cfg.algorithm)
     assert adv.shape == ret.shape == (B, T) and torch.isfinite(adv).all()
 
 
