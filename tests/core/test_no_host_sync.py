@@ -77,6 +77,51 @@ def test_loss_step_makes_no_host_sync(gate, reduction, metrics):
         assert all(v.device.type == DEVICE for v in result.metric_tensors.values())
 
 
+#: built-in gates with parameter sets that take code paths their defaults do not (rejection rules, batch
+#: normalisation, floors, geometric sequence ratios, a quantile below 1, the other sampling log-probs, vLLM IS folded
+#: into vespo, dual clip, TRL's cispo and gspo's delta)
+GATE_SPECS = [
+    {"name": "ppo_clip", "dual_clip_c": 3.0},
+    {"name": "cispo", "eps_low": None, "eps_high": None, "ratio_max": 5.0, "log_ratio_clamp": None},
+    {"name": "gspo", "delta": 2.0},
+    {"name": "tis", "floor": 0.5, "batch_normalize": True},
+    {"name": "tis_seq", "ratio": "geometric", "batch_normalize": True},
+    {"name": "icepop", "batch_normalize": True},
+    {"name": "icepop_seq", "ratio": "geometric", "batch_normalize": True},
+    {"name": "bypass_is", "low": 0.5, "batch_normalize": True},
+    {"name": "bypass_is_seq", "batch_normalize": True},
+    {
+        "name": "bypass_rs",
+        "rules": [
+            {"statistic": "token_k1", "upper": 2.0},
+            {"statistic": "seq_sum_k2", "upper": 1.0},
+            {"statistic": "seq_mean_k3", "upper": 0.5},
+            {"statistic": "seq_max_k2", "upper": 0.5},
+        ],
+        "renormalize": True,
+    },
+    {"name": "rollout_rs", "options": "token_k1,seq_sum_k2,seq_mean_k3,seq_max_k2", "threshold": "0.5_2.0,1,0.5,0.5"},
+    {"name": "top_entropy", "quantile": 0.2},
+    {"name": "off_policy_mask", "sampling_logp": "old_logp"},
+    {"name": "vespo", "engine_correction": "token_mask", "engine_ratio_min": 0.5},
+    {"name": "vespo", "engine_correction": "token_truncate"},
+]
+
+
+@pytest.mark.parametrize("metrics", ["off", "full"])
+@pytest.mark.parametrize("spec", GATE_SPECS, ids=lambda s: "-".join(str(v) for v in s.values())[:60])
+def test_gate_parameters_make_no_host_sync(spec, metrics):
+    gate = lossplug.registry().plugins["gate"][spec["name"]]
+    gates = [spec] if gate.role == "update" else ["reinforce", spec]
+    rec = lossplug.Recipe.model_validate({"gates": gates, "reduction": "response"})
+    for sequence_advantage in (True, False):
+        batch, logp = meta_batch(sequence_advantage)
+        result = lossplug.policy_loss(batch, rec, validate="off", metrics=metrics)
+        result.loss.backward()
+        assert result.loss.device.type == DEVICE and logp.grad is not None
+        assert all(v.device.type == DEVICE for v in result.metric_tensors.values())
+
+
 #: every built-in regulariser with parameter sets that take each code path (estimators, ratio weights, adaptive
 #: controller, own reduction, micro-batch population)
 REGULARISER_SPECS = [
@@ -125,6 +170,24 @@ def test_every_builtin_gate_and_reduction_is_covered():
         "tis_seq",
         "icepop",
         "icepop_seq",
+        # verl parity
+        "dppo_tv",
+        "dppo_kl",
+        "dro",
+        "gmpo",
+        "clip_cov",
+        "kl_cov",
+        "bypass_is",
+        "bypass_is_seq",
+        "bypass_rs",
+        "rollout_rs",
+        "offpolicy_metrics",
+        # TRL parity
+        "cispo_seq",
+        "sapo_seq",
+        "vespo",
+        "off_policy_mask",
+        "top_entropy",
     } <= {g for g, _ in CASES}
     assert {"token", "response", "sequence_sum", "fixed"} <= {r for _, r in CASES}
 

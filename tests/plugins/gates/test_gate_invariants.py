@@ -29,6 +29,24 @@ BUILTIN = {
     "tis_seq",
     "icepop",
     "icepop_seq",
+    # verl parity
+    "dppo_tv",
+    "dppo_kl",
+    "dro",
+    "gmpo",
+    "clip_cov",
+    "kl_cov",
+    "bypass_is",
+    "bypass_is_seq",
+    "bypass_rs",
+    "rollout_rs",
+    "offpolicy_metrics",
+    # TRL parity
+    "cispo_seq",
+    "sapo_seq",
+    "vespo",
+    "off_policy_mask",
+    "top_entropy",
 }
 #: gates whose contract is "detached coefficient × A × logp": the gradient wrt logp does not depend on logp
 DETACHED_COEFFICIENT = {"cispo", "dis", "reinforce"}
@@ -44,8 +62,34 @@ BY_DESIGN: dict[tuple[str, str], str] = {
 }
 
 
-def plugin(name):
-    return lossplug.registry().plugins["gate"][name]
+#: gates whose defaults skip what they are for, also checked with parameters that use it (id → recipe gate spec)
+VARIANTS: dict[str, dict] = {
+    "bypass_rs[rules]": {
+        "name": "bypass_rs",
+        "rules": [{"statistic": "token_k1", "upper": 2.0}, {"statistic": "seq_mean_k3", "upper": 0.5}],
+        "renormalize": True,
+    },
+    "rollout_rs[token_k1,seq_max_k2]": {"name": "rollout_rs", "options": "token_k1,seq_max_k2", "threshold": "0.5_2,1"},
+    "top_entropy[quantile=0.2]": {"name": "top_entropy", "quantile": 0.2},
+    "vespo[token_mask]": {"name": "vespo", "engine_correction": "token_mask", "engine_ratio_min": 0.5},
+}
+ALL = GATES + sorted(VARIANTS)
+
+
+def spec_of(variant: str) -> dict:
+    return VARIANTS.get(variant, {"name": variant})
+
+
+def gate_name(variant: str) -> str:
+    return spec_of(variant)["name"]
+
+
+def plugin(variant):
+    return lossplug.registry().plugins["gate"][gate_name(variant)]
+
+
+def params_of(variant):
+    return plugin(variant).params.model_validate({k: v for k, v in spec_of(variant).items() if k != "name"})
 
 
 def gates_for(invariant: str) -> list:
@@ -54,13 +98,13 @@ def gates_for(invariant: str) -> list:
         pytest.param(name, marks=pytest.mark.xfail(reason=BY_DESIGN[name, invariant], strict=True))
         if (name, invariant) in BY_DESIGN
         else name
-        for name in GATES
+        for name in ALL
     ]
 
 
 @functools.cache
 def recipe(name: str, reduction: str, T: int) -> lossplug.Recipe:
-    gates = ["reinforce", name] if plugin(name).role == "correction" else [name]
+    gates = ["reinforce", spec_of(name)] if plugin(name).role == "correction" else [spec_of(name)]
     red = {"name": reduction, "budget": float(T)} if reduction == "fixed" else {"name": reduction}
     return lossplug.Recipe.load({"gates": gates, "reduction": red})
 
@@ -143,7 +187,7 @@ def test_every_builtin_gate_is_registered_and_documented():
             assert p.required_fields(p.params()), name
 
 
-@pytest.mark.parametrize("name", GATES)
+@pytest.mark.parametrize("name", ALL)
 @given(case=cases())
 def test_identical_logprobs_give_ratio_one(name, case):
     fields = case.tensors()
@@ -162,7 +206,7 @@ def test_identical_logprobs_give_ratio_one(name, case):
 POISON = st.sampled_from([float("nan"), float("inf"), float("-inf")])
 
 
-@pytest.mark.parametrize("name", GATES)
+@pytest.mark.parametrize("name", ALL)
 @given(case=cases(), poison=POISON)
 def test_masked_positions_never_leak(name, case, poison):
     fields = case.tensors()
@@ -209,29 +253,29 @@ def gate_input(fields: dict, *, inputs_require_grad: bool):
     return lossplug.GateInput.from_batch(batch)
 
 
-@pytest.mark.parametrize("name", GATES)
+@pytest.mark.parametrize("name", ALL)
 @given(case=cases())
 def test_detached_coefficients_carry_no_gradient(name, case):
     p = plugin(name)
     inp = gate_input(case.tensors(), inputs_require_grad=True)
-    out = p(inp, p.params())
+    out = p(inp, params_of(name))
     if p.role == "correction":
         assert out.objective is None and out.weight is not None
         assert not out.weight.requires_grad  # even though old_logp and behavior_logp require grad
         assert out.weight.shape == (inp.mask.shape if p.level == "token" else inp.mask.shape[:1])
         return
-    if name in DETACHED_COEFFICIENT:
+    if gate_name(name) in DETACHED_COEFFICIENT:
         # objective = sg(c)·A·logp: its gradient c·A has no graph back to logp (second derivative zero)
         (g,) = torch.autograd.grad(out.objective.sum(), inp.logp, create_graph=True)
         assert not g.requires_grad
 
 
-@pytest.mark.parametrize("name", GATES)
+@pytest.mark.parametrize("name", ALL)
 @given(case=cases())
 def test_gradient_flows_only_through_logp(name, case):
     p = plugin(name)
     inp = gate_input(case.tensors(), inputs_require_grad=True)
-    out = p(inp, p.params())
+    out = p(inp, params_of(name))
     value = out.objective if p.role == "update" else out.weight
     batch = inp.batch
     others = [batch.old_logp, batch.behavior_logp, batch.ref_logp, batch.advantage, batch.entropy]
@@ -251,7 +295,7 @@ def extreme_fields(case: Case, g: torch.Generator) -> dict:
     return fields
 
 
-@pytest.mark.parametrize("name", GATES)
+@pytest.mark.parametrize("name", ALL)
 @given(case=cases())
 def test_extreme_log_ratios_stay_finite(name, case):
     fields = extreme_fields(case, torch.Generator().manual_seed(case.seed))
@@ -264,13 +308,13 @@ def test_extreme_log_ratios_stay_finite(name, case):
     assert not infinite, infinite
 
 
-@pytest.mark.parametrize("name", GATES)
+@pytest.mark.parametrize("name", ALL)
 @given(case=cases())
 def test_token_and_sequence_effective_rates_are_separate(name, case):
     result, _ = run(name, case, case.tensors())
     m = result.metrics
     level = plugin(name).level
-    token_key, seq_key = f"{name}/active_token_frac", f"{name}/active_seq_frac"
+    token_key, seq_key = f"{gate_name(name)}/active_token_frac", f"{gate_name(name)}/active_seq_frac"
     assert 0 <= m["effective/token_frac"] <= 1 and 0 <= m["effective/seq_frac"] <= 1
     if level == "token":
         assert token_key in m and seq_key not in m
