@@ -46,9 +46,9 @@ The micro-batch TRL hands to ``_compute_loss`` becomes a :class:`lossplug.Policy
 ``behavior_logp``      ``sampling_per_token_logps`` (vLLM, ``rollout_func``); tokens the engine could not
                        score (NaN) get ``old_logp`` — engine ratio exactly 1, TRL's convention
 ``ref_logp``           ``ref_per_token_logps`` (``beta != 0``)
-``entropy``            the entropies ``_get_per_token_logps_and_entropies`` computes — only when a recipe stage
-                       reads them (``top_entropy``, ``entropy``) or TRL's static bonus is kept; they carry the
-                       gradient (an entropy bonus differentiates them)
+``entropy``            the entropies ``_get_per_token_logps_and_entropies`` computes (always, as TRL does), when a
+                       recipe stage reads them (``top_entropy``, ``entropy``); they carry the gradient (an
+                       entropy bonus differentiates them)
 ``advantage``          ``advantages`` (the recipe's, see above)
 ``group_id``           ``lossplug_group_id``;   ``reward``: ``lossplug_reward`` when every row has one
 ``reward_components``  ``lossplug_reward_components`` when a stage reads them and every value is finite
@@ -163,7 +163,7 @@ Only what is genuinely outside the loss, or a recipe that would change TRL's mea
   controller observes the high-entropy tokens only, which the entropy regulariser cannot select).
 
 Kept from TRL unchanged: the MoE auxiliary loss, eval mode, the ``kl`` metric (from the recipe's KL when it has one),
-the ``entropy`` metric (when entropies are computed), ``entropy_coef``. lossplug's own metrics are logged as
+the ``entropy`` metric, ``entropy_coef``. lossplug's own metrics are logged as
 ``lossplug/<name>`` in ``self._metrics[mode]`` (averaged over processes), so they appear in TRL's logs;
 ``metrics="basic"`` (the default) keeps them to what costs about as much as TRL's own clip-ratio metrics,
 ``metrics="full"`` adds ratio quantiles and effective-sample fractions. With behaviour log-probs (vLLM)
@@ -997,8 +997,11 @@ def _log_metrics(trainer: GRPOTrainer, mode: str, metrics: dict[str, torch.Tenso
     if not names:
         return
     device = accelerator.device
-    nan = torch.tensor(float("nan"), device=device)
-    values = torch.stack([metrics[k].detach().float().reshape(()).to(device) if k in metrics else nan for k in names])
+    wide = torch.float32 if torch.device(device).type == "mps" else torch.float64  # e^100 stays a number
+    nan = torch.tensor(float("nan"), device=device, dtype=wide)
+    values = torch.stack(
+        [metrics[k].detach().reshape(()).to(device=device, dtype=wide) if k in metrics else nan for k in names]
+    )
     if accelerator.num_processes > 1:
         values = accelerator.gather(values.unsqueeze(0)).nanmean(0)
     for name, value in zip(names, values.tolist()):
@@ -1100,14 +1103,13 @@ class _Mixin(_TrainerBase):
         # TRL's own terms, where the recipe has none of its own (read here: TRL's attributes are the truth)
         trl_kl = self.beta != 0.0 and not st.recipe_kl
         trl_entropy = bool(self._entropy_bonus_enabled) and not st.recipe_entropy
-        # entropies only when something reads them: a recipe stage, or TRL's static bonus the adapter keeps
-        want_entropy = "entropy" in st.needs or trl_entropy
+        # always, as TRL's own _compute_loss does: its ``entropy`` metric stays on every dashboard
         out = self._get_per_token_logps_and_entropies(
             model,
             input_ids,
             attention_mask,
             logits_to_keep,
-            compute_entropy=want_entropy,
+            compute_entropy=True,
             compute_aux_loss=self.aux_loss_enabled,
             **{k: inputs.get(k) for k in _FORWARD_KEYS},
         )
@@ -1209,7 +1211,7 @@ class _Mixin(_TrainerBase):
                 metrics["kl"] = kl_term.detach() * steps * processes  # reduced like the loss (not × beta)
 
         if trl_entropy:  # TRL's static entropy bonus, the recipe having no entropy regulariser
-            assert entropies is not None  # computed: want_entropy
+            assert entropies is not None  # computed: compute_entropy=True
             effective = mask
             if st.top_entropy_quantile is not None:  # TRL: the bonus acts on the tokens the entropy mask keeps
                 effective = mask * self.get_high_entropy_mask(entropies, mask, 1 - st.top_entropy_quantile)

@@ -24,7 +24,12 @@ class LossResult(BaseModel):
         if self._metrics is None:
             names = list(self.metric_tensors)
             if names:
-                values = torch.stack([self.metric_tensors[n].detach().float().reshape(()) for n in names]).tolist()
+                # float64 (float32 on Apple's MPS, which has none): a perplexity of e^100 is a number, not inf
+                first = self.metric_tensors[names[0]]
+                wide = torch.float32 if first.device.type == "mps" else torch.float64
+                values = torch.stack(
+                    [self.metric_tensors[n].detach().reshape(()).to(device=first.device, dtype=wide) for n in names]
+                ).tolist()
             else:
                 values = []
             self._metrics = dict(zip(names, values))

@@ -471,7 +471,7 @@ def test_behaviour_logprobs_feed_the_engine_ratio(rollout_trainer):
     assert m["lossplug/ratio/engine/mean"][0] == pytest.approx(float(ratio[action].mean()), rel=1e-5)
     assert m["lossplug/behavior_logp/unscored_frac"][0] > 0
     assert "lossplug/tis/trunc_frac" in m
-    assert "entropy" not in m  # nothing in the recipe reads entropies: not computed
+    assert "entropy" in m  # TRL's own metric: entropies are computed as TRL computes them
     assert trainer._lossplug.provenance.behavior.engine.startswith("rollout_func TinyRollout")
 
 

@@ -21,7 +21,7 @@ KNOWN: dict[tuple[str, str, str], str] = {
     ("gate", "kl_cov", "microbatch_split"): "covariance statistics and the top-k selection are per micro-batch",
     # penalties on the log-ratio that do not scale with the advantage (verl's definitions)
     ("gate", "kl_cov", "zero_advantage"): "the |log r| penalty of the selected tokens applies with A = 0",
-    ("gate", "dro", "zero_advantage"): "DRO's −β·log r penalty does not depend on A",
+    ("gate", "dro", "zero_advantage"): "DRO's −β·(log r)²/2 penalty does not depend on A",
 }
 
 
