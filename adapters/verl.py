@@ -52,6 +52,9 @@ decides the policy term; verl's ``loss_agg_mode`` still reduces verl's own entro
 adds itself (lossplug never adds them). ``loss_agg_mode`` ↔ reduction: ``token-mean`` ↔ ``token``,
 ``seq-mean-token-mean`` ↔ ``response``, ``seq-mean-token-sum`` ↔ ``sequence_sum``, ``seq-mean-token-sum-norm`` ↔
 ``fixed`` (budget ``loss_scale_factor``), ``token-sum`` ↔ ``token_sum`` (no denominator; only the ``× dp_size``).
+A reduction with ``population: micro_batch`` (verl's batch-local ``geo_mean``) is instead handed the micro-batch as its
+whole population and not multiplied by ``dp_size``: verl's engine backpropagates each micro-batch's loss as it is, so
+that is verl's own value (times the share of rows with an action token, which verl's ``torch.mean`` also divides by).
 """
 
 from __future__ import annotations
@@ -610,7 +613,10 @@ def compute_policy_loss_lossplug(
     info = getattr(config, "global_batch_info", None) if config is not None else None
     if not bool(keep.any()):  # nothing to learn from in this micro-batch; keep the graph connected
         return (log_prob * 0).sum(), {}
+    # the share of this micro-batch's rows that have an action token (1.0 unless rows are left out below)
+    kept_share = 1.0
     if not bool(keep.all()):
+        kept_share = int(keep.sum()) / keep.numel()
 
         def rows(t: Tensor | None) -> Tensor | None:
             return None if t is None or t.ndim == 0 else t[keep]
@@ -620,7 +626,21 @@ def compute_policy_loss_lossplug(
         advantages, mask = rows(advantages), mask[keep]  # type: ignore[assignment]
         rollout_is_weights, rollout_log_probs = rows(rollout_is_weights), rows(rollout_log_probs)
 
-    normalizer, dp_size = verl_normalizer(info, mask, counts_needed=reduction != "token_sum")
+    local = getattr(compiled.reduction.params, "population", "step") == "micro_batch"
+    normalizer, dp_size = verl_normalizer(info, mask, counts_needed=reduction != "token_sum" and not local)
+    if local:
+        # population: micro_batch (verl's geo_mean): verl's engine backpropagates each micro-batch's loss as it is
+        # (no 1 / micro-batches) and averages the ranks' gradients, and a batch-local verl loss is its micro-batch's
+        # own mean over every row (rows without an action token count in torch.mean's denominator): the micro-batch
+        # is its own population (only the budget of `fixed` is verl's), no × dp_size, times the kept rows' share
+        budget = normalizer.budget if normalizer is not None else None
+        normalizer = (
+            None
+            if budget is None
+            else Normalizer(
+                action_tokens=max(int(mask.sum()), 1), sequences=mask.shape[0], budget=budget, micro_batches=1
+            )
+        )
     params: Any = compiled.reduction.params  # (the reduction's own model: FixedParams for 'fixed')
     if reduction == "fixed" and params.budget is None and (normalizer is None or normalizer.budget is None):
         raise LossplugError(
@@ -635,7 +655,7 @@ def compute_policy_loss_lossplug(
     result = lossplug.policy_loss(
         batch, recipe, normalizer, validate=validate, metrics=level, weight=rollout_is_weights
     )
-    loss = result.loss * dp_size
+    loss = result.loss * (kept_share if local else dp_size)
 
     metrics: dict[str, Any] = {}
     if level != "off":  # verl wants floats: one device→host transfer for all of them

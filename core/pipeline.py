@@ -42,6 +42,7 @@ from .plugin import (
     GatePlugin,
     Params,
     Population,
+    PopulationScope,
     ReductionPlugin,
     RegulariserOutput,
     RegulariserParams,
@@ -377,7 +378,9 @@ def policy_loss(
 
     Without a ``normalizer`` the micro-batch is the whole population. With one, the returned loss is this
     micro-batch's share of the full-step reduction: summed over every micro-batch and rank it equals the full-batch
-    loss exactly. The loss is in the compute dtype: float32 for bf16/fp16 log-probs (a bf16 loss would round what
+    loss exactly — unless the recipe's reduction says ``population: micro_batch`` (a mean of per-micro-batch values,
+    e.g. verl's ``geo_mean``): then the micro-batch's own denominators, its value weighted by ``1 /
+    normalizer.micro_batches`` (else rows / ``normalizer.sequences``). The loss is in the compute dtype: float32 for bf16/fp16 log-probs (a bf16 loss would round what
     the trainers log; a fp16 one overflows past 65504), else the log-probs' dtype.
 
     ``metrics``: ``"off"`` (or False) computes none; ``"basic"`` (the default, and the adapters') the loss,
@@ -443,7 +446,7 @@ def policy_loss(
 
     red = compiled.reduction
     population = population_of(inp.mask, normalizer, inp.lengths)
-    loss = -_run(red, validate, objective, inp.mask, inp.lengths, population)
+    loss = -_reduce(red, validate, objective, inp.mask, inp.lengths, population, normalizer, _scope(red))
     policy_term = loss
 
     reg_metrics: dict[str, Tensor] = {}
@@ -491,22 +494,9 @@ def _regularise(
         _check_regulariser_output(stage, out, inp.batch)
     term = zero_off(out.term.to(inp.compute_dtype), inp.mask, inp._bits)
     params = cast(RegulariserParams, stage.params)
-    if params.population == "micro_batch":
-        # the micro-batch's own denominators, its value weighted by 1 / (the step's micro-batches) where the
-        # Normalizer counts them — summed over the step, exactly the mean of the per-micro-batch values (TRL's) even
-        # when rows were left out of a micro-batch — else by its share of the step's responses (the same for
-        # micro-batches equal in rows)
-        own = population_of(inp.mask, None, inp.lengths)
-        reduced = _run(stage.reduction, validate, term, inp.mask, inp.lengths, own)
-        if normalizer is not None:
-            share = (
-                1.0 / normalizer.micro_batches
-                if normalizer.micro_batches is not None
-                else inp.mask.shape[0] / normalizer.sequences
-            )
-            reduced = reduced * share
-    else:
-        reduced = _run(stage.reduction, validate, term, inp.mask, inp.lengths, population)
+    # micro_batch when the regulariser says so or its reduction does (a reduction given with population: micro_batch)
+    local: PopulationScope = "micro_batch" if "micro_batch" in (params.population, _scope(stage.reduction)) else "step"
+    reduced = _reduce(stage.reduction, validate, term, inp.mask, inp.lengths, population, normalizer, local)
     coef = stage.coefficient
     if observe and stage.controller is not None and out.observation is not None:
         stage.controller.observe(out.observation.detach())
@@ -607,6 +597,45 @@ def _weight_violations(weight: Tensor, batch: PolicyBatch) -> list[Violation]:
     return []
 
 
+def _scope(stage: Stage[ReductionPlugin]) -> PopulationScope:
+    """The population a reduction stage reduces over: its ``population`` parameter (``step`` when its parameter model
+    has none)."""
+    value = getattr(stage.params, "population", "step")
+    return "micro_batch" if value == "micro_batch" else "step"
+
+
+def _reduce(
+    stage: Stage[ReductionPlugin],
+    validate: str,
+    values: Tensor,
+    mask: Tensor,
+    lengths: Tensor,
+    population: Population,
+    normalizer: Normalizer | None,
+    where: PopulationScope,
+) -> Tensor:
+    """A reduction stage over the step's ``population``, or (``where == "micro_batch"``) over the micro-batch's own
+    population, its value weighted by 1 / (the step's micro-batches) where the Normalizer counts them — summed over
+    the step, exactly the mean of the per-micro-batch values (TRL's) even when rows were left out of a micro-batch —
+    else by its share of the step's responses (the same for micro-batches equal in rows). The own population keeps
+    the Normalizer's budget (``fixed``)."""
+    if where == "step":
+        reduced: Tensor = _run(stage, validate, values, mask, lengths, population)
+        return reduced
+    own = population_of(mask, None, lengths)
+    if normalizer is not None and normalizer.budget is not None:
+        own = Population(own.action_tokens, own.sequences, None, normalizer.budget)
+    reduced = _run(stage, validate, values, mask, lengths, own)
+    if normalizer is not None:
+        share = (
+            1.0 / normalizer.micro_batches
+            if normalizer.micro_batches is not None
+            else mask.shape[0] / normalizer.sequences
+        )
+        reduced = reduced * share
+    return reduced
+
+
 def population_of(mask: Tensor, normalizer: Normalizer | None, lengths: Tensor | None = None) -> Population:
     """The reduction denominators: the normaliser's global counts, else this micro-batch's own (no host sync).
 
@@ -666,6 +695,8 @@ def reduce(
     population, as in verl and OpenRLHF and as ``policy_loss`` requires. For rows ``[1, 2 | 4 | —]`` the
     ``response`` mean is ``(1.5 + 4) / 2 = 2.75``. A trainer that counts such rows (TRL's
     ``mask_truncated_completions`` keeps them in its mean: ``5.5 / 3``) passes ``Normalizer(sequences=3, …)``.
+    A reduction with ``population: micro_batch`` divides by this batch's own counts, its value then weighted as the
+    policy term's is (``1 / normalizer.micro_batches``, else rows / ``normalizer.sequences``).
     """
     if reduction is not None and recipe is None:
         red = compile_reduction(reduction)
@@ -691,8 +722,8 @@ def reduce(
         )
     values = zero_off(values, action_mask)
     lengths = torch.count_nonzero(action_mask, -1)
-    reduced: Tensor = _run(red, "full", values, action_mask, lengths, population_of(action_mask, normalizer, lengths))
-    return reduced
+    population = population_of(action_mask, normalizer, lengths)
+    return _reduce(red, "full", values, action_mask, lengths, population, normalizer, _scope(red))
 
 
 def _ratio_metrics(prefix: str, log_ratio: Tensor, mask: Tensor, out: dict[str, Tensor]) -> None:

@@ -368,6 +368,25 @@ def advantage(
 # Reductions
 
 
+#: where a reduction takes its denominators (see :class:`ReductionParams`)
+PopulationScope = Literal["step", "micro_batch"]
+
+_POPULATION_DESCRIPTION = (
+    "step: the reduction's denominators are the step's population (the Normalizer's), additive over any split of the "
+    "step; micro_batch: this micro-batch's own, its value then weighted by 1 / Normalizer.micro_batches when the "
+    "Normalizer gives it, else by the micro-batch's share of the step's responses (rows / sequences) — a mean of "
+    "per-micro-batch values, which depends on the split (TRL's bnpo, verl's geo_mean)"
+)
+
+
+class ReductionParams(Params):
+    """The parameter every built-in reduction has: ``population`` (``step`` or ``micro_batch``), read by the pipeline —
+    a reduction function always receives the population it is to divide by. A reduction's own parameter model
+    subclasses this one; one declared with another model (e.g. :class:`NoParams`) always reduces over the step."""
+
+    population: PopulationScope = Field("step", description=_POPULATION_DESCRIPTION)
+
+
 @dataclass(frozen=True)
 class Population:
     """Denominators of a reduction: the global population when a Normalizer is given, else this micro-batch's."""
@@ -401,9 +420,10 @@ class ReductionPlugin:
 
 
 def reduction(
-    name: str, *, params: type[Params] = NoParams, doc: str | None = None
+    name: str, *, params: type[Params] = ReductionParams, doc: str | None = None
 ) -> Callable[[ReductionFn], ReductionPlugin]:
-    """Declare a reduction."""
+    """Declare a reduction. With ``params`` a subclass of :class:`ReductionParams` (the default) a recipe may give it
+    ``population: micro_batch``; the pipeline then hands it the micro-batch's own population and weights its value."""
     return lambda fn: ReductionPlugin(name, fn, params, _doc(fn, doc))
 
 
@@ -430,7 +450,7 @@ class RegulariserParams(Params):
         description="step: the reduction's denominators are the step's population (the Normalizer's), like the "
         "policy term; micro_batch: this micro-batch's own, its value then weighted by 1 / Normalizer.micro_batches "
         "when the Normalizer gives it, else by the micro-batch's share of the step's responses (TRL's "
-        "per-micro-batch means)",
+        "per-micro-batch means); a reduction given with population: micro_batch makes the term micro_batch too",
     )
 
 

@@ -15,6 +15,12 @@ the whole step — which is why the denominators come from the step's population
 ``token_sum`` has no denominator, so it is additive under any split by construction and reads no population: a
 :class:`~lossplug.Normalizer` changes nothing (an adapter's own scaling, e.g. verl's ``× dp_size``, still applies).
 
+``population: micro_batch`` (a parameter of every reduction here, default ``step``): the micro-batch is its own
+population — ``N``, ``S`` are its own counts — and its value is weighted by ``1 / Normalizer.micro_batches`` (else
+its share of the step's responses, rows / ``S_step``): a mean of per-micro-batch values, which depends on how the
+step is split (TRL's ``bnpo``; verl's ``geo_mean``, whose engine adds each micro-batch's own mean — the verl adapter
+hands such a reduction no step population, see docs/verl.md). Not additive by design.
+
 ``S`` counts the responses that have at least one action token (``lossplug.pipeline.population_of``); a
 ``Normalizer`` gives the trainer's own count instead.
 """
@@ -26,11 +32,12 @@ from torch import Tensor
 
 import lossplug
 from lossplug.contracts import LossplugError
+from lossplug.plugin import ReductionParams
 
 
 @lossplug.reduction("response")
 def response_mean(
-    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: lossplug.NoParams
+    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: ReductionParams
 ) -> Tensor:
     """Mean over responses of each response's token mean (every response weighs the same).
 
@@ -45,7 +52,7 @@ def response_mean(
 
 @lossplug.reduction("token")
 def token_mean(
-    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: lossplug.NoParams
+    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: ReductionParams
 ) -> Tensor:
     """Global action-token mean (every action token weighs the same; DAPO).
 
@@ -57,7 +64,7 @@ def token_mean(
     return objective.sum() / population.action_tokens
 
 
-class FixedParams(lossplug.Params):
+class FixedParams(ReductionParams):
     budget: float | None = Field(None, gt=0, description="tokens per response; default: the Normalizer's budget")
 
 
@@ -84,7 +91,7 @@ def fixed_budget(
 
 @lossplug.reduction("sequence_sum")
 def sequence_sum(
-    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: lossplug.NoParams
+    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: ReductionParams
 ) -> Tensor:
     """Mean over responses of each response's token sum.
 
@@ -96,7 +103,7 @@ def sequence_sum(
 
 @lossplug.reduction("token_sum")
 def token_sum(
-    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: lossplug.NoParams
+    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: ReductionParams
 ) -> Tensor:
     """Sum over every action token, no denominator (verl's ``token-sum``): the population is not read.
 

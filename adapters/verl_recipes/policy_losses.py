@@ -19,7 +19,8 @@ Every one of verl 0.9.1's twelve registered losses (``core_algos.POLICY_LOSS_REG
     dppo_kl      dppo_kl(eps_low, eps_high, ratio_cap = clip_ratio_c)
     clip_cov     clip_cov(eps_low, eps_high, ratio, lb, ub)                       (random: verl's RNG replayed)
     kl_cov       kl_cov(ratio, coef = ppo_kl_coef)
-    geo_mean     gmpo(eps_low, eps_high)                  + reduction response    (ignores loss_agg_mode)
+    geo_mean     gmpo(eps_low, eps_high)                  + reduction response    (ignores loss_agg_mode;
+                                                            population micro_batch: verl's batch-local mean)
     dro          dro(beta = dro_beta)                                             (dro_beta is required)
     bypass_mode  loss_type=reinforce: reinforce, bypass_is|bypass_is_seq, bypass_rs
                  loss_type=ppo_clip:  ppo_clip (as vanilla), bypass_rs            (IS weights: verl's metrics only)
@@ -80,12 +81,14 @@ RS_OPTIONS = (
 #: notes for the losses whose verl function is batch-local or ignores loss_agg_mode (text for docs/verl.md)
 GEO_MEAN_NOTE = (
     "geo_mean: verl returns torch.mean over the rows of each micro-batch and ignores loss_agg_mode and "
-    "global_batch_info (no x dp_size): recipe gmpo + reduction response equals it exactly when every rank runs one "
-    "micro-batch of global_batch_size / dp_size non-empty responses (no gradient accumulation, no dynamic batch "
-    "size, no padding rows); otherwise verl weights each micro-batch k by 1/rows_k instead of dp_size/global rows. "
-    "The response reduction over the step's population (lossplug's Normalizer) is the data-parallel-exact mean "
-    "over all responses of the step. verl averages rollout_is_weights geometrically per response for geo_mean; "
-    "lossplug's adapter multiplies them per token: with algorithm.rollout_correction.rollout_is set, not exact."
+    "global_batch_info (no x dp_size); its engine adds the micro-batches' losses as they are and averages the ranks: "
+    "recipe gmpo + reduction {name: response, population: micro_batch} reproduces it exactly (the verl adapter hands "
+    "a micro-batch-local reduction its own micro-batch as population, no x dp_size), whatever the micro-batches, "
+    "dynamic batch size and dp_size. It depends on the split (the step's loss grows with the micro-batches per rank); "
+    "the data-parallel-exact alternative is gmpo + reduction response over the step's population: the mean over "
+    "all responses of the step, whatever the split (docs/verl.md, 'geo_mean under data parallelism'). verl averages "
+    "rollout_is_weights geometrically per response for geo_mean; lossplug's adapter multiplies them per token: with "
+    "algorithm.rollout_correction.rollout_is set, not exact."
 )
 SAPO_NOTE = "sapo: verl always aggregates with seq-mean-token-mean (reduction response), whatever loss_agg_mode says."
 COVARIANCE_NOTE = (
@@ -363,7 +366,9 @@ def _kl_cov(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages
 def _geo_mean(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages:
     low, high = _clip_range(actor)
     return PolicyStages(
-        [{"name": "gmpo", "eps_low": low, "eps_high": high}], {"name": "response"}, notes=[GEO_MEAN_NOTE]
+        [{"name": "gmpo", "eps_low": low, "eps_high": high}],
+        {"name": "response", "population": "micro_batch"},
+        notes=[GEO_MEAN_NOTE],
     )
 
 

@@ -2,15 +2,18 @@
 
 For each mode (all twelve of verl's registry) and a few parameter settings, the recipe is built from the actor
 config alone — ``policy_gates`` gives the gates and, for the modes that ignore ``loss_agg_mode``, the reduction; else
-the reduction is the one matching ``loss_agg_mode`` — and :func:`lossplug.policy_loss` is compared with verl's own
-function called with an ``ActorConfig`` built from the same settings: float64, loss and gradient with respect to
-``log_prob``, at most 1e-8 relative, under every ``loss_agg_mode`` and dp_size 1 and 2 (each rank one contiguous
-half of the step with verl's ``global_batch_info``; lossplug with a Normalizer over the whole step, × dp_size).
+the reduction is the one matching ``loss_agg_mode`` — and lossplug's verl policy loss
+(``compute_policy_loss_lossplug`` with that recipe) is compared with verl's own function called with an
+``ActorConfig`` built from the same settings: float64, loss and gradient with respect to ``log_prob``, at most 1e-8
+relative, micro-batch by micro-batch, under every ``loss_agg_mode`` and dp_size 1 and 2, each rank's rows split into
+two micro-batches of unequal size (verl's ``global_batch_info`` over the whole step) — what verl's engine
+backpropagates, so batch-local modes (``geo_mean``) are held to verl's per-micro-batch value too.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 import zlib
 from typing import Any
 
@@ -25,6 +28,7 @@ from verl.trainer.config.algorithm import RolloutCorrectionConfig
 from verl.trainer.ppo import core_algos
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
+from lossplug.adapters.verl import LossplugPolicyLossConfig, compute_policy_loss_lossplug
 from lossplug.adapters.verl_recipes.policy_losses import MODES, PolicyStages, policy_gates
 
 DT = torch.float64
@@ -59,67 +63,73 @@ def make_step(seed: int, *, sequence_advantage: bool, scale: float):
     }
 
 
-def ranks(step, dp: int):
-    per = ROWS // dp
-    for r in range(dp):
-        rows = slice(r * per, (r + 1) * per)
+#: dp_size → each micro-batch's rows (each rank a contiguous block, split unevenly in two, as dynamic batch size does)
+SPLITS: dict[int, list[tuple[int, int]]] = {1: [(0, 3), (3, 8)], 2: [(0, 1), (1, 4), (4, 6), (6, 8)]}
+
+
+def micro_batches(step, dp: int):
+    for start, stop in SPLITS[dp]:
+        rows = slice(start, stop)
         width = int(step["lengths"][rows].max())
         yield {k: v[rows, :width] for k, v in step.items() if k != "lengths"}
 
 
-def verl_config(actor: dict[str, Any]) -> ActorConfig:
+def verl_config(actor: dict[str, Any], recipe: dict[str, Any] | None = None) -> ActorConfig:
+    """verl's ActorConfig for ``actor``; with ``recipe``, the same actor under ``loss_mode=lossplug``."""
     fields = copy.deepcopy(actor)
     policy = fields.pop("policy_loss", {})
     corr = policy.pop("rollout_correction", None)
     if corr is not None:
         policy["rollout_correction"] = RolloutCorrectionConfig(**corr)
-    return ActorConfig(
-        strategy="fsdp",
-        rollout_n=4,
-        ppo_micro_batch_size_per_gpu=ROWS,
-        policy_loss=PolicyLossConfig(**policy),
-        **fields,
+    loss = (
+        PolicyLossConfig(**policy)
+        if recipe is None
+        else LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe, validation="full")
     )
+    return ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=ROWS, policy_loss=loss, **fields)
 
 
 def run_both(actor: dict[str, Any], dp: int, step, *, seeded: bool = False) -> tuple[float, float]:
-    """Max relative difference (loss, gradient) between verl's loss_mode and policy_gates' recipe, over the ranks."""
+    """Max relative difference (loss, gradient) between verl's loss_mode and lossplug's verl policy loss with
+    policy_gates' recipe, over the micro-batches of every rank."""
     stages = policy_gates(actor)
     assert isinstance(stages, PolicyStages)
     agg = actor["loss_agg_mode"]
-    recipe = lossplug.Recipe.load({"gates": stages.gates, "reduction": stages.reduction or REDUCTIONS[agg]})
+    recipe = {"gates": stages.gates, "reduction": stages.reduction or REDUCTIONS[agg]}
     config = verl_config(actor)
+    ours = verl_config(actor, recipe)
     tokens = int(step["response_mask"].sum())
-    config.global_batch_info.update(dp_size=dp, batch_num_tokens=tokens, global_batch_size=ROWS, loss_scale_factor=LSF)
-    normalizer = lossplug.Normalizer(action_tokens=tokens, sequences=ROWS, budget=float(LSF))
+    for c in (config, ours):
+        c.global_batch_info.update(dp_size=dp, batch_num_tokens=tokens, global_batch_size=ROWS, loss_scale_factor=LSF)
     fn = core_algos.get_policy_loss_fn(actor["policy_loss"]["loss_mode"])
     worst_loss = worst_grad = 0.0
-    for i, mb in enumerate(ranks(step, dp)):
-        verl_logp = mb["log_prob"].clone().requires_grad_()
-        if seeded:
-            torch.manual_seed(100 + i)
-        ref, _ = fn(
-            old_log_prob=mb["old_log_prob"],
-            log_prob=verl_logp,
-            advantages=mb["advantages"],
-            response_mask=mb["response_mask"],
-            loss_agg_mode=agg,
-            config=config,
-            rollout_is_weights=None,
-        )
-        ref.backward()
-        logp = mb["log_prob"].clone().requires_grad_()
-        batch = lossplug.PolicyBatch(
-            logp=logp, old_logp=mb["old_log_prob"], advantage=mb["advantages"], action_mask=mb["response_mask"]
-        )
-        if seeded:
-            torch.manual_seed(100 + i)
-        loss = lossplug.policy_loss(batch, recipe, normalizer).loss * dp
-        loss.backward()
-        assert logp.grad is not None and verl_logp.grad is not None and logp.grad.abs().sum() > 0
+    moved = False  # (a micro-batch of one fully clipped row has no gradient; the step must have one)
+    for i, mb in enumerate(micro_batches(step, dp)):
+        results = []
+        for loss_fn, cfg in ((fn, config), (compute_policy_loss_lossplug, ours)):
+            logp = mb["log_prob"].clone().requires_grad_()
+            if seeded:
+                torch.manual_seed(100 + i)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the adapter's note that loss_agg_mode reduces verl's own terms)
+                loss, _ = loss_fn(
+                    old_log_prob=mb["old_log_prob"],
+                    log_prob=logp,
+                    advantages=mb["advantages"],
+                    response_mask=mb["response_mask"],
+                    loss_agg_mode=agg,
+                    config=cfg,
+                    rollout_is_weights=None,
+                )
+            loss.backward()
+            assert logp.grad is not None
+            results.append((loss.detach(), logp.grad))
+        (ref, ref_grad), (loss, grad) = results
         worst_loss = max(worst_loss, ((loss - ref).abs() / ref.abs().clamp(min=1e-300)).item())
-        scale = verl_logp.grad.abs().max().clamp(min=1e-300)
-        worst_grad = max(worst_grad, ((logp.grad - verl_logp.grad).abs().max() / scale).item())
+        scale = ref_grad.abs().max().clamp(min=1e-300)
+        worst_grad = max(worst_grad, ((grad - ref_grad).abs().max() / scale).item())
+        moved = moved or bool(ref_grad.abs().sum() > 0)
+    assert moved, "verl's loss has no gradient on this step"
     return worst_loss, worst_grad
 
 
@@ -266,10 +276,47 @@ def test_policy_gates_reproduce_verl(case, actor, seq_adv, scale, agg, dp):
 
 
 def test_modes_that_ignore_loss_agg_mode_bring_their_reduction():
-    for mode in ("sapo", "geo_mean"):
+    for mode, reduction in (
+        ("sapo", {"name": "response"}),
+        ("geo_mean", {"name": "response", "population": "micro_batch"}),  # verl's mean over each micro-batch's rows
+    ):
         stages = policy_gates({"loss_agg_mode": "token-mean", "policy_loss": {"loss_mode": mode}})
-        assert stages.reduction == {"name": "response"} and stages.notes
+        assert stages.reduction == reduction and stages.notes
     assert policy_gates({"policy_loss": {"loss_mode": "vanilla"}}).reduction is None
+
+
+def test_geo_mean_counts_rows_without_actions_as_verls_mean_does():
+    """verl's geo_mean divides by every row of the micro-batch (torch.mean), rows emptied by rejection sampling
+    included; the adapter leaves such rows out of the lossplug batch and weighs the rest by their share."""
+    actor = {"loss_agg_mode": "token-mean", "policy_loss": {"loss_mode": "geo_mean"}}
+    step = make_step(7, sequence_advantage=True, scale=0.5)
+    step["response_mask"] = step["response_mask"].clone()
+    step["response_mask"][[1, 5]] = False
+    loss, grad = run_both(actor, 2, step)
+    assert loss <= TOL and grad <= TOL, (loss, grad)
+
+
+def test_geo_mean_population_step_is_the_data_parallel_exact_alternative():
+    """gmpo + response over the step (the documented alternative) does not depend on the split: the micro-batches'
+    shares add up to the whole step's mean; the micro_batch form (verl's) does."""
+    step = make_step(3, sequence_advantage=True, scale=0.5)
+    gates = policy_gates({"policy_loss": {"loss_mode": "geo_mean"}}).gates
+    whole = {}
+    for population in ("step", "micro_batch"):
+        recipe = lossplug.Recipe.load({"gates": gates, "reduction": {"name": "response", "population": population}})
+        tokens = int(step["response_mask"].sum())
+        normalizer = lossplug.Normalizer(action_tokens=tokens, sequences=ROWS, micro_batches=len(SPLITS[2]))
+        full = lossplug.policy_loss(_batch(step), recipe).loss
+        parts = sum(lossplug.policy_loss(_batch(mb), recipe, normalizer).loss for mb in micro_batches(step, 2))
+        whole[population] = (float(full), float(parts))
+    assert whole["step"][0] == pytest.approx(whole["step"][1], rel=1e-12)
+    assert abs(whole["micro_batch"][0] - whole["micro_batch"][1]) > 1e-3
+
+
+def _batch(mb) -> lossplug.PolicyBatch:
+    return lossplug.PolicyBatch(
+        logp=mb["log_prob"], old_logp=mb["old_log_prob"], advantage=mb["advantages"], action_mask=mb["response_mask"]
+    )
 
 
 def test_gpg_maps_to_reinforce_and_defaults_follow_verl():

@@ -162,6 +162,71 @@ def test_micro_batches_under_a_normalizer_sum_to_the_full_batch(case, reduction)
     torch.testing.assert_close(micro_logp.grad, full_logp.grad, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_population_micro_batch_is_each_micro_batchs_own_value_weighted_by_the_normalizer(reduction):
+    """``population: micro_batch``: the micro-batch's own denominators (the Normalizer's budget kept), its value
+    weighted by 1 / micro_batches, else by rows / sequences — a mean of per-micro-batch values (not additive)."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([1, 4, 2, 3, 3, 1])
+    mask = torch.arange(4) < lengths[:, None]
+    logp = -torch.rand(6, 4, generator=gen, dtype=torch.float64)
+    adv = torch.randn(6, generator=gen, dtype=torch.float64)
+    budget = {"budget": 8} if reduction == "fixed" else {}
+    local = recipe_for(reduction, population="micro_batch")
+    step = recipe_for(reduction)
+    parts = [(0, 2), (2, 6)]
+
+    def loss(recipe, lo, hi, norm=None):
+        batch = PolicyBatch(logp=logp[lo:hi], old_logp=logp[lo:hi], action_mask=mask[lo:hi], advantage=adv[lo:hi])
+        return policy_loss(batch, recipe, norm).loss
+
+    own = [loss(step, lo, hi, Normalizer.for_masks([mask[lo:hi]], budget=8.0)) for lo, hi in parts]
+    counted = Normalizer.for_masks([mask], budget=8.0, micro_batches=len(parts))
+    torch.testing.assert_close(sum(loss(local, lo, hi, counted) for lo, hi in parts), sum(own) / len(parts))
+    by_rows = Normalizer.for_masks([mask], budget=8.0)
+    torch.testing.assert_close(
+        sum(loss(local, lo, hi, by_rows) for lo, hi in parts), sum(o * (hi - lo) / 6 for o, (lo, hi) in zip(own, parts))
+    )
+    if budget:  # without a Normalizer the micro-batch is its own population either way
+        return
+    torch.testing.assert_close(loss(local, 0, 6), loss(step, 0, 6))
+    values = torch.where(mask, adv[:, None].expand(6, 4), 0)
+    torch.testing.assert_close(
+        lossplug.reduce(
+            values[:2], mask[:2], reduction={"name": reduction, "population": "micro_batch"}, normalizer=counted
+        ),
+        lossplug.reduce(values[:2], mask[:2], reduction=reduction) / 2,
+    )
+
+
+def test_the_kit_sees_which_micro_batch_populations_stay_additive():
+    """Weighted by its rows' share (a Normalizer without micro_batches), a micro-batch's own response mean is its
+    share of the step's: additive; its own token mean (TRL's bnpo) is not, by design."""
+    from lossplug.testing import check_plugin
+
+    local = {"population": "micro_batch"}
+    assert check_plugin("response", kind="reduction", params=local, checks=["microbatch_split"]).ok
+    assert not check_plugin("token", kind="reduction", params=local, checks=["microbatch_split"]).ok
+
+
+def test_a_regulariser_reduces_over_the_micro_batch_when_its_reduction_says_so():
+    logp = torch.tensor([[-0.5, -1.0, -0.2], [-0.3, -0.7, -0.9]], dtype=torch.float64)
+    ref = logp - 0.25
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    batch = PolicyBatch(logp=logp, old_logp=logp, ref_logp=ref, action_mask=mask, advantage=torch.zeros(2))
+    norm = Normalizer(action_tokens=50, sequences=10, micro_batches=4)
+    values = {}
+    for reg in (
+        {"name": "kl", "coef": 1.0, "estimator": "k1", "reduction": {"name": "token", "population": "micro_batch"}},
+        {"name": "kl", "coef": 1.0, "estimator": "k1", "reduction": "token", "population": "micro_batch"},
+        {"name": "kl", "coef": 1.0, "estimator": "k1", "reduction": "token"},
+    ):
+        recipe = Recipe.load({"gates": "reinforce", "reduction": "token", "regularisers": [reg]})
+        values[len(values)] = policy_loss(batch, recipe, norm).loss.item()
+    assert values[0] == pytest.approx(0.25 / 4) and values[1] == pytest.approx(0.25 / 4)
+    assert values[2] == pytest.approx(0.25 * 5 / 50)
+
+
 def test_missing_fields_are_named_with_who_needs_them():
     batch = PolicyBatch(logp=torch.zeros(2, 2), action_mask=torch.ones(2, 2, dtype=torch.bool))
     with pytest.raises(BatchValidationError) as info:
