@@ -671,7 +671,7 @@ CASES: list[Case] = [
     C(
         "IcePop low > high",
         lambda: Recipe.model_validate(recipe(gates=["ppo_clip", {"name": "icepop", "low": 5, "high": 0.5}])),
-        ("recipe.gates[1] (icepop)", "low (5.0) must be below high (0.5)"),
+        ("recipe.gates[1] (icepop)", "low (5.0) must not be above high (0.5)"),
         RecipeError,
     ),
     C(

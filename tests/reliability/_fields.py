@@ -1,0 +1,124 @@
+"""Complete a test batch with whatever a recipe reads, so the reliability suites can iterate over every registered
+plugin without knowing which optional fields each one declares.
+
+:func:`complete_fields` asks :func:`lossplug.needs.recipe_needs` what the recipe requires and synthesises each
+missing field from the fields the test already built, so that the test keeps its meaning:
+
+* ``entropy`` ``[B, T]``: finite and ≥ 0 on the actions, spanning 0 (exactly) to 12 nats (≈ log of a 160k
+  vocabulary), in ``logp``'s dtype;
+* ``sum_pi_squared`` ``[B, T]``: consistent with ``old_logp`` — with ``p = exp(old_logp)`` the probability of the
+  sampled token, ``Σ_v π(v)²`` lies between ``p²`` (the rest of the mass spread thin) and ``p² + (1 − p)²`` (all of
+  it on one other token); the positions walk that interval end to end;
+* ``reward_components`` ``[B, K]``: the tested ``reward`` carried into the columns, ``split`` (two columns summing to
+  the reward: ¼ and ¾ of it, in float64) or ``each`` (every column the reward itself), so equal / extreme / tiny
+  rewards stay equal / extreme / tiny per component;
+* ``reward_baseline`` ``[B]``: the reward of the previous row (``reward.roll(1)``): all-equal rewards give a
+  baseline equal to every reward, extreme ones a baseline as extreme;
+* ``old_logp`` / ``behavior_logp`` / ``ref_logp``: ``logp`` (detached), ``ref_logp`` 0.5 nats below ``old_logp``.
+
+Where the test poisons a per-token field off the actions (NaN / inf on padding), the synthesised per-token fields
+are poisoned at the same positions: padding is padding in every field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from lossplug.needs import recipe_needs
+
+Tensor = torch.Tensor
+
+#: largest synthesised entropy (nats): about log(160 000), a large vocabulary's maximum
+MAX_ENTROPY = 12.0
+
+Components = Literal["split", "each"]
+
+
+def _positions(mask: Tensor) -> Tensor:
+    """0 … 1 along the flattened positions (both ends reached), float64, shaped like ``mask``."""
+    n = mask.numel()
+    return torch.linspace(0.0, 1.0, max(n, 2), dtype=torch.float64)[:n].reshape(mask.shape)
+
+
+def _poisoned_padding(fields: dict[str, Any]) -> Tensor:
+    """Positions off the actions where any given per-token float field is not finite."""
+    mask = fields["action_mask"]
+    poisoned = torch.zeros_like(mask)
+    for value in fields.values():
+        if isinstance(value, Tensor) and value.shape == mask.shape and value.is_floating_point():
+            poisoned |= ~torch.isfinite(value.detach())
+    return poisoned & ~mask
+
+
+def _float_dtype(t: Tensor) -> torch.dtype:
+    return t.dtype if t.is_floating_point() else torch.float32
+
+
+def entropy_like(fields: dict[str, Any]) -> Tensor:
+    """A per-token entropy for ``fields``' batch: 0 to :data:`MAX_ENTROPY` along the positions."""
+    logp = fields["logp"]
+    entropy = (MAX_ENTROPY * _positions(fields["action_mask"])).to(logp.dtype)
+    return entropy.masked_fill(_poisoned_padding(fields), float("nan"))
+
+
+def sum_pi_squared_like(fields: dict[str, Any]) -> Tensor:
+    """``Σ_v π_old(v)²`` consistent with ``old_logp``: ``p² + s·(1 − p)²``, ``s`` walking [0, 1] along the positions."""
+    old = fields.get("old_logp", fields["logp"]).detach()
+    p = torch.exp(old.to(torch.float64).nan_to_num(nan=0.0, posinf=0.0, neginf=-torch.inf)).clamp(0.0, 1.0)
+    spread = _positions(fields["action_mask"])
+    value = (p.square() + spread * (1 - p).square()).clamp(0.0, 1.0).to(_float_dtype(old))
+    return value.masked_fill(_poisoned_padding(fields), float("nan"))
+
+
+def _response_reward(reward: Tensor) -> Tensor:
+    return reward if reward.ndim == 1 else reward.sum(-1)
+
+
+def reward_components_like(fields: dict[str, Any], components: Components = "split") -> Tensor:
+    """``[B, 2]`` components of ``reward``: ``split`` (¼ and ¾, summing to it) or ``each`` (both the reward)."""
+    reward = _response_reward(fields["reward"])
+    r64 = reward.to(torch.float64)
+    if components == "split":
+        quarter = r64 / 4
+        cols = [quarter, r64 - quarter]
+    else:
+        cols = [r64, r64]
+    return torch.stack(cols, dim=-1).to(_float_dtype(reward))
+
+
+def reward_baseline_like(fields: dict[str, Any]) -> Tensor:
+    """``[B]`` a baseline as extreme as the rewards: the previous row's reward."""
+    return _response_reward(fields["reward"]).roll(1)
+
+
+def complete_fields(fields: dict[str, Any], recipe: Any, *, components: Components = "split") -> dict[str, Any]:
+    """``fields`` plus every field ``recipe`` requires (``lossplug.needs``) that ``fields`` lacks (a new dict).
+
+    A field this helper does not know how to synthesise fails the test by name: teach it here rather than skipping
+    the plugin that reads it.
+    """
+    out = dict(fields)
+    needed = recipe_needs(recipe)
+    logp = out["logp"].detach()
+    builders = {
+        "old_logp": lambda: logp.clone(),
+        "behavior_logp": lambda: out.get("old_logp", logp).detach().clone(),
+        "ref_logp": lambda: out.get("old_logp", logp).detach() - 0.5,
+        "entropy": lambda: entropy_like(out),
+        "sum_pi_squared": lambda: sum_pi_squared_like(out),
+        "reward_components": lambda: reward_components_like(out, components),
+        "reward_baseline": lambda: reward_baseline_like(out),
+    }
+    # the log-probs first: sum_pi_squared is derived from old_logp
+    for name in sorted(needed, key=lambda n: (not n.endswith("logp"), n)):
+        if out.get(name) is not None:
+            continue
+        if name not in builders:
+            raise AssertionError(
+                f"the recipe needs '{name}' ({', '.join(needed[name])}), which tests/reliability/_fields.py cannot "
+                "synthesise yet: add a builder that keeps the tests' meaning"
+            )
+        out[name] = builders[name]()
+    return out
