@@ -24,6 +24,9 @@ Batch mapping (verl → :class:`~lossplug.PolicyBatch`): ``log_prob`` → ``logp
 ``advantages`` → ``advantage``, ``response_mask`` → ``action_mask``; the behaviour side: ``rollout_log_probs`` (when
 a caller passes it) → ``behavior_logp`` for the recipe's correction gates, and verl's own rollout-correction weights
 ``rollout_is_weights`` multiply the objective after the gates (detached), exactly as verl's built-in losses apply them.
+verl's ``ppo_loss`` never passes ``rollout_log_probs``: there a recipe's engine corrections must be verl's
+``algorithm.rollout_correction``, forwarded as ``actor.policy_loss.rollout_correction`` — checked equal, dropped from
+the policy term, verl's weights applied instead (:class:`LossplugPolicyLossConfig`); else refused with the lines.
 For the estimator: ``token_level_rewards`` → ``reward`` ``[B, T]``, ``uid`` (numpy object array) → integer
 ``group_id``, ``reward_baselines`` → ``reward_baseline``. verl's ``ray_trainer.compute_advantage`` passes a
 registered estimator nothing else, so a plugin that needs the critic's ``values`` (``gae``) or log-probs is refused
@@ -203,12 +206,22 @@ class LossplugPolicyLossConfig(PolicyLossConfig):
     ``rollout_log_probs`` also ``actor/rollout_corr/kl`` (verl's ``rollout_corr/kl``: mean of rollout − old log-probs).
     Under ``loss_mode=lossplug`` verl's ``clip_ratio*``, ``clip_ratio_c`` and ``tau_*`` are not read: the recipe's
     parameters are the only ones.
+
+    ``rollout_correction``: verl's ``algorithm.rollout_correction``, forwarded to the actor with
+    ``+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}`` (verl itself copies it
+    there only in bypass mode, where ``loss_mode`` becomes ``bypass_mode``). With it, a recipe may keep its correction
+    gates against the rollout engine when they are exactly what that config maps to
+    (:func:`~lossplug.adapters.verl_recipes.rollout_correction.correction_gates`): verl's driver computes them and
+    hands the loss ``rollout_is_weights`` (and removes rejected tokens from ``response_mask``), so the adapter drops
+    them from the policy term and applies verl's weights, once. ``None`` (the default here; verl's own dataclass
+    default is a ``rollout_is: sequence`` config nobody set): not forwarded.
     """
 
     loss_mode: str = NAME
     recipe: Any = None
     validation: str = "full"
     metrics: Any = "basic"
+    rollout_correction: Any = None
 
     def __post_init__(self) -> None:
         try:
@@ -536,6 +549,139 @@ def _policy_term(recipe: Recipe, config: Any, loss_agg_mode: str) -> Recipe:
     return term
 
 
+#: verl's rollout-correction settings as Hydra overrides (how the refusals below say what to set)
+_FORWARD_LINE = "'+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}'"
+_RC = "algorithm.rollout_correction"
+
+
+def _engine_corrections(recipe: Recipe) -> list[tuple[int, Any]]:
+    """``(index in recipe.gates, stage)`` of the correction gates that read the rollout engine's log-probs."""
+    compiled = lossplug.compile_recipe(recipe)
+    out = []
+    for stage in compiled.corrections:
+        if "behavior_logp" in stage.plugin.required_fields(stage.params):
+            out.append((int(stage.where.removeprefix("recipe.gates[").rstrip("]")), stage))
+    return out
+
+
+def _comparable(recipe: Recipe, gates: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """Correction gate specs with their defaults filled in (``offpolicy_metrics``, diagnostics only, left out), in a
+    canonical order: the weights multiply, so their order is free."""
+    trial = Recipe.load({"gates": [recipe.gates[0].to_dict(), *gates], "reduction": recipe.reduction.to_dict()})
+    compiled = lossplug.compile_recipe(trial)
+    return sorted(
+        (s.plugin.name, json.dumps(s.params.model_dump(), sort_keys=True, default=str))
+        for s in compiled.corrections
+        if s.plugin.name != "offpolicy_metrics"
+    )
+
+
+def _verl_lines(gates: Sequence[Mapping[str, Any]]) -> str | None:
+    """The ``algorithm.rollout_correction`` overrides whose :func:`correction_gates` are ``gates`` (checked by mapping
+    them back), or None when verl has no such setting."""
+    from lossplug.adapters.verl_recipes.rollout_correction import correction_gates
+
+    settings: dict[str, Any] = {"rollout_is": None}
+    for gate in gates:
+        name, params = gate["name"], {k: v for k, v in gate.items() if k != "name"}
+        level = "sequence" if name.endswith("_seq") else "token"
+        if name in ("tis", "tis_seq") and "cap" in params:
+            settings.update(rollout_is=level, rollout_is_threshold=float(params["cap"]))
+        elif name in ("icepop", "icepop_seq") and "low" in params and "high" in params:
+            settings.update(rollout_is=level, rollout_is_threshold=f"{float(params['low'])}_{float(params['high'])}")
+        elif name == "rollout_rs":
+            settings.update(rollout_rs=params.get("options"), rollout_rs_threshold=params.get("threshold"))
+        elif name != "offpolicy_metrics":
+            return None
+        if params.get("batch_normalize"):
+            settings["rollout_is_batch_normalize"] = True
+    try:
+        mapped = correction_gates(settings, loss_agg_mode="token-sum", whole_batch=True)
+        trial = Recipe.load({"gates": ["reinforce", *gates], "reduction": "token"})
+        if _comparable(trial, mapped) != _comparable(trial, gates):
+            return None
+    except LossplugError:
+        return None
+
+    def value(v: Any) -> str:
+        # (Hydra reads a bare a,b as a sweep and a bare 0.5_5.0 as a number: such strings are quoted)
+        return "null" if v is None else f"'{v}'" if isinstance(v, str) and any(c in v for c in "_,") else str(v)
+
+    return " ".join(f"{_RC}.{k}={value(v)}" for k, v in settings.items())
+
+
+#: (id(recipe), forwarded rollout_correction, weights given) → (recipe, the recipe without verl's correction gates)
+_correction_terms: dict[tuple[Any, ...], tuple[Recipe, Recipe]] = {}
+
+
+def _without_verls_correction(recipe: Recipe, policy_cfg: Any, *, has_weights: bool) -> Recipe:
+    """The recipe without its correction gates against the rollout engine, once they are found to be exactly verl's
+    ``algorithm.rollout_correction`` (forwarded as ``actor.policy_loss.rollout_correction``), which verl's driver has
+    applied: its weights arrive as ``rollout_is_weights`` (applied by the caller, once) and its rejection in
+    ``response_mask``. A recipe without such gates is returned as is. Otherwise refused, with the override lines."""
+    from lossplug.adapters.verl_recipes import as_plain
+    from lossplug.adapters.verl_recipes.rollout_correction import correction_gates
+
+    engine_side = _engine_corrections(recipe)
+    if not engine_side:
+        return recipe
+    forwarded = as_plain(getattr(policy_cfg, "rollout_correction", None), "policy_loss.rollout_correction")
+    key = (id(recipe), json.dumps(forwarded, sort_keys=True, default=str), has_weights)
+    cached = _correction_terms.get(key)
+    if cached is not None:
+        return cached[1]
+    ours = [recipe.gates[i].to_dict() for i, _ in engine_side]
+    names = ", ".join(f"recipe.gates[{i}] ({s.plugin.name})" for i, s in engine_side)
+    lines = _verl_lines(ours)
+    wanted = (
+        f"forward algorithm.rollout_correction to the actor and set it to the recipe's corrections: {_FORWARD_LINE} "
+        f"{lines}"
+        if lines is not None
+        else "verl's rollout correction has no setting for them: drop them from the recipe (and use verl's "
+        f"{_RC}.rollout_is / rollout_rs, which reach lossplug as rollout_is_weights and response_mask)"
+    )
+    where = (
+        f"{POLICY_RECIPE_KEY}: the recipe's corrections {names} read the rollout engine's log-probs, which verl's "
+        f"ppo_loss never passes to a policy loss (verl's driver applies {_RC} itself and hands the loss "
+        f"rollout_is_weights)"
+    )
+    if forwarded is None:
+        raise LossplugError(f"{where}; {wanted}")
+    # the driver sees the whole rollout batch (batch normalisation is whole-batch) and removes rejected tokens from
+    # response_mask (exact under any loss_agg_mode): only the gates are compared, not their exactness as weights
+    try:
+        theirs = correction_gates(forwarded, loss_agg_mode="token-sum", whole_batch=True)
+    except LossplugError as err:
+        raise LossplugError(
+            f"actor_rollout_ref.actor.policy_loss.rollout_correction (forwarded {_RC}): {err}"
+        ) from None
+    if _comparable(recipe, theirs) != _comparable(recipe, ours):
+        shown = [g for g in theirs if g["name"] != "offpolicy_metrics"]
+        raise LossplugError(
+            f"{where}; the forwarded {_RC} ({forwarded}) maps to {shown or 'no correction'}, not to the recipe's "
+            f"{[g for g in ours if g['name'] != 'offpolicy_metrics']}: {wanted}"
+        )
+    reweights = any(g["name"] in ("tis", "tis_seq", "icepop", "icepop_seq") for g in theirs)
+    if reweights != has_weights:
+        raise LossplugError(
+            f"{where}; the forwarded {_RC} "
+            + (
+                "sets rollout_is, but verl handed this micro-batch no rollout_is_weights: the driver computes them "
+                "in decoupled mode (bypass_mode=false) when the rollout returns log-probs "
+                "(actor_rollout_ref.rollout.calculate_log_probs=true) — is the forwarded config algorithm's?"
+                if reweights
+                else f"sets no rollout_is, but verl handed this micro-batch rollout_is_weights: forward {_RC} itself "
+                f"({_FORWARD_LINE})"
+            )
+        )
+    dropped = {i for i, _ in engine_side}
+    spec = recipe.to_dict()
+    spec["gates"] = [g for i, g in enumerate(spec["gates"]) if i not in dropped]
+    term = Recipe.load(spec)
+    _correction_terms[key] = (recipe, term)
+    return term
+
+
 _checked_kinds: set[str] = set()
 
 
@@ -588,25 +734,11 @@ def compute_policy_loss_lossplug(
         )
 
     # corrections on the engine ratio read the rollout engine's log-probs; bypass mode's gates (bypass_is, bypass_rs)
-    # read old_logp, which verl's apply_bypass_mode has set to the rollout log-probs
-    engine_side = [
-        (i, s) for i, s in enumerate(compiled.corrections) if "behavior_logp" in s.plugin.required_fields(s.params)
-    ]
-    if engine_side:
-        names = ", ".join(f"recipe.gates[{i + 1}] ({s.plugin.name})" for i, s in engine_side)
-        if rollout_is_weights is not None:
-            raise LossplugError(
-                f"{POLICY_RECIPE_KEY}: the recipe's corrections {names} and verl's rollout correction "
-                f"(rollout_is_weights, from algorithm.rollout_correction) would correct the engine mismatch twice; "
-                f"disable one (algorithm.rollout_correction.rollout_is=null, or drop the corrections from the recipe)"
-            )
-        if rollout_log_probs is None:
-            raise LossplugError(
-                f"{POLICY_RECIPE_KEY}: the recipe's corrections {names} need the rollout engine's log-probs, but verl "
-                f"passes no rollout_log_probs to a policy loss; use verl's rollout correction instead "
-                f"(algorithm.rollout_correction.rollout_is=token|sequence, rollout_is_threshold=2.0 for TIS or "
-                f'"0.5_5.0" for IcePop), which reaches lossplug as rollout_is_weights'
-            )
+    # read old_logp, which verl's apply_bypass_mode has set to the rollout log-probs. verl's ppo_loss never passes
+    # rollout_log_probs: such gates must be verl's own rollout correction, which its driver has applied already
+    if rollout_is_weights is not None or rollout_log_probs is None:
+        recipe = _without_verls_correction(recipe, policy_cfg, has_weights=rollout_is_weights is not None)
+        compiled = lossplug.compile_recipe(recipe)
 
     mask = response_mask.bool()
     keep = mask.any(-1)

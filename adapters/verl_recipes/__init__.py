@@ -195,8 +195,10 @@ def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None, *, w
     ``rollout_is_batch_normalize`` exact (refused otherwise; see :mod:`.rollout_correction`).
 
     Under verl itself (``loss_mode=lossplug``) verl's driver still computes the rollout correction and hands the loss
-    ``rollout_is_weights``: there, leave the correction gates out (``algorithm_config`` without
-    ``rollout_correction``, or use only the recipe's ``gates[0]``) — the adapter refuses to correct twice.
+    ``rollout_is_weights``: forward ``algorithm.rollout_correction`` to the actor
+    (``+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}``) and the adapter
+    replaces the recipe's correction gates with verl's weights once it finds them equal; or leave them out
+    (``algorithm_config`` without ``rollout_correction``).
     """
     from . import advantages, policy_losses, rollout_correction
 

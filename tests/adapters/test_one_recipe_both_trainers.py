@@ -12,10 +12,12 @@ goes through
   return the fixed log-probs and entropies; advantages from the adapter's ``group_advantages`` on the rewards.
   Two micro-batches of 4 rows, ``gradient_accumulation_steps = steps_per_generation = 2`` on one process: TRL's
   convention is that each returned loss is already scaled for accumulation, so their sum is the step's loss.
-* **verl** — verl's own actor loss ``verl.workers.utils.losses.ppo_loss`` with ``loss_mode=lossplug`` and the recipe,
-  ``entropy_coeff`` / ``use_kl_loss`` / ``kl_loss_type`` / ``kl_loss_coef`` set to the recipe's regularisers (the
-  adapter checks they agree and counts each once), the correction as verl's rollout correction (``rollout_is=token``,
-  ``rollout_is_threshold=cap``: weights from verl's own ``rollout_corr_helper``), ``loss_agg_mode=token-mean``;
+* **verl** — verl's own actor loss ``verl.workers.utils.losses.ppo_loss`` with ``loss_mode=lossplug`` and **the same
+  recipe file**, ``entropy_coeff`` / ``use_kl_loss`` / ``kl_loss_type`` / ``kl_loss_coef`` set to the recipe's
+  regularisers (the adapter checks they agree and counts each once), the correction as verl's rollout correction
+  (``rollout_is=token``, ``rollout_is_threshold=cap``: weights from verl's own ``rollout_corr_helper``) forwarded to the
+  actor as ``policy_loss.rollout_correction`` (the adapter checks it maps to the recipe's ``tis`` and applies verl's
+  weights in its place, once), ``loss_agg_mode=token-mean``;
   advantages from verl's estimator ``lossplug`` on token-level rewards and ``uid``. dp_size 2 × 2 micro-batches of 2
   rows, each padded to its own longest response, with verl's global batch info: each returned loss is the
   micro-batch's share × dp_size, and DDP averages over the ranks, so their sum / dp_size is the step's loss.
@@ -25,9 +27,11 @@ Loss and gradient (wrt the log-probs and the entropies) agree to ≤ 1e-10 relat
 verl's native ``vanilla`` loss with the same settings gives the same numbers, and ``verl_equivalent`` of the verl
 settings is the recipe.
 
-verl hands a registered policy loss ``rollout_is_weights`` but never ``rollout_log_probs``, so under ``ppo_loss``
-the recipe's ``tis`` stage is the one stage that cannot travel as written: the adapter refuses it (corrected twice,
-or no rollout log-probs) and the correction is verl's ``algorithm.rollout_correction`` — asserted below.
+verl hands a registered policy loss ``rollout_is_weights`` but never ``rollout_log_probs``, so under ``ppo_loss`` the
+recipe's ``tis`` is computed by verl's driver from ``algorithm.rollout_correction``; the policy loss sees that config
+only when it is forwarded (``+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}``).
+Without it, or with a config that maps to another correction, the adapter refuses, naming the override lines —
+asserted below, with the Hydra composition of that line against verl's own config.
 """
 
 from __future__ import annotations
@@ -235,19 +239,20 @@ def trl_step(trainer: Any, x: dict[str, torch.Tensor], advantages: torch.Tensor)
 # verl
 
 
-def verl_policy_recipe() -> dict[str, Any]:
-    """The recipe as verl's actor runs it: its corrections are verl's rollout correction (see the module docstring)."""
-    recipe = lossplug.Recipe.load(RECIPE_YAML).to_dict()
-    compiled = lossplug.compile_recipe(lossplug.Recipe.load(RECIPE_YAML))
-    corrections = {s.where for s in compiled.corrections}
-    recipe["gates"] = [g for i, g in enumerate(recipe["gates"]) if f"recipe.gates[{i}]" not in corrections]
-    return recipe
-
-
-def verl_actor(policy_loss: Any) -> ActorConfig:
+def verl_actor(policy_loss: Any, **settings: Any) -> ActorConfig:
     return ActorConfig(
-        strategy="fsdp", rollout_n=GROUP, ppo_micro_batch_size_per_gpu=VERL_MICRO, policy_loss=policy_loss, **VERL_ACTOR
+        strategy="fsdp",
+        rollout_n=GROUP,
+        ppo_micro_batch_size_per_gpu=VERL_MICRO,
+        policy_loss=policy_loss,
+        **{**VERL_ACTOR, **settings},
     )
+
+
+def lossplug_policy(recipe: Any, rollout_correction: Any = VERL_ROLLOUT_CORRECTION) -> LossplugPolicyLossConfig:
+    """``policy_loss`` under ``loss_mode=lossplug``, with ``algorithm.rollout_correction`` forwarded (the Hydra line
+    ``+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}``)."""
+    return LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe, rollout_correction=rollout_correction)
 
 
 def verl_advantages(recipe: Any, x: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -278,10 +283,13 @@ def verl_rollout_is_weights(x: dict[str, torch.Tensor]) -> torch.Tensor:
     return weights
 
 
-def verl_step(actor: ActorConfig, x: dict[str, torch.Tensor], advantages: torch.Tensor) -> dict[str, Any]:
-    """dp_size 2 × 2 micro-batches through verl's ``ppo_loss``, each padded to its own longest response."""
+def verl_step(
+    actor: ActorConfig, x: dict[str, torch.Tensor], advantages: torch.Tensor, *, weights: bool = True
+) -> dict[str, Any]:
+    """dp_size 2 × 2 micro-batches through verl's ``ppo_loss``, each padded to its own longest response; ``weights``:
+    verl's driver put ``rollout_is_weights`` into the batch."""
     logp, entropy = leaves(x)
-    weights = verl_rollout_is_weights(x)
+    is_weights = verl_rollout_is_weights(x) if weights else None
     losses = []
     for start in range(0, B, VERL_MICRO):
         rows = range(start, start + VERL_MICRO)
@@ -310,7 +318,7 @@ def verl_step(actor: ActorConfig, x: dict[str, torch.Tensor], advantages: torch.
                 "old_log_probs": cut(x["old"]),
                 "advantages": cut(advantages),
                 "ref_log_prob": cut(x["ref"]),
-                "rollout_is_weights": cut(weights),
+                **({} if is_weights is None else {"rollout_is_weights": cut(is_weights)}),
             },
             batch_size=[VERL_MICRO],
         )
@@ -373,8 +381,7 @@ def test_same_loss_and_gradient_in_trl_verl_and_lossplug(trl_trainer: Any, recip
     expected = direct(x, advantages)
 
     trl = trl_step(trl_trainer, x, trl_advantages(trl_trainer, x).to(DT))
-    verl_config = verl_actor(LossplugPolicyLossConfig(loss_mode="lossplug", recipe=verl_policy_recipe()))
-    verl = verl_step(verl_config, x, verl_advantages(str(recipe_file), x))
+    verl = verl_step(verl_actor(lossplug_policy(str(recipe_file))), x, verl_advantages(str(recipe_file), x))
     native = verl_step(verl_actor(PolicyLossConfig(loss_mode="vanilla")), x, advantages.unsqueeze(-1).expand(B, T))
 
     worst = {}
@@ -444,42 +451,86 @@ def test_verl_settings_are_the_recipe(recipe_file: Path) -> None:
 def test_under_verls_ppo_loss_the_correction_is_verls_rollout_correction_and_the_terms_verls_settings(
     recipe_file: Path, tensors: Any
 ) -> None:
-    """verl passes a policy loss rollout_is_weights, never rollout_log_probs: the recipe's tis as written is refused
-    either way — twice with verl's weights, impossible without them — naming the way out."""
+    """verl passes a policy loss rollout_is_weights, never rollout_log_probs: the recipe's tis runs as verl's rollout
+    correction only when algorithm.rollout_correction is forwarded and maps to it; otherwise refused, naming the
+    override lines. verl's entropy/KL settings must be the recipe's regularisers (each counted once)."""
     x = tensors
     advantages = direct_advantages(x).unsqueeze(-1).expand(B, T)
-    actor = verl_actor(LossplugPolicyLossConfig(loss_mode="lossplug", recipe=str(recipe_file)))
-    with pytest.raises(LossplugError, match="correct the engine mismatch twice"):
-        verl_step(actor, x, advantages)
-    # and verl's own entropy/KL settings must be the recipe's regularisers (each counted once), else refused
-    other = {**VERL_ACTOR, "kl_loss_coef": 0.05}
-    disagreeing = ActorConfig(
-        strategy="fsdp",
-        rollout_n=GROUP,
-        ppo_micro_batch_size_per_gpu=VERL_MICRO,
-        policy_loss=LossplugPolicyLossConfig(loss_mode="lossplug", recipe=verl_policy_recipe()),
-        **other,
-    )
+    recipe = str(recipe_file)
+    forward = "'+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}'"
+    lines = "algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=2.0"
+    not_forwarded = verl_actor(lossplug_policy(recipe, rollout_correction=None))
+    with pytest.raises(LossplugError, match="never passes") as refused:
+        verl_step(not_forwarded, x, advantages)
+    assert f"{forward} {lines}" in str(refused.value)
+    other = verl_actor(lossplug_policy(recipe, rollout_correction={"rollout_is": "token", "rollout_is_threshold": 3.0}))
+    with pytest.raises(LossplugError, match=r"maps to \[\{'name': 'tis', 'cap': 3.0\}\], not to the recipe's"):
+        verl_step(other, x, advantages)
+    with pytest.raises(LossplugError, match="no rollout_is_weights"):
+        verl_step(verl_actor(lossplug_policy(recipe)), x, advantages, weights=False)
+    # a recipe without tis next to verl's weights: verl's correction, applied once (the README's earlier form)
+    without_tis = lossplug.Recipe.load(RECIPE_YAML).to_dict()
+    without_tis["gates"] = without_tis["gates"][:1]
+    assert verl_step(verl_actor(lossplug_policy(without_tis, None)), x, advantages)["loss"].isfinite()
+    disagreeing = verl_actor(lossplug_policy(recipe), kl_loss_coef=0.05)
     with pytest.raises(LossplugError, match="not what verl's ppo_loss adds"):
         verl_step(disagreeing, x, advantages)
-    with pytest.raises(LossplugError, match="passes no rollout_log_probs"):
-        compute_policy_loss_lossplug(x["old"], x["logp"], advantages, x["action"], "token-mean", actor)
+    with pytest.raises(LossplugError, match="never passes"):
+        compute_policy_loss_lossplug(x["old"], x["logp"], advantages, x["action"], "token-mean", not_forwarded)
+
+
+def test_the_forwarding_line_composes_with_verls_config(recipe_file: Path) -> None:
+    """``+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}`` against verl's own
+    Hydra config: the actor's LossplugPolicyLossConfig then holds the algorithm's rollout correction."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from lossplug.adapters.verl_recipes import as_plain
+
+    config_dir = Path(verl.__file__).parent / "trainer" / "config"
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        lines = [line.replace("/abs/recipe.yaml", str(recipe_file)) for line in readme_verl_lines()]
+        lines.append("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")  # (the run's own; verl requires one)
+        cfg = compose(config_name="ppo_trainer", overrides=lines)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert isinstance(actor.policy_loss, LossplugPolicyLossConfig) and actor.policy_loss.recipe == str(recipe_file)
+    forwarded = as_plain(actor.policy_loss.rollout_correction, "rollout_correction")
+    assert forwarded is not None
+    assert {k: forwarded[k] for k in VERL_ROLLOUT_CORRECTION} == VERL_ROLLOUT_CORRECTION
+    assert forwarded == as_plain(cfg.algorithm.rollout_correction, "algorithm.rollout_correction")
+
+
+def readme_section() -> str:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return readme.split("## Same recipe in TRL and verl", 1)[1].split("\n## ", 1)[0]
+
+
+def readme_verl_lines() -> list[str]:
+    """The Hydra overrides of the README section's bash block (the shell's quotes and line continuations removed)."""
+    import shlex
+
+    block = readme_section().split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    return [t for t in shlex.split(block) if "=" in t]
 
 
 def test_the_readme_section_shows_this_recipe_and_these_settings() -> None:
     import yaml
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## Same recipe in TRL and verl", 1)[1].split("\n## ", 1)[0]
+    section = readme_section()
     shown = lossplug.Recipe.load(yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])).to_dict()
     ours = lossplug.Recipe.load(RECIPE_YAML).to_dict()
     shown.pop("name", None)
     ours.pop("name", None)
     assert shown == ours
-    lines = section.split("```bash\n", 1)[1].split("```", 1)[0]
-    settings = dict(token.split("=", 1) for token in lines.split() if "=" in token)
+    settings = dict(token.split("=", 1) for token in readme_verl_lines())
+    assert settings["+actor_rollout_ref.actor.policy_loss.recipe"] == "/abs/recipe.yaml"  # the same file as TRL's
+    assert settings["+algorithm.lossplug"] == "/abs/recipe.yaml"
+    assert settings["+actor_rollout_ref.actor.policy_loss.rollout_correction"] == "${algorithm.rollout_correction}"
     actor = {
-        k.removeprefix("actor_rollout_ref.actor."): yaml.safe_load(v) for k, v in settings.items() if "actor." in k
+        k.removeprefix("actor_rollout_ref.actor."): yaml.safe_load(v)
+        for k, v in settings.items()
+        if k.startswith("actor_rollout_ref.actor.") and "policy_loss" not in k
     }
     correction = {
         k.removeprefix("algorithm.rollout_correction."): yaml.safe_load(v)

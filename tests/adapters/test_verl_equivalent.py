@@ -370,25 +370,34 @@ def test_verls_own_composed_config() -> None:
     assert recipe.gates[1].params["cap"] == 2.0
 
 
-def test_a_correction_recipe_under_verls_own_rollout_correction_is_refused() -> None:
-    """Under verl, the driver computes the rollout correction and hands the loss ``rollout_is_weights``: a recipe
-    that carries the same correction would apply it twice."""
+def test_a_correction_recipe_runs_under_verl_with_the_rollout_correction_forwarded() -> None:
+    """Under verl, the driver computes the rollout correction and hands the loss ``rollout_is_weights``: the recipe of
+    ``verl_equivalent(actor, algorithm)`` (tis + offpolicy_metrics) runs as it is when ``algorithm.rollout_correction``
+    is forwarded to the actor — verl's weights in place of its corrections, equal to verl's vanilla — and is refused,
+    naming the forwarding line, when it is not."""
+    correction = {"rollout_is": "token", "rollout_is_threshold": 2.0}
     config = actor("vanilla", "token-mean")
-    recipe = try_equivalent(config, {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}})
-    ours = actor(
-        "vanilla", "token-mean", policy_loss=LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe.to_dict())
-    )
+    recipe = try_equivalent(config, {"rollout_correction": correction})
+    assert [g.name for g in recipe.gates] == ["ppo_clip", "tis", "offpolicy_metrics"]
     mb = micro_batches(make_inputs(2), 1, 0)[0]
-    with pytest.raises(LossplugError, match="correct the engine mismatch twice"):
-        get_policy_loss_fn("lossplug")(
+    weights = torch.where(mb["response_mask"], 0.5 + torch.rand_like(mb["log_prob"]), 0)
+
+    def loss(policy_loss: Any) -> torch.Tensor:
+        value, _ = get_policy_loss_fn(policy_loss.loss_mode)(
             old_log_prob=mb["old_log_prob"],
             log_prob=mb["log_prob"],
             advantages=mb["advantages"],
             response_mask=mb["response_mask"],
             loss_agg_mode="token-mean",
-            config=ours,
-            rollout_is_weights=torch.ones_like(mb["log_prob"]),
+            config=actor("vanilla", "token-mean", policy_loss=policy_loss),
+            rollout_is_weights=weights,
         )
+        return value
+
+    ours = LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe.to_dict(), rollout_correction=correction)
+    assert torch.allclose(loss(ours), loss(PolicyLossConfig(loss_mode="vanilla")), rtol=1e-12, atol=0)
+    with pytest.raises(LossplugError, match=r"policy_loss\.rollout_correction=\$\{algorithm\.rollout_correction\}"):
+        loss(LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe.to_dict()))
 
 
 def test_regularisers_verl_does_not_add_are_refused_under_verl() -> None:

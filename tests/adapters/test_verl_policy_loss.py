@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("verl")
 
 import numpy as np
+from verl.trainer.config.algorithm import RolloutCorrectionConfig
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
@@ -516,14 +517,48 @@ def test_token_sum_needs_no_global_counts_like_verls():
     compare("vanilla", ref, ours, inputs, "token-sum")
 
 
-def test_recipe_corrections_and_verl_rollout_correction_are_not_applied_twice():
+def test_recipe_corrections_run_as_verls_forwarded_rollout_correction():
+    """verl passes rollout_is_weights, never rollout_log_probs: a recipe's engine corrections are verl's own rollout
+    correction, accepted when algorithm.rollout_correction is forwarded to the actor and maps to them — then verl's
+    weights replace them, once (equal to verl's vanilla with the same weights); else refused with the lines to set."""
     inputs = make_inputs(12)
-    cfg = with_info(lossplug_config(["ppo_clip", {"name": "tis", "cap": 2.0}], "token", "token-mean"), inputs, None)
+    gates = [{"name": "ppo_clip", "dual_clip_c": 3.0}, {"name": "tis", "cap": 2.0}, {"name": "offpolicy_metrics"}]
+    g = torch.Generator().manual_seed(120)
+    weights = torch.where(inputs["response_mask"], 2.0 * torch.rand(B, T, generator=g, dtype=DT), 0)
+
+    def ours(rollout_correction):
+        policy = LossplugPolicyLossConfig(
+            loss_mode="lossplug", recipe={"gates": gates, "reduction": "token"}, rollout_correction=rollout_correction
+        )
+        return with_info(actor_config(policy, "token-mean"), inputs, None)
+
     mb = next(micro_batches(inputs))
-    with pytest.raises(LossplugError, match="twice"):
+    w = weights[:MICRO, : mb["log_prob"].shape[1]]
+    wanted = (
+        r"'\+actor_rollout_ref\.actor\.policy_loss\.rollout_correction=\$\{algorithm\.rollout_correction\}' "
+        r"algorithm\.rollout_correction\.rollout_is=token algorithm\.rollout_correction\.rollout_is_threshold=2\.0"
+    )
+    for weight in (w, None):
+        with pytest.raises(LossplugError, match="never passes.*" + wanted):
+            run("lossplug", ours(None), mb, "token-mean", weights=weight)
+    with pytest.raises(LossplugError, match=r"maps to \[\{'name': 'tis_seq', 'cap': 2\.0\}\]"):
+        run("lossplug", ours({"rollout_is": "sequence"}), mb, "token-mean", weights=w)
+    token_tis = {"rollout_is": "token", "rollout_is_threshold": 2.0}
+    with pytest.raises(LossplugError, match="no rollout_is_weights"):
+        run("lossplug", ours(token_tis), mb, "token-mean")
+    ref = with_info(actor_config(PolicyLossConfig(loss_mode="vanilla"), "token-mean"), inputs, None)
+    for forwarded in (token_tis, RolloutCorrectionConfig(**token_tis)):  # a dict, or verl's own dataclass
+        compare("vanilla", ref, ours(forwarded), inputs, "token-mean", weights=weights)
+
+
+def test_corrections_verl_has_no_setting_for_are_refused_with_that_reason():
+    inputs = make_inputs(14)
+    recipe = {"gates": ["ppo_clip", {"name": "tis", "cap": 2.0, "floor": 0.5}], "reduction": "token"}
+    policy = LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe, rollout_correction=None)
+    cfg = with_info(actor_config(policy, "token-mean"), inputs, None)
+    mb = next(micro_batches(inputs))
+    with pytest.raises(LossplugError, match="has no setting for them"):
         run("lossplug", cfg, mb, "token-mean", weights=torch.ones_like(mb["log_prob"]))
-    with pytest.raises(LossplugError, match="rollout_log_probs"):
-        run("lossplug", cfg, mb, "token-mean")
 
 
 def test_rollout_log_probs_feed_the_recipe_corrections():
