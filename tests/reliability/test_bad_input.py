@@ -544,6 +544,150 @@ CASES: list[Case] = [
         ("value", "recipe.advantage (gae)", "has none"),
         BatchValidationError,
     ),
+    # -- the optional fields of the newer plugins (entropy-aware gates, regularisers, verl/TRL estimators) ---------
+    C(
+        "top_entropy without entropies",
+        lambda: policy_loss(batch(), recipe(gates=["ppo_clip", "top_entropy"])),
+        ("entropy", "recipe.gates[1] (top_entropy)", "has none"),
+        BatchValidationError,
+    ),
+    C(
+        "an entropy bonus without entropies",
+        lambda: policy_loss(batch(), recipe(regularisers=[{"name": "entropy", "coef": 0.01}])),
+        ("entropy", "recipe.regularisers[0] (entropy)", "has none"),
+        BatchValidationError,
+    ),
+    C(
+        "a KL regulariser without reference log-probs",
+        lambda: policy_loss(batch(), recipe(regularisers=[{"name": "kl", "coef": 0.1}])),
+        ("ref_logp", "recipe.regularisers[0] (kl", "has none"),
+        BatchValidationError,
+    ),
+    C(
+        "ReMax without the greedy reward",
+        lambda: compute_advantages(batch(reward=torch.ones(B)), recipe(advantage="remax")),
+        ("reward_baseline", "recipe.advantage (remax)", "has none"),
+        BatchValidationError,
+    ),
+    C(
+        "GDPO without reward components",
+        lambda: compute_advantages(grouped([1, 1, 2, 2]), recipe(advantage="gdpo")),
+        ("reward_components", "recipe.advantage (gdpo)", "has none"),
+        BatchValidationError,
+    ),
+    C(
+        "optimal token baseline without sum_pi_squared",
+        lambda: compute_advantages(
+            grouped([1, 1, 2, 2], old_logp=torch.full((4, 2), -1.0)), recipe(advantage="optimal_token_baseline")
+        ),
+        ("sum_pi_squared", "recipe.advantage (optimal_token_baseline)", "has none"),
+        BatchValidationError,
+    ),
+    C(
+        "a negative entropy on an action",
+        lambda: batch(entropy=torch.tensor([[0.5, -1.0, 0.1], [0.2, 0.3, 0.4]])),
+        ("entropy", "must be finite and >= 0", "on action positions", "(row 0, pos 1)"),
+        BatchValidationError,
+    ),
+    C(
+        "a NaN entropy on an action",
+        lambda: batch(entropy=torch.tensor([[0.5, 0.1, 0.2], [NAN, 0.3, 0.4]])),
+        ("entropy", "must be finite and >= 0", "(row 1, pos 0)"),
+        BatchValidationError,
+    ),
+    C(
+        "entropy per response",
+        lambda: batch(entropy=torch.ones(B)),
+        ("entropy", "shape must align with logp", "expected [2, 3]", "got [2]"),
+        BatchValidationError,
+    ),
+    C(
+        "sum_pi_squared above 1",
+        lambda: batch(sum_pi_squared=torch.tensor([[0.5, 1.5, 0.1], [0.2, 0.3, 0.4]])),
+        ("sum_pi_squared", "must be in [0, 1]", "(row 0, pos 1)"),
+        BatchValidationError,
+    ),
+    C(
+        "sum_pi_squared negative",
+        lambda: batch(sum_pi_squared=torch.tensor([[0.5, 0.5, 0.1], [0.2, -0.3, 0.4]])),
+        ("sum_pi_squared", "must be in [0, 1]", "(row 1, pos 1)"),
+        BatchValidationError,
+    ),
+    C(
+        "reward_components without a component axis",
+        lambda: batch(reward_components=torch.ones(B)),
+        ("reward_components", "must be [B=2, K]", "got [2]"),
+        BatchValidationError,
+    ),
+    C(
+        "reward_components with no column",
+        lambda: batch(reward_components=torch.ones(B, 0)),
+        ("reward_components", "(K >= 1)", "got [2, 0]"),
+        BatchValidationError,
+    ),
+    C(
+        "a NaN reward component",
+        lambda: batch(reward_components=torch.tensor([[1.0, NAN], [0.0, 1.0]])),
+        ("reward_components", "must be finite", "row 0"),
+        BatchValidationError,
+    ),
+    C(
+        "reward_baseline per token",
+        lambda: batch(reward_baseline=torch.ones(B, T)),
+        ("reward_baseline", "expected [2]", "got [2, 3]"),
+        BatchValidationError,
+    ),
+    C(
+        "an infinite reward_baseline",
+        lambda: batch(reward_baseline=torch.tensor([1.0, INF])),
+        ("reward_baseline", "must be finite", "row [1]"),
+        BatchValidationError,
+    ),
+    # -- regulariser stages -------------------------------------------------------------------------------------------
+    C(
+        "an unknown regulariser",
+        lambda: Recipe.model_validate(recipe(regularisers=[{"name": "kll"}])),
+        ("recipe.regularisers[0]", "unknown regulariser plugin 'kll'", "did you mean 'kl'"),
+        RecipeError,
+    ),
+    C(
+        "a gate in the regulariser stage",
+        lambda: Recipe.model_validate(recipe(regularisers=["tis"])),
+        ("recipe.regularisers[0]", "unknown regulariser plugin 'tis'", "available: entropy, kl"),
+        RecipeError,
+    ),
+    C(
+        "an unknown KL estimator",
+        lambda: Recipe.model_validate(recipe(regularisers=[{"name": "kl", "estimator": "k4"}])),
+        ("recipe.regularisers[0] (kl)", "parameter 'estimator'", "'low_var_kl'", "'k4'"),
+        RecipeError,
+    ),
+    C(
+        "a NaN regulariser coefficient",
+        lambda: Recipe.model_validate(recipe(regularisers=[{"name": "kl", "coef": NAN}])),
+        ("recipe.regularisers[0] (kl)", "parameter 'coef'", "finite"),
+        RecipeError,
+    ),
+    C(
+        "a regulariser's unknown reduction",
+        lambda: Recipe.model_validate(recipe(regularisers=[{"name": "kl", "reduction": "tokn"}])),
+        ("recipe.regularisers[0].reduction", "unknown reduction plugin 'tokn'", "did you mean 'token'"),
+        RecipeError,
+    ),
+    C(
+        "adaptive entropy bounds crossed",
+        lambda: Recipe.model_validate(
+            recipe(regularisers=[{"name": "entropy", "adaptive": True, "coef_min": 2, "coef_max": 1}])
+        ),
+        ("recipe.regularisers[0] (entropy)", "coef_min (2.0) must be <= coef_max (1.0)"),
+        RecipeError,
+    ),
+    C(
+        "top_entropy keeping more than every token",
+        lambda: Recipe.model_validate(recipe(gates=["ppo_clip", {"name": "top_entropy", "quantile": 2}])),
+        ("recipe.gates[1] (top_entropy)", "parameter 'quantile'", "less than or equal to 1", "got 2"),
+        RecipeError,
+    ),
     C(
         "packed transitions for a padded-only estimator",
         lambda: compute_advantages(PackedTransitions(**packed()), "grpo"),
@@ -1069,6 +1213,10 @@ SHAPES = {
     "trajectory_id": "B",
     "terminated": "B",
     "final_value": "B",
+    "entropy": "BT",
+    "sum_pi_squared": "BT",
+    "reward_baseline": "B",
+    "reward_components": "BK",
 }
 
 
@@ -1150,8 +1298,19 @@ def policy_batches(draw):
         out["terminated"] = torch.tensor(draw(st.lists(st.booleans(), min_size=b, max_size=b)))
         if draw(st.booleans()):
             out["final_value"] = _floats(draw, (b,), -100, 100)
+    # the newer plugins' fields: entropy ≥ 0, sum_pi_squared consistent with old_logp (p² + s·(1 − p)², p the
+    # sampled token's probability), a greedy-reward baseline, reward components
+    if draw(st.booleans()):
+        out["entropy"] = _floats(draw, (b, t), 0, 12).to(dtype)
+    if draw(st.booleans()):
+        p = torch.exp(out.get("old_logp", out["logp"]).to(torch.float64))
+        out["sum_pi_squared"] = (p.square() + _floats(draw, (b, t), 0, 1) * (1 - p).square()).clamp(0, 1).to(dtype)
+    if draw(st.booleans()):
+        out["reward_baseline"] = _floats(draw, (b,), -100, 100)
+    if draw(st.booleans()):
+        out["reward_components"] = _floats(draw, (b, draw(st.integers(1, 3))), -100, 100)
     for _ in range(draw(st.integers(0, 3))):
-        _mutate(draw, out, SHAPES, {"BT": (b, t), "B": (b,)})
+        _mutate(draw, out, SHAPES, {"BT": (b, t), "B": (b,), "BK": (b, 2)})
     return out
 
 
@@ -1190,6 +1349,16 @@ FUZZ_RECIPES = [
     Recipe.model_validate({"gates": ["reinforce"], "reduction": "token"}),
     Recipe.model_validate({"gates": ["ppo_clip"], "reduction": "response"}),
     Recipe.model_validate({"advantage": "grpo", "gates": ["ppo_clip", "tis"], "reduction": "sequence_sum"}),
+    Recipe.model_validate(
+        {
+            "gates": ["ppo_clip", {"name": "top_entropy", "quantile": 0.2}],
+            "reduction": "token",
+            "regularisers": [{"name": "kl", "coef": 0.1, "estimator": "k3"}, {"name": "entropy", "coef": 0.01}],
+        }
+    ),
+    Recipe.model_validate({"advantage": "gdpo", "gates": ["ppo_clip"], "reduction": "token"}),
+    Recipe.model_validate({"advantage": "remax", "gates": ["reinforce"], "reduction": "response"}),
+    Recipe.model_validate({"advantage": "optimal_token_baseline", "gates": ["ppo_clip"], "reduction": "token"}),
 ]
 
 
@@ -1205,7 +1374,10 @@ def test_fuzz_policy_batch_validation_never_escapes(raw, recipe_):
         assert result is None, "policy_loss accepted a batch the contract refuses"
         return
     if recipe_.advantage is not None:
-        _expect_clean(lambda: compute_advantages(built, recipe_))
+        advantages = _expect_clean(lambda: compute_advantages(built, recipe_))
+        if advantages is not None:
+            on_actions = advantages if advantages.ndim == 1 else advantages[built.action_mask]
+            assert torch.isfinite(on_actions).all(), f"non-finite advantages {advantages}"
     if result is not None:
         assert torch.isfinite(result.loss.float()).all(), f"non-finite loss {result.loss} for a valid batch"
 

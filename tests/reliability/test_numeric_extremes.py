@@ -10,6 +10,7 @@ rewards), so a plugin reading them is exercised, not skipped.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import typing
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 import lossplug
 from lossplug import LossplugError, PackedTransitions, PolicyBatch, Recipe, RecipeError
+from lossplug.control import controllers
 from lossplug.needs import recipe_needs
 
 _spec = importlib.util.spec_from_file_location("_reliability_fields", Path(__file__).with_name("_fields.py"))
@@ -76,7 +78,19 @@ def regulariser_stages() -> list[dict[str, Any]]:
     return stages
 
 
-REGULARISER_STAGES = regulariser_stages()
+#: regulariser parameters that make a stage act where its generated variants leave it inert
+ACTIVE_REGULARISER_PARAMS: dict[str, list[dict[str, Any]]] = {
+    # the adaptive bonus applies only once a step measured the entropy at or below target: a target above every
+    # synthesised entropy (12 nats), after one warm-up step (_run_with_grads), makes it apply
+    "entropy": [{"adaptive": True, "target": 100.0, "coef_delta": 0.05}],
+}
+
+REGULARISER_STAGES = regulariser_stages() + [
+    {"name": n, "coef": 0.1, **params}
+    for n in sorted(ACTIVE_REGULARISER_PARAMS)
+    if n in REGULARISERS
+    for params in ACTIVE_REGULARISER_PARAMS[n]
+]
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -98,9 +112,12 @@ def make_recipe(
 # Gates × reductions
 
 
-def extreme_fields(*, log_ratio: float, adv: float, single_token: bool, dtype: torch.dtype) -> dict:
+def extreme_fields(
+    *, log_ratio: float, adv: float, single_token: bool, dtype: torch.dtype, poison_padding: bool = False
+) -> dict:
     """4 responses × 5 positions with padding; update log-ratios ``±log_ratio`` (row-wise alternating) and engine
-    log-ratios of the opposite sign; advantages ``±adv``."""
+    log-ratios of the opposite sign; advantages ``±adv``; with ``poison_padding`` every log-prob is NaN off the
+    actions (and so are the per-token fields ``complete_fields`` adds)."""
     B, T = 4, 5
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[1, 3:] = False
@@ -113,6 +130,8 @@ def extreme_fields(*, log_ratio: float, adv: float, single_token: bool, dtype: t
     sign = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64).unsqueeze(-1)
     logp = old + sign * log_ratio
     behavior = old - sign * log_ratio
+    if poison_padding:
+        old, logp, behavior = (t.masked_fill(~mask, float("nan")) for t in (old, logp, behavior))
     return dict(
         logp=logp.to(dtype).requires_grad_(),
         old_logp=old.to(dtype),
@@ -133,6 +152,7 @@ def scenarios(dtype: torch.dtype):
     yield "tiny advantages", dict(log_ratio=0.3, adv=1e-30, single_token=False)
     yield "denormal advantages", dict(log_ratio=0.3, adv=1e-45, single_token=False)
     yield "zero advantages", dict(log_ratio=0.3, adv=0.0, single_token=False)
+    yield "log-ratio ±100, NaN on padding", dict(log_ratio=100.0, adv=1.0, single_token=False, poison_padding=True)
 
 
 def _run_case(gates, reduction, dtype, regularisers=None, **kw):
@@ -145,6 +165,11 @@ def _run_with_grads(gates, reduction, dtype, regularisers=None, **kw):
     reads it (an entropy bonus's gradient flows through the batch's entropy)."""
     recipe = make_recipe(gates, reduction, regularisers=regularisers)
     f = complete_fields(extreme_fields(dtype=dtype, **kw), recipe)
+    adaptive = controllers(recipe)
+    if adaptive:  # one warm-up optimizer step on the same batch, so an adaptive coefficient is in force
+        lossplug.policy_loss(PolicyBatch(**{k: v.detach() for k, v in f.items()}), recipe, metrics=False)
+        for controller in adaptive.values():
+            controller.step()
     if regularisers and f.get("entropy") is not None:
         f["entropy"] = f["entropy"].detach().requires_grad_()
     result = lossplug.policy_loss(PolicyBatch(**f), recipe)
@@ -265,23 +290,34 @@ REWARDS = {
 }
 
 
-def advantage_batch(rewards: list[float], single_token: bool, recipe: Recipe, components: str = "split") -> PolicyBatch:
+def advantage_batch(
+    rewards: list[float],
+    single_token: bool,
+    recipe: Recipe,
+    components: str = "split",
+    poison_padding: bool = False,
+) -> PolicyBatch:
     """6 responses × 4 positions in groups {0, 2, 4} and {1, 3, 5}; ``reward`` the tested rewards, and the fields an
     estimator may read instead carry them too (``reward_components`` split or repeated, ``reward_baseline`` the
-    previous row's reward); ``sum_pi_squared`` consistent with ``old_logp``."""
+    previous row's reward); ``old_logp`` from 0 (a certain token) to −30, ``sum_pi_squared`` consistent with it;
+    with ``poison_padding`` every per-token input is NaN off the actions."""
     B, T = 6, 4
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[0, 2:] = False
     if single_token:
         mask[:] = False
         mask[:, -1] = True
+    old_logp = torch.linspace(0.0, -30.0, B * T).reshape(B, T)
+    value = torch.full((B, T), 0.5)
+    if poison_padding:
+        old_logp, value = (t.masked_fill(~mask, float("nan")) for t in (old_logp, value))
     fields = dict(
-        logp=torch.full((B, T), -1.0),
-        old_logp=torch.full((B, T), -1.0),
-        ref_logp=torch.full((B, T), -1.2),
+        logp=old_logp.clone(),
+        old_logp=old_logp,
+        ref_logp=old_logp - 0.2,
         action_mask=mask,
         reward=torch.tensor(rewards),
-        value=torch.full((B, T), 0.5),
+        value=value,
         group_id=torch.tensor([3, 7, 3, 7, 3, 7]),
         trajectory_id=torch.arange(B),
         terminated=torch.tensor([True, True, True, False, True, False]),
@@ -297,20 +333,21 @@ def test_advantages_are_finite_on_equal_and_extreme_rewards(advantage):
     # reward_components: the rewards split across two columns (summing to them) and each column the rewards
     layouts = ("split", "each") if "reward_components" in recipe_needs(recipe) else ("split",)
     for name, rewards in REWARDS.items():
-        for single_token in (False, True):
-            for components in layouts:
-                where = f"{name}, single_token={single_token}" + (
-                    f", components {components}" if components != "split" else ""
-                )
-                batch = advantage_batch(rewards, single_token, recipe, components)
-                try:
-                    result = lossplug.estimate_advantages(batch, recipe)
-                except LossplugError as err:
-                    failures.append(f"{where}: refused: {err}")
+        for single_token, components, poison in itertools.product((False, True), layouts, (False, True)):
+            where = f"{name}, single_token={single_token}, components {components}, NaN padding {poison}"
+            batch = advantage_batch(rewards, single_token, recipe, components, poison)
+            try:
+                result = lossplug.estimate_advantages(batch, recipe)
+            except LossplugError as err:
+                failures.append(f"{where}: refused: {err}")
+                continue
+            for what, t in (("advantage", result.advantage), ("returns", result.returns)):
+                if t is None:
                     continue
-                for what, t in (("advantage", result.advantage), ("returns", result.returns)):
-                    if t is not None and not torch.isfinite(t).all():
-                        failures.append(f"{where}: {what} {t.tolist()}")
+                on_actions = t if t.ndim == 1 else t[batch.action_mask]
+                # off the actions a per-token result may carry the poison; on them it must be finite
+                if not torch.isfinite(on_actions).all() or (not poison and not torch.isfinite(t).all()):
+                    failures.append(f"{where}: {what} {t.tolist()}")
     assert not failures, "\n".join(failures)
 
 
@@ -371,6 +408,16 @@ def test_the_by_design_tables_name_registered_plugins():
     # a renamed or removed plugin must not leave a stale exemption behind
     assert set(NOT_EXACTLY_ZERO_BY_DESIGN) <= set(ZERO_SIGNAL_ADVANTAGES)
     assert set(ACTIVE_CORRECTION_PARAMS) <= set(_REG.plugins["gate"])
+    assert set(ACTIVE_REGULARISER_PARAMS) <= set(REGULARISERS)
+
+
+def test_the_adaptive_entropy_bonus_is_in_force_in_the_extreme_runs():
+    # the warm-up step must leave a non-zero coefficient, or the adaptive stage's extreme runs test nothing
+    stage = next(s for s in REGULARISER_STAGES if s.get("adaptive") and "target" in s)
+    result, grads = _run_with_grads(
+        ["reinforce"], "token", torch.float32, [stage], log_ratio=0.3, adv=1.0, single_token=False
+    )
+    assert grads["entropy"] is not None and torch.count_nonzero(grads["entropy"]) > 0
 
 
 @pytest.mark.parametrize("advantage", [a for a in ADVANTAGES if "packed" in _REG.plugins["advantage"][a].layouts])
