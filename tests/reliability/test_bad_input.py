@@ -171,6 +171,30 @@ def _list_adv(batch, p):
     return [0.0] * batch.batch_size
 
 
+@lossplug.regulariser("lpx_raising_regulariser")
+def _raising_regulariser(inp, p):
+    """A regulariser with a bug."""
+    raise ZeroDivisionError("division by zero in my regulariser")
+
+
+@lossplug.regulariser("lpx_shapeless_regulariser")
+def _shapeless_regulariser(inp, p):
+    """A regulariser that returns a per-response term where a per-token one is due."""
+    return inp.logp.sum(-1)
+
+
+@lossplug.regulariser("lpx_list_regulariser")
+def _list_regulariser(inp, p):
+    """A regulariser that returns a list."""
+    return [0.0]
+
+
+@lossplug.regulariser("lpx_nan_regulariser")
+def _nan_regulariser(inp, p):
+    """A regulariser whose term is NaN on the actions."""
+    return inp.logp * NAN
+
+
 @lossplug.reduction("lpx_raising_reduction")
 def _raising_reduction(objective, mask, lengths, population, p):
     """A reduction with a bug."""
@@ -197,6 +221,12 @@ class _Registers:
     def lossplug_register_reductions(self, register):
         for p in self.plugins:
             if p.kind == "reduction":
+                register(p)
+
+    @lossplug.hookimpl
+    def lossplug_register_regularisers(self, register):
+        for p in self.plugins:
+            if p.kind == "regulariser":
                 register(p)
 
 
@@ -986,6 +1016,56 @@ CASES: list[Case] = [
         ),
         ("recipe.advantage (lpx_list_adv", "in-process plugin 'buggy-adv'"),
         PluginError,
+    ),
+    C(
+        "a regulariser that raises",
+        with_plugin(
+            _Registers(_raising_regulariser),
+            "buggy-reg",
+            lambda: policy_loss(batch(), recipe(regularisers=[{"name": "lpx_raising_regulariser", "coef": 0.1}])),
+        ),
+        (
+            "recipe.regularisers[0] (lpx_raising_regulariser",
+            "in-process plugin 'buggy-reg'",
+            "raised ZeroDivisionError",
+            "division by zero in my regulariser",
+        ),
+        PluginError,
+    ),
+    C(
+        "a regulariser with a per-response term",
+        with_plugin(
+            _Registers(_shapeless_regulariser),
+            "buggy-reg",
+            lambda: policy_loss(batch(), recipe(regularisers=["lpx_shapeless_regulariser"])),
+        ),
+        ("recipe.regularisers[0] (lpx_shapeless_regulariser", "term", "shape [2, 3]", "got shape [2]"),
+        PluginError,
+    ),
+    C(
+        "a regulariser that returns a list",
+        with_plugin(
+            _Registers(_list_regulariser),
+            "buggy-reg",
+            lambda: policy_loss(batch(), recipe(regularisers=["lpx_list_regulariser"])),
+        ),
+        ("recipe.regularisers[0] (lpx_list_regulariser", "RegulariserOutput or a [B, T] tensor", "got list"),
+        PluginError,
+    ),
+    C(
+        "a regulariser whose term is NaN on the actions",
+        with_plugin(
+            _Registers(_nan_regulariser),
+            "buggy-reg",
+            lambda: policy_loss(batch(), recipe(regularisers=["lpx_nan_regulariser"])),
+        ),
+        ("recipe.regularisers[0] (lpx_nan_regulariser", "not finite on action positions", "(row 0, pos 0)"),
+        PluginError,
+    ),
+    C(
+        "regulariser parameters that are not RegulariserParams",
+        lambda: lossplug.regulariser("lpx_plain_params", params=lossplug.Params),
+        ("regulariser 'lpx_plain_params'", "must subclass lossplug.RegulariserParams"),
     ),
     C(
         "a reduction that raises",
