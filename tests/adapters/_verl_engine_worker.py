@@ -126,7 +126,12 @@ CASES["loss_mode_bypass_ppo_clip"] = (
 #: verl's driver-side rollout correction (TIS weights in the batch, handed to the loss as rollout_is_weights): the
 #: recipe is the actor's alone, the adapter applies the weights as verl's losses do
 CASES["rollout_is_weights"] = ("default", VANILLA + REGULARISED)
-WITH_ROLLOUT_IS_WEIGHTS = {"rollout_is_weights"}
+#: the same weights, and the literal recipe of verl_equivalent(actor, algorithm) — its tis and offpolicy_metrics gates
+#: included — with algorithm.rollout_correction forwarded to the actor (policy_loss.rollout_correction): the adapter
+#: finds the gates equal to that config's, drops them and applies verl's weights once
+CASES["rollout_is_weights_literal_recipe"] = ("default", VANILLA + REGULARISED)
+FORWARDED_CORRECTION = {"rollout_is_weights_literal_recipe": {"rollout_is": "token", "rollout_is_threshold": 2.0}}
+WITH_ROLLOUT_IS_WEIGHTS = {"rollout_is_weights", "rollout_is_weights_literal_recipe"}
 
 
 def with_rollout_is_weights(batch: Any) -> Any:
@@ -313,7 +318,7 @@ def make_batch(model_path: str) -> Any:
     return batch
 
 
-def lossplug_config(config: Any, recipe: dict[str, Any]) -> Any:
+def lossplug_config(config: Any, recipe: dict[str, Any], rollout_correction: dict[str, Any] | None = None) -> Any:
     from omegaconf import OmegaConf, open_dict
 
     with open_dict(config):
@@ -324,6 +329,8 @@ def lossplug_config(config: Any, recipe: dict[str, Any]) -> Any:
                 "recipe": recipe,
                 "validation": "full",
                 "metrics": "full",  # lossplug's own keys prove that its loss ran
+                # (what '+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}' sets)
+                "rollout_correction": rollout_correction,
             }
         )
     return config
@@ -417,8 +424,10 @@ def main() -> None:
         t0 = time.perf_counter()
         engine, overrides = CASES[case]
         config = configure(base, ENGINES[engine] + overrides)
+        forwarded = FORWARDED_CORRECTION.get(case)
         try:
-            recipe = verl_equivalent(config.actor_rollout_ref.actor).to_dict()
+            algorithm = None if forwarded is None else {"rollout_correction": forwarded}
+            recipe = verl_equivalent(config.actor_rollout_ref.actor, algorithm).to_dict()
         except (LossplugError, NotImplementedError) as err:
             result["skipped"][case] = f"{type(err).__name__}: {err}"
             continue
@@ -427,7 +436,7 @@ def main() -> None:
         actor = actors[engine]
         data = with_rollout_is_weights(batch) if case in WITH_ROLLOUT_IS_WEIGHTS else batch
         theirs, their_metrics = actor.run(config, data)
-        ours, our_metrics = actor.run(lossplug_config(copy.deepcopy(config), recipe), data)
+        ours, our_metrics = actor.run(lossplug_config(copy.deepcopy(config), recipe, forwarded), data)
         entry: dict[str, Any] = {
             "recipe": recipe,
             "max_abs_diff": max_abs_diff(theirs, ours),

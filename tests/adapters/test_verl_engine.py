@@ -193,3 +193,13 @@ def test_the_clipping_under_test_is_exercised(runs: dict[int, dict[str, Any]]) -
     metrics = _entry(runs, 1, "vanilla")["metrics"]["verl"]
     assert max(metrics["actor/pg_clipfrac"]) > 0.05
     assert max(metrics["actor/pg_clipfrac_lower"]) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", DP_SIZES)
+def test_the_literal_recipe_runs_with_its_correction_gates(runs: dict[int, dict[str, Any]], dp: int) -> None:
+    """The case compared above with verl's rollout_is_weights ran the literal verl_equivalent(actor, algorithm) recipe,
+    its correction gates included (algorithm.rollout_correction forwarded to the actor), not a trimmed copy."""
+    entry = _entry(runs, dp, "rollout_is_weights_literal_recipe")
+    assert [g["name"] for g in entry["recipe"]["gates"]] == ["ppo_clip", "tis", "offpolicy_metrics"]
+    assert entry["max_abs_diff"] <= TOLERANCE
