@@ -19,6 +19,11 @@ conventions:
   ``(global_batch_info, normaliser, dp_size)`` they used, and the test checks in its own process that
   ``lossplug.adapters.verl.verl_normalizer`` returns exactly those.
 
+Every (convention, reduction) runs twice: the policy loss alone, and with regularisers — a KL to a reference
+(``low_var_kl``) and an entropy bonus whose gradient flows through the policy's entropy — each term reduced over the
+step's population like the policy term (``population: step``), so they too must be exact under data parallelism and
+accumulation.
+
 Rank 0 also computes the single-process, full-batch reference gradient and writes every comparison to
 ``<out>/result.json``.
 """
@@ -51,8 +56,14 @@ T, D, V = 6, 5, 11
 DT = torch.float64
 
 
+REGULARISERS = [
+    {"name": "kl", "coef": 0.3, "estimator": "low_var_kl"},
+    {"name": "entropy", "coef": 0.05},
+]
+
+
 class TinyPolicy(torch.nn.Module):
-    """Per-position features → logits → log-prob of the sampled token."""
+    """Per-position features → logits → log-prob of the sampled token, and the entropy of the distribution."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -60,9 +71,11 @@ class TinyPolicy(torch.nn.Module):
         self.proj = torch.nn.Parameter(0.5 * torch.randn(D, V, generator=g, dtype=DT))
         self.bias = torch.nn.Parameter(0.1 * torch.randn(V, generator=g, dtype=DT))
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = x @ self.proj + self.bias
-        return torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        logprobs = torch.log_softmax(logits, -1)
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+        return logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), entropy
 
 
 def micro_batches() -> list[list[dict]]:
@@ -82,34 +95,39 @@ def micro_batches() -> list[list[dict]]:
             mask[:, 3] &= torch.rand(b, generator=g) > 0.3  # interior holes (tool tokens) in some rows
             mask[torch.arange(b), start.squeeze(-1)] = True
             with torch.no_grad():
-                old = (init(x, tokens) + 0.3 * torch.randn(b, T, generator=g, dtype=DT)).clamp(max=0)
+                old = (init(x, tokens)[0] + 0.3 * torch.randn(b, T, generator=g, dtype=DT)).clamp(max=0)
             adv = torch.randn(b, generator=g, dtype=DT)
-            mine.append(dict(x=x, tokens=tokens, mask=mask, old=old, adv=adv))
+            ref = (old + 0.4 * torch.randn(b, T, generator=g, dtype=DT)).clamp(max=0)
+            mine.append(dict(x=x, tokens=tokens, mask=mask, old=old, adv=adv, ref=ref))
         out.append(mine)
     return out
 
 
-def recipe(reduction: str, *, budget: bool) -> Recipe:
+def recipe(reduction: str, *, budget: bool, regularised: bool = False) -> Recipe:
     red = {"name": "fixed", "budget": BUDGET} if reduction == "fixed" and budget else reduction
-    return Recipe.model_validate({"gates": [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.28}], "reduction": red})
+    spec = {"gates": [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.28}], "reduction": red}
+    if regularised:
+        spec["regularisers"] = REGULARISERS
+    return Recipe.model_validate(spec)
 
 
-def batch(model, mb: dict) -> PolicyBatch:
-    return PolicyBatch(
-        logp=model(mb["x"], mb["tokens"]), old_logp=mb["old"], action_mask=mb["mask"], advantage=mb["adv"]
-    )
+def batch(model, mb: dict, regularised: bool = False) -> PolicyBatch:
+    logp, entropy = model(mb["x"], mb["tokens"])
+    extra = dict(ref_logp=mb["ref"], entropy=entropy) if regularised else {}
+    return PolicyBatch(logp=logp, old_logp=mb["old"], action_mask=mb["mask"], advantage=mb["adv"], **extra)
 
 
 def grads(model) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
-def reference(data, reduction: str) -> torch.Tensor:
+def reference(data, reduction: str, regularised: bool = False) -> torch.Tensor:
     """Single process, the whole step as one batch, no normaliser: the definition of the reduction."""
     model = TinyPolicy()
     mbs = [mb for mine in data for mb in mine]
     full = {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0]}
-    lossplug.policy_loss(batch(model, full), recipe(reduction, budget=True)).loss.backward()
+    rec = recipe(reduction, budget=True, regularised=regularised)
+    lossplug.policy_loss(batch(model, full, regularised), rec).loss.backward()
     return grads(model)
 
 
@@ -136,10 +154,13 @@ def verl_normalizer(info: dict, mask: torch.Tensor) -> tuple[Normalizer, int]:
     return normalizer, info["dp_size"]
 
 
-def train_step(convention: str, reduction: str, mine: list[dict], world: int) -> torch.Tensor:
+def train_step(
+    convention: str, reduction: str, mine: list[dict], world: int, regularised: bool = False
+) -> torch.Tensor:
     model = TinyPolicy()
     ddp = DDP(model)
-    rec = recipe(reduction, budget=False)  # 'fixed' takes its budget from the normaliser, as in both trainers
+    # 'fixed' takes its budget from the normaliser, as in both trainers
+    rec = recipe(reduction, budget=False, regularised=regularised)
     local = Normalizer.for_masks([mb["mask"] for mb in mine], budget=BUDGET)
     if convention == "trl":
         normalizer = Normalizer.all_reduce(local)
@@ -159,10 +180,12 @@ def train_step(convention: str, reduction: str, mine: list[dict], world: int) ->
         with sync:
             if convention == "verl":
                 normalizer, scale = verl_normalizer(info, mb["mask"])
-            b = batch(ddp, mb)
+            b = batch(ddp, mb, regularised)
             loss = (
                 lossplug.policy_loss(
-                    b, rec if normalizer is not None else recipe(reduction, budget=True), normalizer
+                    b,
+                    rec if normalizer is not None else recipe(reduction, budget=True, regularised=regularised),
+                    normalizer,
                 ).loss
                 * scale
             )
@@ -182,17 +205,22 @@ def main() -> None:
     data = micro_batches()
     mine = data[args.rank]
     result: dict = {"errors": {}, "cross_rank": {}, "naive_token_error": None}
-    for convention in ("trl", "verl"):
-        for reduction in REDUCTIONS:
-            g = train_step(convention, reduction, mine, args.world)
-            gathered = [torch.empty_like(g) for _ in range(args.world)]
-            dist.all_gather(gathered, g)
-            if args.rank == 0:
-                ref = reference(data, reduction)
-                key = f"{convention}/{reduction}"
-                result["errors"][key] = float((g - ref).abs().max())
-                result["cross_rank"][key] = float(max((x - g).abs().max() for x in gathered))
-                result.setdefault("ref_norm", {})[reduction] = float(ref.norm())
+    for regularised in (False, True):
+        for convention in ("trl", "verl"):
+            for reduction in REDUCTIONS:
+                g = train_step(convention, reduction, mine, args.world, regularised)
+                gathered = [torch.empty_like(g) for _ in range(args.world)]
+                dist.all_gather(gathered, g)
+                if args.rank == 0:
+                    ref = reference(data, reduction, regularised)
+                    key = f"{convention}/{reduction}" + ("+regularisers" if regularised else "")
+                    result["errors"][key] = float((g - ref).abs().max())
+                    result["cross_rank"][key] = float(max((x - g).abs().max() for x in gathered))
+                    ref_key = reduction + ("+regularisers" if regularised else "")
+                    result.setdefault("ref_norm", {})[ref_key] = float(ref.norm())
+                    if regularised:  # the regularisers must move the gradient, or the variant tests nothing
+                        plain = reference(data, reduction)
+                        result.setdefault("regulariser_share", {})[reduction] = float((ref - plain).norm())
     g = train_step("naive", "token", mine, args.world)
     if args.rank == 0:
         result["naive_token_error"] = float((g - reference(data, "token")).abs().max())
