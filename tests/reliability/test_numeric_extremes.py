@@ -152,7 +152,8 @@ def scenarios(dtype: torch.dtype):
     yield "tiny advantages", dict(log_ratio=0.3, adv=1e-30, single_token=False)
     yield "denormal advantages", dict(log_ratio=0.3, adv=1e-45, single_token=False)
     yield "zero advantages", dict(log_ratio=0.3, adv=0.0, single_token=False)
-    yield "log-ratio ±100, NaN on padding", dict(log_ratio=100.0, adv=1.0, single_token=False, poison_padding=True)
+    if dtype in (torch.float32, torch.float16):  # NaN on padding is masked alike in every dtype: two keep it quick
+        yield "log-ratio ±100, NaN on padding", dict(log_ratio=100.0, adv=1.0, single_token=False, poison_padding=True)
 
 
 def _run_case(gates, reduction, dtype, regularisers=None, **kw):
