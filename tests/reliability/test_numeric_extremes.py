@@ -163,7 +163,8 @@ def _run_case(gates, reduction, dtype, regularisers=None, **kw):
 
 def _run_with_grads(gates, reduction, dtype, regularisers=None, **kw):
     """The loss, and the gradient of every input that carries one: ``logp``, and ``entropy`` where a regulariser
-    reads it (an entropy bonus's gradient flows through the batch's entropy)."""
+    reads it (an entropy bonus's gradient flows through the batch's entropy). In float16, where overflow lurks,
+    every metric is computed (``metrics="full"``); elsewhere the adapters' ``"basic"`` set, to keep the suite quick."""
     recipe = make_recipe(gates, reduction, regularisers=regularisers)
     f = complete_fields(extreme_fields(dtype=dtype, **kw), recipe)
     adaptive = controllers(recipe)
@@ -173,7 +174,7 @@ def _run_with_grads(gates, reduction, dtype, regularisers=None, **kw):
             controller.step()
     if regularisers and f.get("entropy") is not None:
         f["entropy"] = f["entropy"].detach().requires_grad_()
-    result = lossplug.policy_loss(PolicyBatch(**f), recipe)
+    result = lossplug.policy_loss(PolicyBatch(**f), recipe, metrics="full" if dtype == torch.float16 else "basic")
     result.loss.backward()
     return result, {
         k: f[k].grad for k in ("logp", "entropy") if isinstance(f.get(k), torch.Tensor) and f[k].requires_grad
