@@ -1496,3 +1496,51 @@ def test_fuzz_recipe_validation_never_escapes(raw):
         Recipe.model_validate(raw)
     except LossplugError:
         pass
+
+
+def test_the_validate_command_names_the_newer_plugins_missing_and_bad_fields(tmp_path):
+    # a recipe reading entropy (top_entropy gate, entropy bonus), reward_components (gdpo) and sum_pi_squared: a
+    # dump without them is refused naming each field and the stage that needs it; one with them passes; one whose
+    # sum_pi_squared is out of [0, 1] is refused naming the rule and position
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    from lossplug.cli import app
+
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(
+        "advantage: gdpo\n"
+        "gates: [ppo_clip, {name: top_entropy, quantile: 0.2}]\n"
+        "reduction: token\n"
+        "regularisers: [{name: entropy, coef: 0.01}]\n"
+    )
+    base = {
+        "logp": torch.full((4, T), -1.0),
+        "old_logp": torch.full((4, T), -1.1),
+        "action_mask": torch.ones(4, T, dtype=torch.bool),
+        "advantage": torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        "reward": torch.tensor([1.0, 0.0, 2.0, 1.0]),
+        "group_id": torch.tensor([0, 0, 1, 1]),
+    }
+    complete = {
+        **base,
+        "entropy": torch.full((4, T), 0.7),
+        "reward_components": torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.5, 0.5]]),
+    }
+    bad = {
+        **complete,
+        "sum_pi_squared": torch.full((4, T), 0.4).index_put_((torch.tensor([2]), torch.tensor([1])), torch.tensor(1.5)),
+    }
+    runner = CliRunner()
+    for name, tensors, code, fragments in (
+        ("missing", base, 1, ("entropy", "top_entropy", "regularisers[0]", "reward_components", "gdpo")),
+        ("complete", complete, 0, ()),
+        ("bad", bad, 1, ("sum_pi_squared", "must be in [0, 1]", "row 2, pos 1")),
+    ):
+        path = tmp_path / f"{name}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+        result = runner.invoke(app, ["validate", str(path), "--recipe", str(recipe_file)])
+        assert result.exit_code == code, (name, result.output)
+        assert result.exception is None or isinstance(result.exception, SystemExit), (name, result.exception)
+        missing = [f for f in fragments if f not in result.output]
+        assert not missing, f"{name}: output lacks {missing}:\n{result.output}"
