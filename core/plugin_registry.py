@@ -155,10 +155,16 @@ class Registry:
         found = self.plugins[kind].get(name)
         if found is None:
             known = sorted(self.plugins[kind])
-            msg = (
-                f"{prefix}unknown {kind} plugin '{name}'{did_you_mean(name, known)}; "
-                f"available: {', '.join(known) or 'none'}"
-            )
+            msg = f"{prefix}unknown {kind} plugin '{name}'"
+            elsewhere = [other for other in self.plugins if other != kind and name in self.plugins[other]]
+            if elsewhere:  # the right plugin in the wrong stage: say where it belongs
+                other = elsewhere[0]
+                stage = {"gate": "gates", "regulariser": "regularisers"}.get(other, other)
+                article = "an" if other[0] in "aeiou" else "a"
+                msg += f" ('{name}' is {article} {other} plugin: it belongs under {stage})"
+            else:
+                msg += did_you_mean(name, known)
+            msg += f"; available: {', '.join(known) or 'none'}"
             if self.broken:
                 msg += "; note that these plugins failed to load: " + "; ".join(map(str, self.broken))
             raise RecipeError(msg)

@@ -293,3 +293,19 @@ def lossplug_register_gates(register):
     ):
         reg = lossplug.registry()
     assert reg.lookup("gate", "ppo_clip").name == "ppo_clip"
+
+
+@pytest.mark.parametrize(
+    "recipe,message",
+    [
+        ({"gates": ["kl"], "reduction": "token"}, r"'kl' is a regulariser plugin: it belongs under regularisers"),
+        (
+            {"gates": ["ppo_clip"], "regularisers": ["tis"], "reduction": "token"},
+            r"'tis' is a gate plugin: it belongs under gates",
+        ),
+        ({"gates": ["ppo_clip"], "reduction": "grpo"}, r"'grpo' is an advantage plugin: it belongs under advantage"),
+    ],
+)
+def test_a_plugin_in_the_wrong_stage_is_told_where_it_belongs(recipe, message):
+    with pytest.raises(lossplug.RecipeError, match=message):
+        lossplug.Recipe.load(recipe)
