@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from lossplug.contracts import AdvantageResult, LossplugError, PackedTransitions, PolicyBatch
 
@@ -385,6 +385,15 @@ class ReductionParams(Params):
     subclasses this one; one declared with another model (e.g. :class:`NoParams`) always reduces over the step."""
 
     population: PopulationScope = Field("step", description=_POPULATION_DESCRIPTION)
+
+    @model_serializer(mode="wrap")
+    def _record_population_only_when_local(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # a recipe's record names every parameter with its default — except the default population: a step
+        # reduction's record (and provenance) stays what it was before reductions had one
+        data: dict[str, Any] = handler(self)
+        if data.get("population") == "step":
+            del data["population"]
+        return data
 
 
 @dataclass(frozen=True)
