@@ -61,6 +61,7 @@ _EXPORTS = {
         "NoParams",
         "Params",
         "Population",
+        "ReductionParams",
         "ReductionPlugin",
         "RegulariserOutput",
         "RegulariserParams",
@@ -221,6 +222,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are
     )
     from .plugin import (
         Population as Population,
+    )
+    from .plugin import (
+        ReductionParams as ReductionParams,
     )
     from .plugin import (
         ReductionPlugin as ReductionPlugin,

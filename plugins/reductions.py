@@ -32,12 +32,11 @@ from torch import Tensor
 
 import lossplug
 from lossplug.contracts import LossplugError
-from lossplug.plugin import ReductionParams
 
 
 @lossplug.reduction("response")
 def response_mean(
-    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: ReductionParams
+    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: lossplug.ReductionParams
 ) -> Tensor:
     """Mean over responses of each response's token mean (every response weighs the same).
 
@@ -52,7 +51,7 @@ def response_mean(
 
 @lossplug.reduction("token")
 def token_mean(
-    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: ReductionParams
+    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: lossplug.ReductionParams
 ) -> Tensor:
     """Global action-token mean (every action token weighs the same; DAPO).
 
@@ -64,7 +63,7 @@ def token_mean(
     return objective.sum() / population.action_tokens
 
 
-class FixedParams(ReductionParams):
+class FixedParams(lossplug.ReductionParams):
     budget: float | None = Field(None, gt=0, description="tokens per response; default: the Normalizer's budget")
 
 
@@ -91,7 +90,7 @@ def fixed_budget(
 
 @lossplug.reduction("sequence_sum")
 def sequence_sum(
-    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: ReductionParams
+    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: lossplug.ReductionParams
 ) -> Tensor:
     """Mean over responses of each response's token sum.
 
@@ -103,7 +102,7 @@ def sequence_sum(
 
 @lossplug.reduction("token_sum")
 def token_sum(
-    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: ReductionParams
+    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: lossplug.ReductionParams
 ) -> Tensor:
     """Sum over every action token, no denominator (verl's ``token-sum``): the population is not read.
 

@@ -240,9 +240,20 @@ def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None, *, w
                 )
             # the aggregation verl applies to the policy term decides whether a rejection is exact as a weight
             applied = next((m for m, r in LOSS_AGG_REDUCTIONS.items() if r == reduction["name"]), None)
-            gates += rollout_correction.correction_gates(
+            corrections = rollout_correction.correction_gates(
                 correction, loss_agg_mode=applied or full_actor["loss_agg_mode"], whole_batch=whole_batch
             )
+            weighting = [g for g in corrections if g["name"] != "offpolicy_metrics"]
+            if weighting and full_actor["policy_loss"]["loss_mode"] == "geo_mean":
+                # compute_policy_loss_geo_mean folds rollout_is_weights into the sequence as their geometric mean
+                # exp(mean_t log w_t) per response; a correction gate multiplies each token by its own weight
+                raise LossplugError(
+                    "verl_equivalent: loss_mode='geo_mean' with algorithm.rollout_correction "
+                    f"({', '.join(g['name'] for g in weighting)}): verl's geo_mean applies the rollout weights as "
+                    "their geometric mean per response, which no lossplug correction gate reproduces; set "
+                    "algorithm.rollout_correction.rollout_is=null and rollout_rs=null, or use another loss_mode"
+                )
+            gates += corrections
         if algorithm.get("adv_estimator") is not None:
             recipe["advantage"] = advantages.advantage_stage(algorithm)
             recipe["name"] += f"+{algorithm['adv_estimator']}"

@@ -446,3 +446,14 @@ def test_each_loss_modes_metric_keys_carry_its_values(loss_mode: str) -> None:
             if key in results[0]:
                 assert key in results[1], f"{loss_mode}: {key} missing"
                 assert results[1][key] == pytest.approx(results[0][key], abs=1e-12), f"{loss_mode}: {key}"
+
+
+def test_geo_mean_with_rollout_weights_is_refused_naming_them() -> None:
+    """verl's geo_mean folds rollout_is_weights into the sequence as their geometric mean per response; correction
+    gates weight each token: not the same function, so no recipe is returned."""
+    actor = {"policy_loss": {"loss_mode": "geo_mean"}, "loss_agg_mode": "token-mean"}
+    correction = {"rollout_is": "token", "rollout_is_threshold": 2.0}
+    with pytest.raises(LossplugError, match=r"loss_mode='geo_mean' with algorithm.rollout_correction \(tis\)"):
+        verl_equivalent(actor, {"adv_estimator": "grpo", "rollout_correction": correction})
+    # without the weights it maps, and rollout-correction metrics alone are no weighting
+    assert verl_equivalent(actor, {"adv_estimator": "grpo"}).gates[0].name == "gmpo"
