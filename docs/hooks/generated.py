@@ -131,7 +131,11 @@ def trl_equivalent_table() -> str:
         ("`use_vllm` (TRL's IS default: `sequence_mask`)", {"use_vllm": True}),
         (
             "`use_vllm`, `token_truncate`, `clip_min=0.5`",
-            {"use_vllm": True, "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_min": 0.5},
+            {
+                "use_vllm": True,
+                "vllm_importance_sampling_mode": "token_truncate",
+                "vllm_importance_sampling_clip_min": 0.5,
+            },
         ),
         ("`beta=0.04` (`use_bias_correction_kl`: TRL's default)", {"beta": 0.04}),
         ("`beta=0.04`, `use_bias_correction_kl=False`", {"beta": 0.04, "use_bias_correction_kl": False}),
