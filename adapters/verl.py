@@ -527,11 +527,26 @@ def _policy_term(recipe: Recipe, config: Any, loss_agg_mode: str) -> Recipe:
 
         if comparable(recipe.regularisers) != comparable(expected):
             ours = [s.to_dict() for s in recipe.regularisers]
+            # the exact override lines, when some verl settings do add these terms
+            wanted = _verl_settings_for(recipe)
+            fits = wanted is not None and comparable(recipe.regularisers) == comparable(
+                Recipe.load({**base, "regularisers": verl_regularisers(wanted, agg)}).regularisers
+                if verl_regularisers(wanted, agg)
+                else ()
+            )
+            if wanted is not None and fits:
+                fix = "Set: " + " ".join(f"actor_rollout_ref.actor.{k}={v}" for k, v in wanted.items())
+            else:
+                fix = (
+                    "No verl setting adds these terms (verl adds one static entropy bonus and one KL of its "
+                    "kl_penalty modes, reduced with loss_agg_mode): change the recipe's regularisers, or run it where "
+                    "lossplug computes the whole loss (TRL, plain PyTorch)"
+                )
             raise LossplugError(
                 f"{POLICY_RECIPE_KEY}: the recipe's regularisers {ours} are not what verl's ppo_loss adds around the "
                 f"policy loss for {described} ({verl_adds or 'nothing'}); verl passes a policy loss neither the "
-                f"entropy nor ref_log_prob, so under verl the entropy and KL terms come from those actor settings: set "
-                f"them to match the recipe (lossplug.adapters.verl.verl_equivalent(actor) builds the recipe from them)"
+                f"entropy nor ref_log_prob, so under verl the entropy and KL terms come from those actor settings. "
+                f"{fix}"
             )
         term = Recipe.load({k: v for k, v in recipe.to_dict().items() if k != "regularisers"})
     else:
@@ -547,6 +562,23 @@ def _policy_term(recipe: Recipe, config: Any, loss_agg_mode: str) -> Recipe:
         term = recipe
     _policy_terms[key] = (recipe, term)
     return term
+
+
+def _verl_settings_for(recipe: Recipe) -> dict[str, Any] | None:
+    """The actor settings under which verl's ``ppo_loss`` adds the recipe's entropy / KL stages — None when they
+    are not of that shape (several of a kind, an adaptive coefficient, another regulariser)."""
+    entropy = [r for r in recipe.regularisers if r.name == "entropy"]
+    kl = [r for r in recipe.regularisers if r.name == "kl"]
+    if len(entropy) + len(kl) != len(recipe.regularisers) or len(entropy) > 1 or len(kl) > 1:
+        return None
+    if any(r.params.get("adaptive") for r in entropy):
+        return None
+    return {
+        "entropy_coeff": float(entropy[0].params["coef"]) if entropy else 0.0,
+        "use_kl_loss": bool(kl),
+        "kl_loss_type": str(kl[0].params.get("estimator", "low_var_kl")) if kl else "low_var_kl",
+        "kl_loss_coef": float(kl[0].params["coef"]) if kl else 0.001,
+    }
 
 
 #: verl's rollout-correction settings as Hydra overrides (how the refusals below say what to set)

@@ -408,15 +408,31 @@ def test_regularisers_verl_does_not_add_are_refused_under_verl() -> None:
         "vanilla", "token-mean", policy_loss=LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe.to_dict())
     )
     mb = micro_batches(make_inputs(2), 1, 0)[0]
-    with pytest.raises(LossplugError, match="use_kl_loss=False"):
-        get_policy_loss_fn("lossplug")(
+
+    def call(config):
+        return get_policy_loss_fn("lossplug")(
             old_log_prob=mb["old_log_prob"],
             log_prob=mb["log_prob"],
             advantages=mb["advantages"],
             response_mask=mb["response_mask"],
             loss_agg_mode="token-mean",
-            config=ours,
+            config=config,
         )
+
+    # the exact override lines that make verl add the recipe's terms
+    lines = (
+        r"Set: actor_rollout_ref.actor.entropy_coeff=0.0 actor_rollout_ref.actor.use_kl_loss=True "
+        r"actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.kl_loss_coef=0.05"
+    )
+    with pytest.raises(LossplugError, match=r"use_kl_loss=False.*" + lines):
+        call(ours)
+    # a term no verl setting adds (TRL's bias-corrected KL): said so, no lines that would not help
+    weighted = lossplug.Recipe.load(
+        {**recipe.to_dict(), "regularisers": [{"name": "kl", "coef": 0.05, "ratio_weight": "token"}]}
+    )
+    policy = LossplugPolicyLossConfig(loss_mode="lossplug", recipe=weighted.to_dict())
+    with pytest.raises(LossplugError, match=r"No verl setting adds these terms"):
+        call(actor("vanilla", "token-mean", policy_loss=policy))
 
 
 @pytest.mark.parametrize("loss_mode", [m for m in VERL_LOSS_MODES if m not in ("bypass_mode", "vanilla")])
