@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lossplug.contracts import LossplugError
+from lossplug.plugins.gates.rollout_rejection import parse_options, parse_thresholds
 
 #: verl 0.9.1's ActorConfig / PolicyLossConfig / RolloutCorrectionConfig defaults for the keys read here
 ACTOR_DEFAULTS: dict[str, Any] = {
@@ -63,21 +64,6 @@ ROLLOUT_CORRECTION_DEFAULTS: dict[str, Any] = {
     "rollout_rs_threshold": None,
     "loss_type": "ppo_clip",
 }
-#: verl's rollout_rs options (``rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS``)
-RS_OPTIONS = (
-    "token_k1",
-    "token_k2",
-    "token_k3",
-    "seq_sum_k1",
-    "seq_sum_k2",
-    "seq_sum_k3",
-    "seq_mean_k1",
-    "seq_mean_k2",
-    "seq_mean_k3",
-    "seq_max_k2",
-    "seq_max_k3",
-)
-
 #: notes for the losses whose verl function is batch-local or ignores loss_agg_mode (text for docs/verl.md)
 GEO_MEAN_NOTE = (
     "geo_mean: verl returns torch.mean over the rows of each micro-batch and ignores loss_agg_mode and "
@@ -198,57 +184,22 @@ def parse_is_threshold(spec: Any) -> tuple[float, float | None]:
 
 def parse_rejection_rules(options: Any, thresholds: Any) -> list[dict[str, Any]]:
     """verl's ``rollout_rs`` (comma-chained options) and ``rollout_rs_threshold`` (one spec, or one per option) →
-    ``bypass_rs`` rules, with verl's validation."""
+    ``bypass_rs`` rules, with verl's validation (the ``rollout_rs`` gate's parser: one syntax, one set of rules)."""
     where = "policy_loss.rollout_correction.rollout_rs"
-    if not isinstance(options, str):
-        raise LossplugError(f"{where} must be a comma-separated string of options, got {options!r}")
-    names: list[str] = []
-    for option in (o.strip() for o in options.split(",")):
-        if not option:
-            continue
-        if option not in RS_OPTIONS:
-            raise LossplugError(f"{where}: unknown option {option!r} (verl's are {', '.join(RS_OPTIONS)})")
-        if option not in names:
-            names.append(option)
-    if not names:
-        raise LossplugError(f"{where}={options!r} names no option")
+    try:
+        names = parse_options(options)
+    except ValueError as err:
+        raise LossplugError(f"{where}={options!r}: {err}") from None
     if thresholds is None:
         raise LossplugError(f"{where}={options!r} needs rollout_rs_threshold (verl requires it)")
-    if isinstance(thresholds, bool) or not isinstance(thresholds, (int, float, str)):
-        raise LossplugError(f"{where}_threshold must be a number or a string, got {thresholds!r}")
-    specs = (
-        [str(thresholds)]
-        if not isinstance(thresholds, str)
-        else [s.strip() for s in thresholds.split(",") if s.strip()]
-    )
-    if len(specs) not in (1, len(names)):
-        raise LossplugError(
-            f"{where}_threshold={thresholds!r}: give one threshold for all {len(names)} options or one per option"
-        )
-    specs = specs * len(names) if len(specs) == 1 else specs
-    rules: list[dict[str, Any]] = []
-    for name, spec in zip(names, specs, strict=True):
-        try:
-            if name.endswith("k1"):
-                if "_" in spec:
-                    low_text, high_text = spec.split("_", 1)
-                    lower, upper = float(low_text), float(high_text)
-                else:
-                    upper = float(spec)
-                    lower = float(str(1.0 / upper))  # verl's own round trip
-                if lower <= 0 or upper <= 0 or lower > upper:
-                    raise LossplugError(f"{where}_threshold {spec!r} for {name}: need 0 < lower <= upper")
-                rules.append({"statistic": name, "upper": upper, "lower": lower})
-            else:
-                if "_" in spec:
-                    raise LossplugError(f"{where}_threshold {spec!r} for {name}: a k2/k3 option takes one upper bound")
-                upper = float(spec)
-                if upper <= 0:
-                    raise LossplugError(f"{where}_threshold {spec!r} for {name} must be positive")
-                rules.append({"statistic": name, "upper": upper})
-        except ValueError:
-            raise LossplugError(f"{where}_threshold {spec!r} for {name} is not a number") from None
-    return rules
+    try:
+        criteria = parse_thresholds(names, thresholds)
+    except ValueError as err:
+        raise LossplugError(f"{where}_threshold={thresholds!r}: {err}") from None
+    return [
+        {"statistic": c.option, "upper": c.upper, **({"lower": c.lower} if c.lower is not None else {})}
+        for c in criteria
+    ]
 
 
 def _bypass(actor: Mapping[str, Any], policy: Mapping[str, Any]) -> PolicyStages:

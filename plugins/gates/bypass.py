@@ -42,7 +42,6 @@ Reference: verl ``compute_policy_loss_bypass_mode`` (``policy_loss.rollout_corre
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -50,24 +49,10 @@ from pydantic import Field, model_validator
 import lossplug
 from lossplug.ops import any_rows, clamp_exact
 
+from .rollout_rejection import Option
+from .rollout_stats import SAFETY_BOUND
+
 Tensor = torch.Tensor
-
-#: verl's SAFETY_BOUND: log-ratios (and their sums) are clamped to ± this before exp
-SAFETY_BOUND = 20.0
-
-Statistic = Literal[
-    "token_k1",
-    "token_k2",
-    "token_k3",
-    "seq_sum_k1",
-    "seq_sum_k2",
-    "seq_sum_k3",
-    "seq_mean_k1",
-    "seq_mean_k2",
-    "seq_mean_k3",
-    "seq_max_k2",
-    "seq_max_k3",
-]
 
 
 class BypassISParams(lossplug.Params):
@@ -149,7 +134,7 @@ def bypass_is_seq(inp: lossplug.GateInput, p: BypassISParams) -> lossplug.GateOu
 
 
 class RejectionRule(lossplug.Params):
-    statistic: Statistic = Field(description="the divergence statistic and its level (verl's rollout_rs option)")
+    statistic: Option = Field(description="the divergence statistic and its level (verl's rollout_rs option)")
     upper: float = Field(gt=0, description="k1: upper ratio bound; k2/k3: the statistic's upper bound")
     lower: float | None = Field(
         None, gt=0, description="k1 only: lower ratio bound (default 1/upper); kept when log(lower) ≤ k1 ≤ log(upper)"

@@ -48,7 +48,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from pydantic import Field, model_validator
@@ -60,8 +60,8 @@ from . import rollout_stats as rs
 
 Tensor = torch.Tensor
 
-#: verl's ``SUPPORTED_ROLLOUT_RS_OPTIONS``, in a fixed order
-OPTIONS = (
+#: verl's ``SUPPORTED_ROLLOUT_RS_OPTIONS``: the divergence statistic and its level
+Option = Literal[
     "token_k1",
     "token_k2",
     "token_k3",
@@ -73,19 +73,31 @@ OPTIONS = (
     "seq_mean_k3",
     "seq_max_k2",
     "seq_max_k3",
-)
+]
+#: the options, in a fixed order
+OPTIONS: tuple[str, ...] = get_args(Option)
 
 
 @dataclass(frozen=True)
 class Criterion:
-    """One parsed ``rollout_rs`` option: ``scope`` token / sum / mean / max, its estimator, and its bounds on the
-    statistic (``low`` only for k1; for k1 both are logs of the ratio bounds)."""
+    """One parsed ``rollout_rs`` option: ``scope`` token / sum / mean / max, its estimator, and its bounds as verl's
+    threshold gives them (``lower`` only for k1, where both are bounds on the ratio)."""
 
     option: str
     scope: Literal["token", "sum", "mean", "max"]
     estimator: Literal["k1", "k2", "k3"]
-    low: float | None
-    high: float
+    lower: float | None
+    upper: float
+
+    @property
+    def low(self) -> float | None:
+        """The lower bound on the statistic: ``log(lower)`` for k1 (the statistic is the log-ratio), else none."""
+        return None if self.lower is None else math.log(self.lower)
+
+    @property
+    def high(self) -> float:
+        """The upper bound on the statistic: ``log(upper)`` for k1, the bound itself for k2/k3."""
+        return math.log(self.upper) if self.estimator == "k1" else self.upper
 
 
 def parse_options(options: str) -> tuple[str, ...]:
@@ -131,10 +143,10 @@ def parse_thresholds(options: tuple[str, ...], threshold: str | float) -> tuple[
                     raise ValueError(f"bounds must be positive, got {spec!r}")
                 if lower > upper:
                     raise ValueError(f"lower bound must not exceed the upper one, got {spec!r}")
-                out.append(Criterion(option, scope, estimator, math.log(lower), math.log(upper)))  # type: ignore[arg-type]
+                out.append(Criterion(option, scope, estimator, lower, upper))  # type: ignore[arg-type]
             else:
                 if "_" in spec:
-                    raise ValueError(f"a k2/k3 option takes a single upper bound (no '_'), got {spec!r}")
+                    raise ValueError(f"a k2/k3 option takes one upper bound (no '_'), got {spec!r}")
                 upper = float(spec)
                 if upper <= 0:
                     raise ValueError(f"the bound must be positive, got {spec!r}")
