@@ -37,25 +37,10 @@ from typing import Any
 from lossplug.contracts import LossplugError
 from lossplug.plugins.gates.rollout_rejection import parse_options, parse_thresholds
 
-#: verl 0.9.1's ActorConfig / PolicyLossConfig / RolloutCorrectionConfig defaults for the keys read here
-ACTOR_DEFAULTS: dict[str, Any] = {
-    "clip_ratio": 0.2,
-    "clip_ratio_low": 0.2,
-    "clip_ratio_high": 0.2,
-    "clip_ratio_c": 3.0,
-    "tau_pos": 1.0,
-    "tau_neg": 1.05,
-    "loss_agg_mode": "token-mean",
-}
-POLICY_LOSS_DEFAULTS: dict[str, Any] = {
-    "loss_mode": "vanilla",
-    "clip_cov_ratio": 0.0002,
-    "clip_cov_lb": 1.0,
-    "clip_cov_ub": 5.0,
-    "kl_cov_ratio": 0.0002,
-    "ppo_kl_coef": 0.1,
-    "dro_beta": None,
-}
+from . import ACTOR_DEFAULTS
+
+#: verl 0.9.1's PolicyLossConfig defaults: the package's ACTOR_DEFAULTS table (ActorConfig's) holds them
+POLICY_LOSS_DEFAULTS: dict[str, Any] = ACTOR_DEFAULTS["policy_loss"]
 ROLLOUT_CORRECTION_DEFAULTS: dict[str, Any] = {
     "rollout_is": "sequence",
     "rollout_is_threshold": 2.0,
