@@ -106,3 +106,45 @@ def register_gates():
     yield register
     for plugin in plugins:
         lossplug.unregister_plugin(plugin)
+
+
+#: every gate lossplug ships, written out (not read from the registry): a built-in that fails to register is caught
+BUILTIN_GATES = frozenset(
+    {
+        "ppo_clip",
+        "gspo",
+        "gspo_token",
+        "sapo",
+        "cispo",
+        "dis",
+        "reinforce",
+        "tis",
+        "tis_seq",
+        "icepop",
+        "icepop_seq",
+        # verl parity
+        "dppo_tv",
+        "dppo_kl",
+        "dro",
+        "gmpo",
+        "clip_cov",
+        "kl_cov",
+        "bypass_is",
+        "bypass_is_seq",
+        "bypass_rs",
+        "rollout_rs",
+        "offpolicy_metrics",
+        # TRL parity
+        "cispo_seq",
+        "sapo_seq",
+        "vespo",
+        "off_policy_mask",
+        "top_entropy",
+    }
+)
+
+
+@pytest.fixture
+def builtin_gates() -> frozenset[str]:
+    """The names of every built-in gate (one list for every test that must cover them all)."""
+    return BUILTIN_GATES
