@@ -129,8 +129,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
 
 def _entry(runs: dict[int, dict[str, Any]], dp: int, case: str) -> dict[str, Any]:
     result = runs[dp]
-    if case in result["skipped"]:
-        pytest.skip(f"no verl_equivalent recipe for {case}: {result['skipped'][case]}")
+    if case in result["refused"]:
+        pytest.fail(f"verl_equivalent refuses case {case}: {result['refused'][case]}")
     entry: dict[str, Any] = result["cases"][case]
     return entry
 

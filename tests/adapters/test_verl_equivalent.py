@@ -25,7 +25,7 @@ from verl.workers.config import ActorConfig, PolicyLossConfig
 import lossplug
 from lossplug.adapters.verl import LossplugPolicyLossConfig, verl_equivalent, verl_normalizer
 from lossplug.adapters.verl_recipes import ACTOR_DEFAULTS, LOSS_AGG_REDUCTIONS
-from lossplug.contracts import LossplugError, PolicyBatch, Recipe
+from lossplug.contracts import LossplugError, PolicyBatch
 
 DT = torch.float64
 RTOL = 1e-8
@@ -35,14 +35,6 @@ AGG_MODES = list(LOSS_AGG_REDUCTIONS)
 VERL_LOSS_MODES = sorted(m for m in POLICY_LOSS_REGISTRY if m != "lossplug")
 
 
-def try_equivalent(*args: Any, **kwargs: Any) -> Recipe:
-    """verl_equivalent, skipping while a recipe module has not landed (its stub raises NotImplementedError)."""
-    try:
-        return verl_equivalent(*args, **kwargs)
-    except NotImplementedError as err:
-        pytest.skip(f"recipe module not landed yet: {err}")
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The mapping
 
@@ -50,7 +42,7 @@ def try_equivalent(*args: Any, **kwargs: Any) -> Recipe:
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_loss_agg_mode_becomes_the_reduction(mode: str) -> None:
     actor = {"loss_agg_mode": mode, "loss_scale_factor": 512}
-    recipe = try_equivalent(actor)
+    recipe = verl_equivalent(actor)
     assert recipe.reduction.name == LOSS_AGG_REDUCTIONS[mode]
     if mode == "seq-mean-token-sum-norm":
         assert recipe.reduction.params["budget"] == 512.0
@@ -59,17 +51,17 @@ def test_loss_agg_mode_becomes_the_reduction(mode: str) -> None:
 
 def test_seq_mean_token_sum_norm_without_a_scale_factor_is_refused() -> None:
     with pytest.raises(LossplugError, match="loss_scale_factor"):
-        try_equivalent({"loss_agg_mode": "seq-mean-token-sum-norm"})
+        verl_equivalent({"loss_agg_mode": "seq-mean-token-sum-norm"})
 
 
 def test_an_unknown_loss_agg_mode_is_refused_naming_it() -> None:
     with pytest.raises(LossplugError, match="loss_agg_mode='token-median'"):
-        try_equivalent({"loss_agg_mode": "token-median"})
+        verl_equivalent({"loss_agg_mode": "token-median"})
 
 
 def test_vanilla_defaults_are_verls() -> None:
     """An empty actor mapping is verl's default actor: vanilla PPO clip 0.2 with dual-clip 3.0, token-mean."""
-    recipe = try_equivalent({})
+    recipe = verl_equivalent({})
     (gate,) = recipe.gates
     assert gate.name == "ppo_clip"
     assert (gate.params["eps_low"], gate.params["eps_high"], gate.params["dual_clip_c"]) == (0.2, 0.2, 3.0)
@@ -78,7 +70,7 @@ def test_vanilla_defaults_are_verls() -> None:
 
 def test_entropy_and_kl_become_regularisers() -> None:
     actor = {"entropy_coeff": 0.01, "use_kl_loss": True, "kl_loss_type": "k3+", "kl_loss_coef": 0.05}
-    recipe = try_equivalent(actor)
+    recipe = verl_equivalent(actor)
     specs = {s.name: s.params for s in recipe.regularisers}
     assert specs["entropy"]["coef"] == 0.01
     assert (specs["kl"]["coef"], specs["kl"]["estimator"]) == (0.05, "k3+")
@@ -87,21 +79,21 @@ def test_entropy_and_kl_become_regularisers() -> None:
 
 def test_kl_full_is_refused_naming_it() -> None:
     with pytest.raises(LossplugError, match="kl_loss_type='full'"):
-        try_equivalent({"use_kl_loss": True, "kl_loss_type": "full"})
+        verl_equivalent({"use_kl_loss": True, "kl_loss_type": "full"})
 
 
 def test_the_config_forms_verl_hands_over_give_the_same_recipe() -> None:
     plain = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "seq-mean-token-mean"}
     dataclass = ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, **plain)
-    recipes = [try_equivalent(c) for c in (plain, OmegaConf.create(plain), dataclass)]
+    recipes = [verl_equivalent(c) for c in (plain, OmegaConf.create(plain), dataclass)]
     assert recipes[0] == recipes[1] == recipes[2]
 
 
 def test_algorithm_only_gives_the_advantage_on_verls_default_actor() -> None:
     algorithm = {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": True, "gamma": 1.0, "lam": 1.0}
-    recipe = try_equivalent(algorithm_config=OmegaConf.create(algorithm))
+    recipe = verl_equivalent(algorithm_config=OmegaConf.create(algorithm))
     assert recipe.advantage is not None
-    assert recipe == try_equivalent({}, algorithm)
+    assert recipe == verl_equivalent({}, algorithm)
     assert [g.name for g in recipe.gates] == ["ppo_clip"]
 
 
@@ -221,10 +213,7 @@ def close(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 @pytest.mark.parametrize("loss_mode", VERL_LOSS_MODES)
 def test_every_verl_loss_mode_through_the_adapter(loss_mode: str, agg: str, dp: int) -> None:
     theirs_cfg = actor(loss_mode, agg)
-    try:
-        recipe = try_equivalent(theirs_cfg)
-    except LossplugError as err:
-        pytest.skip(f"verl_equivalent refuses {loss_mode} under {agg}: {err}")
+    recipe = verl_equivalent(theirs_cfg)  # every loss mode has a recipe under every loss_agg_mode
     ours_cfg = actor(
         loss_mode, agg, policy_loss=LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe.to_dict())
     )
@@ -254,10 +243,7 @@ def test_the_whole_actor_loss_with_entropy_and_kl(kl_type: str, agg: str, dp: in
     entropy_coeff·agg_loss(entropy), plus kl_loss_coef·agg_loss(kl_penalty(logp, ref, kl_loss_type)) — against
     ``lossplug.policy_loss`` with the recipe of ``verl_equivalent`` (regularisers included)."""
     config = actor("vanilla", agg, entropy_coeff=0.01, use_kl_loss=True, kl_loss_type=kl_type, kl_loss_coef=0.05)
-    try:
-        recipe = try_equivalent(config)
-    except LossplugError as err:
-        pytest.skip(str(err))
+    recipe = verl_equivalent(config)
     assert {s.name for s in recipe.regularisers} == {"entropy", "kl"}
     inputs = make_inputs(3)
     info = global_info(inputs, dp, None)
@@ -321,7 +307,7 @@ def test_verls_metric_keys_carry_verls_values(agg: str) -> None:
     """``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and ``actor/ppo_kl`` under ``loss_mode=lossplug`` have
     ``compute_policy_loss_vanilla``'s definitions, micro-batch by micro-batch."""
     theirs_cfg = actor("vanilla", agg)
-    recipe = try_equivalent(theirs_cfg)
+    recipe = verl_equivalent(theirs_cfg)
     ours_cfg = actor(
         "vanilla", agg, policy_loss=LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe.to_dict())
     )
@@ -361,10 +347,10 @@ def test_verls_own_composed_config() -> None:
             config_name="ppo_trainer",
             overrides=["algorithm.adv_estimator=grpo", "algorithm.rollout_correction.rollout_is=token"],
         )
-    recipe = try_equivalent(default.actor_rollout_ref.actor, default.algorithm)
+    recipe = verl_equivalent(default.actor_rollout_ref.actor, default.algorithm)
     assert recipe.advantage is not None and recipe.advantage.name == "gae"
     assert [g.name for g in recipe.gates] == ["ppo_clip"]
-    recipe = try_equivalent(grpo_tis.actor_rollout_ref.actor, grpo_tis.algorithm)
+    recipe = verl_equivalent(grpo_tis.actor_rollout_ref.actor, grpo_tis.algorithm)
     assert recipe.advantage is not None and recipe.advantage.name == "grpo"
     assert [g.name for g in recipe.gates][:2] == ["ppo_clip", "tis"]
     assert recipe.gates[1].params["cap"] == 2.0
@@ -377,7 +363,7 @@ def test_a_correction_recipe_runs_under_verl_with_the_rollout_correction_forward
     naming the forwarding line, when it is not."""
     correction = {"rollout_is": "token", "rollout_is_threshold": 2.0}
     config = actor("vanilla", "token-mean")
-    recipe = try_equivalent(config, {"rollout_correction": correction})
+    recipe = verl_equivalent(config, {"rollout_correction": correction})
     assert [g.name for g in recipe.gates] == ["ppo_clip", "tis", "offpolicy_metrics"]
     mb = micro_batches(make_inputs(2), 1, 0)[0]
     weights = torch.where(mb["response_mask"], 0.5 + torch.rand_like(mb["log_prob"]), 0)
@@ -403,7 +389,7 @@ def test_a_correction_recipe_runs_under_verl_with_the_rollout_correction_forward
 def test_regularisers_verl_does_not_add_are_refused_under_verl() -> None:
     """verl hands a policy loss neither entropy nor ref_log_prob: a recipe KL term that verl's ppo_loss will not
     add (use_kl_loss false) is refused, naming the settings — never silently dropped or counted twice."""
-    recipe = try_equivalent({"use_kl_loss": True, "kl_loss_coef": 0.05})
+    recipe = verl_equivalent({"use_kl_loss": True, "kl_loss_coef": 0.05})
     ours = actor(
         "vanilla", "token-mean", policy_loss=LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe.to_dict())
     )
@@ -440,7 +426,7 @@ def test_each_loss_modes_metric_keys_carry_its_values(loss_mode: str) -> None:
     """Each of ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl`` that a verl loss mode reports
     comes back under ``loss_mode=lossplug`` with that mode's own definition, micro-batch by micro-batch."""
     theirs_cfg = actor(loss_mode, "token-mean")
-    recipe = try_equivalent(theirs_cfg)
+    recipe = verl_equivalent(theirs_cfg)
     policy = LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe.to_dict())
     ours_cfg = actor(loss_mode, "token-mean", policy_loss=policy)
     inputs = make_inputs(11)
