@@ -198,6 +198,44 @@ def _components_pass_on_host(t: Tensor, row_shape: torch.Size) -> bool:
     )
 
 
+def _token_view(t: Tensor, mask: Tensor) -> Tensor:
+    """A ``[B]`` or ``[B, T]`` field seen as ``[B, T]`` (a per-row value repeated along the tokens)."""
+    return t.unsqueeze(-1).expand_as(mask) if t.ndim == 1 else t
+
+
+def _versions_pass_on_host(behavior: Tensor, policy: Tensor | None, mask: Tensor) -> bool:
+    """The quick test of :func:`_version_rules` on the CPU."""
+    if policy is None or not (behavior.is_cpu and policy.is_cpu):
+        return False
+    view = _token_view(behavior, mask)
+    ok = (view >= 0) & (view <= policy.unsqueeze(-1))
+    return bool((ok | ~mask).all())
+
+
+def _version_rules(checks: Checks, behavior: Tensor | None, policy: Tensor | None, mask: Tensor) -> None:
+    """``behavior_version`` ≥ 0 and ≤ the row's ``policy_version`` on the actions; each needs the other."""
+    if behavior is None and policy is None:
+        return
+    if behavior is None or policy is None:
+        given, missing = (
+            ("behavior_version", "policy_version") if policy is None else ("policy_version", "behavior_version")
+        )
+        checks.fail(
+            given,
+            f"is read against {missing}: give both (the versions that generated the tokens and the "
+            "version this update starts from)",
+        )
+        return
+    view = _token_view(behavior, mask)
+    checks.when_any(mask & (view < 0), "behavior_version", "must be >= 0 on action positions")
+    checks.when_any(
+        mask & (view > policy.unsqueeze(-1)),
+        "behavior_version",
+        "must be <= the row's policy_version on action positions: a token cannot come from a policy newer than "
+        "the one this update starts from",
+    )
+
+
 def _finite_on_host(t: Tensor) -> bool:
     """The quick test of :func:`_finite_rule` on the CPU (a per-response float field)."""
     if not t.is_floating_point() or t.numel() == 0:
@@ -455,9 +493,22 @@ class PolicyBatch(_TensorModel):
     reward_baseline: Tensor | None = None
     #: ``[B, K]`` one column per reward function, before any aggregation (TRL's ``normalize_then_sum``, verl's GDPO)
     reward_components: Tensor | None = None
+    #: ``[B, T]`` log-probs of the sampled tokens under a teacher policy (on-policy distillation: the per-token
+    #: reverse KL ``logp − teacher_logp`` is the signal); a frozen policy of its own, never the reference
+    teacher_logp: Tensor | None = None
+    #: ``[B, T]`` (per token) or ``[B]`` integer ≥ 0: the version of the policy that generated each token
+    #: (asynchronous trainers: AReaL's ``versions``; one sequence may span several versions when generation is
+    #: interrupted by a weight update)
+    behavior_version: Tensor | None = None
+    #: ``[B]`` integer: the version of the policy this update starts from (π_old's version), ≥ every
+    #: ``behavior_version`` of its row on the actions
+    policy_version: Tensor | None = None
+    #: ``[B]`` integer: the environment state a row starts from (multi-turn agents, one row per step): rows of one
+    #: prompt group with equal ``anchor_id`` saw the same state (GiGPO's step-level groups); requires ``group_id``
+    anchor_id: Tensor | None = None
 
-    TOKEN_FLOATS: ClassVar[tuple[str, ...]] = ("logp", "old_logp", "behavior_logp", "ref_logp", "value")
-    LOGPROBS: ClassVar[tuple[str, ...]] = ("logp", "old_logp", "behavior_logp", "ref_logp")
+    TOKEN_FLOATS: ClassVar[tuple[str, ...]] = ("logp", "old_logp", "behavior_logp", "ref_logp", "teacher_logp", "value")
+    LOGPROBS: ClassVar[tuple[str, ...]] = ("logp", "old_logp", "behavior_logp", "ref_logp", "teacher_logp")
 
     @property
     def batch_size(self) -> int:
@@ -485,6 +536,10 @@ class PolicyBatch(_TensorModel):
         "sum_pi_squared": (True, False, "float"),
         "reward_baseline": (False, True, "float"),
         "reward_components": (False, False, "float"),  # [B, K]: its own shape rule
+        "teacher_logp": (True, False, "float"),
+        "behavior_version": (True, True, "int"),
+        "policy_version": (False, True, "int"),
+        "anchor_id": (False, True, "int"),
     }
     #: the fields whose values are checked: finite on the actions (log-probs also ≤ LOGP_TOLERANCE), or finite per row
     _VALUE_FIELDS: ClassVar[tuple[str, ...]] = TOKEN_FLOATS + ("advantage", "reward", "reward_baseline")
@@ -542,6 +597,15 @@ class PolicyBatch(_TensorModel):
             return False
         if fields.get("sum_pi_squared") is not None:
             return False  # its [0, 1] rule: the full path
+        behavior_version = fields.get("behavior_version")
+        if behavior_version is not None and not _versions_pass_on_host(
+            behavior_version, fields.get("policy_version"), fields["action_mask"]
+        ):
+            return False
+        if fields.get("policy_version") is not None and behavior_version is None:
+            return False  # the full path says what policy_version needs
+        if fields.get("anchor_id") is not None and fields.get("group_id") is None:
+            return False
         final_value = fields.get("final_value")
         return final_value is None  # truncation rules: the full path
 
@@ -619,6 +683,13 @@ class PolicyBatch(_TensorModel):
                 mask & ~((sum_pi_squared >= 0) & (sum_pi_squared <= 1 + PROBABILITY_TOLERANCE)),
                 "sum_pi_squared",
                 f"must be in [0, 1] (tolerance {PROBABILITY_TOLERANCE}) on action positions: Σ_v π(v)² of a distribution",
+            )
+        _version_rules(checks, fields.get("behavior_version"), fields.get("policy_version"), mask)
+        if fields.get("anchor_id") is not None and fields.get("group_id") is None:
+            checks.fail(
+                "anchor_id",
+                "names states within a prompt group: give group_id [B] with it (rows of one group with equal "
+                "anchor_id saw the same state)",
             )
         final_value = fields.get("final_value")
         if final_value is not None:

@@ -148,6 +148,8 @@ def insert_masked_columns(
             continue
         if name == "action_mask":
             pad = torch.zeros(B, before + after, dtype=torch.bool)
+        elif not t.is_floating_point():  # an integer field (behavior_version): any value off the actions
+            pad = torch.full((B, before + after), -(2**31), dtype=t.dtype)
         else:
             pad = torch.full((B, before + after), float("nan") if fill is None else fill, dtype=t.dtype)
             if fill is None:

@@ -216,11 +216,19 @@ def _fields(**kw: Any) -> dict[str, Tensor]:
     p = torch.exp(fields["old_logp"].to(torch.float64))
     spread = torch.rand(logp.shape, generator=g, dtype=torch.float64)
     fields["sum_pi_squared"] = (p**2 + spread * (1 - p) ** 2).to(logp.dtype)
+    # a teacher near the behaviour policy; tokens from the last three policy versions (asynchronous rollouts); two
+    # anchor states per prompt group
+    teacher = fields["old_logp"] + 0.3 * torch.randn(logp.shape, generator=g, dtype=torch.float64).to(logp.dtype)
+    fields["teacher_logp"] = teacher.clamp(max=-1e-3)
+    B, T = logp.shape
+    fields["policy_version"] = torch.full((B,), 3, dtype=torch.int64)
+    fields["behavior_version"] = torch.randint(1, 4, (B, T), generator=g, dtype=torch.int64)
+    fields["anchor_id"] = torch.arange(B, dtype=torch.int64) % 2
     return fields
 
 
 #: the per-token fields a check poisons off the actions
-TOKEN_FIELDS = _b.TOKEN_FIELDS + ("entropy", "sum_pi_squared")
+TOKEN_FIELDS = _b.TOKEN_FIELDS + ("entropy", "sum_pi_squared", "teacher_logp")
 
 
 BUDGET = 16.0  # the fixed token budget per response the checks' Normalizers carry
