@@ -33,7 +33,7 @@ import lossplug
 from lossplug.contracts import LossplugError
 from lossplug.ops import Groups
 
-from .verl_statistics import at_least_float32, constant_group, group_mean_or_zero, whiten_rows
+from ._verl_statistics import at_least_float32, constant_group, group_mean_or_zero, whiten_rows
 
 Tensor = torch.Tensor
 

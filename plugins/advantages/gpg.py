@@ -24,8 +24,8 @@ import torch
 import lossplug
 from lossplug.ops import Groups
 
+from ._verl_statistics import at_least_float32, constant_group, group_mean_or_zero
 from .group_relative import sequence_scores
-from .verl_statistics import at_least_float32, constant_group, group_mean_or_zero
 
 Tensor = torch.Tensor
 

@@ -22,8 +22,8 @@ import torch
 import lossplug
 from lossplug.ops import Groups
 
+from ._verl_statistics import at_least_float32, constant_group
 from .group_relative import sequence_scores
-from .verl_statistics import at_least_float32, constant_group
 
 Tensor = torch.Tensor
 

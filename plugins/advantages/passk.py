@@ -25,8 +25,8 @@ from pydantic import Field
 import lossplug
 from lossplug.ops import Groups
 
+from ._verl_statistics import at_least_float32
 from .group_relative import sequence_scores
-from .verl_statistics import at_least_float32
 
 Tensor = torch.Tensor
 

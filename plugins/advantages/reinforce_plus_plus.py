@@ -35,9 +35,9 @@ from pydantic import Field
 import lossplug
 from lossplug.ops import Groups
 
+from ._verl_statistics import at_least_float32, constant_group, group_mean_or_zero, masked_whiten, whiten_rows
 from .gae import reverse_linear_scan
 from .group_relative import sequence_scores
-from .verl_statistics import at_least_float32, constant_group, group_mean_or_zero, masked_whiten, whiten_rows
 
 Tensor = torch.Tensor
 

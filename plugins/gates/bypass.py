@@ -49,8 +49,8 @@ from pydantic import Field, model_validator
 import lossplug
 from lossplug.ops import any_rows, clamp_exact
 
+from ._rollout_stats import SAFETY_BOUND
 from .rollout_rejection import Option
-from .rollout_stats import SAFETY_BOUND
 
 Tensor = torch.Tensor
 

@@ -27,7 +27,7 @@ gate is given — over its action tokens (token level) or its responses with an 
 that mean exceeds 1e-8: ``w ← w / mean(w)``. verl takes that mean over the whole rollout batch in the driver (before
 it is split into mini- and micro-batches, on the response mask before rejection): a gate reproduces it exactly only
 when it is given that whole batch. Otherwise compute the weights once per rollout batch with
-:func:`lossplug.plugins.gates.rollout_weights.whole_batch_weight` and pass each micro-batch's rows to
+:func:`lossplug.plugins.gates.whole_batch_weight` and pass each micro-batch's rows to
 ``policy_loss(weight=...)`` — the way verl hands ``rollout_is_weights`` to its loss.
 
 Metrics: each gate reports its cut fractions (``metrics``) and, at ``metrics="full"``, verl's
@@ -50,7 +50,7 @@ from pydantic import Field, model_validator
 import lossplug
 from lossplug.ops import clamp_exact, response_stats
 
-from . import rollout_stats as rs
+from . import _rollout_stats as rs
 
 REQUIRES = ("old_logp", "behavior_logp")
 

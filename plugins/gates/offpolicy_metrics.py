@@ -37,7 +37,7 @@ import torch
 
 import lossplug
 
-from . import rollout_stats as rs
+from . import _rollout_stats as rs
 
 Tensor = torch.Tensor
 

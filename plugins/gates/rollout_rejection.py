@@ -26,7 +26,7 @@ denominators. A 0-weight token here stays in the reduction's population. The two
 too), and under ``response`` for response-level criteria (a kept response keeps all its tokens). Under ``token``
 (verl's ``batch_num_tokens`` counts the survivors) and for token-level criteria under ``response`` (each response's
 own count shrinks), apply the rejection where verl does, to the batch:
-:func:`lossplug.plugins.gates.rollout_weights.whole_batch_weight`'s ``kept_mask`` becomes the action mask and the
+:func:`lossplug.plugins.gates.whole_batch_weight`'s ``kept_mask`` becomes the action mask and the
 :class:`~lossplug.Normalizer`'s population (rows left without an action token are dropped, as the verl adapter
 drops them).
 
@@ -56,7 +56,7 @@ from pydantic import Field, model_validator
 import lossplug
 from lossplug.ops import clamp_exact
 
-from . import rollout_stats as rs
+from . import _rollout_stats as rs
 
 Tensor = torch.Tensor
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import lossplug
-from lossplug.plugins.gates.rollout_weights import whole_batch_weight
+from lossplug.plugins.gates import whole_batch_weight
 
 pytest.importorskip("verl")
 from verl.trainer.ppo import core_algos
