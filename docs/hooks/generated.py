@@ -1,7 +1,7 @@
 """MkDocs hook (``hooks:`` in mkdocs.yml): the pages that are generated from the code on every build, so they cannot
 drift from it, and links from the docs to files of the repository outside ``docs/``.
 
-* ``catalogue.md`` — every built-in plugin, from the registry (:func:`lossplug.describe.catalogue_markdown`); a
+* ``catalogue.md`` — every built-in plugin, from the registry (:func:`lossplug.cli.describe.catalogue_markdown`); a
   built-in without a formula, a parameter description or a citation is a warning, which ``--strict`` turns into a
   failed build (``tests/docs/test_catalogue.py`` checks the same without building).
 * ``cli.md`` — the ``lossplug`` command line, from the Typer app (Typer's own Markdown renderer).
@@ -39,7 +39,7 @@ log = logging.getLogger("mkdocs.hooks.generated")
 
 
 def catalogue_page() -> str:
-    from lossplug.describe import catalogue_markdown, catalogue_problems
+    from lossplug.cli.describe import catalogue_markdown, catalogue_problems
 
     for problem in catalogue_problems():
         log.warning("plugin catalogue: %s", problem)

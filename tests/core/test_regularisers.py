@@ -217,7 +217,7 @@ def test_a_tensor_return_is_the_term(register_regularisers):
 
 
 def test_explain_needs_list_and_show():
-    from lossplug.describe import explain_recipe, plugin_info
+    from lossplug.cli.describe import explain_recipe, plugin_info
     from lossplug.needs import recipe_needs
 
     recipe = Recipe.load(

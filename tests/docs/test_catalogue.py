@@ -1,4 +1,4 @@
-"""The plugin catalogue page of the docs site is generated from the registry (``lossplug.describe.catalogue_markdown``,
+"""The plugin catalogue page of the docs site is generated from the registry (``lossplug.cli.describe.catalogue_markdown``,
 called by ``docs/hooks/generated.py`` on every build): every built-in must be fully documented — a formula (its
 docstring), a description for every parameter, a citation — and appear on the page with its parameters."""
 
@@ -9,7 +9,7 @@ import pytest
 from pydantic import Field
 
 import lossplug
-from lossplug.describe import catalogue_markdown, catalogue_problems, citations, formula, parameters
+from lossplug.cli.describe import catalogue_markdown, catalogue_problems, citations, formula, parameters
 from lossplug.plugin_registry import BUILTIN_SOURCE
 
 

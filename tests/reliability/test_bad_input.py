@@ -1170,7 +1170,7 @@ def test_lossplug_errors_pass_through_plugins_unchanged():
 
 def _batch_loader():
     """``lossplug validate``'s batch-file loader."""
-    from lossplug.batch_files import load_batch_file
+    from lossplug.cli.batch_files import load_batch_file
 
     return load_batch_file
 

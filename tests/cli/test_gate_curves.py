@@ -1,10 +1,10 @@
-"""lossplug.gate_curves: gate specs from text, the default set of curves, and coefficients by autograd. The PNG
-itself is drawn in tests/test_cli.py (``lossplug plot gates``)."""
+"""lossplug.cli.gate_curves: gate specs from text, the default set of curves, and coefficients by autograd. The PNG
+itself is drawn in tests/cli/test_app.py (``lossplug plot gates``)."""
 
 import pytest
 
 import lossplug
-from lossplug.gate_curves import (
+from lossplug.cli.gate_curves import (
     NOT_PLOTTED,
     default_gate_specs,
     gate_coefficients,

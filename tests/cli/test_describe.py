@@ -1,7 +1,7 @@
-"""lossplug.describe: plugins and recipes as plain data (what `lossplug show/list/recipe explain` render)."""
+"""lossplug.cli.describe: plugins and recipes as plain data (what `lossplug show/list/recipe explain` render)."""
 
 import lossplug
-from lossplug.describe import constraints, distribution, explain_recipe, parameters, plugin_info, recipe_fields
+from lossplug.cli.describe import constraints, distribution, explain_recipe, parameters, plugin_info, recipe_fields
 
 
 def test_parameters_give_type_default_constraint_and_description():

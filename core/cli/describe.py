@@ -12,15 +12,14 @@ import sys
 from typing import TYPE_CHECKING, Any, cast
 
 from lossplug.contracts import Recipe
-
-from .needs import FIELD_SHAPES, batch_fields, recipe_needs, required_fields
+from lossplug.needs import FIELD_SHAPES, batch_fields, recipe_needs, required_fields
 
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
 
-    from .pipeline import RegulariserStage, Stage
-    from .plugin import AnyPlugin
-    from .plugin_registry import Registry
+    from lossplug.pipeline import RegulariserStage, Stage
+    from lossplug.plugin import AnyPlugin
+    from lossplug.plugin_registry import Registry
 
 #: pydantic's constraint attributes and how a person reads them
 _CONSTRAINTS = {
@@ -106,8 +105,8 @@ def recipe_fields(recipe: Recipe) -> list[dict[str, str]]:
 def explain_recipe(recipe: Recipe) -> dict[str, Any]:
     """A recipe resolved: its stages (plugin, parameters, role, source, summary), the batch fields it needs and the
     normaliser it expects."""
-    from .pipeline import compile_recipe
-    from .plugin_registry import registry
+    from lossplug.pipeline import compile_recipe
+    from lossplug.plugin_registry import registry
 
     reg = registry()
     compiled = compile_recipe(recipe)
@@ -195,7 +194,7 @@ def formula(plugin: AnyPlugin) -> str:
 def catalogue_problems(reg: Registry | None = None, *, builtin_only: bool = True) -> list[str]:
     """What keeps the catalogue from being complete: a plugin without a formula (docstring), a parameter without a
     description, a plugin without a citation. Empty when every (built-in) plugin is fully documented."""
-    from .plugin_registry import BUILTIN_SOURCE, registry
+    from lossplug.plugin_registry import BUILTIN_SOURCE, registry
 
     reg = reg or registry()
     problems = []
@@ -288,13 +287,13 @@ def catalogue_markdown(
     """The plugin catalogue as one Markdown page: for every (built-in) advantage, gate, reduction and regulariser its
     kind, role and level, formula, parameter table (type, default, constraint, description), the batch fields it
     needs, its citations and its module's documentation; then the presets with their sources."""
-    from .plugin_registry import BUILTIN_SOURCE, registry
+    from lossplug.plugin_registry import BUILTIN_SOURCE, registry
 
     reg = reg or registry()
     out = [
         f"# {title}",
         "",
-        "Generated from the plugin registry when the documentation is built (`lossplug.describe."
+        "Generated from the plugin registry when the documentation is built (`lossplug.cli.describe."
         "catalogue_markdown`): every built-in plugin as `lossplug show NAME` describes it. Gates return per-token "
         "**objectives** (to maximise); the loss is `−reduce(objective)`; a regulariser's per-token term is added "
         "to it as `coef · reduce(term)`.",

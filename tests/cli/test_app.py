@@ -469,7 +469,7 @@ def test_plot_gates_writes_a_png_through_the_real_plugins(tmp_path):
 
 def test_plot_default_covers_every_gate_and_dual_clip():
     from lossplug.cli import _gate_specs
-    from lossplug.gate_curves import NOT_PLOTTED, gate_coefficients
+    from lossplug.cli.gate_curves import NOT_PLOTTED, gate_coefficients
 
     specs = _gate_specs(None)
     names = [s["name"] for s in specs]
@@ -484,7 +484,7 @@ def test_plot_default_covers_every_gate_and_dual_clip():
 
 
 def test_plot_gate_coefficients_are_the_gradients():
-    from lossplug.gate_curves import gate_coefficients
+    from lossplug.cli.gate_curves import gate_coefficients
 
     r = [0.5, 0.9, 1.0, 1.1, 1.5]
     assert gate_coefficients({"name": "ppo_clip"}, r, 1.0).tolist() == pytest.approx([0.5, 0.9, 1.0, 1.1, 0.0])

@@ -1,6 +1,6 @@
-"""lossplug.batch_files: reading batch dumps (never unpickling) and checking them against the contracts and a
+"""lossplug.cli.batch_files: reading batch dumps (never unpickling) and checking them against the contracts and a
 recipe — what ``lossplug validate`` prints, as data. The refusal of pickles is also in
-tests/reliability/test_bad_input.py; the command's output in tests/test_cli.py."""
+tests/reliability/test_bad_input.py; the command's output in tests/cli/test_app.py."""
 
 import json
 
@@ -9,7 +9,7 @@ import torch
 
 import lossplug
 from lossplug import PackedTransitions, PluginError, PolicyBatch, Recipe
-from lossplug.batch_files import (
+from lossplug.cli.batch_files import (
     BatchWarning,
     UnreadableFile,
     check_batch,

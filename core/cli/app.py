@@ -1,9 +1,9 @@
 """The ``lossplug`` command line (typer + rich): command wiring and presentation only.
 
-What the commands compute lives in library modules the adapters and tests share: :mod:`lossplug.batch_files`
+What the commands compute lives in library modules the adapters and tests share: :mod:`lossplug.cli.batch_files`
 (reading and checking batch dumps), :mod:`lossplug.needs` (which fields a plugin or recipe needs),
-:mod:`lossplug.describe` (plugins and recipes as plain data),
-:mod:`lossplug.gate_curves` (gate gradient curves) and :mod:`lossplug.testing` (the conformance kit).
+:mod:`lossplug.cli.describe` (plugins and recipes as plain data),
+:mod:`lossplug.cli.gate_curves` (gate gradient curves) and :mod:`lossplug.testing` (the conformance kit).
 
 Every command imports what it needs when it runs (torch, the registry, safetensors, matplotlib), so ``--help`` is
 instant. Text that comes from plugins (docstrings, summaries) is printed without rich markup: ``[B, T]`` stays
@@ -21,16 +21,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
-from lossplug.contracts.errors import LossplugError
-
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.text import Text
     from torch import Tensor
 
-    from lossplug.batch_files import BatchCheck
-    from lossplug.contracts import Recipe
-    from lossplug.plugin import AnyPlugin
+    from lossplug.cli.batch_files import BatchCheck
+    from lossplug.contracts import LossplugError, Recipe
     from lossplug.plugin_registry import Registry
 
 app = typer.Typer(
@@ -40,10 +37,42 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help: rendering it with rich imports typer.rich_utils (~0.1 s), as long again as the rest of
+    # `lossplug --help`; the commands' own output is rich
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-recipe_app = typer.Typer(help="Resolve recipes and say what a batch must contain for them.", no_args_is_help=True)
-plot_app = typer.Typer(help="Plot the plugins' behaviour (PNG; needs matplotlib).", no_args_is_help=True)
+
+
+def _version(value: bool) -> None:
+    if not value:
+        return
+    from lossplug.versions import installed
+
+    typer.echo("  ".join(f"{name} {version}" for name, version in installed().items()))
+    raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        "-V",
+        callback=_version,
+        is_eager=True,
+        help="lossplug's version and those of python, torch, trl, verl … (the run record's versions.json), then exit.",
+    ),
+) -> None:
+    """lossplug — a pluggable, validated loss layer for LLM RL inside TRL and verl."""
+
+
+recipe_app = typer.Typer(
+    help="Resolve recipes and say what a batch must contain for them.", no_args_is_help=True, rich_markup_mode=None
+)
+plot_app = typer.Typer(
+    help="Plot the plugins' behaviour (PNG; needs matplotlib).", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(recipe_app, name="recipe")
 app.add_typer(plot_app, name="plot")
 
@@ -76,6 +105,13 @@ def _text(s: str, style: str = "") -> Text:
     return Text(s, style=style)  # plugin-provided text: never parsed as markup
 
 
+def _lossplug_error() -> type[LossplugError]:
+    """lossplug's error class, imported when an ``except`` clause needs it (lossplug.contracts imports torch)."""
+    from lossplug.contracts import LossplugError
+
+    return LossplugError
+
+
 def _fail(message: str, code: int = 2) -> NoReturn:
     _console(stderr=True).print(_text(f"error: {message}", "bold red"))
     raise typer.Exit(code)
@@ -86,7 +122,7 @@ def _warn(message: str) -> None:
 
 
 def _parse_assignments(items: list[str] | None, what: str) -> dict[str, Any]:
-    from lossplug.gate_curves import parse_assignments
+    from lossplug.cli.gate_curves import parse_assignments
 
     try:
         return parse_assignments(items, what)
@@ -118,17 +154,12 @@ def list_cmd(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Every plugin by kind, with parameters, defaults and source distribution; broken plugins in red."""
-    import lossplug
-    from lossplug.describe import distribution
+    from lossplug.cli.catalogue import current
 
-    reg = _registry()
-    rows = lossplug.list_plugins()
-    for row in rows:
-        row["distribution"] = distribution(row["source"])
-    broken = [{"origin": b.origin, "error": b.error} for b in reg.broken]
-    duplicates = [{"kind": k, "name": n, "sources": list(v)} for (k, n), v in reg.duplicates.items()]
+    catalogue = current()
+    broken, duplicates = catalogue["broken"], catalogue["duplicates"]
     kinds = [kind.value] if kind else [*KIND_ORDER, "preset"]
-    rows = [r for r in rows if r["kind"] in kinds]
+    rows = [r for r in catalogue["rows"] if r["kind"] in kinds]
     if as_json:
         typer.echo(json.dumps({"plugins": rows, "broken": broken, "duplicates": duplicates}, indent=2, default=str))
         return
@@ -175,11 +206,9 @@ def list_cmd(
 # show
 
 
-def _print_plugin(console: Console, info: dict[str, Any], plugin: AnyPlugin) -> None:
+def _print_plugin(console: Console, info: dict[str, Any]) -> None:
     from rich.rule import Rule
     from rich.table import Table
-
-    from lossplug.describe import parameters
 
     console.print(Rule(_text(f"{info['kind']} {info['name']}  ·  {info['distribution']}", "bold")))
     console.print(_text(info["doc"] or "(no docstring)", "bold"), soft_wrap=True)
@@ -202,14 +231,13 @@ def _print_plugin(console: Console, info: dict[str, Any], plugin: AnyPlugin) -> 
         console.print()
         console.print(_text(info["module_doc"]), soft_wrap=True)
     console.print()
-    fields = plugin.params.model_fields
-    if not fields:
+    if not info["parameters"]:
         console.print(_text("parameters: none", "dim"))
         return
     table = Table(title="parameters", title_justify="left", show_lines=False)
     for col in ("name", "type", "default", "constraint", "description"):
         table.add_column(col, overflow="fold")
-    for row in parameters(plugin):
+    for row in info["parameters"]:
         default = "<required>" if row["required"] else repr(row["default"])
         table.add_row(
             _text(row["name"], "bold cyan"),
@@ -228,30 +256,31 @@ def show_cmd(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (with the JSON schema)."),
 ) -> None:
     """A plugin's formula (docstring), its parameter schema, and the batch fields it needs."""
-    from lossplug.contracts.errors import did_you_mean
-    from lossplug.describe import explain_recipe, plugin_info
+    from lossplug.cli.catalogue import current
 
-    reg = _registry()
+    catalogue = current()
+    plugins, presets = catalogue["plugins"], catalogue["presets"]
     kinds = [kind.value] if kind else list(KIND_ORDER)
-    found = [(k, reg.plugins[k][name]) for k in kinds if k in reg.plugins and name in reg.plugins[k]]
-    is_preset = name in reg.presets and (kind is None or kind.value == "preset")
+    found = [plugins[f"{k}:{name}"] for k in kinds if f"{k}:{name}" in plugins]
+    is_preset = name in presets and (kind is None or kind.value == "preset")
     if not found and not is_preset:
-        known = sorted({n for k in KIND_ORDER for n in reg.plugins[k]} | set(reg.presets))
+        from lossplug.contracts.errors import did_you_mean  # (lossplug.contracts imports torch: only on this path)
+
+        known = sorted({key.split(":", 1)[1] for key in plugins} | set(presets))
         _fail(f"no plugin or preset named '{name}'{did_you_mean(name, known)}; `lossplug list` shows them all", 1)
-    infos = [plugin_info(k, name, p, reg.origin(k, name)) for k, p in found]
     if as_json:
-        out: dict[str, Any] = {"plugins": infos}
+        out: dict[str, Any] = {"plugins": [{k: v for k, v in info.items() if k != "parameters"} for info in found]}
         if is_preset:
-            out["preset"] = explain_recipe(_load_recipe(name))
+            out["preset"] = presets[name]
         typer.echo(json.dumps(out, indent=2, default=str))
         return
     console = _console()
-    for info, (_, plugin) in zip(infos, found):
-        _print_plugin(console, info, plugin)
+    for info in found:
+        _print_plugin(console, info)
     if is_preset:
         if found:
             console.print()
-        _print_explain(console, explain_recipe(_load_recipe(name)))
+        _print_explain(console, presets[name])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -270,7 +299,7 @@ def _read_recipe(source: str) -> Recipe:
 def _load_recipe(source: str) -> Recipe:
     try:
         return _read_recipe(source)
-    except LossplugError as err:
+    except _lossplug_error() as err:
         _fail(str(err))
 
 
@@ -315,7 +344,7 @@ def recipe_explain_cmd(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """The resolved recipe and what a batch must contain for it."""
-    from lossplug.describe import explain_recipe
+    from lossplug.cli.describe import explain_recipe
 
     data = explain_recipe(_load_recipe(source))
     if as_json:
@@ -366,7 +395,7 @@ def _validate_report(
 
 def _check_file(file: Path, contract: str, recipe: str | None) -> tuple[dict[str, Any], Recipe | None, BatchCheck]:
     """(tensors, recipe, check) — or a _ValidateError naming what could not be read or run."""
-    from lossplug.batch_files import UnreadableFile, check_batch, infer_contract, load_batch_file
+    from lossplug.cli.batch_files import UnreadableFile, check_batch, infer_contract, load_batch_file
     from lossplug.contracts import PluginError
 
     try:
@@ -376,7 +405,7 @@ def _check_file(file: Path, contract: str, recipe: str | None) -> tuple[dict[str
         raise _ValidateError("unreadable_file", str(err)) from None
     try:
         recipe_obj = _read_recipe(recipe) if recipe else None
-    except LossplugError as err:
+    except _lossplug_error() as err:
         raise _ValidateError("bad_recipe", str(err)) from None
     try:
         return tensors, recipe_obj, check_batch(tensors, model, recipe_obj)
@@ -501,7 +530,7 @@ def check_cmd(
 
 def _gate_specs(specs: list[str] | None) -> list[dict[str, Any]]:
     """The --gate options as recipe specs; without any, every registered gate (see gate_curves)."""
-    from lossplug.gate_curves import default_gate_specs, parse_gate_spec
+    from lossplug.cli.gate_curves import default_gate_specs, parse_gate_spec
 
     if not specs:
         return default_gate_specs(_registry())
@@ -528,13 +557,13 @@ def plot_gates_cmd(
         import matplotlib  # noqa: F401
     except ImportError:
         _fail("plotting needs matplotlib: pip install matplotlib")
-    from lossplug.gate_curves import plot_gates
+    from lossplug.cli.gate_curves import plot_gates
 
     specs = _gate_specs(gate)
     _registry()  # built here, where broken third-party plugins are not also raised as Python warnings
     try:
         path = plot_gates(out, specs, ratio_max=ratio_max)
-    except LossplugError as err:
+    except _lossplug_error() as err:
         _fail(str(err))
     _console().print(_text(f"wrote {path} ({len(specs)} gates)", "green"))
 
