@@ -78,6 +78,11 @@ def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> 
         bypass.bypass_rs,
     ):
         register(plugin)
+    # ROLL's and AReaL's policy losses
+    from lossplug.plugins.gates import decoupled_ppo, kimi15, m2po, topr
+
+    for plugin in (topr.topr, kimi15.kimi15, decoupled_ppo.decoupled_ppo, m2po.m2po):
+        register(plugin)
     # verl's rollout correction suite (verl parity)
     from lossplug.plugins.gates import offpolicy_metrics, rollout_rejection
 

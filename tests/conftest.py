@@ -140,6 +140,11 @@ BUILTIN_GATES = frozenset(
         "vespo",
         "off_policy_mask",
         "top_entropy",
+        # ROLL and AReaL parity
+        "topr",
+        "kimi15",
+        "decoupled_ppo",
+        "m2po",
     }
 )
 

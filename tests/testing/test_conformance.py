@@ -19,9 +19,11 @@ KNOWN: dict[tuple[str, str, str], str] = {
     ("gate", "clip_cov", "ratio_one"): "clip_cov cuts k random tokens even at ratio 1 (verl's rule)",
     ("gate", "clip_cov", "microbatch_split"): "covariance statistics and the token selection are per micro-batch",
     ("gate", "kl_cov", "microbatch_split"): "covariance statistics and the top-k selection are per micro-batch",
+    ("gate", "m2po", "microbatch_split"): "M2PO's second moment and the tokens it drops are per micro-batch (AReaL's)",
     # penalties on the log-ratio that do not scale with the advantage (verl's definitions)
     ("gate", "kl_cov", "zero_advantage"): "the |log r| penalty of the selected tokens applies with A = 0",
     ("gate", "dro", "zero_advantage"): "DRO's −β·(log r)²/2 penalty does not depend on A",
+    ("gate", "kimi15", "zero_advantage"): "Kimi k1.5's −τ·(log r)²/2 penalty does not depend on A (ROLL's)",
 }
 
 
