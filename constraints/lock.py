@@ -1,6 +1,6 @@
 """Write ``constraints/cpu-lock.txt``: every package the README's installs resolve to, pinned.
 
-The README's two installs (``.[trl]`` for the demo, ``.[all,dev,docs]`` for the tests) take this file as a pip
+The README's two installs (``.[demo]`` for the demo, ``.[all,dev,docs]`` for the tests) take this file as a pip
 constraint, so pip has exactly one candidate per package and never backtracks. The hand-set pins — torch's CPU
 build and the checkers CI runs — live in ``constraints/cpu.txt``; this script resolves the extras under them and
 writes the full closure. Move a pin: edit ``cpu.txt`` or ``pyproject.toml``, rerun ``python constraints/lock.py``
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 HAND_SET = ROOT / "constraints" / "cpu.txt"
 LOCK = ROOT / "constraints" / "cpu-lock.txt"
-EXTRAS = "all,dev,docs"  # the union: the demo's install (trl) is a subset of it
+EXTRAS = "all,dev,docs"  # the union: the demo's install (demo = trl + matplotlib) is a subset of it
 
 
 def resolve() -> dict[str, str]:
