@@ -1,4 +1,4 @@
-"""Items 1 and 2: packed GAE against the seed's sequential loop, padded GAE against verl's."""
+"""Items 1 and 2: packed GAE against a sequential Python loop, padded GAE against verl's."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 import lossplug
 from lossplug.plugins.advantages.gae import packed_gae
-from lossplug.testing.reference import seed_packed_gae
+from lossplug.testing.reference import sequential_packed_gae
 
 from .common import interleaved, ratio
 
@@ -41,8 +41,8 @@ def packed_inputs(tokens: int, trajectories: int, seed: int = 0) -> dict:
 
 
 def bench_packed(tokens: int, trajectories: int, repeats: int, baseline_tokens: int) -> dict:
-    """lossplug's packed_gae (contract validation included) at full size; the seed loop on the first trajectories
-    holding ≈ ``baseline_tokens`` tokens, timed and extrapolated linearly in tokens (its cost is a constant per
+    """lossplug's packed_gae (contract validation included) at full size; the sequential loop on the first
+    trajectories holding ≈ ``baseline_tokens`` tokens, timed and extrapolated linearly in tokens (its cost is a constant per
     iteration: one Python step per token)."""
     kw, lengths = packed_inputs(tokens, trajectories)
     gamma, lam = 0.99, 0.95
@@ -53,25 +53,25 @@ def bench_packed(tokens: int, trajectories: int, repeats: int, baseline_tokens: 
 
     # correctness on the prefix (and the prefix result equals the full result there: fragments are independent)
     ours_full = packed_gae(**kw, gamma=gamma, lam=lam)
-    ref = seed_packed_gae(**prefix, gamma=gamma, lam=lam)
+    ref = sequential_packed_gae(**prefix, gamma=gamma, lam=lam)
     max_abs = float((ours_full[:n_base] - ref).abs().max())
 
     times = interleaved({"lossplug": lambda: packed_gae(**kw, gamma=gamma, lam=lam)}, repeats)
-    # the seed loop: fewer repetitions (each is seconds); per-token cost from two prefix sizes checks linearity
+    # the sequential loop: fewer repetitions (each is seconds); per-token cost from two prefix sizes checks linearity
     half = {name: t[: int(ends[max(k // 2, 1) - 1])] for name, t in kw.items()}
     base_reps = max(2, min(repeats, 3))
     base = interleaved(
         {
-            "seed_loop": lambda: seed_packed_gae(**prefix, gamma=gamma, lam=lam),
-            "seed_loop_half": lambda: seed_packed_gae(**half, gamma=gamma, lam=lam),
+            "sequential_loop": lambda: sequential_packed_gae(**prefix, gamma=gamma, lam=lam),
+            "sequential_loop_half": lambda: sequential_packed_gae(**half, gamma=gamma, lam=lam),
         },
         base_reps,
         warmup=0,
     )
     n_half = half["reward"].numel()
-    per_token = base["seed_loop"]["median_s"] / n_base
-    per_token_half = base["seed_loop_half"]["median_s"] / n_half
-    extrapolated = {key: v * tokens / n_base if key.endswith("_s") else v for key, v in base["seed_loop"].items()}
+    per_token = base["sequential_loop"]["median_s"] / n_base
+    per_token_half = base["sequential_loop_half"]["median_s"] / n_half
+    extrapolated = {key: v * tokens / n_base if key.endswith("_s") else v for key, v in base["sequential_loop"].items()}
     r = ratio(extrapolated, times["lossplug"])  # baseline / ours: the speed-up
     return {
         "item": "packed_gae",
@@ -81,16 +81,16 @@ def bench_packed(tokens: int, trajectories: int, repeats: int, baseline_tokens: 
         "length_max": int(lengths.max()),
         "dtype": "float32",
         "lossplug": times["lossplug"],
-        "seed_loop_measured": {"tokens": n_base, "trajectories": k, **base["seed_loop"]},
-        "seed_loop_per_token_us": per_token * 1e6,
-        "seed_loop_per_token_us_half_size": per_token_half * 1e6,
-        "seed_loop_extrapolated": extrapolated,
+        "sequential_loop_measured": {"tokens": n_base, "trajectories": k, **base["sequential_loop"]},
+        "sequential_loop_per_token_us": per_token * 1e6,
+        "sequential_loop_per_token_us_half_size": per_token_half * 1e6,
+        "sequential_loop_extrapolated": extrapolated,
         "speedup": r["ratio"],
         "speedup_min": r["ratio_min"],
         "goal": ">= 100x faster",
         "met": r["ratio"] >= 100,
-        "max_abs_diff_vs_seed": max_abs,
-        "note": f"seed loop timed on the first {k} trajectories ({n_base} tokens), extrapolated linearly to "
+        "max_abs_diff_vs_sequential": max_abs,
+        "note": f"sequential loop timed on the first {k} trajectories ({n_base} tokens), extrapolated linearly to "
         f"{tokens} tokens; lossplug timed at full size including PackedTransitions validation",
     }
 

@@ -7,7 +7,7 @@ Measures lossplug and the trainers' own code **in the same run**, prints a table
     python -m bench --quick              # toy sizes, seconds (what tests/bench/test_bench_smoke.py runs)
     python -m bench --items 1,2 --repeats 15 --threads 2
 
-Items: 1 packed GAE vs the seed's loop · 2 padded GAE vs verl · 3 gate + reduction forward/backward vs TRL and verl ·
+Items: 1 packed GAE vs a sequential loop · 2 padded GAE vs verl · 3 gate + reduction forward/backward vs TRL and verl ·
 4 contract validation vs the loss step · 5 a tiny TRL training run, native vs lossplug.
 
 Threads default to 1: the reference machine has 2 cores shared with other jobs, and a second intra-op thread made
@@ -139,11 +139,11 @@ def table(results: dict) -> str:
     for r in results["results"]:
         item = r["item"]
         if item == "packed_gae":
-            base = r["seed_loop_extrapolated"]
+            base = r["sequential_loop_extrapolated"]
             rows.append(
-                f"| 1 | packed GAE vs seed loop | {r['tokens']:,} tokens, {r['trajectories']:,} traj. | "
+                f"| 1 | packed GAE vs sequential loop | {r['tokens']:,} tokens, {r['trajectories']:,} traj. | "
                 f"{_fmt_s(r['lossplug']['median_s'])} | {_fmt_s(base['median_s'])} (extrapolated from "
-                f"{r['seed_loop_measured']['tokens']:,}) | **{r['speedup']:.0f}× faster**; "
+                f"{r['sequential_loop_measured']['tokens']:,}) | **{r['speedup']:.0f}× faster**; "
                 f"{r['speedup_min']:.0f}× | ≥ 100× | {'yes' if r['met'] else 'no'} |"
             )
         elif item == "padded_gae":

@@ -1,4 +1,4 @@
-"""Provenance: which policy produced each kind of log-prob, and under which convention (seed invariant 8).
+"""Provenance: which policy produced each kind of log-prob, and under which convention.
 
 Mixing log-prob sources — vLLM log-probs of the raw distribution against training log-probs at temperature 0.7,
 or a reference model scored in a different dtype — silently biases every ratio. A :class:`Provenance` records, for

@@ -43,9 +43,10 @@ PRESETS = {
             "reduction": {"name": "token"},
         },
         "PPO for LLMs (Schulman et al., 2017, arXiv:1707.06347; RLHF as in Ouyang et al., 2022, arXiv:2203.02155 and "
-        "TRL's PPOTrainer, seed 2): GAE γ=1 λ=0.95 with whitened advantages, clip 0.2, token mean over the batch's "
-        "action tokens (seed 2's masked_mean; verl's token-mean). The value loss belongs to the critic, outside the "
-        "policy loss. For TRL's KL-shaped reward set advantage.kl_coef (TRL: 0.05; needs old_logp and ref_logp)",
+        "TRL's original PPOTrainer, trl ≤ 0.11): GAE γ=1 λ=0.95 with whitened advantages, clip 0.2, token mean over "
+        "the batch's action tokens (that trainer's masked_mean; verl's token-mean). The value loss belongs to the "
+        "critic, outside the policy loss. For TRL's KL-shaped reward set advantage.kl_coef (TRL: 0.05; needs old_logp "
+        "and ref_logp)",
     ),
     "vapo": (
         {

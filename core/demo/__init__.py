@@ -7,9 +7,9 @@ when the first word of the completion is ``(d + 1) mod 10`` and 0 otherwise. An 
 over the 54-word vocabulary, so the reward starts near 0.02–0.03; with the default settings it passes 0.8 within
 about 100 steps.
 
-Held-out ability is measured apart from the learning signal (seed invariant 9): greedy decoding on prompts whose
-filler letters (``n``–``z``) never occur in training (``a``–``m``), scored with the same reward, before training,
-every ``eval_every`` steps and at the end.
+Held-out ability is measured apart from the learning signal (a rising reward alone proves no ability): greedy
+decoding on prompts whose filler letters (``n``–``z``) never occur in training (``a``–``m``), scored with the same
+reward, before training, every ``eval_every`` steps and at the end.
 
 Settings (:data:`DEFAULT`; :data:`FAST` is the same for 60 steps): 16 prompts × 16 completions of at most 3 tokens
 per rollout batch, two optimizer steps per batch (the second is off-policy, so update ratios and clip fractions are
@@ -20,7 +20,7 @@ torch's worker threads spin).
 A run folder holds::
 
     recipe.yaml       the resolved recipe, defaults filled          (written by lossplug.adapters.trl)
-    provenance.json   behaviour / old / current / reference log-prob sources (seed invariant 8)
+    provenance.json   behaviour / old / current / reference log-prob sources
     versions.json     python, torch, trl, transformers, lossplug … and the TRL settings the recipe replaced
     metrics.jsonl     one line per logging step: TRL's metrics, lossplug/… metrics, demo/… throughput, heldout/…
     summary.json      reward and held-out score before/after, wall and CPU time, the recipe's gates, settings, task

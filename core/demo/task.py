@@ -3,7 +3,7 @@
 
 A prompt is one to three filler letters followed by a digit ``d`` (``"c k 7"``); the reward is 1 when the first word
 of the completion is ``(d + 1) mod 10`` and 0 otherwise. Training prompts use the fillers ``a``–``m``, held-out
-prompts ``n``–``z``, so the held-out score measures ability apart from the learning signal (seed invariant 9).
+prompts ``n``–``z``, so the held-out score measures ability apart from the learning signal.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The seeds' reference loops, as the oracles the vectorised code is tested and benchmarked against.
+"""Sequential reference loops, the oracles the vectorised code is tested and benchmarked against.
 
-They are kept verbatim: their value is that they are obviously the formula.
+They are deliberately naive — one Python step per transition — so that they are obviously the formula.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ Tensor = torch.Tensor
 
 
 @torch.no_grad()
-def seed_packed_gae(
+def sequential_packed_gae(
     reward: Tensor,
     value: Tensor,
     next_value: Tensor,
@@ -20,8 +20,8 @@ def seed_packed_gae(
     gamma: float = 0.99,
     lam: float = 0.95,
 ) -> Tensor:
-    """Seed 1's ``packed_gae``: a Python loop over time. ``terminated`` decides the bootstrap, ``boundary`` resets
-    the trace."""
+    """GAE (Schulman et al., arXiv:1506.02438) over packed transitions, a Python loop over time: ``terminated``
+    decides the bootstrap (Gymnasium's terminated/truncated split), ``boundary`` resets the trace."""
     if not all(x.shape == reward.shape for x in (value, next_value, terminated, boundary)):
         raise ValueError("all transition tensors must align")
     if reward.ndim != 1 or reward.numel() == 0 or not boundary[-1]:

@@ -1,8 +1,8 @@
-"""lossplug.tools — the seeds' other algorithms, as plain functions you call yourself.
+"""lossplug.tools — the rest of an RLHF/PPO step's algorithms, as plain functions you call yourself.
 
 Not plugins: nothing here is registered, named in a recipe or dispatched by the pipeline. Each module is a set of
-validated, tested functions and small classes taken from the seeds, for the parts of an RL step that live outside
-the policy loss — call them from your own training loop (or an adapter) where you need them:
+validated, tested functions and small classes (each module cites its paper and reference code), for the parts of an
+RL step that live outside the policy loss — call them from your own training loop (or an adapter) where you need them:
 
 * :mod:`lossplug.tools.kl` — the k1/k2/k3 KL estimators, verl's ``kl_penalty`` modes, KL-shaped rewards and the KL
   coefficient controllers (PPO-Penalty's adaptive one, verl's/TRL's proportional one, a fixed one);

@@ -1,27 +1,31 @@
-"""PPO-epoch diagnostics (seed 003's ``loss()`` statistics) and the ratio guard that skips a runaway batch.
+"""PPO-epoch diagnostics (the statistics of TRL ≤ 0.11's ``PPOTrainer.loss``) and the ratio guard that skips a
+runaway batch.
 
 All statistics are over the action tokens of one micro-batch, detached (no gradient, no graph). With ``r = exp(logp
 − old_logp)`` (log-ratio clamped to ±20 before ``exp``, as in the gates), advantages ``A`` and clip range
 ``[1 − ε_low, 1 + ε_high]``::
 
-    approx_kl          ½ · mean((logp − old_logp)²)                       (the seed's approxkl: k2 vs the old policy)
-    policy_kl          mean(old_logp − logp)                              (the seed's policykl: k1 of old vs current;
+    approx_kl          ½ · mean((logp − old_logp)²)                       (TRL's approxkl: k2 vs the old policy)
+    policy_kl          mean(old_logp − logp)                              (TRL's policykl: k1 of old vs current;
                                                                            verl's ``ppo_kl``)
     policy clip_frac   mean[ −A·clip(r) > −A·r ]                          (the clipped branch strictly larger)
     value clip_frac    mean[ (clip(V, V_old ± ε) − R)² > (V − R)² ]       (see :mod:`lossplug.tools.value_loss`)
     entropy            mean_t H(softmax(logits_t)),  H = −Σ_v q_v·log q_v,  log q = log_softmax(l)
                        (= logsumexp(l) − Σ q·l, verl/TRL's form; −inf logits — masked vocabulary — contribute 0)
     mean, var          masked mean and *unbiased* masked variance  Σ(x − x̄)²/(n − 1)  of returns and old values
-                       (the seed's masked_var; fewer than 2 action tokens is an error, not a silent 0 or NaN)
+                       (TRL's masked_var; fewer than 2 action tokens is an error, not a silent 0 or NaN)
 
 Entropy from ``logits [B, T, V]`` visits only the action positions, ``chunk_tokens`` rows of ``V`` at a time (gathered
 by index, so a non-contiguous or expanded ``logits`` is never copied whole): no extra ``[B, T, V]`` tensor is ever
 materialised. Precomputed per-token entropies ``[B, T]`` are accepted instead.
 
-Ratio guard (the seed's ``ratio_threshold``): if ``mean(r)`` over the micro-batch's action tokens exceeds
+Ratio guard (TRL ≤ 0.11's ``ratio_threshold``): if ``mean(r)`` over the micro-batch's action tokens exceeds
 ``threshold``, the batch is skipped — every loss is multiplied by 0 (the graph is kept, so distributed backward
 passes stay in lock-step, and every gradient is exactly 0 as long as the loss graph holds no inf), a
 :class:`RatioGuardWarning` is issued, and the metric ``ratio_guard/skipped`` is 1. Deciding needs one host sync.
+
+Reference: TRL ≤ 0.11, ``trl/trainer/ppo_trainer.py`` (``PPOTrainer.loss``: the statistics and the ratio guard) and
+``trl/core.py`` (``masked_mean``, ``masked_var``).
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ def _mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def approx_kl(logp: Tensor, old_logp: Tensor, action_mask: Tensor, *, validate: bool = True) -> Tensor:
-    """``½ · mean((logp − old_logp)²)`` over action tokens (the seed's ``approxkl``), detached."""
+    """``½ · mean((logp − old_logp)²)`` over action tokens (TRL's ``approxkl``), detached."""
     if validate:
         c = Checks("approx_kl")
         _check_token_args(c, {"logp": logp, "old_logp": old_logp}, action_mask)
@@ -103,7 +107,7 @@ def approx_kl(logp: Tensor, old_logp: Tensor, action_mask: Tensor, *, validate: 
 
 
 def policy_kl(logp: Tensor, old_logp: Tensor, action_mask: Tensor, *, validate: bool = True) -> Tensor:
-    """``mean(old_logp − logp)`` over action tokens (the seed's ``policykl``, verl's ``ppo_kl``), detached."""
+    """``mean(old_logp − logp)`` over action tokens (TRL's ``policykl``, verl's ``ppo_kl``), detached."""
     if validate:
         c = Checks("policy_kl")
         _check_token_args(c, {"logp": logp, "old_logp": old_logp}, action_mask)
@@ -142,7 +146,7 @@ def policy_clip_fraction(
     validate: bool = True,
 ) -> Tensor:
     """Share of action tokens where PPO's clipped loss ``−A·clip(r, 1−ε_low, 1+ε_high)`` is strictly larger than
-    ``−A·r`` (the seed's ``pg_clipfrac``; ``eps_high`` defaults to ``eps_low``), detached. ``advantages`` is
+    ``−A·r`` (TRL's ``pg_clipfrac``; ``eps_high`` defaults to ``eps_low``), detached. ``advantages`` is
     ``[B, T]`` or ``[B]``."""
     if advantages is not None and isinstance(advantages, Tensor) and advantages.ndim == 1 and logp.ndim == 2:
         advantages = advantages.unsqueeze(-1).expand_as(logp)
@@ -209,9 +213,9 @@ def entropy_from_logits(
 
 
 def masked_mean_var(x: Tensor, action_mask: Tensor, *, name: str = "x") -> tuple[Tensor, Tensor]:
-    """Masked mean and unbiased masked variance ``Σ(x − x̄)²/(n − 1)`` (the seed's ``masked_var``), detached.
+    """Masked mean and unbiased masked variance ``Σ(x − x̄)²/(n − 1)`` (TRL's ``masked_var``), detached.
 
-    Fewer than two action tokens raise (the unbiased variance is undefined there; the seed raises too)."""
+    Fewer than two action tokens raise (the unbiased variance is undefined there; TRL's raises on an empty mask)."""
     c = Checks("masked_mean_var")
     _check_token_args(c, {name: x}, action_mask)
     c.raise_if_any()
@@ -241,12 +245,12 @@ def ppo_diagnostics(
     value_clip_eps: float | None = None,
     entropy_chunk_tokens: int = 1024,
 ) -> dict[str, Tensor]:
-    """The seed's PPO-epoch statistics for one micro-batch, as detached 0-d tensors.
+    """TRL ≤ 0.11's PPO-epoch statistics for one micro-batch, as detached 0-d tensors.
 
     Always: ``policy/approx_kl``, ``policy/policy_kl``, ``policy/ratio_mean``. With ``advantages``:
     ``policy/clip_frac``, ``policy/advantages_mean``. With ``logits`` or ``entropy``: ``policy/entropy``. With
-    ``returns``: ``returns/mean``, ``returns/var``. With ``old_values`` (the rollout critic's ``V_old``, the seed's
-    ``values``): ``value/mean``, ``value/var``. With ``values`` (current predictions, the seed's ``vpreds``) and
+    ``returns``: ``returns/mean``, ``returns/var``. With ``old_values`` (the rollout critic's ``V_old``, TRL's
+    ``values``): ``value/mean``, ``value/var``. With ``values`` (current predictions, TRL's ``vpreds``) and
     ``returns``: ``value/vpred_mean``, ``value/error``; plus ``old_values`` and ``value_clip_eps``:
     ``value/clip_frac``.
     """
@@ -352,7 +356,7 @@ def ratio_guard(
     validate: bool = True,
 ) -> RatioGuard:
     """Skip the batch (loss × 0, warning, ``skipped=1``) when ``mean(exp(logp − old_logp))`` over action tokens
-    exceeds ``threshold`` (the seed's ``ratio_threshold``; TRL's PPO default is 10)."""
+    exceeds ``threshold`` (TRL ≤ 0.11's ``ratio_threshold``, default 10)."""
     if validate:
         c = Checks("ratio_guard")
         _check_token_args(c, {"logp": logp, "old_logp": old_logp}, action_mask)

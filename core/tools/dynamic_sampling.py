@@ -4,13 +4,13 @@ Under a binary verifier only a group holding both right and wrong answers carrie
 an all-right or all-wrong group has zero advantage everywhere (GRPO/RLOO) and only dilutes the learner batch. For a
 group ``g`` with rewards ``{r_i : group_id_i = g}``::
 
-    keep_g = max_i r_i > min_i r_i            (the seed's rule: the group is not constant; singletons are dropped)
+    keep_g = max_i r_i > min_i r_i            (DAPO's rule: the group is not constant; singletons are dropped)
 
-Groups come from ``group_id`` (scattered rows, unequal sizes: no adjacency or equal-size assumption), or from the
-seed's ``[prompt, rollout]`` layout where row ``g`` of a 2-D ``reward`` is group ``g``.
+Groups come from ``group_id`` (scattered rows, unequal sizes: no adjacency or equal-size assumption), or from a
+``[prompt, rollout]`` layout where row ``g`` of a 2-D ``reward`` is group ``g``.
 
-Filtering raises the learner batch's signal density; it does not make sampling cheaper. Seed invariant 6: *dynamic
-sampling reports the full generation cost, not only the retained batch.* So every call returns, next to the keep
+Filtering raises the learner batch's signal density; it does not make sampling cheaper: a fair comparison
+reports the full generation cost, not only the retained batch. So every call returns, next to the keep
 mask, a :class:`SamplingCost` report (pydantic): generated vs retained groups, sequences and tokens, the retention
 rates, optional generation wall-clock, and the retention **by difficulty** — groups are bucketed by their pass rate
 ``p_g = #{i : r_i ≥ pass_threshold} / |g|``::
@@ -22,6 +22,9 @@ rates, optional generation wall-clock, and the retention **by difficulty** — g
 (For binary rewards the mixed buckets are exactly the kept groups; with graded rewards a group can be all-pass and
 still mixed, and is then kept in ``all_right``.) Reports of several generation rounds (DAPO resamples until the batch
 is full) add up with ``+`` / :meth:`SamplingCost.merge`. Nothing here carries a gradient.
+
+Paper: Yu et al., 2025, *DAPO: An Open-Source LLM Reinforcement Learning System at Scale*, arXiv:2503.14476
+(dynamic sampling).
 """
 
 from __future__ import annotations
@@ -221,7 +224,7 @@ def keep_mixed_groups(
     """Keep the groups whose rewards are not all equal; return the keep mask and the full :class:`SamplingCost`.
 
     * ``reward [B]`` with ``group_id [B]`` (int; scattered, unequal groups): ``keep`` is ``[B]`` per row;
-    * ``reward [G, n]`` without ``group_id`` (the seed's ``[prompt, rollout]``): ``keep`` is ``[G]`` per group.
+    * ``reward [G, n]`` without ``group_id`` (``[prompt, rollout]``): ``keep`` is ``[G]`` per group.
 
     Tokens, for the report: ``lengths`` (generated tokens per response, same layout as ``reward``) or
     ``action_mask`` (bool, ``reward``'s shape plus ``T``). ``pass_threshold``: a reward ``≥`` it counts as a pass for

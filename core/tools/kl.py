@@ -31,7 +31,7 @@ Note verl's ``low_var_kl`` differs from lossplug's :func:`k3`: it clamps the log
 ``max_log_ratio``; and its naive ``exp(δ) − δ − 1`` can round slightly below 0 in float32 (``δ = 4e-8`` gives
 ``−6e-8``), where :func:`k3` is ``≥ 0`` by construction.
 
-KL in the reward (seed 003's ``compute_rewards``, verl's ``apply_kl_penalty``): :func:`kl_shaped_rewards` gives per
+KL in the reward (TRL ≤ 0.11's ``compute_rewards``, verl's ``apply_kl_penalty``): :func:`kl_shaped_rewards` gives per
 action token ``r_t = −β · kl_t``, plus the sequence score at the last action token (scores ``[B]``) — or plus
 token-level scores ``[B, T]`` as given (verl's ``token_level_scores``). Its ``kl_mean`` is verl's ``current_kl``
 (mean over responses of each response's token-mean KL), the number a controller's ``update`` takes. Rewards are
@@ -39,7 +39,7 @@ data: no gradient.
 
 Controllers (the coefficient β of the penalty ``−β·KL``):
 
-* :class:`AdaptiveKLController` — PPO-Penalty (Schulman et al. 2017, seed 003): after an update with measured KL
+* :class:`AdaptiveKLController` — PPO-Penalty (arXiv:1707.06347, §4): after an update with measured KL
   ``d``, ``β ← β / 2`` if ``d < d_targ / 1.5``, ``β ← β · 2`` if ``d > 1.5 · d_targ``, else unchanged.
 * :class:`ProportionalKLController` — verl's (and TRL's) ``AdaptiveKLController`` (Ziegler et al. 2019):
   ``e = clip(d / d_targ − 1, −0.2, 0.2)``, ``β ← β · (1 + e · n_steps / horizon)``.
@@ -207,11 +207,11 @@ class KLShapedRewards:
 def kl_shaped_rewards(
     scores: Tensor, logp: Tensor, ref_logp: Tensor, action_mask: Tensor, *, kl_coef: float, mode: str = "kl"
 ) -> KLShapedRewards:
-    """Per-token rewards with the KL penalty folded in (seed 003's ``compute_rewards``; verl's ``apply_kl_penalty``).
+    """Per-token rewards with the KL penalty folded in (TRL ≤ 0.11's ``compute_rewards``; verl's ``apply_kl_penalty``).
 
     ``scores`` ``[B]`` (one reward-model score per response, added at its last action token) or ``[B, T]``
     (token-level scores, added as they are). ``logp`` is the rollout policy's log-prob (verl: ``old_log_probs``),
-    ``mode`` any of :data:`KL_PENALTY_MODES` (``"kl"`` = k1, the seed's). Detached.
+    ``mode`` any of :data:`KL_PENALTY_MODES` (``"kl"`` = k1, TRL's default). Detached.
     """
     c = Checks("kl_shaped_rewards")
     ok = c.tensor("scores", scores, ndim=(1, 2))
@@ -280,7 +280,7 @@ def _as_kl(current_kl: Any, who: str) -> float:
 
 
 class AdaptiveKLController:
-    """PPO-Penalty's adaptive β (seed 003): halve when ``d < target / tolerance``, double when ``d > target ·
+    """PPO-Penalty's adaptive β (PPO paper, §4): halve when ``d < target / tolerance``, double when ``d > target ·
     tolerance`` (``tolerance = 1.5``, ``factor = 2`` in the paper). ``n_steps`` is accepted and ignored, for verl's
     ``update(current_kl, n_steps)`` call."""
 

@@ -8,15 +8,21 @@ sequence is the value at its **last non-padding token** ``t*_i = max{t : attenti
     loss         = Σ_i −log σ(r_chosen_i − r_rejected_i) / P          (P = num_pairs when given, else this batch)
 
 ``t*`` is computed from the mask itself — ``max`` of the positions where it is True — so it is right for
-right-padded *and* left-padded batches. The seed's ``attention_mask.sum(-1) − 1`` is the last position only under
+right-padded *and* left-padded batches. LLaMA-Factory's ``attention_mask.sum(-1) − 1`` is the last position only under
 right padding: under left padding (``[0, 0, 1, 1, 1]``) it picks position 2 instead of 4, i.e. a score *inside* the
 sequence. On right-padded batches both agree exactly.
 
 Gradient contract: ``∂loss/∂r_chosen_i = −σ(r_rejected_i − r_chosen_i) / P = −∂loss/∂r_rejected_i``; the gradient
 reaches ``values`` only at the two selected positions of each pair (``gather``), so whatever the other positions
 hold (NaN included) reaches neither the loss nor the gradient. ``−log σ(m)`` is computed as ``softplus(−m)`` (stable
-for any margin) in at least float32, as the seed does. ``num_pairs`` (the pairs of the whole optimizer step) makes the
-loss of a micro-batch its share, so micro-batch losses add up to the full-batch mean.
+for any margin) in at least float32, as LLaMA-Factory does. ``num_pairs`` (the pairs of the whole optimizer step)
+makes the loss of a micro-batch its share, so micro-batch losses add up to the full-batch mean.
+
+Paper: Ouyang et al., 2022, *Training language models to follow instructions with human feedback*, arXiv:2203.02155
+(the pairwise loss, eq. 1).
+
+Reference: LLaMA-Factory (hiyouga/LLaMA-Factory) ``src/llamafactory/train/rm/trainer.py``,
+``PairwiseTrainer.compute_loss`` (the ``[2P, T]`` layout, chosen rows first).
 """
 
 from __future__ import annotations
@@ -98,9 +104,10 @@ def pairwise_reward_loss(
 ) -> RewardModelOutput:
     """``−log σ(r_chosen − r_rejected)`` averaged over pairs, scores at the last non-padding token.
 
-    Either the seed's layout — ``values [2P, T]`` (or ``[2P, T, 1]``) and ``attention_mask [2P, T]`` bool, the first
-    ``P`` rows chosen, the last ``P`` rejected — or the two halves separately (``chosen_values``/``chosen_mask`` and
-    ``rejected_values``/``rejected_mask``; their ``T`` may differ). Left and right padding are both handled.
+    Either LLaMA-Factory's layout — ``values [2P, T]`` (or ``[2P, T, 1]``) and ``attention_mask [2P, T]`` bool, the
+    first ``P`` rows chosen, the last ``P`` rejected — or the two halves separately (``chosen_values``/
+    ``chosen_mask`` and ``rejected_values``/``rejected_mask``; their ``T`` may differ). Left and right padding are
+    both handled.
     """
     combined = values is not None or attention_mask is not None
     separate = any(x is not None for x in (chosen_values, chosen_mask, rejected_values, rejected_mask))

@@ -18,7 +18,7 @@ optimizer step when a :class:`~lossplug.Normalizer` (or a global ``action_tokens
 a micro-batch is its *share* and the sum over all micro-batches and ranks equals the full-batch loss exactly — else
 this micro-batch's own action tokens / responses.
 
-Gradient contract (seed 003, "why the max"), per token, of ``ℓ_t`` with respect to ``V``:
+Gradient contract (why the ``max``: the three cases below), per token, of ``ℓ_t`` with respect to ``V``:
 
 1. ``V`` inside ``[V_old − ε, V_old + ε]``: ``V_clip = V`` and ``∂ℓ/∂V = ½ · 2(V − R) = V − R``;
 2. ``V`` outside the band and the unclipped branch is the larger: same, ``V − R``;
@@ -36,7 +36,7 @@ reduction the verl adapter pairs with it (``token-mean`` ``token``, ``seq-mean-t
 ``token-sum`` ``token_sum``) and verl's global counts in the ``Normalizer``; verl multiplies by ``dp_size`` to cancel
 DDP gradient averaging, which is the adapter's business, not this function's. One deliberate difference, on a
 measure-zero set: exactly at the band's edges ``V = V_old ± ε`` the clip is ``torch.clamp`` (edges inside the band,
-gradient ``V − R``, seed case 1), where verl's ``max(min(·))`` and ``torch.max`` split tied gradients
+gradient ``V − R``, case 1 above), where verl's ``max(min(·))`` and ``torch.max`` split tied gradients
 (``0.75·(V − R)`` there). Non-action positions may hold anything (NaN, inf): they are replaced by 0 before any
 arithmetic, so they reach neither the loss nor the gradient.
 

@@ -4,9 +4,9 @@ Per transition ``t`` of a trajectory fragment::
 
     δ_t = r_t + γ · V_next(t) − V(s_t)
     A_t = δ_t + γλ · A_{t+1}          (A_{t+1} = 0 after the fragment's last transition)
-    R_t = A_t + V_old(s_t)            the critic target ("returns", seed 2); never whitened
+    R_t = A_t + V_old(s_t)            the critic target ("returns", as in TRL ≤ 0.11's PPO); never whitened
 
-**Packed** (:class:`~lossplug.PackedTransitions`, seed 1's ``packed_gae`` exactly): ``terminated`` decides the
+**Packed** (:class:`~lossplug.PackedTransitions`; Gymnasium's terminated/truncated split): ``terminated`` decides the
 bootstrap — ``V_next = 0`` where terminated (``next_value`` is ignored there and may be NaN), ``next_value``
 otherwise; ``boundary`` decides the trace — the recursion restarts after every boundary. A time-limit truncation is
 ``terminated=False, boundary=True``: it bootstraps from the real final observation's value and does not chain into
@@ -20,22 +20,23 @@ a ``[B]`` sequence score is placed on the last action token, a ``[B, T]`` token 
 ``action_mask`` is True (whatever it holds elsewhere is ignored). The end of a row bootstraps from ``final_value``
 where ``terminated`` is given and False (time-limit truncation, or a turn whose trajectory continues in another
 row — that row's trace is not chained); where ``terminated`` is True or not given there is no bootstrap
-(``V(s_T) = 0``, seed 2). Advantages and returns are ``[B, T]``, zero off action positions; NaN/inf at non-action
-positions of any input never reach them.
+(``V(s_T) = 0``, as in TRL ≤ 0.11's PPO). Advantages and returns are ``[B, T]``, zero off action positions; NaN/inf
+at non-action positions of any input never reach them.
 
 ``whiten`` (default on, like TRL's PPO and verl's GAE) standardises the advantages over all action tokens of the
 batch (transitions, for packed) with the unbiased variance: ``(A − mean) / sqrt(var + 1e-8)``, exactly verl's and
 TRL's ``masked_whiten`` (its Bessel factor ``n / (n − 1)`` in float32, as theirs on an integer mask). ``critic_lam``
 (default: ``lam``) is the λ of the returns: VAPO-style decoupled λ, the advantages still use ``lam``.
-``kl_coef`` (padded only) adds seed 2's KL-shaped reward ``−kl_coef·(old_logp − ref_logp)`` on every action token
-(see :func:`lossplug.tools.kl.kl_shaped_rewards`), reading ``old_logp`` (the sampling policy) and ``ref_logp``.
+``kl_coef`` (padded only) adds the KL-shaped reward ``−kl_coef·(old_logp − ref_logp)`` of Ziegler et al. (2019,
+arXiv:1909.08593) on every action token (see :func:`lossplug.tools.kl.kl_shaped_rewards`), reading ``old_logp`` (the
+sampling policy) and ``ref_logp``.
 
 Differences to verl 0.9.1's ``compute_gae_advantage_return`` (same recursion on action tokens — it also carries the
 value and the trace across ``response_mask == 0`` positions): verl never bootstraps at the end of a response (no
 ``terminated`` / ``final_value``), leaves carried, non-zero advantages and returns on non-action positions, and
 lets a NaN value at any masked position poison the whole row (it multiplies by the mask instead of selecting).
-Seed 2's reference loop (``values * mask``) treats every position as a step: it equals ours only when each row's
-actions are contiguous and followed by padding only.
+TRL ≤ 0.11's ``PPOTrainer.compute_advantages`` (``values * mask``) treats every position as a step: it equals ours
+only when each row's actions are contiguous and followed by padding only.
 
 Implementation: both layouts are reduced to one packed transition vector (padded: ``masked_select`` of the action
 positions, no Python loop over rows) and the linear recurrence ``A_t = δ_t + c_t · A_{t+1}`` (``c_t = 0`` at
@@ -51,7 +52,9 @@ transitions with γλ = 0.9999; the float32 sequential loop errs by the same ord
 Paper: Schulman et al., 2015, *High-Dimensional Continuous Control Using Generalized Advantage Estimation*,
 arXiv:1506.02438.
 
-Reference: verl ``compute_gae_advantage_return``; TRL's PPO trainer (whitened GAE, KL-shaped reward).
+Reference: verl ``compute_gae_advantage_return``; TRL's original ``PPOTrainer`` (trl ≤ 0.11,
+``trl/trainer/ppo_trainer.py``: ``compute_advantages``, whitened GAE; ``compute_rewards``, the KL-shaped reward);
+Gymnasium's ``step()`` API (``terminated`` vs ``truncated``, since gym 0.26) for the bootstrap rule.
 """
 
 from __future__ import annotations
@@ -318,7 +321,8 @@ def packed_gae(
     gamma: float = 0.99,
     lam: float = 0.95,
 ) -> Tensor:
-    """Seed 1's ``packed_gae``: validated through :class:`~lossplug.PackedTransitions`, no gradient, not whitened."""
+    """GAE over packed transitions (arXiv:1506.02438): validated through :class:`~lossplug.PackedTransitions`, no
+    gradient, not whitened."""
     with torch.no_grad():
         batch = lossplug.PackedTransitions(
             reward=reward, value=value, next_value=next_value, terminated=terminated, boundary=boundary

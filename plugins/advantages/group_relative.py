@@ -5,9 +5,10 @@ GRPO::
     A_i = (R_i − mean_g(R)) / scale_g
 
 ``scale``: ``group`` — the group's std; ``batch`` — the std of all rewards of the batch (mean still per group);
-``none`` — no division (Dr. GRPO). The std convention is a parameter because the references differ: the seed uses
-the population std with a threshold (``where(std > eps, c / std, 0)``), TRL the sample std with ``/(std + 1e-4)``,
-verl the sample std with ``/(std + 1e-6)``. Whatever the convention, a group whose rewards are all exactly equal gets
+``none`` — no division (Dr. GRPO). The std convention is a parameter because implementations differ: TRL uses
+the sample std with ``/(std + 1e-4)``, verl the sample std with ``/(std + 1e-6)``; ``std=population,
+eps_mode=threshold`` is the population std with a threshold (``where(std > eps, c / std, 0)``), which keeps the
+epsilon out of the scale. Whatever the convention, a group whose rewards are all exactly equal gets
 advantage exactly 0: an epsilon may avoid a division by zero, it must never manufacture a signal out of rounding
 noise in the mean.
 
@@ -41,10 +42,10 @@ def sequence_scores(batch: lossplug.PolicyBatch) -> torch.Tensor:
 
 class GRPOParams(lossplug.Params):
     scale: Literal["group", "batch", "none"] = Field("group", description="what the centred reward is divided by")
-    std: Literal["sample", "population"] = Field("sample", description="Bessel-corrected (TRL, verl) or not (seed)")
+    std: Literal["sample", "population"] = Field("sample", description="Bessel-corrected (TRL, verl) or not (ddof=0)")
     eps: float = Field(1e-6, ge=0, description="epsilon of the division (TRL: 1e-4, verl: 1e-6)")
     eps_mode: Literal["add", "threshold"] = Field(
-        "add", description="add: c / (std + eps) (TRL, verl); threshold: c / std where std > eps, else 0 (seed)"
+        "add", description="add: c / (std + eps) (TRL, verl); threshold: c / std where std > eps, else 0"
     )
 
 

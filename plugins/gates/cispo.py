@@ -12,7 +12,7 @@ saturates the weight, so every action token stays ``active``.
 The two references differ, and both are reproduced exactly:
 
 * verl ``compute_policy_loss_cispo``: ``clamp(r, 1 − clip_ratio_low, 1 + clip_ratio_high)`` with the log-ratio
-  clamped to ±20 → ``{name: cispo, eps_low: 0.2, eps_high: 0.2}`` (the defaults, also the seed's example);
+  clamped to ±20 → ``{name: cispo, eps_low: 0.2, eps_high: 0.2}`` (the defaults);
 * TRL ``loss_type="cispo"``: ``clamp(r, max=epsilon_high)``, an absolute upper cap only (ScaleRL's ε_max, TRL
   recommends 5.0), no log-ratio clamp → ``{name: cispo, eps_low: null, ratio_max: 5.0, log_ratio_clamp: null}``.
   MiniMax-M1 itself sets no lower bound either.

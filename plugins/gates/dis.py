@@ -10,13 +10,13 @@ side the advantage does not guard). Per action token::
     c     = sg(where(keep, ρ, 0))
     J     = c · A · logp                                  ∂J/∂logp = c · A
 
-Detach/gradient contract: the coefficient ``c`` is explicitly ``.detach()``-ed (the seed's reference choice; the SAO
-paper writes no stop-gradient, and not detaching would add a ``ρ·A·logp`` derivative term) — gradient flows through
-the ``logp`` factor only, and is exactly zero on dropped tokens. Needs ``behavior_logp``. Defaults
-``low = 0.2``, ``high = 0.28`` (the seed's).
+Detach/gradient contract: the coefficient ``c`` is explicitly ``.detach()``-ed (a choice this project makes and
+states: the SAO paper writes no stop-gradient, and not detaching would add a ``ρ·A·logp`` derivative term) —
+gradient flows through the ``logp`` factor only, and is exactly zero on dropped tokens. Needs ``behavior_logp``.
+Defaults ``low = 0.2``, ``high = 0.28`` (the asymmetric interval of DAPO's clip-higher, arXiv:2503.14476).
 
-Paper: double-sided importance sampling as introduced with GLM-5 (Zhipu AI / Z.ai) and used by SAO; the formula and
-the detach choice are the seed's reference (``shared/seeds``). No arXiv id is recorded in this project yet.
+Paper: double-sided importance sampling as introduced with GLM-5 (Zhipu AI / Z.ai) and used by SAO; no arXiv id is
+recorded in this project yet, and no official training code settles the detach, hence the contract above.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ import torch
 
 import lossplug
 from lossplug.plugins.advantages.gae import packed_gae, reverse_linear_scan
-from lossplug.testing.reference import seed_packed_gae
+from lossplug.testing.reference import sequential_packed_gae
 
 F64 = torch.float64
 
@@ -160,7 +160,7 @@ def test_packed_matches_the_seed_loop_on_random_fragments(n):
         boundary=boundary,
     )
     ours = lossplug.compute_advantages(lossplug.PackedTransitions(**kw), recipe(gamma=0.97, lam=0.9, whiten=False))
-    torch.testing.assert_close(ours, seed_packed_gae(**kw, gamma=0.97, lam=0.9), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ours, sequential_packed_gae(**kw, gamma=0.97, lam=0.9), rtol=0, atol=1e-12)
     assert ours.dtype == F64
 
 

@@ -16,7 +16,7 @@ import torch
 
 import lossplug
 from lossplug.plugins.advantages.gae import packed_gae, reverse_linear_scan
-from lossplug.testing.reference import seed_packed_gae
+from lossplug.testing.reference import sequential_packed_gae
 
 F64, F32 = torch.float64, torch.float32
 RTOL64 = 1e-10
@@ -130,7 +130,7 @@ def test_packed_gae_matches_the_seed_loop_float64_long_mixed_fragments():
     kw["boundary"][:8192] = False  # and one fragment of at least 8k transitions
     kw["terminated"][:8192] = False
     kw["next_value"][:8192] = torch.randn(8192, generator=gen, dtype=F64)
-    assert_close64(packed_gae(**kw, gamma=0.999, lam=0.97), seed_packed_gae(**kw, gamma=0.999, lam=0.97))
+    assert_close64(packed_gae(**kw, gamma=0.999, lam=0.97), sequential_packed_gae(**kw, gamma=0.999, lam=0.97))
 
 
 def test_packed_gae_float32_tolerance():
@@ -159,7 +159,7 @@ def test_packed_gae_honours_terminated_boundary_and_truncation_at_length():
         next_value[end] = float("nan") if term else 7.0
     kw = dict(reward=reward, value=value, next_value=next_value, terminated=terminated, boundary=boundary)
     ours = packed_gae(**kw, gamma=1.0, lam=0.98)
-    assert_close64(ours, seed_packed_gae(**kw, gamma=1.0, lam=0.98))
+    assert_close64(ours, sequential_packed_gae(**kw, gamma=1.0, lam=0.98))
     # the truncated fragment ends with δ = r + V_final − V, and nothing of the third fragment reaches it
     torch.testing.assert_close(ours[n1 + n2 - 1], reward[n1 + n2 - 1] + 7.0 - value[n1 + n2 - 1])
     changed = packed_gae(**{**kw, "reward": reward + (torch.arange(n) >= n1 + n2) * 1e6}, gamma=1.0, lam=0.98)
