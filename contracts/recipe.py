@@ -14,13 +14,14 @@ The stages:
 * ``regularisers`` — optional: per-token terms added to the loss with a coefficient (KL to the reference, entropy
   bonus), each ``coef · reduce(term)`` with the recipe's reduction unless it names its own. A list; one allowed.
 
-The seam with the plugins. ``contracts`` holds the structure — stage shapes, gate positions, which errors belong to
-which stage — and the :class:`Catalog` protocol; it imports nothing of ``lossplug``'s core, not even by name
-(dependencies point one way). Whether a plugin exists, whether its parameters validate and what a preset says are
-the catalogue's checks, performed by whatever :func:`install_catalog` installed: the package ``lossplug`` installs
-its plugin registry (``lossplug.recipe_catalog``) the moment ``lossplug.contracts`` is imported, lazily, so the
-registry is built only when the first recipe is checked. Without a catalogue, checking a recipe is a
-:class:`LossplugError` saying so.
+The seam with the plugins. ``contracts`` holds the structure — the plugin kinds and the recipe key of each
+(:data:`PLUGIN_KINDS`), stage shapes, gate positions, which errors belong to which stage — and the :class:`Catalog`
+protocol; it imports nothing of ``lossplug``'s core, not even by name (dependencies point one way). Whether a plugin
+exists, whether its parameters validate and what a preset says are the catalogue's checks. The catalogue is the one
+:func:`install_catalog` installed; until something is installed, :func:`installed_catalog` asks the top-level package
+that ships ``contracts`` for its default, once, the first time a recipe is checked: it calls that package's
+``default_recipe_catalog()`` (``lossplug``'s returns its plugin registry), so merely importing ``contracts`` builds
+nothing. Without a catalogue (``install_catalog(None)``), checking a recipe is a :class:`LossplugError` saying so.
 
 Every stage is checked even when an earlier one failed: one :class:`RecipeError` reports them all, each line naming
 its stage.
@@ -29,16 +30,27 @@ its stage.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
 
 from .errors import LossplugError, PluginError, RecipeError, did_you_mean
 
-STAGES = ("advantage", "gates", "reduction", "regularisers")
+#: The plugin kinds, in recipe order, and the recipe key each kind's stages sit under. The one spelling of the kinds:
+#: the recipe's keys are read from it, and core binds each kind to its plugin class and registration hook
+#: (``lossplug.kinds.KINDS``, derived from this table).
+PLUGIN_KINDS: Mapping[str, str] = {
+    "advantage": "advantage",
+    "gate": "gates",
+    "reduction": "reduction",
+    "regulariser": "regularisers",
+}
+#: the recipe's stage keys
+STAGES = tuple(PLUGIN_KINDS.values())
 
 
 class Catalog(Protocol):
@@ -56,21 +68,39 @@ class Catalog(Protocol):
 
 
 _catalog: Catalog | None = None
+#: whether a catalogue was chosen: installed, or the default looked up (``_catalog`` None then means "none")
+_chosen = False
+
+
+def _default_catalog() -> Catalog | None:
+    """The default catalogue of the top-level package that ships ``contracts``: its ``default_recipe_catalog()``.
+
+    ``contracts`` is always imported as a subpackage, so that package is loaded already; asking it by an attribute
+    (never a module path) keeps ``contracts`` free of any name of core while core supplies the implementation."""
+    package = sys.modules.get(__name__.partition(".")[0])
+    provide = getattr(package, "default_recipe_catalog", None)
+    return cast("Catalog | None", provide()) if callable(provide) else None
 
 
 def install_catalog(catalog: Catalog | None) -> Catalog | None:
-    """Install the catalogue recipes are checked against and return the previous one (``None`` uninstalls)."""
-    global _catalog
-    previous, _catalog = _catalog, catalog
+    """Install the catalogue recipes are checked against and return the one in force before (``None`` uninstalls:
+    checking a recipe then raises)."""
+    global _catalog, _chosen
+    previous = _catalog if _chosen else _default_catalog()
+    _catalog, _chosen = catalog, True
     return previous
 
 
 def installed_catalog() -> Catalog:
+    """The catalogue in force: the installed one, else the package's default (looked up once)."""
+    global _catalog, _chosen
+    if not _chosen:
+        _catalog, _chosen = _default_catalog(), True
     if _catalog is None:
         raise LossplugError(
             "recipe: no plugin catalogue is installed, so plugin names and parameters cannot be "
-            "checked (the lossplug package installs its plugin registry when lossplug.contracts is "
-            "imported; install_catalog(None) removed it)"
+            "checked (the lossplug package provides its plugin registry the first time a recipe is checked; "
+            "install_catalog(None) removed it)"
         )
     return _catalog
 
@@ -200,6 +230,7 @@ class Recipe(BaseModel):
     reduction: PluginSpec
     regularisers: tuple[PluginSpec, ...] = ()
 
+    #: what core compiled this recipe into (opaque here): see :attr:`compiled`
     _compiled: Any = PrivateAttr(default=None)
 
     @model_validator(mode="before")
@@ -291,6 +322,17 @@ class Recipe(BaseModel):
         if isinstance(source, str):
             return cls.from_yaml(source)
         raise RecipeError(f"recipe: cannot load a recipe from {type(source).__name__}")
+
+    # ---- the compiled form: resolved once by core and kept with the recipe object --------------------------------
+    @property
+    def compiled(self) -> Any:
+        """What :func:`lossplug.compile_recipe` resolved this recipe object into, or None before the first compile.
+        Opaque to ``contracts``; not part of the recipe's value (equality, hash and serialisation ignore it)."""
+        return self._compiled
+
+    def keep_compiled(self, compiled: Any) -> None:
+        """Keep ``compiled`` with this recipe object (the cache :attr:`compiled` returns); core's compiler calls it."""
+        self._compiled = compiled
 
     # ---- identity: what the recipe says, never the compiled cache riding on it ----------------------------------
     def __eq__(self, other: object) -> bool:

@@ -16,8 +16,6 @@ nor verl, and builds no plugin registry: that happens on first use.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -98,29 +96,16 @@ def __dir__() -> list[str]:
     return sorted({"__version__", *__all__})
 
 
-class _LazyCatalog:
-    """Stands in for ``lossplug.recipe_catalog.CATALOG``: the plugin registry is imported with the first recipe."""
+def default_recipe_catalog() -> Catalog:
+    """The catalogue recipes are checked against unless another is installed: the plugin registry
+    (:data:`lossplug.recipe_catalog.CATALOG`).
 
-    def check_stage(self, *args: Any, **kwargs: Any) -> Any:
-        return importlib.import_module("lossplug.recipe_catalog").CATALOG.check_stage(*args, **kwargs)
+    ``lossplug.contracts`` may not name core, so it asks its top-level package for this function, by attribute, the
+    first time a recipe is checked (:func:`lossplug.contracts.recipe.installed_catalog`); the registry is imported
+    then, not at ``import lossplug``."""
+    from .recipe_catalog import CATALOG
 
-    def preset(self, name: str) -> Any:
-        return importlib.import_module("lossplug.recipe_catalog").CATALOG.preset(name)
-
-
-class _Package(types.ModuleType):
-    """``lossplug`` itself. Python binds a submodule on its parent once the submodule is loaded (the language
-    reference, "Submodules"); binding ``lossplug.contracts`` is when its recipes get their catalogue. This is the one
-    moment core can reach contracts without contracts naming core and without ``import lossplug`` importing
-    pydantic or torch."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        if name == "contracts" and isinstance(value, types.ModuleType) and hasattr(value, "recipe"):
-            value.recipe.install_catalog(_LazyCatalog())
-
-
-sys.modules[__name__].__class__ = _Package
+    return CATALOG
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are resolved lazily
@@ -168,6 +153,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are
     from lossplug.contracts import (
         Violation as Violation,
     )
+    from lossplug.contracts.recipe import Catalog
 
     from .control import (
         AdaptiveEntropyController as AdaptiveEntropyController,

@@ -35,10 +35,15 @@ rebuild carries it over). An adapter therefore does::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from lossplug.contracts import LossplugError
+
+# the protocols are the regularisers' plugin contract (what ``make_controller`` returns), so they live with the plugin
+# classes; this module is their documented home and re-exports them
+from .pipeline import as_recipe, compile_recipe
+from .plugin import AllReduce, Controller, StepController
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdaptiveEntropyController",
+    "AllReduce",
     "Controller",
     "StepController",
     "WindowController",
@@ -54,41 +60,6 @@ __all__ = [
     "controllers",
     "load_controller_state",
 ]
-
-AllReduce = Callable[["torch.Tensor"], "torch.Tensor"]
-
-
-@runtime_checkable
-class Controller(Protocol):
-    """A coefficient with state carried across optimizer steps (see the module docstring)."""
-
-    @property
-    def coefficient(self) -> float:
-        """The coefficient in force now."""
-        ...
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything the controller remembers across steps, JSON-serialisable."""
-        ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        ...
-
-
-@runtime_checkable
-class StepController(Controller, Protocol):
-    """A :class:`Controller` fed by the loss (``observe``, per micro-batch) and stepped by the trainer (``step``, per
-    optimizer step)."""
-
-    def observe(self, observation: torch.Tensor) -> None:
-        """Add one micro-batch's observation to the current window (no host synchronisation)."""
-        ...
-
-    def step(self, all_reduce: AllReduce | None = None) -> float:
-        """At an optimizer-step boundary: reduce the window over ranks, apply the rule, reset the window; return
-        the coefficient in force for the next window."""
-        ...
 
 
 class WindowController:
@@ -198,8 +169,6 @@ def controllers(recipe: Recipe | str) -> dict[str, StepController]:
     """The live controllers of ``recipe``'s adaptive regulariser stages, by stage (``"regularisers[1]"``): the very
     objects :func:`lossplug.policy_loss` reads the coefficient from and feeds observations to. Empty when no stage
     adapts."""
-    from .pipeline import as_recipe, compile_recipe
-
     compiled = compile_recipe(as_recipe(recipe))
     return {
         stage.where.removeprefix("recipe."): stage.controller

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lossplug.requires import required_fields
+
 #: what each batch field is, for people reading ``recipe explain`` and ``validate`` output
 FIELD_SHAPES = {
     "logp": "[B, T] float — current policy, carries the gradient",
@@ -31,27 +33,6 @@ FIELD_SHAPES = {
 
 #: every PolicyBatch carries these, whatever the recipe
 ALWAYS = ("logp", "action_mask")
-
-
-def required_fields(plugin: Any, params: Any | None = None) -> tuple[str, ...]:
-    """The optional batch fields ``plugin`` reads with ``params``, or with its default parameters when none are given.
-
-    ``requires`` may be a function of the parameters. When no parameters are given and the plugin's parameter model
-    has no defaults to build from, only a fixed declaration can be answered; a parameter-dependent one gives ``()``.
-    Objects that only carry a ``requires`` attribute (duck-typed plugins in tests and examples) are answered from it.
-    """
-    if params is not None:
-        if hasattr(plugin, "required_fields"):
-            return tuple(plugin.required_fields(params))
-        requires = getattr(plugin, "requires", ())
-        return tuple(requires(params) if callable(requires) else requires)
-    if not hasattr(plugin, "required_fields"):
-        requires = getattr(plugin, "requires", ())
-        return () if callable(requires) else tuple(requires)
-    try:
-        return tuple(plugin.required_fields(plugin.params()))
-    except Exception:  # a parameter without a default: the defaults cannot be built, let alone judged
-        return () if callable(plugin.requires) else tuple(plugin.requires)
 
 
 def batch_fields(plugin: Any, params: Any | None = None) -> tuple[str, ...]:

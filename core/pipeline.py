@@ -14,46 +14,68 @@ every check and every host synchronisation.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
 
 from lossplug.contracts import (
     AdvantageResult,
-    BatchValidationError,
     LossResult,
     Normalizer,
     PackedTransitions,
     PolicyBatch,
     Recipe,
-    Violation,
 )
-from lossplug.contracts.errors import LossplugError, PluginError, describe_positions
+from lossplug.contracts.errors import LossplugError, PluginError
 from lossplug.contracts.recipe import PluginSpec, installed_catalog
 
 from . import plugin_registry as _registry
-from .ops import Groups, any_rows, masked_quantiles, quantiles_of, zero_off
+from .loss_metrics import basic_metrics, full_metrics, gate_report
+from .ops import zero_off
 from .plugin import (
     AdvantagePlugin,
     GateInput,
-    GateOutput,
     GatePlugin,
-    Params,
     Population,
     PopulationScope,
     ReductionPlugin,
-    RegulariserOutput,
     RegulariserParams,
     RegulariserPlugin,
-    evaluate,
+)
+from .stages import CompiledRecipe, RegulariserStage, Stage, describe_value, evaluate_declared, run_stage
+from .validation import (
+    check_advantage_output,
+    check_gate_output,
+    check_regulariser_output,
+    group_violations,
+    missing_fields,
+    raise_violations,
+    stage_label,
+    weight_violations,
 )
 
 if TYPE_CHECKING:
-    from .control import StepController
-    from .plugin import Lazy
     from .plugin_registry import Registry
+
+__all__ = [
+    "METRIC_LEVELS",
+    "CompiledRecipe",
+    "MetricLevel",
+    "ReductionSpec",
+    "RegulariserStage",
+    "Stage",
+    "Validate",
+    "as_recipe",
+    "compile_recipe",
+    "compile_reduction",
+    "compute_advantages",
+    "estimate_advantages",
+    "metric_level",
+    "policy_loss",
+    "population_of",
+    "reduce",
+]
 
 Tensor = torch.Tensor
 Validate = Literal["full", "off"]
@@ -61,54 +83,6 @@ Validate = Literal["full", "off"]
 #: log themselves, at their cost) · ``full``: also ratio distributions and effective-sample fractions
 MetricLevel = Literal["off", "basic", "full"]
 METRIC_LEVELS = ("off", "basic", "full")
-QUANTILES = (0.0, 0.05, 0.5, 0.95, 1.0)
-QUANTILE_NAMES = ("min", "p05", "p50", "p95", "max")
-
-
-#: the plugin class of a stage: a CompiledRecipe's advantage stage holds an AdvantagePlugin, and so on
-_P = TypeVar("_P", bound=AdvantagePlugin | GatePlugin | ReductionPlugin | RegulariserPlugin, covariant=True)
-
-
-@dataclass(frozen=True)
-class Stage(Generic[_P]):
-    plugin: _P
-    params: Params
-    where: str
-
-
-@dataclass(frozen=True)
-class RegulariserStage(Stage[RegulariserPlugin]):
-    """A regulariser stage: its plugin and parameters, the reduction of its term (its own, else the recipe's), its
-    live controller (None: the coefficient is ``params.coef``) and the name its metrics go under (``reg/<name>/``;
-    ``<name>.<i>`` when the recipe has the same regulariser twice)."""
-
-    reduction: Stage[ReductionPlugin]
-    controller: StepController | None
-    metric_name: str
-
-    @property
-    def coefficient(self) -> float:
-        """The coefficient in force: the controller's, else the recipe's ``coef``."""
-        if self.controller is not None:
-            return self.controller.coefficient
-        return cast(RegulariserParams, self.params).coef
-
-
-@dataclass(frozen=True)
-class CompiledRecipe:
-    recipe: Recipe
-    advantage: Stage[AdvantagePlugin] | None
-    update: Stage[GatePlugin]
-    corrections: tuple[Stage[GatePlugin], ...]
-    reduction: Stage[ReductionPlugin]
-    has_validators: bool
-    has_metric_hooks: bool
-    generation: int
-    regularisers: tuple[RegulariserStage, ...] = ()
-
-    @property
-    def gates(self) -> tuple[Stage[GatePlugin], ...]:
-        return (self.update,) + self.corrections
 
 
 @overload
@@ -129,7 +103,7 @@ def _stage(reg: Registry, kind: str, spec: PluginSpec, where: str) -> Stage[Any]
 def compile_recipe(recipe: Recipe) -> CompiledRecipe:
     """Resolve the recipe's plugins and parameter models once; cached on the recipe object."""
     reg = _registry.registry()
-    cached: CompiledRecipe | None = recipe._compiled
+    cached: CompiledRecipe | None = recipe.compiled
     if cached is not None and cached.generation == reg.generation:
         return cached
     pm = _registry.plugin_manager()
@@ -146,7 +120,7 @@ def compile_recipe(recipe: Recipe) -> CompiledRecipe:
         generation=reg.generation,
         regularisers=_regulariser_stages(reg, recipe, reduction, cached),
     )
-    recipe._compiled = compiled
+    recipe.keep_compiled(compiled)
     return compiled
 
 
@@ -187,102 +161,6 @@ def as_recipe(recipe: Recipe | str) -> Recipe:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Validation
-
-
-def _missing(batch: PolicyBatch | PackedTransitions, fields: Iterable[str], who: str) -> list[Violation]:
-    contract = type(batch)
-    out: list[Violation] = []
-    for name in fields:
-        if name not in contract.model_fields:
-            out.append(Violation(name, f"required by {who}, but the {contract.__name__} layout has no such field"))
-        elif getattr(batch, name) is None:
-            hint = " (for a single on-policy step pass old_logp=logp.detach())" if name == "old_logp" else ""
-            out.append(Violation(name, f"required by {who}, but this {contract.__name__} has none{hint}"))
-    return out
-
-
-def _who(stage: Stage[AdvantagePlugin | GatePlugin | RegulariserPlugin]) -> str:
-    """'recipe.gates[0] (ppo_clip)', with the parameters that differ from the defaults when those decide what the
-    plugin needs (``requires`` given as a function of the parameters)."""
-    plugin = stage.plugin
-    changed = ""
-    if callable(plugin.requires):
-        defaults = {k: f.default for k, f in type(stage.params).model_fields.items() if not f.is_required()}
-        diff = {k: v for k, v in stage.params.model_dump().items() if defaults.get(k, object()) != v}
-        changed = " with " + ", ".join(f"{k}={v!r}" for k, v in diff.items()) if diff else ""
-    return f"{stage.where} ({plugin.name}{changed})"
-
-
-def _group_violations(batch: Any, plugin: AdvantagePlugin, where: str) -> list[Violation]:  # (padded layout)
-    if plugin.min_group_size <= 1 or batch.group_id is None:
-        return []
-    groups = Groups.from_ids(batch.group_id)
-    small = groups.counts < plugin.min_group_size
-    if not bool(small.any()):
-        return []
-    ids = torch.unique(batch.group_id)[small]
-    return [
-        Violation(
-            "group_id",
-            f"{where} ({plugin.name}) needs at least {plugin.min_group_size} rollouts per group",
-            f"groups {ids.tolist()[:8]} have fewer (sizes {groups.counts[small].tolist()[:8]})",
-        )
-    ]
-
-
-def _check(batch: PolicyBatch | PackedTransitions, compiled: CompiledRecipe, violations: list[Violation]) -> None:
-    if not batch.validated:
-        batch.check()
-    if compiled.has_validators:
-        for origin, found in _registry.call_hook("lossplug_validate_batch", batch=batch, recipe=compiled.recipe):
-            if not isinstance(found, (list, tuple)) or not all(isinstance(v, Violation) for v in found):
-                raise PluginError(
-                    f"{origin}: lossplug_validate_batch must return a list of "
-                    f"lossplug.Violation or None, got {_describe_value(found)}"
-                )
-            violations.extend(found)
-    if violations:
-        raise BatchValidationError(type(batch).__name__, violations)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Running plugin code: a bug inside a plugin is reported as a PluginError naming the plugin and where it came from
-
-#: exceptions that pass through unchanged: trainers handle them themselves (e.g. skip a batch on out-of-memory)
-_PASS_THROUGH = tuple(t for t in (LossplugError, MemoryError, getattr(torch, "OutOfMemoryError", None)) if t)
-
-
-def _describe_value(value: object) -> str:
-    inner = ""
-    if isinstance(value, (list, tuple)) and value:
-        inner = f" of {', '.join(sorted({type(v).__name__ for v in value}))}"
-    return f"a {type(value).__name__}{inner}"
-
-
-def _plugin_failed(stage: Stage[Any], err: Exception, validate: str, what: str = "") -> PluginError:
-    plugin = stage.plugin
-    origin = _registry.registry().origin(plugin.kind, plugin.name)
-    hint = (
-        " (the batch was not validated: run once with validate='full' to rule out bad input)"
-        if validate == "off"
-        else ""
-    )
-    what = f" {what}" if what else ""
-    return PluginError(f"{stage.where} ({plugin.name}, from {origin}){what} raised {type(err).__name__}: {err}{hint}")
-
-
-def _run(stage: Stage[Any], validate: str, *args: Any) -> Any:
-    """Call a stage's plugin with its parameters."""
-    try:
-        return stage.plugin(*args, stage.params)
-    except _PASS_THROUGH:
-        raise
-    except Exception as err:
-        raise _plugin_failed(stage, err, validate) from err
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # Advantages
 
 
@@ -306,18 +184,18 @@ def estimate_advantages(
             f"got a {type(batch).__name__}"
         )
     if validate == "full":
-        violations = _missing(batch, plugin.required_fields(stage.params), _who(stage)) + (
-            _group_violations(batch, plugin, stage.where) if layout == "padded" else []
+        violations = missing_fields(batch, plugin.required_fields(stage.params), stage_label(stage)) + (
+            group_violations(batch, plugin, stage.where) if layout == "padded" else []
         )
-        _check(batch, compiled, violations)
+        raise_violations(batch, compiled, violations)
     elif validate != "off":
         raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
     with torch.no_grad():
-        result: AdvantageResult = _run(stage, validate, batch)
+        result: AdvantageResult = run_stage(stage, validate, batch)
     if validate == "full":
-        _check_advantage_output(result.advantage, batch, stage, "advantages")
+        check_advantage_output(result.advantage, batch, stage, "advantages")
         if result.returns is not None:
-            _check_advantage_output(result.returns, batch, stage, "returns")
+            check_advantage_output(result.returns, batch, stage, "returns")
     return result
 
 
@@ -326,25 +204,6 @@ def compute_advantages(
 ) -> Tensor:
     """The recipe's advantages for ``batch``: ``[B]``, ``[B, T]`` or ``[N]`` (packed)."""
     return estimate_advantages(batch, recipe, validate=validate).advantage
-
-
-def _check_advantage_output(
-    adv: Tensor, batch: PolicyBatch | PackedTransitions, stage: Stage[AdvantagePlugin], what: str
-) -> None:
-    where = f"{stage.where} ({stage.plugin.name}) returned {what} that"
-    shapes: tuple[tuple[int, ...], ...]
-    mask: Tensor | None
-    if isinstance(batch, PackedTransitions):
-        shapes, mask = ((batch.reward.shape[0],),), None
-    else:
-        shapes, mask = ((batch.batch_size,), tuple(batch.logp.shape)), batch.action_mask
-    if tuple(adv.shape) not in shapes:
-        raise LossplugError(f"{where} have shape {list(adv.shape)}, expected one of {[list(s) for s in shapes]}")
-    bad = ~torch.isfinite(adv)
-    if mask is not None and adv.ndim == 2:
-        bad = bad & mask
-    if bool(bad.any()):
-        raise LossplugError(f"{where} are not finite at {describe_positions(bad)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -405,42 +264,27 @@ def policy_loss(
     compiled = compile_recipe(as_recipe(recipe))
     level = metric_level(metrics)
     if validate == "full":
-        if not isinstance(batch, PolicyBatch):
-            raise LossplugError(f"policy_loss: batch must be a lossplug.PolicyBatch, got {type(batch).__name__}")
-        if normalizer is not None and not isinstance(normalizer, Normalizer):
-            raise LossplugError(
-                f"policy_loss: normalizer must be a lossplug.Normalizer (or None), got {type(normalizer).__name__}"
-            )
-        violations = _missing(batch, ("advantage",), "policy_loss (compute it with lossplug.compute_advantages)")
-        for stage in compiled.gates:
-            violations += _missing(batch, stage.plugin.required_fields(stage.params), _who(stage))
-        for reg_stage in compiled.regularisers:
-            violations += _missing(batch, reg_stage.plugin.required_fields(reg_stage.params), _who(reg_stage))
-        if weight is not None:
-            violations += _weight_violations(weight, batch)
-        _check(batch, compiled, violations)
-        if normalizer is not None:
-            normalizer.check_covers(int(torch.count_nonzero(batch.action_mask)), batch.batch_size)
+        _check_policy_inputs(batch, compiled, normalizer, weight)
     elif validate != "off":
         raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
 
     inp = GateInput.from_batch(batch)
     update = compiled.update
-    out = _run(update, validate, inp)
+    out = run_stage(update, validate, inp)
     if validate == "full":
-        _check_gate_output(update, out, batch)
+        check_gate_output(update, out, batch)
     objective = out.objective
     if weight is not None:  # the trainer's own detached coefficient, applied like a correction gate's weight
         external = weight.detach().to(objective.dtype)
         objective = objective * (external if external.ndim == 2 else external.unsqueeze(-1))
     # a gate's declared metrics are evaluated as soon as it ran: what they read is freed before the next stage
-    reports = [_report(update, out, level, validate)]
+    reports = [gate_report(update, out, level, validate)]
     for stage in compiled.corrections:
-        out = _run(stage, validate, inp)
+        out = run_stage(stage, validate, inp)
         if validate == "full":
-            _check_gate_output(stage, out, batch)
+            check_gate_output(stage, out, batch)
         objective = objective * (out.weight if out.weight.ndim == 2 else out.weight.unsqueeze(-1))
-        reports.append(_report(stage, out, level, validate))
+        reports.append(gate_report(stage, out, level, validate))
     del out
     objective = zero_off(objective, inp.mask, inp._bits)
 
@@ -458,23 +302,53 @@ def policy_loss(
     metric_tensors: dict[str, Tensor] = {}
     if level != "off":
         with torch.no_grad():
-            metric_tensors = _basic_metrics(inp, reports, loss)
+            metric_tensors = basic_metrics(inp, reports, loss)
             if compiled.regularisers:
                 metric_tensors["policy/loss"] = policy_term.detach()
                 metric_tensors.update(reg_metrics)
             if level == "full":
-                _full_metrics(inp, reports, objective, metric_tensors)
+                full_metrics(inp, reports, objective, metric_tensors)
             if compiled.has_metric_hooks:
-                for origin, extra in _registry.call_hook(
-                    "lossplug_extra_metrics", batch=batch, objective=objective.detach(), recipe=compiled.recipe
-                ):
-                    if not isinstance(extra, dict):
-                        raise PluginError(
-                            f"{origin}: lossplug_extra_metrics must return a dict of metric name → 0-d "
-                            f"tensor or None, got {_describe_value(extra)}"
-                        )
-                    metric_tensors.update(extra)
+                metric_tensors.update(_hook_metrics(batch, objective, compiled.recipe))
     return LossResult.model_construct(loss=loss, metric_tensors=metric_tensors)
+
+
+def _check_policy_inputs(
+    batch: PolicyBatch, compiled: CompiledRecipe, normalizer: Normalizer | None, weight: Tensor | None
+) -> None:
+    """``policy_loss``'s checks under ``validate="full"``: the argument types, the fields the gates and regularisers
+    need, the trainer's weight, the batch's contract and the plugins' validators, the Normalizer's coverage."""
+    if not isinstance(batch, PolicyBatch):
+        raise LossplugError(f"policy_loss: batch must be a lossplug.PolicyBatch, got {type(batch).__name__}")
+    if normalizer is not None and not isinstance(normalizer, Normalizer):
+        raise LossplugError(
+            f"policy_loss: normalizer must be a lossplug.Normalizer (or None), got {type(normalizer).__name__}"
+        )
+    violations = missing_fields(batch, ("advantage",), "policy_loss (compute it with lossplug.compute_advantages)")
+    for stage in compiled.gates:
+        violations += missing_fields(batch, stage.plugin.required_fields(stage.params), stage_label(stage))
+    for reg_stage in compiled.regularisers:
+        violations += missing_fields(batch, reg_stage.plugin.required_fields(reg_stage.params), stage_label(reg_stage))
+    if weight is not None:
+        violations += weight_violations(weight, batch)
+    raise_violations(batch, compiled, violations)
+    if normalizer is not None:
+        normalizer.check_covers(int(torch.count_nonzero(batch.action_mask)), batch.batch_size)
+
+
+def _hook_metrics(batch: PolicyBatch, objective: Tensor, recipe: Recipe) -> dict[str, Tensor]:
+    """What the plugins' ``lossplug_extra_metrics`` hooks add, in hook order; a malformed answer blames its plugin."""
+    metrics: dict[str, Tensor] = {}
+    for origin, extra in _registry.call_hook(
+        "lossplug_extra_metrics", batch=batch, objective=objective.detach(), recipe=recipe
+    ):
+        if not isinstance(extra, dict):
+            raise PluginError(
+                f"{origin}: lossplug_extra_metrics must return a dict of metric name → 0-d "
+                f"tensor or None, got {describe_value(extra)}"
+            )
+        metrics.update(extra)
+    return metrics
 
 
 def _regularise(
@@ -489,9 +363,9 @@ def _regularise(
 ) -> tuple[Tensor, Tensor, float]:
     """Run one regulariser stage: its term ``[B, T]`` zero off the actions, the term reduced (a micro-batch share of
     the step, like the policy term) and the coefficient in force; its metrics (at ``level``) go into ``metrics``."""
-    out = _run(stage, validate, inp)
+    out = run_stage(stage, validate, inp)
     if validate == "full":
-        _check_regulariser_output(stage, out, inp.batch)
+        check_regulariser_output(stage, out, inp.batch)
     term = zero_off(out.term.to(inp.compute_dtype), inp.mask, inp._bits)
     params = cast(RegulariserParams, stage.params)
     # micro_batch when the regulariser says so or its reduction does (a reduction given with population: micro_batch)
@@ -507,94 +381,8 @@ def _regularise(
             metrics[f"{prefix}/value"] = reduced.detach()
             metrics[f"{prefix}/coef"] = torch.full((), coef, dtype=reduced.dtype, device=reduced.device)
             for key, value in declared.items():
-                metrics[f"{prefix}/{key}"] = _evaluate(stage, f"its metric {key!r}", value, validate)
+                metrics[f"{prefix}/{key}"] = evaluate_declared(stage, f"its metric {key!r}", value, validate)
     return term, reduced, coef
-
-
-def _check_regulariser_output(stage: RegulariserStage, out: object, batch: PolicyBatch) -> None:
-    """A regulariser's output before it is used: a :class:`RegulariserOutput` whose term is ``[B, T]`` like logp and
-    finite on the actions, metrics declared as mappings, a detached observation tensor."""
-    where = f"{stage.where} ({stage.plugin.name}, from {_registry.registry().origin('regulariser', stage.plugin.name)})"
-    if not isinstance(out, RegulariserOutput):
-        raise PluginError(
-            f"{where} must return a lossplug.RegulariserOutput or a [B, T] tensor, got {type(out).__name__}"
-        )
-    shape = list(batch.logp.shape)
-    term = out.term
-    if not isinstance(term, Tensor) or list(term.shape) != shape:
-        what = f"shape {list(term.shape)}" if isinstance(term, Tensor) else repr(term)
-        raise PluginError(f"{where}: a regulariser's term must be a tensor of shape {shape} like logp, got {what}")
-    bad = ~torch.isfinite(term.detach()) & batch.action_mask
-    if bool(bad.any()):
-        raise PluginError(f"{where}: its term is not finite on action positions at {describe_positions(bad)}")
-    for name in ("metrics", "details"):
-        value = getattr(out, name)
-        if not isinstance(value, Mapping):
-            raise PluginError(
-                f"{where}: RegulariserOutput.{name} must be a mapping of metric name → 0-d tensor (or a "
-                f"function returning one), got {_describe_value(value)}"
-            )
-    if out.observation is not None and not isinstance(out.observation, Tensor):
-        raise PluginError(
-            f"{where}: RegulariserOutput.observation must be a tensor or None, got {_describe_value(out.observation)}"
-        )
-
-
-def _check_gate_output(stage: Stage[GatePlugin], out: object, batch: PolicyBatch) -> None:
-    """What a gate returned, before it is used: an update gate's objective ``[B, T]``, a correction's weight ``[B, T]``
-    or ``[B]`` (a ``[B]`` objective would broadcast against ``[B, T]`` silently wrong when B == T); metrics declared
-    as mappings. Shapes are read from the batch, never from the gate input (reading a field there would clean it)."""
-    where = f"{stage.where} ({stage.plugin.name}, from {_registry.registry().origin('gate', stage.plugin.name)})"
-    if not isinstance(out, GateOutput):
-        raise PluginError(f"{where} must return a lossplug.GateOutput, got {type(out).__name__}")
-    shape = list(batch.logp.shape)
-    if stage.plugin.role == "update":
-        got = out.objective
-        if not isinstance(got, Tensor) or list(got.shape) != shape:
-            what = f"shape {list(got.shape)}" if isinstance(got, Tensor) else repr(got)
-            raise PluginError(
-                f"{where}: an update gate's objective must be a tensor of shape {shape} like logp, got {what}"
-            )
-    else:
-        got = out.weight
-        if not isinstance(got, Tensor) or list(got.shape) not in (shape, shape[:1]):
-            what = f"shape {list(got.shape)}" if isinstance(got, Tensor) else repr(got)
-            raise PluginError(
-                f"{where}: a correction's weight must be a tensor of shape {shape[:1]} or {shape}, got {what}"
-            )
-        if got.requires_grad:
-            raise PluginError(
-                f"{where}: a correction's weight must be detached (.detach()): gradient flows through "
-                "logp only, via the update gate"
-            )
-    for name in ("metrics", "details"):
-        value = getattr(out, name)
-        if not isinstance(value, Mapping):
-            raise PluginError(
-                f"{where}: GateOutput.{name} must be a mapping of metric name → 0-d tensor (or a "
-                f"function returning one), got {_describe_value(value)}"
-            )
-    if out.active is not None and not (isinstance(out.active, Tensor) or callable(out.active)):
-        raise PluginError(
-            f"{where}: GateOutput.active must be a bool tensor, a function returning one, or None, got "
-            f"{_describe_value(out.active)}"
-        )
-
-
-def _weight_violations(weight: Tensor, batch: PolicyBatch) -> list[Violation]:
-    shapes = ((batch.batch_size,), tuple(batch.logp.shape))
-    if tuple(weight.shape) not in shapes:
-        return [
-            Violation(
-                "weight", f"shape must be [B] or [B, T] like logp {list(batch.logp.shape)}, got {list(weight.shape)}"
-            )
-        ]
-    bad = ~torch.isfinite(weight) | (weight < 0)
-    if weight.ndim == 2:
-        bad = bad & batch.action_mask
-    if bool(bad.any()):
-        return [Violation("weight", "must be finite and >= 0 on action positions", describe_positions(bad))]
-    return []
 
 
 def _scope(stage: Stage[ReductionPlugin]) -> PopulationScope:
@@ -620,12 +408,12 @@ def _reduce(
     else by its share of the step's responses (the same for micro-batches equal in rows). The own population keeps
     the Normalizer's budget (``fixed``)."""
     if where == "step":
-        reduced: Tensor = _run(stage, validate, values, mask, lengths, population)
+        reduced: Tensor = run_stage(stage, validate, values, mask, lengths, population)
         return reduced
     own = population_of(mask, None, lengths)
     if normalizer is not None and normalizer.budget is not None:
         own = Population(own.action_tokens, own.sequences, None, normalizer.budget)
-    reduced = _run(stage, validate, values, mask, lengths, own)
+    reduced = run_stage(stage, validate, values, mask, lengths, own)
     if normalizer is not None:
         share = (
             1.0 / normalizer.micro_batches
@@ -724,99 +512,3 @@ def reduce(
     lengths = torch.count_nonzero(action_mask, -1)
     population = population_of(action_mask, normalizer, lengths)
     return _reduce(red, "full", values, action_mask, lengths, population, normalizer, _scope(red))
-
-
-def _ratio_metrics(prefix: str, log_ratio: Tensor, mask: Tensor, out: dict[str, Tensor]) -> None:
-    if mask.device.type == "cpu":  # select the action tokens first: exp and quantiles on those only (no host sync)
-        ratio = torch.masked_select(log_ratio, mask).clamp(-20, 20).exp()
-        quantiles, mean = quantiles_of(ratio, QUANTILES), ratio.sum() / max(ratio.numel(), 1)
-    else:
-        ratio = log_ratio.clamp(-20, 20).exp()
-        quantiles = masked_quantiles(ratio, mask, QUANTILES)
-        mean = zero_off(ratio, mask).sum() / torch.count_nonzero(mask).clamp(min=1)
-    for name, q in zip(QUANTILE_NAMES, quantiles):
-        out[f"{prefix}/{name}"] = q
-    out[f"{prefix}/mean"] = mean
-
-
-@dataclass(frozen=True)
-class _GateReport:
-    """A gate's declared metrics, evaluated at the call's level."""
-
-    name: str
-    metrics: dict[str, Tensor]
-    active: Tensor | None
-
-
-def _report(stage: Stage[GatePlugin], out: GateOutput, level: str, validate: str) -> _GateReport:
-    """Evaluate what ``out`` declares for ``level`` (``metrics``; at ``full`` also ``details`` and ``active``) under
-    ``no_grad``; a failure blames the gate. Nothing is evaluated at ``off``."""
-    if level == "off":
-        return _GateReport(stage.plugin.name, {}, None)
-    declared = {**out.metrics, **out.details} if level == "full" else out.metrics
-    with torch.no_grad():
-        values = {key: _evaluate(stage, f"its metric {key!r}", value, validate) for key, value in declared.items()}
-        active = (
-            None if level != "full" or out.active is None else _evaluate(stage, "its active mask", out.active, validate)
-        )
-    return _GateReport(stage.plugin.name, values, active)
-
-
-def _evaluate(stage: Stage[GatePlugin | RegulariserPlugin], what: str, value: Lazy, validate: str) -> Tensor:
-    try:
-        return evaluate(value)
-    except _PASS_THROUGH:
-        raise
-    except Exception as err:
-        raise _plugin_failed(stage, err, validate, what=f"evaluating {what}") from err
-
-
-def _basic_metrics(inp: GateInput, reports: list[_GateReport], loss: Tensor) -> dict[str, Tensor]:
-    """The loss, ``update/approx_kl``, ``engine/approx_kl`` and every gate's declared metrics (at ``full`` also its
-    ``details``).
-
-    ``engine/approx_kl`` is the mismatch between the rollout engine and the trainer, present whenever the batch has
-    behaviour log-probs: the mean over the actions of ``behavior_logp − old_logp``, the k1 estimate of
-    KL(π_behaviour ‖ π_old) on tokens the engine sampled (verl's ``rollout_corr/kl``) — the engine-side twin of
-    ``update/approx_kl``, the mean of ``old_logp − logp``.
-    """
-    m: dict[str, Tensor] = {"loss": loss.detach()}
-    batch = inp.batch
-    if batch.old_logp is not None:
-        # mean over the actions of old_logp − logp; the log-ratio is zero off the actions: no mask pass
-        m["update/approx_kl"] = -inp.update_log_ratio().detach().sum() / inp.action_tokens
-        if batch.behavior_logp is not None:
-            # engine_log_ratio() is old − behaviour, zero off the actions and shared with the correction gates
-            m["engine/approx_kl"] = -inp.engine_log_ratio().detach().sum() / inp.action_tokens
-    for report in reports:
-        for key, value in report.metrics.items():
-            m[f"{report.name}/{key}"] = value
-    return m
-
-
-def _full_metrics(inp: GateInput, reports: list[_GateReport], objective: Tensor, m: dict[str, Tensor]) -> None:
-    """``metrics="full"``, added to the others: the ratio distributions and the effective-sample fractions from the
-    gates' ``active`` masks."""
-    mask = inp.mask
-    n_tokens = torch.count_nonzero(mask).clamp(min=1)  # (a bool .sum() first copies the mask to int64)
-    batch = inp.batch
-    if batch.old_logp is not None:
-        _ratio_metrics("ratio/update", inp.update_log_ratio().detach(), mask, m)
-        if batch.behavior_logp is not None:
-            _ratio_metrics("ratio/engine", inp.engine_log_ratio(), mask, m)
-    token_active = mask
-    seq_active = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
-    for report in reports:
-        active = report.active
-        if active is None:
-            continue
-        if active.ndim == 2:
-            m[f"{report.name}/active_token_frac"] = torch.count_nonzero(active & mask) / n_tokens
-            token_active = token_active & active
-        else:
-            m[f"{report.name}/active_seq_frac"] = active.float().mean()
-            seq_active = seq_active & active
-    token_active = token_active & seq_active.unsqueeze(-1)
-    m["effective/token_frac"] = torch.count_nonzero(token_active) / n_tokens
-    m["effective/seq_frac"] = any_rows(token_active).float().mean()
-    m["objective/mean"] = objective.sum() / n_tokens

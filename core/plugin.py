@@ -21,7 +21,7 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
@@ -29,9 +29,6 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 from lossplug.contracts import AdvantageResult, LossplugError, PackedTransitions, PolicyBatch
 
 from .ops import action_bits, count_actions, zero_off, zero_off_uses_bits
-
-if TYPE_CHECKING:
-    from .control import StepController
 
 Tensor = torch.Tensor
 
@@ -479,6 +476,45 @@ class RegulariserOutput:
     metrics: Mapping[str, Lazy] = field(default_factory=dict)
     details: Mapping[str, Lazy] = field(default_factory=dict)
     observation: Tensor | None = None
+
+
+# the controller protocols: what a regulariser's ``controller`` factory returns (documented in lossplug.control, which
+# re-exports them and holds the controllers themselves)
+
+AllReduce = Callable[["torch.Tensor"], "torch.Tensor"]
+
+
+@runtime_checkable
+class Controller(Protocol):
+    """A coefficient with state carried across optimizer steps (see the module docstring)."""
+
+    @property
+    def coefficient(self) -> float:
+        """The coefficient in force now."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the controller remembers across steps, JSON-serialisable."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        ...
+
+
+@runtime_checkable
+class StepController(Controller, Protocol):
+    """A :class:`Controller` fed by the loss (``observe``, per micro-batch) and stepped by the trainer (``step``, per
+    optimizer step)."""
+
+    def observe(self, observation: torch.Tensor) -> None:
+        """Add one micro-batch's observation to the current window (no host synchronisation)."""
+        ...
+
+    def step(self, all_reduce: AllReduce | None = None) -> float:
+        """At an optimizer-step boundary: reduce the window over ranks, apply the rule, reset the window; return
+        the coefficient in force for the next window."""
+        ...
 
 
 #: ``fn(inp, p)`` → a :class:`RegulariserOutput`, or the ``[B, T]`` term alone

@@ -33,8 +33,9 @@ from lossplug.contracts import LossplugError, PluginError, RecipeError
 from lossplug.contracts.errors import did_you_mean
 
 from . import hookspecs
-from .needs import required_fields
+from .kinds import KINDS
 from .plugin import AdvantagePlugin, AnyPlugin, GatePlugin, ReductionPlugin, RegulariserPlugin
+from .requires import required_fields
 
 ENTRY_POINT_GROUP = "lossplug"
 DISABLE_ENV = "LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD"
@@ -43,19 +44,6 @@ BUILTIN_SOURCE = "lossplug (built-in)"
 BUILTIN_NAME = "lossplug.builtin"
 ENTRY_POINT_PREFIX = "entrypoint:"
 IMPORT_FAILED = "failed to import"
-
-KINDS: dict[str, type[AdvantagePlugin] | type[GatePlugin] | type[ReductionPlugin] | type[RegulariserPlugin]] = {
-    "advantage": AdvantagePlugin,
-    "gate": GatePlugin,
-    "reduction": ReductionPlugin,
-    "regulariser": RegulariserPlugin,
-}
-HOOKS = {
-    "advantage": "lossplug_register_advantages",
-    "gate": "lossplug_register_gates",
-    "reduction": "lossplug_register_reductions",
-    "regulariser": "lossplug_register_regularisers",
-}
 
 
 class LossplugPluginWarning(UserWarning):
@@ -108,10 +96,10 @@ class Registry:
 
     # -- building ---------------------------------------------------------------------------------------------------
     def add(self, kind: str, plugin: Any, origin: str) -> None:
-        cls = KINDS[kind]
+        cls = KINDS[kind].plugin_class
         if not isinstance(plugin, cls):
             raise PluginError(
-                f"{origin}: {HOOKS[kind]} registered {plugin!r}, which is not a {cls.__name__} "
+                f"{origin}: {KINDS[kind].hook} registered {plugin!r}, which is not a {cls.__name__} "
                 f"(decorate the function with @lossplug.{kind}(...))"
             )
         key = (kind, plugin.name)
@@ -159,7 +147,7 @@ class Registry:
             elsewhere = [other for other in self.plugins if other != kind and name in self.plugins[other]]
             if elsewhere:  # the right plugin in the wrong stage: say where it belongs
                 other = elsewhere[0]
-                stage = {"gate": "gates", "regulariser": "regularisers"}.get(other, other)
+                stage = KINDS[other].recipe_key
                 article = "an" if other[0] in "aeiou" else "a"
                 msg += f" ('{name}' is {article} {other} plugin: it belongs under {stage})"
             else:
@@ -280,13 +268,13 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
     def origin_of(plugin_name: str) -> str:
         return origins.get(plugin_name, plugin_name)
 
-    for kind, hook_name in HOOKS.items():
+    for kind in KINDS.values():
         call_hook(
-            hook_name,
+            kind.hook,
             pm=pm,
             origin_of=origin_of,
             on_error=contain,
-            arguments_for=lambda origin, kind=kind: {  # type: ignore[misc]
+            arguments_for=lambda origin, kind=kind.name: {  # type: ignore[misc]
                 "register": lambda plugin: registry.add(kind, plugin, origin)
             },
         )

@@ -2,9 +2,9 @@
 
 ``lossplug.contracts`` holds a recipe's structure and the :class:`~lossplug.contracts.recipe.Catalog` protocol; the
 checks that need the plugins live here — does the named plugin exist, do its parameters pass its pydantic model, is
-a gate in the role its position asks for, does a regulariser's own reduction exist, what does a preset say. The package ``lossplug`` installs :data:`CATALOG`
-when ``lossplug.contracts`` is imported (``core/__init__.py``) behind a lazy stand-in, so this module and the
-registry are only loaded when the first recipe is checked.
+a gate in the role its position asks for, does a regulariser's own reduction exist, what does a preset say.
+:data:`CATALOG` is the default catalogue of ``lossplug.contracts``: contracts asks ``lossplug.default_recipe_catalog()``
+for it the first time a recipe is checked, so this module and the registry are loaded then, not at import.
 """
 
 from __future__ import annotations

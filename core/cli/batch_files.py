@@ -281,23 +281,6 @@ def singleton_group_warning(
     )
 
 
-def _plugin_validator_violations(batch: PolicyBatch | PackedTransitions, recipe: Recipe) -> list[Violation]:
-    """What the plugins' ``lossplug_validate_batch`` hooks find; a malformed answer is blamed on its plugin."""
-    from lossplug.contracts import PluginError, Violation
-    from lossplug.plugin_registry import call_hook
-
-    violations: list[Violation] = []
-    for origin, found in call_hook("lossplug_validate_batch", batch=batch, recipe=recipe):
-        if not isinstance(found, (list, tuple)) or not all(isinstance(v, Violation) for v in found):
-            items = sorted({type(v).__name__ for v in found}) if isinstance(found, (list, tuple)) else []
-            got = f"a {type(found).__name__}" + (f" of {', '.join(items)}" if items else "")
-            raise PluginError(
-                f"{origin}: lossplug_validate_batch must return a list of lossplug.Violation or None, got {got}"
-            )
-        violations.extend(found)
-    return violations
-
-
 def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Recipe | None = None) -> BatchCheck:
     """Every violation of ``contract`` at once, then what ``recipe`` (a :class:`Recipe` or None) adds: the fields
     its stages need, its advantage's group-size rule, its plugins' own validators — and warnings that do not make
@@ -307,7 +290,8 @@ def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Recipe | No
     """
     from lossplug.contracts import PolicyBatch, Violation
     from lossplug.needs import recipe_needs, required_fields
-    from lossplug.pipeline import _group_violations, compile_recipe
+    from lossplug.pipeline import compile_recipe
+    from lossplug.validation import group_violations, plugin_validator_violations
 
     violations, batch = _contract_violations(tensors, contract)
     result = BatchCheck(contract, violations, batch=batch)
@@ -323,7 +307,7 @@ def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Recipe | No
                     Violation(field_name, f"required by {'; '.join(stages)} ({name}), but the file has none")
                 )
         if batch is not None and adv is not None and batch.group_id is not None:
-            violations += _group_violations(batch, adv.plugin, "recipe.advantage")
+            violations += group_violations(batch, adv.plugin, "recipe.advantage")
         group_id = tensors.get("group_id")
         if adv is not None and _usable_ids(group_id):  # worth saying even when other fields are broken
             warning = singleton_group_warning(group_id, adv.plugin, adv.params)
@@ -345,5 +329,5 @@ def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Recipe | No
             if f not in tensors
         ]
     if batch is not None and not violations and compiled.has_validators:
-        violations += _plugin_validator_violations(batch, recipe)
+        violations += plugin_validator_violations(batch, recipe)
     return result

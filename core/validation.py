@@ -1,0 +1,206 @@
+"""Checks of what enters and leaves the pipeline under ``validate="full"``.
+
+Before plugin code runs: the batch's contract (once per batch object), the fields the recipe's stages declare they
+need, an advantage's group-size rule, a trainer's weight and the plugins' own ``lossplug_validate_batch`` hooks.
+After: that each plugin returned what its kind promises. A bad batch is a :class:`~lossplug.BatchValidationError`
+listing every violation; a plugin that breaks its promise a :class:`~lossplug.PluginError` naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from lossplug.contracts import (
+    BatchValidationError,
+    PackedTransitions,
+    PolicyBatch,
+    Recipe,
+    Violation,
+)
+from lossplug.contracts.errors import LossplugError, PluginError, describe_positions
+
+from . import plugin_registry as _registry
+from .ops import Groups
+from .plugin import AdvantagePlugin, GateOutput, GatePlugin, RegulariserOutput, RegulariserPlugin
+from .stages import CompiledRecipe, RegulariserStage, Stage, describe_value
+
+Tensor = torch.Tensor
+
+
+def missing_fields(batch: PolicyBatch | PackedTransitions, fields: Iterable[str], who: str) -> list[Violation]:
+    """A violation for each of ``fields`` the batch lacks (or its layout has no such field), blamed on ``who``."""
+    contract = type(batch)
+    out: list[Violation] = []
+    for name in fields:
+        if name not in contract.model_fields:
+            out.append(Violation(name, f"required by {who}, but the {contract.__name__} layout has no such field"))
+        elif getattr(batch, name) is None:
+            hint = " (for a single on-policy step pass old_logp=logp.detach())" if name == "old_logp" else ""
+            out.append(Violation(name, f"required by {who}, but this {contract.__name__} has none{hint}"))
+    return out
+
+
+def stage_label(stage: Stage[AdvantagePlugin | GatePlugin | RegulariserPlugin]) -> str:
+    """'recipe.gates[0] (ppo_clip)', with the parameters that differ from the defaults when those decide what the
+    plugin needs (``requires`` given as a function of the parameters)."""
+    plugin = stage.plugin
+    changed = ""
+    if callable(plugin.requires):
+        defaults = {k: f.default for k, f in type(stage.params).model_fields.items() if not f.is_required()}
+        diff = {k: v for k, v in stage.params.model_dump().items() if defaults.get(k, object()) != v}
+        changed = " with " + ", ".join(f"{k}={v!r}" for k, v in diff.items()) if diff else ""
+    return f"{stage.where} ({plugin.name}{changed})"
+
+
+def group_violations(batch: Any, plugin: AdvantagePlugin, where: str) -> list[Violation]:
+    """The groups of a padded batch smaller than the advantage ``plugin``'s ``min_group_size`` (a violation of
+    ``group_id`` listing the first eight), or none."""
+    if plugin.min_group_size <= 1 or batch.group_id is None:
+        return []
+    groups = Groups.from_ids(batch.group_id)
+    small = groups.counts < plugin.min_group_size
+    if not bool(small.any()):
+        return []
+    ids = torch.unique(batch.group_id)[small]
+    return [
+        Violation(
+            "group_id",
+            f"{where} ({plugin.name}) needs at least {plugin.min_group_size} rollouts per group",
+            f"groups {ids.tolist()[:8]} have fewer (sizes {groups.counts[small].tolist()[:8]})",
+        )
+    ]
+
+
+def plugin_validator_violations(batch: PolicyBatch | PackedTransitions, recipe: Recipe) -> list[Violation]:
+    """What the plugins' ``lossplug_validate_batch`` hooks find in ``batch`` for ``recipe``. A hook that answers
+    anything but a list of :class:`~lossplug.Violation` (or None) is a :class:`~lossplug.PluginError` naming it."""
+    violations: list[Violation] = []
+    for origin, found in _registry.call_hook("lossplug_validate_batch", batch=batch, recipe=recipe):
+        if not isinstance(found, (list, tuple)) or not all(isinstance(v, Violation) for v in found):
+            raise PluginError(
+                f"{origin}: lossplug_validate_batch must return a list of "
+                f"lossplug.Violation or None, got {describe_value(found)}"
+            )
+        violations.extend(found)
+    return violations
+
+
+def raise_violations(
+    batch: PolicyBatch | PackedTransitions, compiled: CompiledRecipe, violations: list[Violation]
+) -> None:
+    """Check the batch's contract (once per batch object) and the plugins' validators; raise a
+    :class:`~lossplug.BatchValidationError` listing ``violations`` and whatever those add, if any."""
+    if not batch.validated:
+        batch.check()
+    if compiled.has_validators:
+        violations.extend(plugin_validator_violations(batch, compiled.recipe))
+    if violations:
+        raise BatchValidationError(type(batch).__name__, violations)
+
+
+def check_advantage_output(
+    adv: Tensor, batch: PolicyBatch | PackedTransitions, stage: Stage[AdvantagePlugin], what: str
+) -> None:
+    where = f"{stage.where} ({stage.plugin.name}) returned {what} that"
+    shapes: tuple[tuple[int, ...], ...]
+    mask: Tensor | None
+    if isinstance(batch, PackedTransitions):
+        shapes, mask = ((batch.reward.shape[0],),), None
+    else:
+        shapes, mask = ((batch.batch_size,), tuple(batch.logp.shape)), batch.action_mask
+    if tuple(adv.shape) not in shapes:
+        raise LossplugError(f"{where} have shape {list(adv.shape)}, expected one of {[list(s) for s in shapes]}")
+    bad = ~torch.isfinite(adv)
+    if mask is not None and adv.ndim == 2:
+        bad = bad & mask
+    if bool(bad.any()):
+        raise LossplugError(f"{where} are not finite at {describe_positions(bad)}")
+
+
+def check_regulariser_output(stage: RegulariserStage, out: object, batch: PolicyBatch) -> None:
+    """A regulariser's output before it is used: a :class:`RegulariserOutput` whose term is ``[B, T]`` like logp and
+    finite on the actions, metrics declared as mappings, a detached observation tensor."""
+    where = f"{stage.where} ({stage.plugin.name}, from {_registry.registry().origin('regulariser', stage.plugin.name)})"
+    if not isinstance(out, RegulariserOutput):
+        raise PluginError(
+            f"{where} must return a lossplug.RegulariserOutput or a [B, T] tensor, got {type(out).__name__}"
+        )
+    shape = list(batch.logp.shape)
+    term = out.term
+    if not isinstance(term, Tensor) or list(term.shape) != shape:
+        what = f"shape {list(term.shape)}" if isinstance(term, Tensor) else repr(term)
+        raise PluginError(f"{where}: a regulariser's term must be a tensor of shape {shape} like logp, got {what}")
+    bad = ~torch.isfinite(term.detach()) & batch.action_mask
+    if bool(bad.any()):
+        raise PluginError(f"{where}: its term is not finite on action positions at {describe_positions(bad)}")
+    for name in ("metrics", "details"):
+        value = getattr(out, name)
+        if not isinstance(value, Mapping):
+            raise PluginError(
+                f"{where}: RegulariserOutput.{name} must be a mapping of metric name → 0-d tensor (or a "
+                f"function returning one), got {describe_value(value)}"
+            )
+    if out.observation is not None and not isinstance(out.observation, Tensor):
+        raise PluginError(
+            f"{where}: RegulariserOutput.observation must be a tensor or None, got {describe_value(out.observation)}"
+        )
+
+
+def check_gate_output(stage: Stage[GatePlugin], out: object, batch: PolicyBatch) -> None:
+    """What a gate returned, before it is used: an update gate's objective ``[B, T]``, a correction's weight ``[B, T]``
+    or ``[B]`` (a ``[B]`` objective would broadcast against ``[B, T]`` silently wrong when B == T); metrics declared
+    as mappings. Shapes are read from the batch, never from the gate input (reading a field there would clean it)."""
+    where = f"{stage.where} ({stage.plugin.name}, from {_registry.registry().origin('gate', stage.plugin.name)})"
+    if not isinstance(out, GateOutput):
+        raise PluginError(f"{where} must return a lossplug.GateOutput, got {type(out).__name__}")
+    shape = list(batch.logp.shape)
+    if stage.plugin.role == "update":
+        got = out.objective
+        if not isinstance(got, Tensor) or list(got.shape) != shape:
+            what = f"shape {list(got.shape)}" if isinstance(got, Tensor) else repr(got)
+            raise PluginError(
+                f"{where}: an update gate's objective must be a tensor of shape {shape} like logp, got {what}"
+            )
+    else:
+        got = out.weight
+        if not isinstance(got, Tensor) or list(got.shape) not in (shape, shape[:1]):
+            what = f"shape {list(got.shape)}" if isinstance(got, Tensor) else repr(got)
+            raise PluginError(
+                f"{where}: a correction's weight must be a tensor of shape {shape[:1]} or {shape}, got {what}"
+            )
+        if got.requires_grad:
+            raise PluginError(
+                f"{where}: a correction's weight must be detached (.detach()): gradient flows through "
+                "logp only, via the update gate"
+            )
+    for name in ("metrics", "details"):
+        value = getattr(out, name)
+        if not isinstance(value, Mapping):
+            raise PluginError(
+                f"{where}: GateOutput.{name} must be a mapping of metric name → 0-d tensor (or a "
+                f"function returning one), got {describe_value(value)}"
+            )
+    if out.active is not None and not (isinstance(out.active, Tensor) or callable(out.active)):
+        raise PluginError(
+            f"{where}: GateOutput.active must be a bool tensor, a function returning one, or None, got "
+            f"{describe_value(out.active)}"
+        )
+
+
+def weight_violations(weight: Tensor, batch: PolicyBatch) -> list[Violation]:
+    shapes = ((batch.batch_size,), tuple(batch.logp.shape))
+    if tuple(weight.shape) not in shapes:
+        return [
+            Violation(
+                "weight", f"shape must be [B] or [B, T] like logp {list(batch.logp.shape)}, got {list(weight.shape)}"
+            )
+        ]
+    bad = ~torch.isfinite(weight) | (weight < 0)
+    if weight.ndim == 2:
+        bad = bad & batch.action_mask
+    if bool(bad.any()):
+        return [Violation("weight", "must be finite and >= 0 on action positions", describe_positions(bad))]
+    return []
