@@ -1,10 +1,10 @@
-"""The conformance checks of regularisers (registered in :data:`lossplug.testing.kit.CHECKS` on import).
+"""The conformance checks of regularisers (listed in :data:`lossplug.testing.kit.CHECKS`).
 
 A regulariser is exercised through the real :func:`lossplug.policy_loss` with the reference update gate
 (``reinforce``) and the regulariser as the recipe's only regulariser stage; the checks that inspect its raw output
 call it directly on the pipeline's own :class:`~lossplug.GateInput`. The kind's generic checks (docstring,
 parameters, masked poison and layout, metric levels, extreme log-ratios, micro-batch splits, requires) live in
-:mod:`lossplug.testing.kit`; the ones below are the kind's own.
+:mod:`lossplug.testing.kit.every_kind` and :mod:`lossplug.testing.kit.loss_checks`; the ones below are the kind's own.
 """
 
 from __future__ import annotations
@@ -16,25 +16,25 @@ import torch
 from lossplug.contracts import PolicyBatch
 from lossplug.plugin import RegulariserOutput, RegulariserParams
 
-from .kit import (
+from ._common import (
     CheckFailed,
     CheckSkipped,
     Subject,
-    _check,
-    _fields,
-    _first_diff,
-    _gate_input,
-    _normalizer,
-    _run,
+    Tensor,
+    check,
+    check_fields,
+    first_diff,
+    gate_input,
+    normalizer_for,
+    run_loss,
 )
 
-Tensor = torch.Tensor
 #: the fields a regulariser may differentiate: the log-probs and the entropy (computed from the same logits)
 DIFFERENTIABLE = ("logp", "entropy")
 
 
 def _output(s: Subject, fields: Mapping[str, Tensor], grad: tuple[str, ...] = DIFFERENTIABLE) -> RegulariserOutput:
-    inp, _ = _gate_input(fields, grad=grad)
+    inp, _ = gate_input(fields, grad=grad)
     out: RegulariserOutput = s.plugin(inp, s.param_model())
     return out
 
@@ -49,7 +49,7 @@ def regulariser_output_contract(s: Subject) -> None:
     unknown = set(s.requires) - set(PolicyBatch.model_fields)
     if unknown:
         raise CheckFailed(f"requires names fields PolicyBatch does not have: {sorted(unknown)}")
-    f = _fields()
+    f = check_fields()
     out = _output(s, f)
     B, T = f["logp"].shape
     if not isinstance(out, RegulariserOutput):
@@ -79,7 +79,7 @@ def regulariser_output_contract(s: Subject) -> None:
 def regulariser_detached(s: Subject) -> None:
     """Gradient only through logp and entropy: none reaches old_logp, behavior_logp, ref_logp or the advantage; the
     declared metrics and the observation carry none."""
-    f = _fields()
+    f = check_fields()
     everything = ("logp", "entropy", "old_logp", "behavior_logp", "ref_logp", "advantage")
     out = _output(s, f, grad=everything)
     live = sorted(
@@ -92,7 +92,7 @@ def regulariser_detached(s: Subject) -> None:
         )
     if isinstance(out.observation, Tensor) and out.observation.requires_grad:
         raise CheckFailed("the observation (fed to the controller across steps) carries gradient: .detach() it")
-    run = _run(s, f, normalizer=_normalizer(f), grad=everything)
+    run = run_loss(s, f, normalizer=normalizer_for(f), grad=everything)
     leaks = {
         k: float(g.abs().sum())
         for k, g in run.grads.items()
@@ -106,35 +106,35 @@ def regulariser_detached(s: Subject) -> None:
         )
 
 
-@_check(
+@check(
     "coefficient_linear",
     ("regulariser",),
     "the loss is the policy loss plus coef · reduce(term): linear in coef, and reg/<name>/value is reduce(term)",
 )
-def _coefficient_linear(s: Subject) -> None:
+def coefficient_linear(s: Subject) -> None:
     if s.plugin.make_controller(s.param_model()) is not None:
         raise CheckSkipped("the coefficient is its controller's (adaptive), not the recipe's coef")
-    f = _fields()
-    norm = _normalizer(f)
+    f = check_fields()
+    norm = normalizer_for(f)
     runs = {}
     for coef in (0.0, 1.0, 2.5):
         subject = Subject(s.kind, s.name, s.plugin, {**s.params, "coef": coef}, s.source)
-        runs[coef] = _run(subject, f, normalizer=norm, grad=DIFFERENTIABLE)
+        runs[coef] = run_loss(subject, f, normalizer=norm, grad=DIFFERENTIABLE)
     base, one, other = runs[0.0], runs[1.0], runs[2.5]
     term = one.loss - base.loss
-    diff = _first_diff(other.loss, base.loss + 2.5 * term, rtol=1e-7, atol=1e-10)
+    diff = first_diff(other.loss, base.loss + 2.5 * term, rtol=1e-7, atol=1e-10)
     if diff:
         raise CheckFailed(f"the loss is not linear in coef: with coef=2.5 {diff}")
     for name in DIFFERENTIABLE:
         g0, g1, g2 = (r.grads.get(name) for r in (base, one, other))
         if g0 is None or g1 is None or g2 is None:
             continue
-        diff = _first_diff(g2, g0 + 2.5 * (g1 - g0), rtol=1e-7, atol=1e-10)
+        diff = first_diff(g2, g0 + 2.5 * (g1 - g0), rtol=1e-7, atol=1e-10)
         if diff:
             raise CheckFailed(f"the gradient through {name} is not linear in coef {diff}")
     key = next((k for k in one.metrics if k.startswith(f"reg/{s.name}") and k.endswith("/value")), None)
     if key is None:
         raise CheckFailed(f"no reg/{s.name}/value metric was reported")
-    diff = _first_diff(one.metrics[key], term, rtol=1e-7, atol=1e-10)
+    diff = first_diff(one.metrics[key], term, rtol=1e-7, atol=1e-10)
     if diff:
         raise CheckFailed(f"{key} is not the reduced term (loss(coef=1) − loss(coef=0)): {diff}")

@@ -1,0 +1,323 @@
+"""What every conformance check shares: the results, the subject under test, the :class:`Check` record and the
+helpers that build batches and run the pipeline on them.
+
+Each check is a function of a :class:`Subject` (a resolved plugin plus the parameters to test it with) that returns
+normally when the invariant holds, raises :class:`CheckFailed` with a message that names the invariant and what was
+observed, or :class:`CheckSkipped` when it does not apply. Gates and reductions are exercised through the real
+:func:`lossplug.policy_loss` (the path a trainer takes), advantages through :func:`lossplug.estimate_advantages`;
+checks that inspect a gate's raw output call it directly on the pipeline's own :class:`~lossplug.GateInput`.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+import lossplug
+from lossplug.contracts import Normalizer, PackedTransitions, PolicyBatch, Recipe
+from lossplug.kinds import KINDS as _KIND_TABLE
+from lossplug.plugin import GateInput, GateOutput, Params, evaluate
+from lossplug.requires import required_fields
+
+from .. import batches
+
+if TYPE_CHECKING:
+    from lossplug.pipeline import MetricLevel
+
+Tensor = torch.Tensor
+#: every plugin kind, in recipe order (from :data:`lossplug.kinds.KINDS`)
+KINDS = tuple(_KIND_TABLE)
+RTOL, ATOL = 1e-9, 1e-12  # float64 comparisons
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Results
+
+
+class CheckFailed(AssertionError):
+    """Raised inside a check when the invariant does not hold."""
+
+
+class CheckSkipped(Exception):
+    """Raised inside a check when it does not apply to this plugin."""
+
+
+class ConformanceError(AssertionError):
+    """A plugin failed one or more conformance checks; the message lists each with what was observed."""
+
+    def __init__(self, report: ConformanceReport):
+        self.report = report
+        super().__init__(str(report))
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    check: str
+    status: str  # "passed" | "failed" | "skipped"
+    message: str = ""
+    summary: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status != "failed"
+
+
+@dataclass
+class ConformanceReport:
+    """The outcome of every check run against one plugin."""
+
+    kind: str
+    name: str
+    source: str
+    params: dict[str, Any]
+    results: list[CheckResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        return [r for r in self.results if r.status == "failed"]
+
+    @property
+    def title(self) -> str:
+        params = f" with {self.params}" if self.params else ""
+        return f"{self.kind} '{self.name}'{params} ({self.source})"
+
+    def __str__(self) -> str:
+        n_fail = len(self.failures)
+        head = (
+            f"{self.title} passes all {len(self.results)} conformance checks"
+            if not n_fail
+            else f"{self.title} failed {n_fail} of {len(self.results)} conformance checks:"
+        )
+        lines = [head]
+        for r in self.results:
+            if r.status == "failed":
+                body = r.message.replace("\n", "\n      ")
+                lines.append(f"  ✗ {r.check} — {r.summary}\n      {body}")
+        return "\n".join(lines)
+
+    def raise_for_failures(self) -> ConformanceReport:
+        if not self.ok:
+            raise ConformanceError(self)
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The subject under test
+
+
+def reference_update_gate() -> str:
+    """The update gate that corrections and reductions are composed with: ``reinforce`` (J = A·logp)."""
+    reg = lossplug.registry()
+    return "reinforce" if "reinforce" in reg.plugins["gate"] else "ppo_clip"
+
+
+@dataclass
+class Subject:
+    kind: str
+    name: str
+    #: an AnyPlugin of ``kind``; Any, because each check reads the attributes of the kind(s) it applies to
+    plugin: Any
+    params: dict[str, Any]
+    source: str
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return {"name": self.name, **self.params}
+
+    @property
+    def role(self) -> str | None:
+        return getattr(self.plugin, "role", None)
+
+    def recipe(self, reduction: str | Mapping[str, Any] = "token") -> Recipe:
+        ref = reference_update_gate()
+        if self.kind == "gate":
+            gates = [self.spec] if self.role == "update" else [ref, self.spec]
+            return Recipe.model_validate({"gates": gates, "reduction": reduction})
+        if self.kind == "reduction":
+            return Recipe.model_validate({"gates": [ref], "reduction": self.spec})
+        if self.kind == "regulariser":
+            return Recipe.model_validate({"gates": [ref], "reduction": reduction, "regularisers": [self.spec]})
+        return Recipe.model_validate({"advantage": self.spec, "gates": [ref], "reduction": "token"})
+
+    def param_model(self) -> Params:
+        params: Params = self.plugin.params.model_validate(self.params)
+        return params
+
+    @property
+    def requires(self) -> tuple[str, ...]:
+        """The batch fields the plugin reads with the parameters under test."""
+        return required_fields(self.plugin, self.param_model())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The checks
+
+
+@dataclass(frozen=True)
+class Check:
+    """A conformance check: its name, the kinds it applies to, its one-line summary and the function that runs it
+    (returns when the invariant holds, raises :class:`CheckFailed` / :class:`CheckSkipped`)."""
+
+    name: str
+    kinds: tuple[str, ...]
+    summary: str
+    fn: Callable[[Subject], None]
+
+
+def check(name: str, kinds: Iterable[str], summary: str) -> Callable[[Callable[[Subject], None]], Check]:
+    """Make a check function a :class:`Check` (listed in :data:`lossplug.testing.kit.CHECKS` by the runner)."""
+
+    def deco(fn: Callable[[Subject], None]) -> Check:
+        return Check(name, tuple(kinds), summary, fn)
+
+    return deco
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def check_fields(**kw: Any) -> dict[str, Tensor]:
+    """Every PolicyBatch field (:func:`lossplug.testing.batches.policy_fields`) plus a per-token ``entropy`` (> 0), a
+    ``reward_baseline`` ``[B]``, two ``reward_components`` ``[B, 2]`` (their sum is ``reward``) and a per-token
+    ``sum_pi_squared`` consistent with ``old_logp``."""
+    fields = batches.policy_fields(**kw)
+    g = torch.Generator().manual_seed(int(kw.get("seed", 0)) + 11)
+    logp = fields["logp"]
+    fields["entropy"] = (0.05 + 2.0 * torch.rand(logp.shape, generator=g, dtype=torch.float64)).to(logp.dtype)
+    reward = fields["reward"]
+    first = torch.randn(reward.shape, generator=g, dtype=torch.float64).to(reward.dtype)
+    fields["reward_components"] = torch.stack([first, reward - first], dim=-1)
+    fields["reward_baseline"] = torch.randn(reward.shape, generator=g, dtype=torch.float64).to(reward.dtype)
+    # Σ_v π(v)² of a distribution whose sampled token has probability p = exp(old_logp): between p² and p² + (1 − p)²
+    p = torch.exp(fields["old_logp"].to(torch.float64))
+    spread = torch.rand(logp.shape, generator=g, dtype=torch.float64)
+    fields["sum_pi_squared"] = (p**2 + spread * (1 - p) ** 2).to(logp.dtype)
+    # a teacher near the behaviour policy; tokens from the last three policy versions (asynchronous rollouts); two
+    # anchor states per prompt group
+    teacher = fields["old_logp"] + 0.3 * torch.randn(logp.shape, generator=g, dtype=torch.float64).to(logp.dtype)
+    fields["teacher_logp"] = teacher.clamp(max=-1e-3)
+    B, T = logp.shape
+    fields["policy_version"] = torch.full((B,), 3, dtype=torch.int64)
+    fields["behavior_version"] = torch.randint(1, 4, (B, T), generator=g, dtype=torch.int64)
+    fields["anchor_id"] = torch.arange(B, dtype=torch.int64) % 2
+    return fields
+
+
+#: the per-token fields a check poisons off the actions
+TOKEN_FIELDS = batches.TOKEN_FIELDS + ("entropy", "sum_pi_squared", "teacher_logp")
+
+BUDGET = 16.0  # the fixed token budget per response the checks' Normalizers carry
+
+
+def normalizer_for(fields: Mapping[str, Tensor]) -> Normalizer:
+    return Normalizer.for_masks([fields["action_mask"]], budget=BUDGET, group_ids=[fields["group_id"]])
+
+
+@dataclass
+class Run:
+    loss: Tensor
+    grads: dict[str, Tensor | None]
+    metrics: dict[str, Tensor]
+
+    @property
+    def logp_grad(self) -> Tensor:
+        """d loss / d logp: always set (zeros when the loss does not depend on logp)."""
+        return cast(Tensor, self.grads["logp"])
+
+
+def run_loss(
+    subject: Subject,
+    fields: Mapping[str, Tensor | None],
+    *,
+    reduction: str | Mapping[str, Any] = "token",
+    normalizer: Normalizer | None = None,
+    grad: Iterable[str] = ("logp",),
+    metrics: MetricLevel = "full",
+) -> Run:
+    """``policy_loss`` of the subject's recipe on ``fields``; backward; the gradients of the ``grad`` fields."""
+    leaves = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in fields.items() if v is not None}
+    for name in grad:
+        if name in leaves:
+            leaves[name].requires_grad_(True)
+    batch = PolicyBatch(**leaves)
+    result = lossplug.policy_loss(batch, subject.recipe(reduction), normalizer, metrics=metrics)
+    loss = result.loss
+    if loss.requires_grad:
+        loss.backward()
+    grads = {k: leaves[k].grad for k in grad if k in leaves}
+    if grads.get("logp") is None:  # an objective that does not depend on logp at all
+        grads["logp"] = torch.zeros_like(leaves["logp"])
+    return Run(loss.detach(), grads, dict(result.metric_tensors))
+
+
+def gate_input(
+    fields: Mapping[str, Tensor | None], grad: Iterable[str] = ("logp",)
+) -> tuple[GateInput, dict[str, Tensor]]:
+    """The pipeline's own gate input for ``fields`` (``grad``: the fields made leaves that require gradient)."""
+    leaves = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in fields.items() if v is not None}
+    for name in grad:
+        if name in leaves and leaves[name].is_floating_point():
+            leaves[name].requires_grad_(True)
+    return GateInput.from_batch(PolicyBatch(**leaves)), leaves
+
+
+def declared_metrics(out: GateOutput) -> tuple[dict[str, Any], Any]:
+    """Every metric a gate declared (``metrics`` and ``details``) and its ``active``, evaluated as the pipeline does
+    at ``metrics="full"`` (under ``torch.no_grad()``)."""
+    with torch.no_grad():
+        values = {key: evaluate(v) for part in (out.metrics, out.details) for key, v in part.items()}
+        return values, None if out.active is None else evaluate(out.active)
+
+
+def where_rows(bad: Tensor) -> str:
+    from lossplug.contracts.errors import describe_positions
+
+    return describe_positions(bad, noun="rows")
+
+
+def first_diff(a: Tensor, b: Tensor, mask: Tensor | None = None, rtol: float = RTOL, atol: float = ATOL) -> str | None:
+    """'' when allclose on ``mask``; else a description of the first differing places."""
+    a, b = a.detach().double(), b.detach().double()
+    close = torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=False)
+    bad = ~close if mask is None else (~close & mask)
+    if not bool(bad.any()):
+        return None
+    if a.ndim == 0:
+        return f"expected {b.item():.10g}, got {a.item():.10g}"
+    idx = bad.nonzero()[0].tolist()
+    return f"at {where_rows(bad)}: first at {tuple(idx)} expected {b[tuple(idx)].item():.6g}, got {a[tuple(idx)].item():.6g}"
+
+
+def format_exception(err: BaseException) -> str:
+    """The error and where it was raised — in the plugin, when the pipeline wrapped the plugin's exception."""
+    origin = err.__cause__ if err.__cause__ is not None else err
+    tb = traceback.extract_tb(origin.__traceback__)
+    where = f" (at {tb[-1].filename}:{tb[-1].lineno}, in {tb[-1].name})" if tb else ""
+    return f"{type(err).__name__}: {err}{where}"
+
+
+def advantage_of(subject: Subject, batch: PolicyBatch | PackedTransitions) -> Tensor:
+    return lossplug.estimate_advantages(batch, subject.recipe()).advantage
+
+
+def padded_only(subject: Subject) -> None:
+    if subject.kind == "advantage" and "padded" not in subject.plugin.layouts:
+        raise CheckSkipped("applies to padded-layout advantages only")
+
+
+def advantage_fields(subject: Subject, token_reward: bool = False, **kw: Any) -> dict[str, Tensor]:
+    f = check_fields(group_size=max(3, subject.plugin.min_group_size), **kw)
+    f.pop("advantage")
+    if token_reward:
+        g = torch.Generator().manual_seed(11)
+        f["reward"] = torch.where(f["action_mask"], torch.randn(f["logp"].shape, generator=g, dtype=torch.float64), 0)
+    return f

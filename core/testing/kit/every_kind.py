@@ -1,0 +1,232 @@
+"""The checks every kind goes through: documentation, parameters, output, declared fields and masked positions."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import torch
+
+import lossplug
+from lossplug.contracts import BatchValidationError, PolicyBatch, RecipeError
+from lossplug.plugin import Params
+from lossplug.requires import required_fields
+
+from .. import batches
+from ._common import (
+    KINDS,
+    TOKEN_FIELDS,
+    CheckFailed,
+    CheckSkipped,
+    Subject,
+    advantage_fields,
+    advantage_of,
+    check,
+    check_fields,
+    first_diff,
+    format_exception,
+    normalizer_for,
+    padded_only,
+    reference_update_gate,
+    run_loss,
+    where_rows,
+)
+from .advantages import advantage_output_contract
+from .gates import gate_output_contract
+from .reductions import reduction_output_contract
+from .regularisers import regulariser_output_contract
+
+#: each kind's output contract
+OUTPUT_CONTRACTS: dict[str, Callable[[Subject], None]] = {
+    "advantage": advantage_output_contract,
+    "gate": gate_output_contract,
+    "reduction": reduction_output_contract,
+    "regulariser": regulariser_output_contract,
+}
+
+
+@check("docstring", KINDS, "the plugin has a docstring (the formula `lossplug show` prints)")
+def docstring(s: Subject) -> None:
+    doc = (s.plugin.doc or "").strip()
+    if not doc:
+        raise CheckFailed(
+            f"'{s.name}' has no docstring. Write one: its first line is the summary `lossplug list` "
+            "shows, and the formula belongs there (or in the module docstring `lossplug show` prints)."
+        )
+
+
+@check("params_schema", KINDS, "parameters are a lossplug.Params model with a JSON schema, defaults and descriptions")
+def params_schema(s: Subject) -> None:
+    model = s.plugin.params
+    if not (isinstance(model, type) and issubclass(model, Params)):
+        raise CheckFailed(
+            f"params is {model!r}: it must be a subclass of lossplug.Params (a pydantic model that "
+            "rejects unknown parameter names and is immutable)"
+        )
+    if model.model_config.get("extra") != "forbid":
+        raise CheckFailed(
+            f"{model.__name__} accepts unknown parameters (model_config extra="
+            f"{model.model_config.get('extra')!r}); keep lossplug.Params' extra='forbid' so a typo "
+            "in a recipe is an error"
+        )
+    problems = []
+    try:
+        json.dumps(model.model_json_schema())
+    except Exception as err:
+        problems.append(f"its JSON schema cannot be generated: {format_exception(err)}")
+    required = [n for n, f in model.model_fields.items() if f.is_required()]
+    if required:
+        problems.append(
+            f"parameter(s) {', '.join(required)} have no default: a recipe that names the plugin "
+            f"without parameters ({{name: {s.name}}}) fails"
+        )
+    undocumented = [n for n, f in model.model_fields.items() if not (f.description or "").strip()]
+    if undocumented:
+        problems.append(
+            f"parameter(s) {', '.join(undocumented)} have no description "
+            "(Field(..., description=...)); `lossplug show` prints it"
+        )
+    if not required:
+        try:
+            model()
+        except Exception as err:
+            problems.append(f"the defaults do not validate: {format_exception(err)}")
+    try:
+        value = model.model_validate(s.params)
+        if model.model_validate(value.model_dump()) != value:
+            problems.append("parameters do not survive a dump/validate round trip (recipes are stored as data)")
+    except Exception as err:
+        problems.append(f"the parameters under test {s.params} do not validate: {format_exception(err)}")
+    if problems:
+        raise CheckFailed("; ".join(problems))
+
+
+@check("output_contract", KINDS, "the plugin returns what its kind promises (shapes, dtypes, 0-d metrics)")
+def output_contract(s: Subject) -> None:
+    OUTPUT_CONTRACTS[s.kind](s)
+
+
+@check(
+    "requires_declared",
+    ("gate", "advantage", "regulariser"),
+    "the plugin runs on a batch holding only the fields it declares in requires=",
+)
+def requires_declared(s: Subject) -> None:
+    full = advantage_fields(s) if s.kind == "advantage" else check_fields()
+    keep = {"logp", "action_mask", *s.requires}
+    if s.kind in ("gate", "regulariser"):
+        keep.add("advantage")
+        if s.role == "correction" or s.kind == "regulariser":
+            ref = lossplug.registry().plugins["gate"][reference_update_gate()]
+            keep |= set(required_fields(ref))
+    elif s.plugin.min_group_size > 0:
+        keep.add("group_id")
+    minimal = {k: v for k, v in full.items() if k in keep}
+    if s.kind == "advantage" and "padded" not in s.plugin.layouts:
+        raise CheckSkipped("applies to padded-layout advantages (a packed batch has no optional fields)")
+    try:
+        if s.kind in ("gate", "regulariser"):
+            run_loss(s, minimal)
+        else:
+            advantage_of(s, PolicyBatch(**minimal))
+    except (BatchValidationError, RecipeError):
+        raise  # the kit's own batch or recipe is wrong: reported as an error, not blamed on the plugin
+    except Exception as err:
+        raise CheckFailed(
+            f"with only the fields {sorted(keep)} it raised {format_exception(err)} — declare every optional "
+            f"PolicyBatch field it reads in requires=(...), so that a batch without it fails "
+            f"validation with a clear message instead"
+        ) from None
+
+
+@check(
+    "masked_poison",
+    KINDS,
+    "masked positions never influence the result or the gradient (they are poisoned with NaN/±inf/1e30)",
+)
+def masked_poison(s: Subject) -> None:
+    padded_only(s)
+    if s.kind == "advantage":
+        clean = advantage_fields(s, token_reward=True)
+        mask = clean["action_mask"]
+        dirty = dict(clean)
+        for name in batches.TOKEN_FIELDS + ("reward",):
+            dirty[name] = batches.poison(clean[name], ~mask, seed=hash(name) % 1000)
+        adv_a = advantage_of(s, PolicyBatch(**clean))
+        adv_b = advantage_of(s, PolicyBatch(**dirty))
+        where = mask if adv_a.ndim == 2 else None
+        diff = first_diff(adv_b, adv_a, where)
+        if diff:
+            raise CheckFailed(
+                f"poisoning non-action positions changed the advantages {diff}: read token inputs "
+                "only where action_mask is True (torch.where(mask, x, 0), not x * mask)"
+            )
+        return
+    for token_adv in (False, True):
+        clean = check_fields(token_advantage=token_adv)
+        mask = clean["action_mask"]
+        dirty = dict(clean)
+        for name in TOKEN_FIELDS + (("advantage",) if token_adv else ()):
+            dirty[name] = batches.poison(clean[name], ~mask, seed=len(name))
+        norm = normalizer_for(clean)
+        a = run_loss(s, clean, normalizer=norm)
+        b = run_loss(s, dirty, normalizer=norm)
+        what = "token-level" if token_adv else "sequence-level"
+        if not bool(torch.isfinite(b.loss)):
+            raise CheckFailed(
+                f"with NaN/±inf at masked positions (non-action tokens; {what} advantages) the loss "
+                f"is {float(b.loss)} — something reads the raw batch (inp.batch.*) or masks by "
+                "multiplication (0·NaN = NaN); read GateInput's tensors, which are zero off actions"
+            )
+        if first_diff(b.loss, a.loss) is not None:
+            raise CheckFailed(
+                f"poisoning masked positions changed the loss ({what} advantages): "
+                f"{float(a.loss):.10g} → {float(b.loss):.10g}"
+            )
+        grad = b.logp_grad
+        leak = ~mask & ((grad != 0) | ~torch.isfinite(grad))
+        if bool(leak.any()):
+            raise CheckFailed(
+                f"the gradient reaches masked positions {where_rows(leak)} (it must be exactly 0 off actions)"
+            )
+        diff = first_diff(grad, a.logp_grad, mask)
+        if diff:
+            raise CheckFailed(f"poisoning masked positions changed the gradient on action tokens {diff}")
+
+
+@check(
+    "masked_layout",
+    KINDS,
+    "adding masked columns (a prompt in front, padding behind) changes neither the result nor the gradient",
+)
+def masked_layout(s: Subject) -> None:
+    padded_only(s)
+    before, after = 2, 3
+    if s.kind == "advantage":
+        clean = advantage_fields(s, token_reward=True)
+        wide = batches.insert_masked_columns(clean, before, after)
+        adv_a = advantage_of(s, PolicyBatch(**clean))
+        adv_b = advantage_of(s, PolicyBatch(**wide))
+        if adv_a.ndim == 2:
+            adv_b = adv_b[:, before : before + adv_a.shape[1]]
+        diff = first_diff(adv_b, adv_a, clean["action_mask"] if adv_a.ndim == 2 else None)
+        if diff:
+            raise CheckFailed(
+                f"adding {before} masked columns in front and {after} behind changed the advantages "
+                f"{diff} — statistics must be taken over action tokens only"
+            )
+        return
+    clean = check_fields()
+    wide = batches.insert_masked_columns(clean, before, after)
+    a = run_loss(s, clean, normalizer=normalizer_for(clean))
+    b = run_loss(s, wide, normalizer=normalizer_for(wide))
+    if first_diff(b.loss, a.loss) is not None:
+        raise CheckFailed(
+            f"adding {before} masked columns in front and {after} behind changed the loss "
+            f"{float(a.loss):.10g} → {float(b.loss):.10g} — does it average over all T positions "
+            "instead of the action tokens (use the mask / inp.lengths)?"
+        )
+    T = clean["logp"].shape[1]
+    diff = first_diff(b.logp_grad[:, before : before + T], a.logp_grad, clean["action_mask"])
+    if diff:
+        raise CheckFailed(f"adding masked columns changed the gradient on action tokens {diff}")

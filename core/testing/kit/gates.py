@@ -1,0 +1,204 @@
+"""The gates' own checks: what a gate returns, and the on-policy gradient (``ratio_one``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from lossplug.contracts import PolicyBatch
+from lossplug.plugin import GateOutput
+
+from ._common import (
+    CheckFailed,
+    Subject,
+    Tensor,
+    check,
+    check_fields,
+    declared_metrics,
+    first_diff,
+    gate_input,
+    normalizer_for,
+    run_loss,
+)
+
+
+def gate_output_contract(s: Subject) -> None:
+    unknown = set(s.requires) - set(PolicyBatch.model_fields)
+    if unknown:
+        raise CheckFailed(
+            f"requires names fields PolicyBatch does not have: {sorted(unknown)} "
+            f"(fields are {', '.join(PolicyBatch.model_fields)})"
+        )
+    if s.plugin.role not in ("update", "correction") or s.plugin.level not in ("token", "sequence"):
+        raise CheckFailed(
+            f"role must be update|correction and level token|sequence, got {s.plugin.role!r}, {s.plugin.level!r}"
+        )
+    f = check_fields()
+    inp, _ = gate_input(f)
+    out = s.plugin(inp, s.param_model())
+    B, T = f["logp"].shape
+    if not isinstance(out, GateOutput):
+        raise CheckFailed(f"a gate must return lossplug.GateOutput, got {type(out).__name__}")
+    problems = []
+    if s.plugin.role == "update":
+        if not isinstance(out.objective, Tensor) or tuple(out.objective.shape) != (B, T):
+            problems.append(
+                f"an update gate must set objective [B, T] = [{B}, {T}], got "
+                f"{None if out.objective is None else list(out.objective.shape)}"
+            )
+        elif not out.objective.is_floating_point():
+            problems.append(f"objective must be a float tensor, got {out.objective.dtype}")
+        if out.weight is not None:
+            problems.append("an update gate sets objective, not weight (weights are for role='correction')")
+    else:
+        want = (B, T) if s.plugin.level == "token" else (B,)
+        if not isinstance(out.weight, Tensor) or tuple(out.weight.shape) != want:
+            problems.append(
+                f"a {s.plugin.level}-level correction must set weight {list(want)}, got "
+                f"{None if out.weight is None else list(out.weight.shape)}"
+            )
+        if out.objective is not None:
+            problems.append("a correction sets weight, not objective (it multiplies the update gate's objective)")
+    for part in ("metrics", "details"):
+        if not isinstance(getattr(out, part), Mapping):
+            problems.append(
+                f"GateOutput.{part} must be a mapping of metric name → 0-d tensor or a function "
+                f"returning one, got {type(getattr(out, part)).__name__}"
+            )
+    if problems:
+        raise CheckFailed("; ".join(problems))
+    values, active = declared_metrics(out)
+    if active is not None:
+        if not isinstance(active, Tensor) or active.dtype != torch.bool or tuple(active.shape) not in ((B, T), (B,)):
+            what = f"{active.dtype} {list(active.shape)}" if isinstance(active, Tensor) else type(active).__name__
+            problems.append(f"active must be a bool [B, T] or [B] tensor (or a function returning one), got {what}")
+    for key, value in values.items():
+        if not isinstance(key, str) or not isinstance(value, Tensor) or value.ndim != 0:
+            problems.append(
+                f"metric {key!r} must be a 0-d tensor, got "
+                f"{type(value).__name__}{list(value.shape) if isinstance(value, Tensor) else ''}"
+            )
+    if problems:
+        raise CheckFailed("; ".join(problems))
+
+
+def gate_detached(s: Subject) -> None:
+    """Gradient only through logp: a correction's weight, ``active`` and tensor metrics carry none, and none
+    reaches old_logp, behavior_logp, ref_logp or the advantage."""
+    f = check_fields()
+    everything = ("logp", "old_logp", "behavior_logp", "ref_logp", "advantage")
+    inp, _ = gate_input(f, grad=everything)
+    out = s.plugin(inp, s.param_model())
+    if s.role == "correction" and out.weight is not None and out.weight.requires_grad:
+        raise CheckFailed(
+            "the correction's weight carries gradient (requires_grad=True): compute it under "
+            "torch.no_grad() or .detach() it — a correction is a detached coefficient, gradient must "
+            "flow only through the update gate's logp"
+        )
+    if isinstance(out.active, Tensor) and out.active.requires_grad:
+        raise CheckFailed("`active` carries gradient; it must be a bool mask")
+    # a metric given as a tensor was computed when the gate ran (a function is evaluated under no_grad)
+    live = sorted(
+        k for part in (out.metrics, out.details) for k, v in part.items() if isinstance(v, Tensor) and v.requires_grad
+    )
+    if live:
+        raise CheckFailed(
+            f"metric(s) {', '.join(live)} carry gradient: declare them as functions (evaluated under "
+            "torch.no_grad() only when a metric level asks for them) or detach them (a logged metric "
+            "with a graph keeps the whole graph alive)"
+        )
+    run = run_loss(s, f, normalizer=normalizer_for(f), grad=everything)
+    leaks = {
+        k: float(g.abs().sum()) for k, g in run.grads.items() if k != "logp" and g is not None and bool((g != 0).any())
+    }
+    if leaks:
+        names = ", ".join(f"{k} (Σ|grad| = {v:.3g})" for k, v in leaks.items())
+        raise CheckFailed(
+            f"gradient reached {names}: only logp may carry gradient. Treat the other inputs as "
+            "constants — .detach() them (inp.old_logp.detach(), inp.advantage.detach()); otherwise "
+            "a batch built with old_logp=logp (without .detach()) silently cancels the ratio's "
+            "gradient"
+        )
+
+
+@check(
+    "ratio_one",
+    ("gate",),
+    "identical log-probs give ratio 1: an update gate reduces to the policy gradient A, a correction to weight 1",
+)
+def ratio_one(s: Subject) -> None:
+    f = check_fields()
+    f["old_logp"] = f["logp"].clone()
+    f["behavior_logp"] = f["logp"].clone()
+    mask = f["action_mask"]
+    if s.role == "correction":
+        inp, _ = gate_input(f)
+        out = s.plugin(inp, s.param_model())
+        weight = out.weight
+        where = mask if weight.ndim == 2 else torch.ones_like(weight, dtype=torch.bool)
+        diff = first_diff(weight, torch.ones_like(weight), where, rtol=1e-6, atol=1e-9)
+        if diff:
+            raise CheckFailed(
+                f"with old_logp = behavior_logp every engine ratio is 1, so the correction's weight "
+                f"must be 1; it is not {diff}"
+            )
+        return
+    run = run_loss(s, f, normalizer=normalizer_for(f))
+    n = int(mask.sum())
+    coefficient = -n * run.logp_grad  # loss = −Σ J / N under the token reduction
+    expected = torch.where(mask, f["advantage"].unsqueeze(-1).expand_as(mask), 0)
+    diff = first_diff(coefficient, expected, mask, rtol=1e-6, atol=1e-9)
+    if diff:
+        raise CheckFailed(
+            "with logp = old_logp = behavior_logp (every ratio 1) an update gate must give the plain "
+            f"policy gradient ∂J/∂logp = A on every action token; it does not {diff}. "
+            + _scaling_cause(coefficient, expected, mask)
+        )
+
+
+def _scaling_cause(coefficient: Tensor, expected: Tensor, mask: Tensor) -> str:
+    """The likely cause of an on-policy gradient that is not A: a flipped sign, or a denominator inside the gate
+    (found from how ``coefficient / A`` varies: constant over the micro-batch, per response, or per token)."""
+    used = mask & (expected != 0)
+    factor = torch.where(used, coefficient / expected, float("nan")).double()
+    if bool(torch.nanmean(factor) < 0):
+        return "The sign is flipped: gates return objectives (to maximise), the pipeline negates them."
+    lengths = mask.sum(-1).double()
+    rows = used.any(-1)
+    low = torch.where(used, factor, float("inf")).amin(-1)[rows]
+    high = torch.where(used, factor, float("-inf")).amax(-1)[rows]
+    reductions = (
+        "Reductions own every denominator: a gate returns the per-token objective and the recipe's "
+        "reduction (token, response, sequence_sum…) divides by the global population of the step — a "
+        "denominator inside the gate is applied twice and is wrong under micro-batching."
+    )
+    if not bool(torch.allclose(low, high, rtol=1e-6, atol=1e-12)):
+        return (
+            "The factor ∂J/∂logp ÷ A varies within a response: the objective is not A·r at r = 1 (check the "
+            "formula's value and derivative at ratio 1)."
+        )
+    per_row = low
+    if bool(torch.allclose(per_row, 1 / lengths[rows], rtol=1e-6)):
+        return (
+            "The gradient is A divided by each response's own action-token count: the gate divides by "
+            "|y_i|. " + reductions + " For a per-response mean use reduction: {name: response}."
+        )
+    if bool(torch.allclose(per_row, per_row[:1].expand_as(per_row), rtol=1e-6)):
+        c = float(per_row[0])
+        n = int(mask.sum())
+        what = (
+            f" = 1/{n}, the micro-batch's action-token count"
+            if abs(c * n - 1) < 1e-6
+            else f" = 1/{int(mask.shape[0])}, the micro-batch's response count"
+            if abs(c * mask.shape[0] - 1) < 1e-6
+            else ""
+        )
+        return (
+            f"The gradient is A scaled by the constant {c:.6g}{what}: most likely a denominator or a "
+            f"coefficient inside the gate. " + reductions
+        )
+    return (
+        "The gradient is A scaled by a different factor in each response: most likely a denominator inside "
+        "the gate. " + reductions
+    )
