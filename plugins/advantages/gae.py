@@ -189,7 +189,7 @@ def _segments(boundary: Tensor) -> Tensor:
 # Layouts
 
 
-def _packed(
+def gae_packed(
     batch: lossplug.PackedTransitions,
     gamma: float,
     lam: Lam | None,
@@ -215,7 +215,7 @@ def _packed(
     return lossplug.AdvantageResult(advantage=advantage, returns=returns, metric_tensors=metrics)
 
 
-def _padded(
+def gae_padded(
     batch: lossplug.PolicyBatch,
     gamma: float,
     lam: Lam | None,
@@ -294,7 +294,7 @@ def _padded(
         lam_rows = lam_of(lengths.to(dtype))
         lam = torch.repeat_interleave(lam_rows, lengths, output_size=n)
         metrics.update(_lambda_metrics(lam_rows))
-    advantage, returns = _gae(reward, value, bootstrap, last, gamma, cast(Lam, lam), critic_lam)  # (as in _packed)
+    advantage, returns = _gae(reward, value, bootstrap, last, gamma, cast(Lam, lam), critic_lam)  # (as in gae_packed)
     if whiten:
         advantage = _whiten(advantage)
 
@@ -327,7 +327,7 @@ def packed_gae(
         batch = lossplug.PackedTransitions(
             reward=reward, value=value, next_value=next_value, terminated=terminated, boundary=boundary
         )
-        return _packed(batch, gamma, lam, None, whiten=False).advantage
+        return gae_packed(batch, gamma, lam, None, whiten=False).advantage
 
 
 class GAEParams(lossplug.Params):
@@ -353,5 +353,5 @@ def gae(batch: lossplug.PolicyBatch | lossplug.PackedTransitions, p: GAEParams) 
                 "gae: kl_coef needs per-token log-probs, which packed transitions do not carry; "
                 "shape the rewards before packing (lossplug.tools.kl.kl_shaped_rewards)"
             )
-        return _packed(batch, p.gamma, p.lam, p.critic_lam, p.whiten)
-    return _padded(batch, p.gamma, p.lam, p.critic_lam, p.whiten, p.kl_coef)
+        return gae_packed(batch, p.gamma, p.lam, p.critic_lam, p.whiten)
+    return gae_padded(batch, p.gamma, p.lam, p.critic_lam, p.whiten, p.kl_coef)

@@ -29,7 +29,7 @@ from pydantic import Field
 import lossplug
 from lossplug.contracts import LossplugError
 
-from .gae import _packed, _padded
+from .gae import gae_packed, gae_padded
 
 Tensor = torch.Tensor
 
@@ -73,5 +73,5 @@ def length_adaptive_gae(
         return length_adaptive_lambda(lengths, p.alpha)
 
     if isinstance(batch, lossplug.PackedTransitions):
-        return _packed(batch, p.gamma, None, p.critic_lam, p.whiten, lam_of=lam_of)
-    return _padded(batch, p.gamma, None, p.critic_lam, p.whiten, lam_of=lam_of)
+        return gae_packed(batch, p.gamma, None, p.critic_lam, p.whiten, lam_of=lam_of)
+    return gae_padded(batch, p.gamma, None, p.critic_lam, p.whiten, lam_of=lam_of)
