@@ -43,6 +43,11 @@ def lossplug_register_advantages(register: Callable[[lossplug.AdvantagePlugin], 
     from lossplug.plugins.advantages import multi_reward
 
     register(multi_reward.normalize_then_sum)
+    # the field's estimators (MaxRL, GiGPO, on-policy distillation)
+    from lossplug.plugins.advantages import distillation, gigpo, maxrl
+
+    for field_estimator in (maxrl.maxrl, gigpo.gigpo, distillation.opd):
+        register(field_estimator)
 
 
 @lossplug.hookimpl
@@ -121,7 +126,8 @@ def lossplug_register_presets(register: RegisterPreset) -> None:
 
 @lossplug.hookimpl
 def lossplug_register_regularisers(register: Callable[[lossplug.RegulariserPlugin], None]) -> None:
-    from lossplug.plugins.regularisers import entropy, kl
+    from lossplug.plugins.regularisers import entropy, kl, nll
 
     register(kl.kl)
     register(entropy.entropy)
+    register(nll.nll)

@@ -93,6 +93,10 @@ def reward_baseline_like(fields: dict[str, Any]) -> Tensor:
     return _response_reward(fields["reward"]).roll(1)
 
 
+def _row_values(x: Tensor) -> Tensor:
+    return x if x.ndim == 1 else x.sum(-1)
+
+
 def complete_fields(fields: dict[str, Any], recipe: Any, *, components: Components = "split") -> dict[str, Any]:
     """``fields`` plus every field ``recipe`` requires (``lossplug.needs``) that ``fields`` lacks (a new dict).
 
@@ -110,6 +114,12 @@ def complete_fields(fields: dict[str, Any], recipe: Any, *, components: Componen
         "sum_pi_squared": lambda: sum_pi_squared_like(out),
         "reward_components": lambda: reward_components_like(out, components),
         "reward_baseline": lambda: reward_baseline_like(out),
+        # nll's positive examples: the positive-advantage responses; a teacher as extreme as the policy (0.3 nats
+        # above it, padding poisoned alike); single-step episodes, two anchor states per group
+        "reward": lambda: _row_values(out["advantage"]).detach().clone(),
+        "teacher_logp": lambda: (out.get("old_logp", logp).detach() + 0.3).clamp(max=0.0),
+        "trajectory_id": lambda: torch.arange(logp.shape[0]),
+        "anchor_id": lambda: torch.arange(logp.shape[0]) % 2,
     }
     # the log-probs first: sum_pi_squared is derived from old_logp
     for name in sorted(needed, key=lambda n: (not n.endswith("logp"), n)):
