@@ -104,6 +104,19 @@ def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> 
         top_entropy.top_entropy,
     ):
         register(trl_gate)
+    # the field's other trainers: SkyRL (rollout-anchored), NeMo-RL, OpenRLHF, prime-rl
+    from lossplug.plugins.gates import forced_ratio, probability_trust_region, rollout_anchored, seq_mask_tis
+
+    for field_gate in (
+        rollout_anchored.importance_sampling,
+        rollout_anchored.rollout_is,
+        rollout_anchored.cispo_rollout,
+        forced_ratio.force_on_policy,
+        seq_mask_tis.seq_mask_tis,
+        probability_trust_region.dppo_binary_tv,
+        probability_trust_region.ipo,
+    ):
+        register(field_gate)
 
 
 @lossplug.hookimpl

@@ -145,6 +145,14 @@ BUILTIN_GATES = frozenset(
         "kimi15",
         "decoupled_ppo",
         "m2po",
+        # SkyRL, NeMo-RL, OpenRLHF and prime-rl parity
+        "importance_sampling",
+        "rollout_is",
+        "cispo_rollout",
+        "force_on_policy",
+        "seq_mask_tis",
+        "dppo_binary_tv",
+        "ipo",
     }
 )
 

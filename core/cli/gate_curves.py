@@ -55,6 +55,7 @@ OLD_PROB = 0.2
 NOT_PLOTTED: dict[str, str] = {
     "top_entropy": "keeps tokens by the rank of their entropy in the batch, whatever the ratio",
     "offpolicy_metrics": "diagnostics only: its weight is 1 whatever the ratio",
+    "force_on_policy": "its ratio is 1 by construction (NeMo-RL's force_on_policy_ratio): reinforce's gradient",
 }
 
 #: parameters the default plot draws a gate with, where its defaults cut nothing (verl's bypass_rs has no rule

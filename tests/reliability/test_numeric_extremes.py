@@ -143,7 +143,8 @@ def extreme_fields(
 
 
 def scenarios(dtype: torch.dtype):
-    huge = 1e4 if dtype == torch.float16 else 1e6  # a float16 gradient cannot exceed 65504: A·r/N must fit
+    # a float16 gradient cannot exceed 65504: A·w/N must fit, w up to 12 (cispo_rollout's cap 6, SkyRL's, × tis' 2)
+    huge = 5e3 if dtype == torch.float16 else 1e6
     yield "log-ratio ±100", dict(log_ratio=100.0, adv=1.0, single_token=False)
     yield "log-ratio ±100, single-token responses", dict(log_ratio=100.0, adv=1.0, single_token=True)
     yield "ratio 1, single-token responses", dict(log_ratio=0.0, adv=1.0, single_token=True)

@@ -24,6 +24,8 @@ KNOWN: dict[tuple[str, str, str], str] = {
     ("gate", "kl_cov", "zero_advantage"): "the |log r| penalty of the selected tokens applies with A = 0",
     ("gate", "dro", "zero_advantage"): "DRO's −β·(log r)²/2 penalty does not depend on A",
     ("gate", "kimi15", "zero_advantage"): "Kimi k1.5's −τ·(log r)²/2 penalty does not depend on A (ROLL's)",
+    ("gate", "dppo_binary_tv", "zero_advantage"): "prime-rl's kl_tau·(log r)² term does not depend on A",
+    ("gate", "ipo", "zero_advantage"): "prime-rl's kl_tau·(log r)² term does not depend on A",
 }
 
 
