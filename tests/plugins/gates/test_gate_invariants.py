@@ -28,6 +28,7 @@ TOKEN_FIELDS = ("logp", "old_logp", "behavior_logp", "ref_logp", "value", "rewar
 BY_DESIGN: dict[tuple[str, str], str] = {
     ("dro", "zero_advantage"): "DRO's −β·(log r)²/2 penalty does not depend on A (verl's compute_policy_loss_dro)",
     ("kl_cov", "zero_advantage"): "the coef·|log r| penalty of the selected tokens applies with A = 0 (verl's kl_cov)",
+    ("kimi15", "zero_advantage"): "Kimi k1.5's −τ·(log r)²/2 penalty does not depend on A (ROLL's kimi15 loss)",
     ("dppo_binary_tv", "zero_advantage"): "prime-rl's kl_tau·(log r)² term does not depend on A (its default loss)",
     ("ipo", "zero_advantage"): "prime-rl's kl_tau·(log r)² term does not depend on A (its IPO loss)",
 }

@@ -1,0 +1,89 @@
+"""AReaL's own loss functions, for the oracles of the gates that reproduce them (decoupled_ppo, m2po).
+
+AReaL's package imports its whole trainer stack (colorlog, hydra, ray, …) on ``import areal``; the loss functions
+themselves need only torch. So the functions are taken from the installed package's source files — found without
+importing it — and executed alone, with the few names they read. Where AReaL is not installed, the fixture skips
+(``pip install --no-deps areal==1.0.4`` is enough to run these oracles); every test that uses it has a transcribed
+oracle beside it that always runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+AREAL_VERSION = "1.0.4"
+
+#: the functions taken from each of AReaL's files
+FUNCTIONAL = ("RejectionSamplingResult", "_check_bounds", "apply_rejection_sampling", "ppo_actor_loss_fn")
+ACTOR = ("compute_prox_logp_approximations", "_apply_m2po_masking", "_get_m2po_loss_mask")
+
+
+def _definitions(path: Path, names: tuple[str, ...], module_name: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """Execute the top-level definitions ``names`` of the Python file ``path`` in a module ``module_name`` that
+    holds ``namespace`` (registered in ``sys.modules``: a dataclass looks its module up)."""
+    tree = ast.parse(path.read_text(), str(path))
+    nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name in names]
+    missing = set(names) - {n.name for n in nodes}
+    assert not missing, f"AReaL's {path.name} no longer defines {sorted(missing)}"
+    module = types.ModuleType(module_name)
+    module.__dict__.update(namespace)
+    sys.modules[module_name] = module
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), str(path), "exec"), module.__dict__)
+    return module.__dict__
+
+
+@pytest.fixture(scope="session")
+def areal() -> types.SimpleNamespace:
+    """AReaL's ``ppo_actor_loss_fn``, ``apply_rejection_sampling``, ``compute_prox_logp_approximations`` and the
+    M2PO mask, plus ``rejection_config(**kw)`` building the ``RejectionSamplingConfig`` they read."""
+    spec = importlib.util.find_spec("areal")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(f"AReaL is not installed (pip install --no-deps areal=={AREAL_VERSION} runs this oracle)")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    try:
+        version = importlib.metadata.version("areal")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    if version != AREAL_VERSION:
+        pytest.skip(f"these oracles read AReaL {AREAL_VERSION}; the installed one is {version}")
+    constants_spec = importlib.util.spec_from_file_location("areal_oracle_constants", root / "utils" / "constants.py")
+    assert constants_spec is not None and constants_spec.loader is not None
+    constants = importlib.util.module_from_spec(constants_spec)
+    constants_spec.loader.exec_module(constants)
+    base: dict[str, Any] = {"torch": torch, "dataclass": dataclasses.dataclass, "Any": Any, "functools": functools}
+    functional = _definitions(
+        root / "utils" / "functional" / "functional.py",
+        FUNCTIONAL,
+        "areal_oracle_functional",
+        {**base, "RejectionSamplingConfig": object, "KLEstimator": None},
+    )
+    actor = _definitions(
+        root / "trainer" / "ppo" / "actor.py",
+        ACTOR,
+        "areal_oracle_actor",
+        {**base, **{k: v for k, v in vars(constants).items() if not k.startswith("__")}},
+    )
+
+    def rejection_config(
+        upper: float, lower: float | None = None, action: str = "mask", level: str = "token"
+    ) -> types.SimpleNamespace:
+        return types.SimpleNamespace(upper=upper, lower=lower, action=action, level=level, metric="ratio", agg="mean")
+
+    return types.SimpleNamespace(
+        ppo_actor_loss_fn=functional["ppo_actor_loss_fn"],
+        apply_rejection_sampling=functional["apply_rejection_sampling"],
+        compute_prox_logp_approximations=actor["compute_prox_logp_approximations"],
+        apply_m2po_masking=actor["_apply_m2po_masking"],
+        rejection_config=rejection_config,
+    )
