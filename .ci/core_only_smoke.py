@@ -29,6 +29,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 #: installed the extra), with the modules that extra provides; any other missing import is a failure
 OPTIONAL = {
     "lossplug.adapters.verl": ("lossplug[verl]", {"verl", "numpy"}),  # numpy: verl requires it
+    "lossplug.adapters.trl.trainer": ("lossplug[trl]", {"trl"}),  # (lossplug.adapters.trl itself needs no TRL)
     "lossplug.testing.pytest_plugin": ("pytest, which loads it", {"pytest"}),
 }
 #: must not be installed here: pulled in by an extra, never by the core dependencies

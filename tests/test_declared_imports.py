@@ -35,10 +35,16 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 #: modules that exist only for an extra, reached only through it (its entry point, or a user who installed it)
 OPTIONAL_MODULES = {
     "lossplug.adapters.verl": "lossplug[verl]: loaded by verl's `verl.plugins` entry point, imports verl and numpy",
+    "lossplug.adapters.trl.trainer": "lossplug[trl]: imported on first use of LossplugGRPOTrainer or attach",
     "lossplug.testing.pytest_plugin": "the pytest11 entry point: only pytest loads it, so pytest is there",
 }
 
 _GUARDS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+
+
+def _optional(module: str) -> bool:
+    """An optional module, or a submodule of an optional package (reached only through it)."""
+    return any(module == m or module.startswith(m + ".") for m in OPTIONAL_MODULES)
 
 
 def _canonical(name: str) -> str:
@@ -217,13 +223,13 @@ def test_every_import_is_declared():
             top = name.split(".")[0]
             if top in stdlib or top == "lossplug":
                 needs_extra = next((m for m in OPTIONAL_MODULES if name == m or name.startswith(m + ".")), None)
-                if needs_extra and not deferred and module not in OPTIONAL_MODULES:
+                if needs_extra and not deferred and not _optional(module):
                     problems.append(
                         f"{where}:{line}: imports {needs_extra} at import time — it needs an extra "
                         f"({OPTIONAL_MODULES[needs_extra]}); import it inside the function that uses it"
                     )
                 continue
-            if not deferred and module not in OPTIONAL_MODULES:
+            if not deferred and not _optional(module):
                 if top not in core:
                     problems.append(
                         f"{where}:{line}: imports {name} at import time; {top} is neither the standard "

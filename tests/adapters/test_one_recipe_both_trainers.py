@@ -486,7 +486,7 @@ def test_the_forwarding_line_composes_with_verls_config(recipe_file: Path) -> No
     from hydra import compose, initialize_config_dir
     from verl.utils.config import omega_conf_to_dataclass
 
-    from lossplug.adapters.verl_recipes import as_plain
+    from lossplug.adapters.verl.equivalent import as_plain
 
     config_dir = Path(verl.__file__).parent / "trainer" / "config"
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):

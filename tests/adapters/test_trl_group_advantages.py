@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import lossplug
-from lossplug.adapters.trl import _State, group_advantages
+from lossplug.adapters.trl import AdapterState, group_advantages
 
 
 def fake_trainer(recipe_name: str):
     recipe = lossplug.Recipe.preset(recipe_name)
-    state = _State(
+    state = AdapterState(
         recipe=recipe,
         compiled=lossplug.compile_recipe(recipe),
         validate="full",

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lossplug
-from lossplug.adapters.verl_recipes.advantages import VERL_ESTIMATORS, advantage_stage
+from lossplug.adapters.verl.equivalent.advantages import VERL_ESTIMATORS, advantage_stage
 from lossplug.contracts import LossplugError
 
 pytest.importorskip("verl.trainer.ppo.ray_trainer")

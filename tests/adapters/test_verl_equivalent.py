@@ -24,7 +24,7 @@ from verl.workers.config import ActorConfig, PolicyLossConfig
 
 import lossplug
 from lossplug.adapters.verl import LossplugPolicyLossConfig, verl_equivalent, verl_normalizer
-from lossplug.adapters.verl_recipes import ACTOR_DEFAULTS, LOSS_AGG_REDUCTIONS
+from lossplug.adapters.verl.equivalent import ACTOR_DEFAULTS, LOSS_AGG_REDUCTIONS
 from lossplug.contracts import LossplugError, PolicyBatch
 
 DT = torch.float64
@@ -109,7 +109,7 @@ def test_a_config_of_another_kind_is_refused() -> None:
 
 def test_the_verl_adapter_reexports_it() -> None:
     import lossplug.adapters.verl as adapter
-    import lossplug.adapters.verl_recipes as recipes
+    import lossplug.adapters.verl.equivalent as recipes
 
     assert adapter.verl_equivalent is recipes.verl_equivalent
 

@@ -385,9 +385,9 @@ def test_micro_batch_losses_add_up_to_the_full_batch(mode):
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    import lossplug.adapters.verl as adapter
+    from lossplug.adapters import common
 
-    monkeypatch.setattr(adapter, "_warned", set())
+    monkeypatch.setattr(common, "ONCE_WARNED", set())
 
 
 def test_a_reduction_that_differs_from_loss_agg_mode_is_reported(fresh_warnings):

@@ -29,7 +29,7 @@ from verl.trainer.ppo import core_algos
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
 from lossplug.adapters.verl import LossplugPolicyLossConfig, compute_policy_loss_lossplug
-from lossplug.adapters.verl_recipes.policy_losses import MODES, PolicyStages, policy_gates
+from lossplug.adapters.verl.equivalent.policy_losses import MODES, PolicyStages, policy_gates
 
 DT = torch.float64
 ROWS, T = 8, 12

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from verl.trainer.ppo import core_algos
 
 import lossplug.adapters.verl as adapter
+from lossplug.adapters.verl import registration
 from lossplug.contracts import LossplugError, RecipeError
 
 ENV_VARS = ("VERL_USE_EXTERNAL_PLUGINS", "VERL_USE_EXTERNAL_MODULES")
@@ -139,8 +140,8 @@ def test_import_verl_registers_lossplug_in_a_ray_worker(monkeypatch):
         ray.shutdown()
     assert result["pid"] != os.getpid()
     assert result["before"] is False  # nothing of lossplug was imported in the worker before `import verl`
-    assert result["policy_loss"] == "lossplug.adapters.verl.compute_policy_loss_lossplug"
-    assert result["estimator"] == "lossplug.adapters.verl.compute_lossplug_advantage"
+    assert result["policy_loss"] == "lossplug.adapters.verl.policy_loss.compute_policy_loss_lossplug"
+    assert result["estimator"] == "lossplug.adapters.verl.advantage.compute_lossplug_advantage"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -155,7 +156,7 @@ def plain_env(monkeypatch):
 
 
 def test_the_installed_entry_point_names_the_adapter_module():
-    ep = adapter._entry_point()
+    ep = registration.entry_point()
     assert ep is not None and ep.group == "verl.plugins" and ep.value == "lossplug.adapters.verl"
 
 
@@ -185,7 +186,7 @@ def test_verl_use_external_modules_is_an_accepted_route(plain_env):
 
 
 def test_check_names_a_missing_entry_point(plain_env):
-    plain_env.setattr(adapter, "_entry_point", lambda: None)
+    plain_env.setattr(registration, "entry_point", lambda: None)
     with pytest.raises(LossplugError, match="'verl.plugins' entry point is not installed.*every Ray worker"):
         adapter.check_registration()
 

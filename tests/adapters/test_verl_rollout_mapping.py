@@ -1,4 +1,4 @@
-"""verl's ``algorithm.rollout_correction`` → lossplug correction gates (``verl_recipes.rollout_correction``): the
+"""verl's ``algorithm.rollout_correction`` → lossplug correction gates (``verl.equivalent.rollout_correction``): the
 mapping, its refusals, and the recipe alone reproducing verl's driver + actor loss (float64, ≤ 1e-8 relative)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lossplug
-from lossplug.adapters.verl_recipes.rollout_correction import DEFAULTS, correction_gates, parse_is_threshold
+from lossplug.adapters.verl.equivalent.rollout_correction import DEFAULTS, correction_gates, parse_is_threshold
 
 pytest.importorskip("verl")
 from verl.trainer.config.algorithm import RolloutCorrectionConfig

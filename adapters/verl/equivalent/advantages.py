@@ -1,6 +1,6 @@
 """verl ``algorithm.adv_estimator`` → lossplug advantage stage.
 
-Interface (used by :func:`lossplug.adapters.verl_recipes.verl_equivalent`)::
+Interface (used by :func:`lossplug.adapters.verl.equivalent.verl_equivalent`)::
 
     advantage_stage(algorithm: Mapping[str, Any]) -> dict[str, Any]   # the recipe's advantage spec
 

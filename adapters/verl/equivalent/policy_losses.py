@@ -1,6 +1,6 @@
 """verl ``actor.policy_loss.loss_mode`` → lossplug gates.
 
-Interface (used by :func:`lossplug.adapters.verl_recipes.verl_equivalent`)::
+Interface (used by :func:`lossplug.adapters.verl.equivalent.verl_equivalent`)::
 
     policy_gates(actor: Mapping[str, Any]) -> PolicyStages
 
@@ -34,10 +34,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lossplug.adapters.verl.equivalent import ACTOR_DEFAULTS
 from lossplug.contracts import LossplugError
 from lossplug.plugins.gates.rollout_rejection import parse_options, parse_thresholds
-
-from . import ACTOR_DEFAULTS
 
 #: verl 0.9.1's PolicyLossConfig defaults: the package's ACTOR_DEFAULTS table (ActorConfig's) holds them
 POLICY_LOSS_DEFAULTS: dict[str, Any] = ACTOR_DEFAULTS["policy_loss"]

@@ -1,6 +1,6 @@
 """verl ``algorithm.rollout_correction`` → lossplug correction gates.
 
-Interface (used by :func:`lossplug.adapters.verl_recipes.verl_equivalent`)::
+Interface (used by :func:`lossplug.adapters.verl.equivalent.verl_equivalent`)::
 
     correction_gates(rollout_correction: Mapping[str, Any]) -> list[dict[str, Any]]   # correction gate specs
 
@@ -29,14 +29,14 @@ Refused (a :class:`~lossplug.LossplugError` naming the setting), because a recip
 * ``rollout_is_batch_normalize: true`` unless ``whole_batch=True`` — verl divides by the mean weight of the whole
   rollout batch (before its split into mini- and micro-batches); a gate normalises over the batch it is given. Say
   ``whole_batch=True`` when every ``policy_loss`` call sees one whole rollout batch, or compute the weights once per
-  rollout batch with :func:`lossplug.plugins.gates.rollout_weights.whole_batch_weight` and pass them as
+  rollout batch with :func:`lossplug.plugins.gates.whole_batch_weight` and pass them as
   ``policy_loss(weight=...)``.
 * ``rollout_rs`` under ``loss_agg_mode: token-mean`` (verl's default, assumed when ``loss_agg_mode`` is not given),
   and token-level options (``token_k*``) under ``seq-mean-token-mean`` — verl removes rejected tokens from the loss
   denominators; a 0 weight leaves them in the population. ``token-sum``, ``seq-mean-token-sum(-norm)`` and
   response-level options under ``seq-mean-token-mean`` are exact (verl's ``global_batch_size`` counts rejected
   responses too). Otherwise apply the rejection to the batch as verl's driver does:
-  :func:`~lossplug.plugins.gates.rollout_weights.whole_batch_weight`'s ``kept_mask`` as the action mask and the
+  :func:`~lossplug.plugins.gates.whole_batch_weight`'s ``kept_mask`` as the action mask and the
   ``Normalizer``'s population.
 """
 
@@ -126,66 +126,82 @@ def correction_gates(
         return []  # bypass mode: no driver-side correction (the bypass_mode policy loss applies the options)
 
     gates: list[dict[str, Any]] = []
-    level, threshold = cfg["rollout_is"], cfg["rollout_is_threshold"]
-    if level is not None and threshold is not None:
-        if level not in ("token", "sequence"):
-            raise _error("rollout_is", f"must be 'token', 'sequence' or null, got {level!r}")
-        upper, lower = parse_is_threshold(threshold)
-        suffix = "_seq" if level == "sequence" else ""
-        gate: dict[str, Any] = (
-            {"name": f"tis{suffix}", "cap": upper}
-            if lower is None
-            else {"name": f"icepop{suffix}", "low": lower, "high": upper}
-        )
-        if cfg["rollout_is_batch_normalize"]:
-            if not whole_batch:
-                raise _error(
-                    "rollout_is_batch_normalize",
-                    "verl divides the weights by their mean over the whole rollout batch (in the driver, before "
-                    "the mini-/micro-batch split); a gate normalises over the batch it is given, so the recipe is "
-                    "exact only when every loss call sees one whole rollout batch (correction_gates(..., "
-                    "whole_batch=True)); otherwise compute the weights once per rollout batch with "
-                    "lossplug.plugins.gates.rollout_weights.whole_batch_weight and pass them as "
-                    "policy_loss(weight=...)",
-                )
-            gate["batch_normalize"] = True
-        gates.append(gate)
-
-    options = cfg["rollout_rs"]
-    if options is not None:
-        try:
-            names = parse_options(options)
-        except ValueError as err:
-            raise _error("rollout_rs", str(err)) from None
-        if cfg["rollout_rs_threshold"] is None:
-            raise _error("rollout_rs_threshold", "required when rollout_rs is set (verl raises too)")
-        try:
-            parse_thresholds(names, cfg["rollout_rs_threshold"])
-        except ValueError as err:
-            raise _error("rollout_rs_threshold", str(err)) from None
-        mode = "token-mean" if loss_agg_mode is None else loss_agg_mode
-        exact = EXACT_REJECTION_MODES.get(mode)
-        if exact is None:
-            raise LossplugError(
-                f"actor.loss_agg_mode: unknown mode {mode!r} (known: {', '.join(EXACT_REJECTION_MODES)})"
-            )
-        token_options = [n for n in names if n.startswith("token_")]
-        if exact == "none" or (exact == "sequence" and token_options):
-            if exact == "sequence":
-                what, denominator = f"the token-level option(s) {', '.join(token_options)}", "each response's count"
-            else:
-                what, denominator = "a rejection", "batch_num_tokens"
-            raise _error(
-                "rollout_rs",
-                f"under loss_agg_mode={mode} verl removes rejected tokens from the loss denominators "
-                f"({denominator}); {what} as a 0 weight leaves them in the population. Exact alternatives: "
-                f"loss_agg_mode token-sum, "
-                f"seq-mean-token-sum(-norm) (or response-level options under seq-mean-token-mean); or apply the "
-                f"rejection to the batch as verl's driver does: lossplug.plugins.gates.rollout_weights."
-                f"whole_batch_weight(...).kept_mask as the action mask and the Normalizer's population",
-            )
-        gates.append({"name": "rollout_rs", "options": ",".join(names), "threshold": cfg["rollout_rs_threshold"]})
+    importance = _importance_gate(cfg, whole_batch)
+    if importance is not None:
+        gates.append(importance)
+    rejection = _rejection_gate(cfg, loss_agg_mode)
+    if rejection is not None:
+        gates.append(rejection)
 
     if gates and metrics:
         gates.append({"name": "offpolicy_metrics"})
     return gates
+
+
+def _importance_gate(cfg: Mapping[str, Any], whole_batch: bool) -> dict[str, Any] | None:
+    """``rollout_is`` / ``rollout_is_threshold`` (/ ``rollout_is_batch_normalize``) → a ``tis`` or ``icepop`` gate
+    (token or sequence level); None when importance sampling is off."""
+    level, threshold = cfg["rollout_is"], cfg["rollout_is_threshold"]
+    if level is None or threshold is None:
+        return None
+    if level not in ("token", "sequence"):
+        raise _error("rollout_is", f"must be 'token', 'sequence' or null, got {level!r}")
+    upper, lower = parse_is_threshold(threshold)
+    suffix = "_seq" if level == "sequence" else ""
+    gate: dict[str, Any] = (
+        {"name": f"tis{suffix}", "cap": upper}
+        if lower is None
+        else {"name": f"icepop{suffix}", "low": lower, "high": upper}
+    )
+    if cfg["rollout_is_batch_normalize"]:
+        if not whole_batch:
+            raise _error(
+                "rollout_is_batch_normalize",
+                "verl divides the weights by their mean over the whole rollout batch (in the driver, before "
+                "the mini-/micro-batch split); a gate normalises over the batch it is given, so the recipe is "
+                "exact only when every loss call sees one whole rollout batch (correction_gates(..., "
+                "whole_batch=True)); otherwise compute the weights once per rollout batch with "
+                "lossplug.plugins.gates.whole_batch_weight and pass them as "
+                "policy_loss(weight=...)",
+            )
+        gate["batch_normalize"] = True
+    return gate
+
+
+def _rejection_gate(cfg: Mapping[str, Any], loss_agg_mode: str | None) -> dict[str, Any] | None:
+    """``rollout_rs`` / ``rollout_rs_threshold`` → a ``rollout_rs`` gate, refused where a 0 weight is not what verl's
+    removal of rejected tokens from the loss denominators does under ``loss_agg_mode``; None when rejection
+    sampling is off."""
+    options = cfg["rollout_rs"]
+    if options is None:
+        return None
+    try:
+        names = parse_options(options)
+    except ValueError as err:
+        raise _error("rollout_rs", str(err)) from None
+    if cfg["rollout_rs_threshold"] is None:
+        raise _error("rollout_rs_threshold", "required when rollout_rs is set (verl raises too)")
+    try:
+        parse_thresholds(names, cfg["rollout_rs_threshold"])
+    except ValueError as err:
+        raise _error("rollout_rs_threshold", str(err)) from None
+    mode = "token-mean" if loss_agg_mode is None else loss_agg_mode
+    exact = EXACT_REJECTION_MODES.get(mode)
+    if exact is None:
+        raise LossplugError(f"actor.loss_agg_mode: unknown mode {mode!r} (known: {', '.join(EXACT_REJECTION_MODES)})")
+    token_options = [n for n in names if n.startswith("token_")]
+    if exact == "none" or (exact == "sequence" and token_options):
+        if exact == "sequence":
+            what, denominator = f"the token-level option(s) {', '.join(token_options)}", "each response's count"
+        else:
+            what, denominator = "a rejection", "batch_num_tokens"
+        raise _error(
+            "rollout_rs",
+            f"under loss_agg_mode={mode} verl removes rejected tokens from the loss denominators "
+            f"({denominator}); {what} as a 0 weight leaves them in the population. Exact alternatives: "
+            f"loss_agg_mode token-sum, "
+            f"seq-mean-token-sum(-norm) (or response-level options under seq-mean-token-mean); or apply the "
+            f"rejection to the batch as verl's driver does: lossplug.plugins.gates."
+            f"whole_batch_weight(...).kept_mask as the action mask and the Normalizer's population",
+        )
+    return {"name": "rollout_rs", "options": ",".join(names), "threshold": cfg["rollout_rs_threshold"]}

@@ -1,0 +1,249 @@
+"""What the TRL adapter refuses, with a message that says what to set: TRL versions it was not tested with, and a
+recipe that would change the meaning of a trainer's TRL settings (:func:`refusals`).
+
+TRL options that weight the policy term are the recipe's, never the adapter's: when TRL's option is set the recipe
+must carry the same gate with the same settings. KL and entropy are counted once. A recipe may read only the fields
+TRL provides. The rules are in :mod:`lossplug.adapters.trl`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+from lossplug.adapters.trl.equivalent import engine_correction_gate, off_policy_mask_gate, trl_regularisers
+from lossplug.adapters.trl.state import batch_stages, grpo_config, named_stages
+from lossplug.contracts import LossplugError, Provenance
+from lossplug.needs import required_fields
+
+if TYPE_CHECKING:
+    from trl import GRPOTrainer
+
+    from lossplug.pipeline import CompiledRecipe
+
+__all__ = [
+    "ADVANTAGE_PROVIDED",
+    "ALLOW_UNTESTED_ENV",
+    "PROVIDED",
+    "TESTED_TRL",
+    "check_trl_version",
+    "refusals",
+    "version_tuple",
+]
+
+#: TRL minor versions this adapter is tested against
+TESTED_TRL: tuple[str, ...] = ("1.16",)
+ALLOW_UNTESTED_ENV = "LOSSPLUG_TRL_ALLOW_UNTESTED"
+
+#: fields of PolicyBatch the adapter can fill from TRL's batch (ref_logp / behavior_logp conditionally)
+PROVIDED = frozenset(
+    {"logp", "action_mask", "old_logp", "advantage", "group_id", "reward", "entropy", "reward_components"}
+)
+#: fields the advantage stage sees (it runs on rewards gathered over processes, before any log-prob exists)
+ADVANTAGE_PROVIDED = frozenset({"reward", "group_id", "reward_components"})
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    from packaging.version import Version
+
+    return Version(version).release
+
+
+def check_trl_version(version: str) -> None:
+    """Refuse a TRL version the adapter was not tested against (``LOSSPLUG_TRL_ALLOW_UNTESTED=1``: warn instead)."""
+    release = version_tuple(version)
+    if ".".join(map(str, release[:2])) in TESTED_TRL:
+        return
+    message = (
+        f"lossplug.adapters.trl is tested with TRL {', '.join(TESTED_TRL)}.x, found TRL {version}: the private "
+        f"seams it uses (_generate_and_score_completions, _calculate_rewards, _compute_loss) may differ"
+    )
+    if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        warnings.warn(message + f" ({ALLOW_UNTESTED_ENV}=1: continuing)", stacklevel=3)
+        return
+    raise LossplugError(message + f"; set {ALLOW_UNTESTED_ENV}=1 to try anyway")
+
+
+def stage_spec(stage: Mapping[str, Any]) -> str:
+    """A stage as a recipe line: ``{name: tis, cap: 3.0}``."""
+    params = ", ".join(f"{k}: {v}" for k, v in stage.items() if k != "name")
+    return "{name: " + str(stage["name"]) + (", " + params if params else "") + "}"
+
+
+def same_params(stage: Any, wanted: dict[str, Any]) -> bool:
+    """Whether a compiled stage has the parameters of the ``wanted`` spec (the ones it names)."""
+    named = {k: v for k, v in wanted.items() if k != "name"}
+    try:  # through the plugin's own model, so that equal settings written differently compare equal
+        want = type(stage.params).model_validate({**stage.params.model_dump(), **named}).model_dump()
+    except ValueError:
+        return False
+    got = stage.params.model_dump()
+
+    def norm(key: str, value: Any) -> Any:  # a regulariser's reduction, as compiled: a mapping
+        return {"name": value} if key == "reduction" and isinstance(value, str) else value
+
+    return all(norm(k, got.get(k)) == norm(k, want.get(k)) for k in named)
+
+
+def has_behavior_logp(trainer: GRPOTrainer) -> bool:
+    """Whether TRL's batches carry behaviour log-probs (``sampling_per_token_logps``): vLLM or a ``rollout_func``."""
+    return bool(grpo_config(trainer).use_vllm or getattr(trainer, "rollout_func", None) is not None)
+
+
+def refusals(trainer: GRPOTrainer, compiled: CompiledRecipe, provenance: Provenance) -> list[str]:
+    """Every reason ``compiled`` cannot run in ``trainer`` without changing the meaning of its TRL settings (empty:
+    it can)."""
+    out = _liger(trainer)
+    out += _policy_weights(trainer, compiled)
+    out += _kl_and_entropy(trainer, compiled)
+    out += _fields(trainer, compiled)
+    out += _advantage_stage(compiled)
+    reads = {f for stage in batch_stages(compiled) for f in required_fields(stage.plugin, stage.params)}
+    if "behavior_logp" in reads and not any("behavior_logp" in m for m in out) and has_behavior_logp(trainer):
+        try:
+            provenance.check()
+        except LossplugError as err:
+            out.append(f"the recipe reads behavior_logp, but {err}")
+    return out
+
+
+def _liger(trainer: GRPOTrainer) -> list[str]:
+    import trl
+
+    if grpo_config(trainer).use_liger_kernel and version_tuple(trl.__version__) < (1, 14):
+        return [
+            "use_liger_kernel=True: on TRL < 1.14 Liger's GRPO loss bypasses _compute_loss, so the recipe "
+            "would never run"
+        ]
+    return []
+
+
+def _policy_weights(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]:
+    """TRL options that weight the policy term: the recipe must carry exactly the same weight as a gate (it replaces
+    TRL's, which the adapter never applies) — never silently dropped or changed."""
+    args = grpo_config(trainer)
+    out: list[str] = []
+    wanted: list[tuple[str, dict[str, Any], str]] = []  # (TRL's setting, the gate it is, how to unset it)
+    if args.use_vllm and args.vllm_importance_sampling_correction:
+        what = f"use_vllm with vllm_importance_sampling_correction=True (mode {args.vllm_importance_sampling_mode!r})"
+        if compiled.update.plugin.name == "vespo":
+            vespo = {
+                "name": "vespo",
+                "engine_correction": args.vllm_importance_sampling_mode,
+                "engine_ratio_min": args.vllm_importance_sampling_clip_min,
+                "engine_ratio_max": args.vllm_importance_sampling_clip_max,
+            }
+            if not same_params(compiled.update, vespo):
+                out.append(
+                    f"{what}: with a vespo update gate TRL folds its IS ratio into the gamma weight; set the gate's "
+                    f"engine_correction: {vespo['engine_correction']}, engine_ratio_min: {vespo['engine_ratio_min']}, "
+                    f"engine_ratio_max: {vespo['engine_ratio_max']} (or vllm_importance_sampling_correction=False)"
+                )
+        else:
+            engine = engine_correction_gate(args)
+            assert engine is not None
+            wanted.append(
+                (f"{what}: TRL's importance-sampling correction", engine, "vllm_importance_sampling_correction=False")
+            )
+    if args.off_policy_mask_threshold is not None:
+        wanted.append(
+            (
+                f"off_policy_mask_threshold={args.off_policy_mask_threshold}: TRL's off-policy sequence mask",
+                off_policy_mask_gate(args, has_behavior_logp(trainer)),
+                "off_policy_mask_threshold=None",
+            )
+        )
+    if args.top_entropy_quantile < 1.0:
+        wanted.append(
+            (
+                f"top_entropy_quantile={args.top_entropy_quantile}: TRL's high-entropy token mask",
+                {"name": "top_entropy", "quantile": args.top_entropy_quantile},
+                "top_entropy_quantile=1.0",
+            )
+        )
+    for what, gate, unset in wanted:
+        if not any(same_params(s, gate) for s in named_stages(compiled.gates[1:], gate["name"])):
+            out.append(
+                f"{what} is a recipe gate in lossplug (which never applies TRL's own): add gates: [..., "
+                f"{stage_spec(gate)}] (what trl_equivalent maps it to; a gate of other settings would silently change "
+                f"TRL's) or set {unset}"
+            )
+    return out
+
+
+def _kl_and_entropy(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]:
+    """KL and entropy: one term each, never counted twice."""
+    args = grpo_config(trainer)
+    out: list[str] = []
+    trl_terms = {r["name"]: r for r in trl_regularisers(args)}
+    kl_stages = named_stages(compiled.regularisers, "kl")
+    if kl_stages:
+        coef = sum(float(s.params.coef) for s in kl_stages)
+        if trainer.beta == 0.0:
+            out.append(
+                f"the recipe has a KL regulariser, but beta=0: TRL computes reference log-probs only when beta != 0. "
+                f"Set beta={coef} (the recipe's KL coefficient): the recipe's KL then replaces TRL's"
+            )
+        elif abs(coef - trainer.beta) > 1e-12 * max(abs(coef), abs(trainer.beta)):
+            out.append(
+                f"the recipe has a KL regulariser (coef {coef}) and TRL's beta={trainer.beta} is another: the KL would "
+                f"be set twice. Set beta={coef} (it then only switches TRL's reference log-probs on; the recipe's KL "
+                "replaces TRL's) or drop the recipe's KL stage"
+            )
+    entropy_stages = named_stages(compiled.regularisers, "entropy")
+    trl_entropy = trl_terms.get("entropy")
+    if entropy_stages and (args.entropy_coef != 0.0 or args.use_adaptive_entropy):
+        if trl_entropy is None or len(entropy_stages) > 1 or not same_params(entropy_stages[0], trl_entropy):
+            same = f" or make the stage {stage_spec(trl_entropy)}" if trl_entropy is not None else ""
+            out.append(
+                f"the recipe has an entropy regulariser and TRL's entropy bonus is on as well (entropy_coef="
+                f"{args.entropy_coef}, use_adaptive_entropy={args.use_adaptive_entropy}, top_entropy_quantile="
+                f"{args.top_entropy_quantile}) with other settings: it would be counted twice. Set entropy_coef=0 "
+                f"and use_adaptive_entropy=False (the recipe's replaces TRL's){same}"
+            )
+    elif args.use_adaptive_entropy:
+        out.append(
+            f"use_adaptive_entropy=True: the adaptive coefficient is a recipe regulariser in lossplug; add "
+            f"regularisers: [..., {stage_spec(cast(dict[str, Any], trl_entropy))}] (what trl_equivalent maps it to)"
+        )
+    return out
+
+
+def _fields(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]:
+    """The fields the recipe's gates and regularisers read that TRL's batch does not have."""
+    provided = set(PROVIDED)
+    if trainer.beta != 0.0:
+        provided.add("ref_logp")
+    if has_behavior_logp(trainer):
+        provided.add("behavior_logp")
+    out = []
+    for stage in batch_stages(compiled):
+        for name in required_fields(stage.plugin, stage.params):
+            if name in provided:
+                continue
+            why = {
+                "ref_logp": "TRL computes reference log-probs only when beta != 0",
+                "behavior_logp": "TRL has rollout log-probs only with use_vllm=True or a rollout_func",
+            }.get(name, "GRPOTrainer has no such field")
+            out.append(f"{stage.where} ({stage.plugin.name}) reads {name}: {why}")
+    return out
+
+
+def _advantage_stage(compiled: CompiledRecipe) -> list[str]:
+    """An advantage stage that reads more than TRL's gathered rewards, or cannot run on the padded layout."""
+    adv_stage = compiled.advantage
+    if adv_stage is None:
+        return []
+    out = []
+    missing = [f for f in required_fields(adv_stage.plugin, adv_stage.params) if f not in ADVANTAGE_PROVIDED]
+    if missing:
+        out.append(
+            f"recipe.advantage ({adv_stage.plugin.name}) reads {', '.join(missing)}: in TRL the advantage "
+            "stage sees only the rewards, the per-function rewards and the prompt groups (no critic, no token "
+            "rewards)"
+        )
+    if "padded" not in adv_stage.plugin.layouts:
+        out.append(f"recipe.advantage ({adv_stage.plugin.name}) works on the packed layout only")
+    return out

@@ -1,0 +1,93 @@
+"""What the adapter keeps on a trainer (``trainer._lossplug``), the options it takes, and small lookups on both."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lossplug.adapters.trl.equivalent import POPULATIONS, Population
+from lossplug.contracts import LossplugError, Provenance, Recipe
+
+if TYPE_CHECKING:
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lossplug.pipeline import CompiledRecipe, MetricLevel, Validate
+
+__all__ = [
+    "VALIDATE",
+    "AdapterState",
+    "RecipeLike",
+    "adapter_state",
+    "batch_stages",
+    "check_options",
+    "grpo_config",
+    "named_stages",
+]
+
+#: what names a recipe: a :class:`lossplug.Recipe`, a preset name, a mapping or a YAML/JSON path
+RecipeLike = Recipe | Mapping[str, Any] | str | Path
+VALIDATE = ("full", "off")
+
+
+@dataclass
+class AdapterState:
+    """The recipe a trainer runs and what the adapter derived from it (at ``attach`` / construction), plus the little
+    that travels between TRL's hooks (the rewards of the batch being scored, the generation round)."""
+
+    recipe: Recipe
+    compiled: CompiledRecipe
+    validate: Validate
+    population: Population
+    provenance: Provenance
+    kl_sequence_level: bool
+    #: the batch fields the recipe's gates and regularisers read (entropies are computed only when one does)
+    needs: frozenset[str] = frozenset()
+    #: the recipe has a KL regulariser: it replaces TRL's beta term (else the adapter adds TRL's own)
+    recipe_kl: bool = False
+    #: the recipe has an entropy regulariser: it replaces TRL's bonus (else the adapter adds TRL's static one)
+    recipe_entropy: bool = False
+    #: the recipe's top_entropy quantile: TRL's static bonus then acts on the high-entropy tokens only
+    top_entropy_quantile: float | None = None
+    metrics: MetricLevel = "basic"
+    rewards_per_func: torch.Tensor | None = None
+    rounds: int = 0
+    record_written: bool = False
+    #: the TRL class the lossplug class was made from (``GRPOTrainer``, or the user's subclass of it), for the record
+    trl_class: str = ""
+
+
+def adapter_state(trainer: object) -> AdapterState:
+    st: AdapterState | None = getattr(trainer, "_lossplug", None)
+    if st is None:
+        raise LossplugError("this trainer has no lossplug recipe: build a LossplugGRPOTrainer or call attach()")
+    return st
+
+
+def grpo_config(trainer: GRPOTrainer) -> GRPOConfig:
+    """``trainer.args``: TRL types it as transformers' ``TrainingArguments``; a GRPOTrainer's is a ``GRPOConfig``."""
+    return trainer.args  # type: ignore[return-value]
+
+
+def check_options(validate: str, population: str, metrics: bool | str = "basic") -> MetricLevel:
+    """Checks the adapter's options; returns the metric level."""
+    if validate not in VALIDATE:
+        raise LossplugError(f"validate must be one of {VALIDATE}, got {validate!r}")
+    if population not in POPULATIONS:
+        raise LossplugError(f"population must be one of {POPULATIONS}, got {population!r}")
+    from lossplug.pipeline import metric_level
+
+    return metric_level(metrics)
+
+
+def named_stages(stages: tuple[Any, ...], name: str) -> list[Any]:
+    """The compiled stages of the plugin ``name``."""
+    return [s for s in stages if s.plugin.name == name]
+
+
+def batch_stages(compiled: CompiledRecipe) -> tuple[Any, ...]:
+    """The stages that read the micro-batch: the gates, then the regularisers."""
+    return (*compiled.gates, *compiled.regularisers)

@@ -1,0 +1,198 @@
+"""The policy-loss seam: verl's policy loss ``lossplug`` (:func:`compute_policy_loss_lossplug`), in named steps — the
+recipe's policy term (what verl's ``ppo_loss`` adds around it removed: :mod:`.regularisers`, :mod:`.rollout`), the
+micro-batch as a :class:`~lossplug.PolicyBatch` (:func:`policy_batch`), the population of the optimizer step from
+verl's ``global_batch_info`` (:func:`verl_normalizer`), and verl's metrics (:mod:`.policy_metrics`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+import lossplug
+from lossplug.adapters.common import ActionRows, warn_once, zero_loss
+from lossplug.adapters.verl.config import POLICY_RECIPE_KEY, load_recipe
+from lossplug.adapters.verl.equivalent import LOSS_AGG_REDUCTIONS
+from lossplug.adapters.verl.policy_metrics import verl_loss_metrics
+from lossplug.adapters.verl.registration import MARK, MODULE, NAME, check_once
+from lossplug.adapters.verl.regularisers import policy_term
+from lossplug.adapters.verl.rollout import without_verls_correction
+from lossplug.contracts import LossplugError, Normalizer, PolicyBatch, Recipe
+from lossplug.contracts.normalizer import whole_count
+from lossplug.pipeline import CompiledRecipe, Validate, metric_level
+
+__all__ = ["LOSS_AGG_MODES", "compute_policy_loss_lossplug", "policy_batch", "verl_normalizer"]
+
+Tensor = torch.Tensor
+#: verl's loss_agg_mode → the lossplug reduction that computes the same aggregation (every mode has one)
+LOSS_AGG_MODES: dict[str, str] = dict(LOSS_AGG_REDUCTIONS)  # one table, shared with verl_equivalent
+
+
+def compute_policy_loss_lossplug(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Tensor | None = None,
+    rollout_log_probs: Tensor | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, Any]]:
+    """verl policy loss ``lossplug``: the recipe's gates and reduction (``actor_rollout_ref.actor.policy_loss.recipe``).
+
+    Returns ``(loss, metrics)`` like verl's built-ins: the loss is this micro-batch's share of the step, already
+    multiplied by ``dp_size``; entropy and KL are left to verl's ``ppo_loss``.
+    """
+    check_once("policy")
+    recipe = policy_term(_policy_recipe(config), config, loss_agg_mode)
+    policy_cfg = getattr(config, "policy_loss", None)
+    validate: Validate = getattr(policy_cfg, "validation", "full") if policy_cfg is not None else "full"
+    level = metric_level(getattr(policy_cfg, "metrics", "basic") if policy_cfg is not None else "basic")
+    _warn_if_reductions_differ(lossplug.compile_recipe(recipe), loss_agg_mode)
+    # corrections on the engine ratio read the rollout engine's log-probs; bypass mode's gates (bypass_is, bypass_rs)
+    # read old_logp, which verl's apply_bypass_mode has set to the rollout log-probs. verl's ppo_loss never passes
+    # rollout_log_probs: such gates must be verl's own rollout correction, which its driver has applied already
+    if rollout_is_weights is not None or rollout_log_probs is None:
+        recipe = without_verls_correction(recipe, policy_cfg, has_weights=rollout_is_weights is not None)
+    compiled = lossplug.compile_recipe(recipe)
+
+    rows = ActionRows(response_mask)
+    if rows.none:  # nothing to learn from in this micro-batch; keep the graph connected
+        return zero_loss(log_prob, response_mask), {}
+    batch = policy_batch(rows, old_log_prob, log_prob, advantages, response_mask, rollout_log_probs)
+    info = getattr(config, "global_batch_info", None) if config is not None else None
+    normalizer, multiplier = _step_population(compiled, info, batch.action_mask, rows)
+    weight = rows.take(rollout_is_weights)
+    result = lossplug.policy_loss(batch, recipe, normalizer, validate=validate, metrics=level, weight=weight)
+    loss = result.loss * multiplier
+    metrics: dict[str, Any] = {}
+    if level != "off":  # verl wants floats: one device→host transfer for all of them
+        with torch.no_grad():
+            metrics = verl_loss_metrics(result.metric_tensors, compiled.update.plugin.name)
+    return loss, metrics
+
+
+def policy_batch(
+    rows: ActionRows,
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    rollout_log_probs: Tensor | None,
+) -> PolicyBatch:
+    """verl's micro-batch as a :class:`~lossplug.PolicyBatch` of the rows with an action token (``log_prob`` →
+    ``logp``, ``old_log_prob`` → ``old_logp``, ``advantages`` → ``advantage``, ``response_mask`` → ``action_mask``,
+    ``rollout_log_probs`` → ``behavior_logp``): the one place a new batch field gets filled from verl's arguments."""
+    take = rows.take
+    return PolicyBatch.unchecked(
+        logp=take(log_prob),
+        action_mask=take(response_mask.bool()),
+        old_logp=take(old_log_prob),
+        advantage=take(advantages),
+        behavior_logp=take(rollout_log_probs),
+    )
+
+
+def _warn_if_reductions_differ(compiled: CompiledRecipe, loss_agg_mode: str) -> None:
+    reduction = compiled.reduction.plugin.name
+    matching = LOSS_AGG_MODES.get(loss_agg_mode)
+    if matching != reduction:
+        wanted = next((m for m, r in LOSS_AGG_MODES.items() if r == reduction), "a matching mode")
+        warn_once(
+            f"agg:{loss_agg_mode}:{reduction}",
+            (
+                f"lossplug: the recipe reduces the policy term with '{reduction}', but actor.loss_agg_mode="
+                f"{loss_agg_mode} (lossplug's {matching or 'no reduction'}) still reduces verl's entropy and KL terms; "
+                f"set loss_agg_mode to {wanted} to reduce them alike"
+            ),
+        )
+
+
+def _step_population(
+    compiled: CompiledRecipe, info: Mapping[str, Any] | None, mask: Tensor, rows: ActionRows
+) -> tuple[Normalizer | None, float]:
+    """``(normalizer, multiplier)``: the population the micro-batch's share is reduced over, and what the share is
+    multiplied by (``dp_size``, cancelling the data-parallel gradient averaging as verl's ``agg_loss`` does).
+
+    A reduction with ``population: micro_batch`` (verl's geo_mean): verl's engine backpropagates each micro-batch's
+    loss as it is (no 1 / micro-batches) and averages the ranks' gradients, and a batch-local verl loss is its
+    micro-batch's own mean over every row (rows without an action token count in torch.mean's denominator): the
+    micro-batch is its own population (only the budget of ``fixed`` is verl's), no × dp_size, times the kept rows'
+    share."""
+    reduction = compiled.reduction.plugin.name
+    local = getattr(compiled.reduction.params, "population", "step") == "micro_batch"
+    normalizer, dp_size = verl_normalizer(info, mask, counts_needed=reduction != "token_sum" and not local)
+    if local:
+        budget = normalizer.budget if normalizer is not None else None
+        normalizer = (
+            None
+            if budget is None
+            else Normalizer(
+                action_tokens=max(int(mask.sum()), 1), sequences=mask.shape[0], budget=budget, micro_batches=1
+            )
+        )
+    params: Any = compiled.reduction.params  # (the reduction's own model: FixedParams for 'fixed')
+    if reduction == "fixed" and params.budget is None and (normalizer is None or normalizer.budget is None):
+        raise LossplugError(
+            f"{POLICY_RECIPE_KEY}: reduction 'fixed' needs a budget: set "
+            f"actor_rollout_ref.actor.loss_scale_factor=<max response length> (verl's "
+            f"seq-mean-token-sum-norm constant) or give the recipe one ({{name: fixed, budget: N}})"
+        )
+    return normalizer, (rows.share if local else dp_size)
+
+
+def _count(info: Mapping[str, Any], key: str) -> int | None:
+    """A count of ``global_batch_info``, refused (never truncated) unless it is a whole number."""
+    value = info.get(key)
+    if value is None:
+        return None
+    return whole_count(value.item() if isinstance(value, torch.Tensor) else value, f"config.global_batch_info[{key!r}]")
+
+
+def verl_normalizer(
+    global_batch_info: Mapping[str, Any] | None, mask: Tensor, *, counts_needed: bool = True
+) -> tuple[Normalizer | None, int]:
+    """``(Normalizer, dp_size)`` from verl's ``global_batch_info`` for a micro-batch whose kept action mask is ``mask``.
+
+    With no global counts and ``dp_size == 1`` the micro-batch is its own population (verl's ``agg_loss`` fallback);
+    with ``dp_size > 1`` a missing count is an error, as in verl — unless ``counts_needed`` is False (``token_sum``,
+    like verl's ``token-sum``, reads no population).
+    """
+    info = dict(global_batch_info or {})
+    dp_size = _count(info, "dp_size") or 1
+    tokens = _count(info, "batch_num_tokens")
+    sequences = _count(info, "global_batch_size")
+    budget = info.get("loss_scale_factor")
+    if tokens is None or sequences is None:
+        if dp_size > 1 and counts_needed:
+            missing = [k for k, v in (("batch_num_tokens", tokens), ("global_batch_size", sequences)) if v is None]
+            raise LossplugError(
+                f"lossplug policy loss: config.global_batch_info has dp_size={dp_size} but no "
+                f"{' / '.join(missing)}; without the global counts the loss cannot be normalised over "
+                f"the whole optimizer step"
+            )
+        if tokens is None and sequences is None and budget is None:
+            return None, dp_size
+        tokens = tokens if tokens is not None else max(int(mask.sum()), 1)
+        sequences = sequences if sequences is not None else max(mask.shape[0], 1)
+    return Normalizer(
+        action_tokens=tokens, sequences=sequences, budget=float(budget) if budget is not None else None
+    ), dp_size
+
+
+def _policy_recipe(config: Any) -> Recipe:
+    policy = getattr(config, "policy_loss", None) if config is not None else None
+    source = None
+    if policy is not None:
+        source = policy.get("recipe") if hasattr(policy, "get") else getattr(policy, "recipe", None)
+    if source is None:
+        raise LossplugError(
+            f"loss_mode={NAME} needs a recipe: set actor_rollout_ref.actor.policy_loss._target_="
+            f"{MODULE}.LossplugPolicyLossConfig and +{POLICY_RECIPE_KEY}=<preset | /abs/path/recipe.yaml | {{…}}>"
+        )
+    return load_recipe(source, POLICY_RECIPE_KEY)
+
+
+setattr(compute_policy_loss_lossplug, MARK, True)
