@@ -49,8 +49,11 @@ def _load(top: str, module: str, stubs: dict[str, types.ModuleType]) -> types.Mo
     except ImportError as err:  # another version, laid out differently
         pytest.skip(f"{module} does not import here ({err}): its origin oracle does not run")
     finally:
-        sys.modules.clear()
-        sys.modules.update(saved)
+        # forget the stubs and the package's own modules (what else the import loaded, e.g. torch's, stays loaded:
+        # some register global state once per process)
+        for name in [n for n in sys.modules if n in stubs or n == top or n.startswith(top + ".")]:
+            del sys.modules[name]
+        sys.modules.update({n: m for n, m in saved.items() if n in stubs or n == top or n.startswith(top + ".")})
 
 
 def skyrl_ppo_utils() -> types.ModuleType:
