@@ -88,7 +88,9 @@ def verl_inputs(seed: int) -> dict[str, torch.Tensor]:
 
 def m2po_keep(delta: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
     """AReaL's rule as a loop: drop the largest δ² until the mean of the rest is below the threshold."""
-    m2 = sorted(((float(v) ** 2, i) for i, (v, k) in enumerate(zip(delta.flatten(), mask.flatten())) if k), reverse=True)
+    m2 = sorted(
+        ((float(v) ** 2, i) for i, (v, k) in enumerate(zip(delta.flatten(), mask.flatten())) if k), reverse=True
+    )
     drop = len(m2) - 1
     for k in range(len(m2)):
         rest = [v for v, _ in m2[k:]]
