@@ -1,5 +1,5 @@
 """``gigpo``: against verl-agent's own ``compute_gigpo_outcome_advantage`` and ``compute_step_discounted_returns``
-when its ``gigpo`` package is importable (it computes in float32: ≤ 1e-5), and always against the formula
+when its ``gigpo`` package is importable (it computes in float32: ≤ 2e-6 on float32 rewards), and always against the formula
 transcribed here loop by loop in float64 (≤ 1e-12); hypothesis properties: a shift of every reward of a prompt group
 changes nothing (undiscounted, centring only), equal returns give 0, ω scales the step level only.
 
@@ -128,7 +128,7 @@ def test_discounted_returns_follow_batch_order_within_a_trajectory():
     torch.testing.assert_close(got, expected, atol=1e-14, rtol=0)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("mode", ["mean_norm", "mean_std_norm"])
 @pytest.mark.parametrize("gamma", [0.95, 1.0])
 def test_matches_verl_agent(seed, mode, gamma):
@@ -163,9 +163,14 @@ def test_matches_verl_agent(seed, mode, gamma):
         mode=mode,
     )
     scale = "std" if mode == "mean_std_norm" else "none"
-    adv = lossplug.compute_advantages(batch, recipe(scale=scale, gamma=gamma))
-    got = torch.where(mask, adv.unsqueeze(-1), 0)
-    torch.testing.assert_close(got, expected.to(F64), atol=1e-5, rtol=1e-5)  # verl-agent computes in float32
+    # verl-agent computes in float32: lossplug on the same float32 rewards agrees to float32 rounding (measured
+    # ≤ 1e-6); lossplug's float64 differs by the origin's rounding, amplified where an anchor group's std is small
+    # (measured ≤ 1.2e-5)
+    for dtype, atol in ((torch.float32, 2e-6), (F64, 5e-5)):
+        rows = batch.replace(reward=batch.reward.to(dtype), logp=batch.logp.to(dtype))
+        adv = lossplug.compute_advantages(rows, recipe(scale=scale, gamma=gamma))
+        got = torch.where(mask, adv.unsqueeze(-1), 0).to(F64)
+        torch.testing.assert_close(got, expected.to(F64), atol=atol, rtol=0)
 
 
 def test_a_trajectory_spanning_two_groups_is_refused_by_name():
