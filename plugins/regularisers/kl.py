@@ -23,6 +23,13 @@ response's action tokens (TRL's ratio under ``importance_sampling_level="sequenc
 detached**: the gradient flows through the ratio and through the estimate. The log-ratio is clamped to ±20 (like the
 gates' update ratio; TRL does not clamp — a difference only where TRL's ratio is already ``exp(20)``).
 
+``anchor`` — the policy the estimate is taken against: ``ref_logp`` (the frozen reference, the default and the KL of
+verl and TRL), ``old_logp`` or ``behavior_logp`` — a trust-region penalty on the drift from the policy that sampled
+the data instead: prime-rl's default loss adds ``kl_tau · (logp − inference_logp)²`` (``{name: kl, anchor:
+behavior_logp, estimator: k2, coef: 2·kl_tau, reduction: token}``; prime-rl 559b447
+``src/prime_rl/trainer/rl/loss.py`` ``default_loss_fn``, ``kl_tau`` 1e-3), Kimi k1.5's ``τ/2 · (logp − old_logp)²``
+is ``{anchor: old_logp, estimator: k2, coef: τ}``. The anchor is detached like the reference.
+
 Correction weights (engine importance weights) never multiply the term — in TRL the ``beta`` term is added after
 the vLLM importance-sampling ratio multiplied the policy term, in verl the KL loss is computed apart from the
 rollout-correction weights.
@@ -68,6 +75,12 @@ class KLParams(lossplug.RegulariserParams):
         description="multiply the estimate by the update ratio π_θ/π_old (TRL's use_bias_correction_kl): per token, "
         "or the sequence ratio exp(mean log-ratio); not detached, as in TRL",
     )
+    anchor: Literal["ref_logp", "old_logp", "behavior_logp"] = Field(
+        "ref_logp",
+        description="the log-probs the estimate is taken against: the reference (KL to π_ref), or old_logp / "
+        "behavior_logp (a penalty on the drift from the sampling policy: prime-rl's kl_tau·(log r)² is "
+        "anchor behavior_logp, estimator k2, coef 2·kl_tau)",
+    )
     clamp: bool = Field(
         True,
         description="verl's clamps of k3/low_var_kl (log-ratio to ±20, estimate to ±10); false: the plain "
@@ -76,7 +89,7 @@ class KLParams(lossplug.RegulariserParams):
 
 
 def _requires(p: KLParams) -> tuple[str, ...]:
-    return ("ref_logp",) if p.ratio_weight == "none" else ("ref_logp", "old_logp")
+    return (p.anchor,) if p.ratio_weight == "none" or p.anchor == "old_logp" else (p.anchor, "old_logp")
 
 
 def estimate(logp: Tensor, ref: Tensor, estimator: str, clamp: bool = True) -> Tensor:
@@ -111,7 +124,7 @@ def kl(inp: lossplug.GateInput, p: KLParams) -> lossplug.RegulariserOutput:
     Reference: verl ``core_algos.kl_penalty`` (use_kl_loss, kl_loss_type, kl_loss_coef); TRL ``GRPOTrainer``
     (beta, use_bias_correction_kl).
     """
-    ref = cast(Tensor, inp.ref_logp)  # declared in requires=: a batch without it fails validation
+    ref = cast(Tensor, getattr(inp, p.anchor))  # declared in requires=: a batch without it fails validation
     term = estimate(inp.logp, ref, p.estimator, p.clamp)
     if p.ratio_weight != "none":
         log_ratio = inp.update_log_ratio()
