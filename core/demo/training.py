@@ -28,94 +28,98 @@ from .settings import DEFAULT, DEFAULT_RECIPE, DemoSettings
 from .task import SuccessorTask, successor_reward
 
 
+class _DemoRecorder:
+    """What the demo's trainer callback does, written without transformers: writes ``metrics.jsonl``, evaluates
+    held-out ability and drives the display at every logging step (:func:`_callback_class` mixes it into a
+    ``TrainerCallback``)."""
+
+    def __init__(
+        self,
+        task: SuccessorTask,
+        tok: Any,
+        heldout: list[str],
+        settings: DemoSettings,
+        metrics_path: Path,
+        display: LiveDisplay,
+    ) -> None:
+        self.task, self.tok, self.heldout, self.settings = task, tok, heldout, settings
+        self.metrics_path, self.display = metrics_path, display
+        self.rows: list[dict[str, Any]] = []
+        self.trainer: Any = None
+        self.t_start = self.t_last = 0.0
+        self.excluded = 0.0  # time spent on held-out evaluation since the last log (not training)
+        self.tokens_last = 0.0
+        self.rollout_last = (0.0, 0)
+        self.last_eval_step = -1
+
+    def _evaluate(self, model: Any, step: int) -> dict[str, float]:
+        t = time.perf_counter()
+        result = self.task.evaluate(model, self.tok, self.heldout)
+        self.excluded += time.perf_counter() - t
+        self.last_eval_step = step
+        return {"heldout/score": result}
+
+    def _write(self, row: dict[str, Any]) -> None:
+        row = {k: finite_or_none(v) for k, v in row.items()}
+        self.rows.append(row)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.display.update(row)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        self.metrics_path.write_text("")
+        self.display.start()
+        row = {"step": 0, "time_s": 0.0, **self._evaluate(model, 0)}
+        self.excluded = 0.0
+        self.t_start = self.t_last = time.perf_counter()
+        self._write(row)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, model: Any = None, **kwargs: Any) -> None:
+        logs = dict(logs or {})
+        if "train_runtime" in logs:  # the end-of-training summary, not a step
+            return
+        now = time.perf_counter()
+        step = state.global_step
+        row: dict[str, Any] = {"step": step, "time_s": now - self.t_start}
+        row.update({k: v for k, v in logs.items() if isinstance(v, (int, float))})
+        train_time = max(now - self.t_last - self.excluded, 1e-9)
+        tokens = float(logs.get("num_tokens", self.tokens_last))
+        if tokens > self.tokens_last:
+            row["demo/tokens_per_s"] = (tokens - self.tokens_last) / train_time
+        self.tokens_last = tokens
+        trainer = self.trainer
+        if trainer is not None:
+            gen_time, gen_tokens = trainer._demo_rollout
+            dt, dn = gen_time - self.rollout_last[0], gen_tokens - self.rollout_last[1]
+            if dt > 0 and dn > 0:
+                row["demo/rollout_tokens_per_s"] = dn / dt
+                row["demo/rollout_time_frac"] = min(dt / train_time, 1.0)
+            self.rollout_last = (gen_time, gen_tokens)
+        self.excluded = 0.0
+        if step % self.settings.eval_every == 0 or step >= self.settings.steps:
+            row.update(self._evaluate(model, step))
+        self.t_last = time.perf_counter()
+        self.excluded = 0.0
+        self._write(row)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self.last_eval_step != state.global_step:
+            self._write(
+                {
+                    "step": state.global_step,
+                    "time_s": time.perf_counter() - self.t_start,
+                    **self._evaluate(model, state.global_step),
+                }
+            )
+        self.display.stop()
+
+
 def _callback_class() -> Any:  # (a TrainerCallback subclass, made when transformers is imported)
     from transformers import TrainerCallback
 
-    class DemoCallback(TrainerCallback):
+    class DemoCallback(_DemoRecorder, TrainerCallback):
         """Writes ``metrics.jsonl``, evaluates held-out ability and drives the display at every logging step."""
-
-        def __init__(
-            self,
-            task: SuccessorTask,
-            tok: Any,
-            heldout: list[str],
-            settings: DemoSettings,
-            metrics_path: Path,
-            display: LiveDisplay,
-        ) -> None:
-            self.task, self.tok, self.heldout, self.settings = task, tok, heldout, settings
-            self.metrics_path, self.display = metrics_path, display
-            self.rows: list[dict[str, Any]] = []
-            self.trainer: Any = None
-            self.t_start = self.t_last = 0.0
-            self.excluded = 0.0  # time spent on held-out evaluation since the last log (not training)
-            self.tokens_last = 0.0
-            self.rollout_last = (0.0, 0)
-            self.last_eval_step = -1
-
-        def _evaluate(self, model: Any, step: int) -> dict[str, float]:
-            t = time.perf_counter()
-            result = self.task.evaluate(model, self.tok, self.heldout)
-            self.excluded += time.perf_counter() - t
-            self.last_eval_step = step
-            return {"heldout/score": result}
-
-        def _write(self, row: dict[str, Any]) -> None:
-            row = {k: finite_or_none(v) for k, v in row.items()}
-            self.rows.append(row)
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            self.display.update(row)
-
-        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            self.metrics_path.write_text("")
-            self.display.start()
-            row = {"step": 0, "time_s": 0.0, **self._evaluate(model, 0)}
-            self.excluded = 0.0
-            self.t_start = self.t_last = time.perf_counter()
-            self._write(row)
-
-        def on_log(
-            self, args: Any, state: Any, control: Any, logs: Any = None, model: Any = None, **kwargs: Any
-        ) -> None:
-            logs = dict(logs or {})
-            if "train_runtime" in logs:  # the end-of-training summary, not a step
-                return
-            now = time.perf_counter()
-            step = state.global_step
-            row: dict[str, Any] = {"step": step, "time_s": now - self.t_start}
-            row.update({k: v for k, v in logs.items() if isinstance(v, (int, float))})
-            train_time = max(now - self.t_last - self.excluded, 1e-9)
-            tokens = float(logs.get("num_tokens", self.tokens_last))
-            if tokens > self.tokens_last:
-                row["demo/tokens_per_s"] = (tokens - self.tokens_last) / train_time
-            self.tokens_last = tokens
-            trainer = self.trainer
-            if trainer is not None:
-                gen_time, gen_tokens = trainer._demo_rollout
-                dt, dn = gen_time - self.rollout_last[0], gen_tokens - self.rollout_last[1]
-                if dt > 0 and dn > 0:
-                    row["demo/rollout_tokens_per_s"] = dn / dt
-                    row["demo/rollout_time_frac"] = min(dt / train_time, 1.0)
-                self.rollout_last = (gen_time, gen_tokens)
-            self.excluded = 0.0
-            if step % self.settings.eval_every == 0 or step >= self.settings.steps:
-                row.update(self._evaluate(model, step))
-            self.t_last = time.perf_counter()
-            self.excluded = 0.0
-            self._write(row)
-
-        def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-            if self.last_eval_step != state.global_step:
-                self._write(
-                    {
-                        "step": state.global_step,
-                        "time_s": time.perf_counter() - self.t_start,
-                        **self._evaluate(model, state.global_step),
-                    }
-                )
-            self.display.stop()
 
     return DemoCallback
 

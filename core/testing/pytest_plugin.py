@@ -54,7 +54,8 @@ def _selected(config: pytest.Config) -> list[tuple[str, str]]:
     if not raw:
         return []
     import lossplug
-    from lossplug.plugin_registry import BUILTIN_SOURCE, KINDS
+    from lossplug.kinds import KINDS
+    from lossplug.plugin_registry import BUILTIN_SOURCE
 
     reg = lossplug.registry()
     out: list[tuple[str, str]] = []
