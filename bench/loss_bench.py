@@ -338,7 +338,7 @@ def bench_validation(case: Case, t: dict, repeats: int) -> dict:
     """Item 4: the contract check of the case's batch, as a fraction of lossplug's loss step (basic metrics).
 
     Two checks are timed. ``validate_first`` reads every field (what the first micro-batch of a step pays: its
-    constant fields' bases are read once, see ``lossplug.contracts.batch._CheckedTensors``). ``validate`` is the
+    constant fields' bases are read once, see ``lossplug.contracts.memo.CheckedTensors``). ``validate`` is the
     check in the hot loop: the constant fields (old/behaviour log-probs, advantages — the same tensors every
     micro-batch and epoch) are remembered, the fresh ``logp`` and the mask are read. The goal is about the latter.
     """

@@ -17,7 +17,7 @@ from .errors import BatchValidationError, Violation, describe_positions
 Tensor = torch.Tensor
 
 #: what each dtype kind accepts, and how a violation names it
-_KINDS: dict[str, tuple[Callable[[Tensor], bool], str]] = {
+DTYPE_KINDS: dict[str, tuple[Callable[[Tensor], bool], str]] = {
     "float": (lambda t: t.is_floating_point(), "a float"),
     "bool": (lambda t: t.dtype == torch.bool, "a bool"),
     "int": (lambda t: not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool, "an int"),
@@ -91,7 +91,7 @@ class Checks:
 
     def dtype(self, name: str, t: Tensor, kind: str) -> bool:
         """``t``'s dtype is of ``kind`` (float, bool, int, number); False, with a violation, if not."""
-        accepts, noun = _KINDS[kind]
+        accepts, noun = DTYPE_KINDS[kind]
         if accepts(t):
             return True
         hint = " (convert with .bool() once you know it holds only 0/1)" if kind == "bool" else ""

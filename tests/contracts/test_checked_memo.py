@@ -1,6 +1,6 @@
 """Validation reads a step's constant tensors once: slices of a checked base skip the pass, and nothing is missed.
 
-The memo (``contracts.batch._CheckedTensors``) remembers whole-tensor outcomes by object and version. These tests
+The memo (``contracts.memo.CheckedTensors``) remembers whole-tensor outcomes by object and version. These tests
 count the value passes (``torch.aminmax`` calls) and show that every way a remembered tensor can change — an
 in-place write through any view, a new tensor at the same address, a stricter rule — is still caught.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lossplug import BatchValidationError, PolicyBatch
-from lossplug.contracts import batch as batch_module
+from lossplug.contracts import memo
 from lossplug.contracts.batch import forget_checked
 
 B, T, MICRO = 8, 32, 2
@@ -36,7 +36,7 @@ def passes(monkeypatch):
             calls.append(tuple(x.shape))
         return real_sum(x, *a, **kw)
 
-    monkeypatch.setattr(batch_module.torch, "aminmax", counting_aminmax)
+    monkeypatch.setattr(torch, "aminmax", counting_aminmax)
     monkeypatch.setattr(torch.Tensor, "sum", counting_sum)
     return calls
 
@@ -91,11 +91,11 @@ def test_an_in_place_write_through_any_view_is_caught(write):
 def test_a_new_tensor_at_a_freed_address_is_checked():
     step = step_batch()
     PolicyBatch(logp=fresh_logp(step), **step)
-    entries = len(batch_module._CHECKED._entries)
+    entries = len(memo.CHECKED)
     old = step.pop("old_logp")
     del old
     gc.collect()
-    assert len(batch_module._CHECKED._entries) == entries - 1  # the entry died with its tensor
+    assert len(memo.CHECKED) == entries - 1  # the entry died with its tensor
     step["old_logp"] = torch.full((B, T), float("nan"))
     with pytest.raises(BatchValidationError, match="old_logp: must be finite"):
         PolicyBatch(logp=torch.full((B, T), -1.0), **step)
@@ -187,11 +187,11 @@ def test_a_mask_with_an_empty_row_checks_each_micro_batch_on_its_own(mask_passes
 def test_a_fresh_logp_is_never_remembered():
     """The forward's logp (it carries gradient) is read every time and leaves no memo entry behind."""
     step = step_batch()
-    before = len(batch_module._CHECKED._entries)
+    before = len(memo.CHECKED)
     logp = fresh_logp(step).requires_grad_()
     PolicyBatch(logp=logp, **step)
-    assert all(entry[0]() is not logp for entry in batch_module._CHECKED._entries.values())
-    assert len(batch_module._CHECKED._entries) <= before + 4  # the constant fields' bases only
+    assert memo.CHECKED.get(logp) is None
+    assert len(memo.CHECKED) <= before + 4  # the constant fields' bases only
     with torch.no_grad():
         logp[0, 0] = float("nan")  # (an in-place write keeps the version counter honest anyway)
     with pytest.raises(BatchValidationError, match="logp: must be finite"):

@@ -1,0 +1,504 @@
+"""The rules of the batch contracts, one table each: :data:`POLICY_BATCH_RULES` and :data:`PACKED_RULES`.
+
+Every rule is written once (:mod:`lossplug.contracts.rules`): the quick host test a trainer's hot loop runs and the
+report that names field, rule and positions are two readings of it. The value rules of the per-token and per-row
+float fields read the memo of checked tensors (:mod:`lossplug.contracts.memo`): a slice of an already-checked base
+tensor is not read again, and a log-prob field costs one ``aminmax`` pass.
+
+Masked (non-action) positions may hold anything, NaN and inf included: nothing downstream reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Literal, overload
+
+import torch
+
+from . import checks as checks_module
+from .checks import DTYPE_KINDS, Checks, any_of
+from .errors import Violation, describe_positions
+from .memo import CHECKED, base_of, rows_of
+from .rules import Fields, Rule, RuleTable, needs, of_kind, requirement, where_bad
+
+Tensor = torch.Tensor
+
+#: log-probs may exceed 0 by this much (rounding in low-precision log-softmax) before they are rejected.
+LOGP_TOLERANCE = 1e-3
+
+#: entropies may fall below 0 by this much (rounding of −Σ p·log p in low precision) before they are rejected.
+ENTROPY_TOLERANCE = 1e-3
+
+#: a sum of squared probabilities may exceed 1 by this much (low-precision rounding) before it is rejected.
+PROBABILITY_TOLERANCE = 1e-3
+
+#: PolicyBatch's per-token float fields, and those of them that are log-probs (finite and ≤ LOGP_TOLERANCE)
+TOKEN_FLOATS = ("logp", "old_logp", "behavior_logp", "ref_logp", "teacher_logp", "value")
+LOGPROBS = ("logp", "old_logp", "behavior_logp", "ref_logp", "teacher_logp")
+#: the fields whose values are checked: finite on the actions (log-probs also ≤ LOGP_TOLERANCE), or finite per row
+VALUE_FIELDS = TOKEN_FLOATS + ("advantage", "reward", "reward_baseline")
+
+NOT_FINITE = "must be finite on action positions"
+ABOVE_ZERO = f"log-probs must be <= 0 (tolerance {LOGP_TOLERANCE}) on action positions"
+EMPTY_ROW = "every response needs at least one action token"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Value rules that read the memo
+
+
+@overload
+def _extremes(x: Tensor, logprob: bool, host: Literal[True]) -> tuple[bool, bool]: ...
+@overload
+def _extremes(x: Tensor, logprob: bool, host: Literal[False]) -> tuple[Tensor, Tensor]: ...
+
+
+def _extremes(x: Tensor, logprob: bool, host: bool) -> tuple[bool, bool] | tuple[Tensor, Tensor]:
+    """``(finite, at_most_tolerance)`` of every element of ``x``: Python bools on the host, else 0-d flags."""
+    if not logprob and x.element_size() >= 4:  # finiteness alone: the sum (any NaN or inf reaches it)
+        total = x.sum()
+        if host:
+            return math.isfinite(total.item()), True
+        return torch.isfinite(total), torch.ones((), dtype=torch.bool, device=x.device)
+    low, high = torch.aminmax(x.detach())
+    if host:
+        lo, hi = low.item(), high.item()  # NaN fails both comparisons
+        return lo > -math.inf, (hi <= LOGP_TOLERANCE) if logprob else (hi < math.inf)
+    return low > float("-inf"), (high <= LOGP_TOLERANCE) if logprob else (high < float("inf"))
+
+
+def _token_values_pass_on_host(t: Tensor, mask: Tensor, logprob: bool) -> bool:
+    """The quick test of a per-token float field on the CPU: True if ``t`` is finite (a log-prob: also ≤ tolerance)
+    on the action positions. One pass over the whole tensor, or over its base once per version; only if that fails —
+    non-action positions may hold anything — are the action positions tested.
+
+    A tensor that carries gradient (``logp``: the model's output of this forward pass) is read every time and never
+    remembered — no later check will see it again."""
+    if t.numel() == 0:
+        return True
+    fresh = t.requires_grad
+    whole = t if fresh else CHECKED.to_read(t, base_of(t), below_too=logprob)
+    if whole is None:
+        return True  # every element of the base passed: so does every slice, whatever its mask
+    finite, below = _extremes(whole, logprob, True)
+    if not fresh:
+        CHECKED.put(whole, finite, finite and below and logprob)
+    if finite and below:
+        return True
+    finite, below = _extremes(torch.where(mask, t, 0), logprob, True)  # garbage off the actions is allowed
+    return finite and below
+
+
+def _token_value_violations(name: str, t: Tensor, mask: Tensor, logprob: bool) -> list[Violation]:
+    found = []
+    bad = mask & ~torch.isfinite(t)
+    if bool(bad.any()):
+        found.append(Violation(name, NOT_FINITE, describe_positions(bad, noun="rows")))
+    if logprob:
+        big = mask & (t > LOGP_TOLERANCE)
+        if bool(big.any()):
+            found.append(Violation(name, ABOVE_ZERO, describe_positions(big, noun="rows")))
+    return found
+
+
+def _report_token_values(checks: Checks, name: str, t: Tensor, mask: Tensor, logprob: bool) -> None:
+    """The report of a per-token float field: on the CPU the quick test decides; on an accelerator its whole-tensor
+    flags are queued (and the outcome remembered) for the contract's single host synchronisation. The positions are
+    only computed when the action positions fail too."""
+
+    def find() -> list[Violation]:
+        return _token_value_violations(name, t, mask, logprob)
+
+    if checks_module.on_host(t):  # the reductions' values are on the host already: Python tests, no flag kernels
+        if not _token_values_pass_on_host(t, mask, logprob):
+            checks.when_flag(True, find)
+        return
+    if t.numel() == 0:
+        return
+    fresh = t.requires_grad
+    whole = t if fresh else CHECKED.to_read(t, base_of(t), below_too=logprob)
+    if whole is None:
+        return
+
+    def find_on_actions() -> list[Violation]:
+        finite, below = _extremes(torch.where(mask, t, 0), logprob, False)
+        return find() if not (bool(finite) and bool(below)) else []  # failures all off the actions: allowed
+
+    def remember(failed: bool) -> None:
+        CHECKED.put(whole, not failed, not failed and logprob)
+
+    finite, below = _extremes(whole, logprob, False)
+    checks.when_flag(~(finite & below), find_on_actions, resolved=None if fresh else remember)
+
+
+def _finite_on_host(t: Tensor) -> bool:
+    """The quick test of a per-row float field on the CPU: finite, the whole base read once per version."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return False  # the report decides
+    whole = CHECKED.to_read(t, base_of(t))
+    if whole is None:
+        return True
+    finite = math.isfinite(whole.sum(dtype=torch.float64 if whole.element_size() < 4 else whole.dtype).item())
+    CHECKED.put(whole, finite, False)
+    return finite
+
+
+def _report_finite(checks: Checks, name: str, t: Tensor) -> None:
+    if not (checks_module.on_host(t) and _finite_on_host(t)):
+        checks.when_not_finite(t, name)
+
+
+def _rows_act_on_host(mask: Tensor) -> bool:
+    """Every row of the CPU bool ``mask`` has an action: read once per step — a micro-batch that is a range of rows of
+    a mask whose every row passed (same version) passes without a pass over it."""
+    whole = CHECKED.to_read(mask, rows_of(mask))
+    if whole is None:
+        return True
+    ok = whole.view(torch.uint8).amax(-1).amin().item() != 0
+    CHECKED.put(whole, ok, False)
+    return ok
+
+
+def _empty_rows_of(mask: Tensor) -> list[Violation]:
+    bad = ~any_of(mask, -1)
+    if not bool(bad.any()):
+        return []
+    return [Violation("action_mask", EMPTY_ROW, describe_positions(bad, noun="rows"))]
+
+
+def _rows_act() -> Rule:
+    """Every response has at least one action token: the least number of actions of any row is > 0 (through the
+    ``uint8`` view: the CPU vectorises its max)."""
+
+    def passes(fields: Fields) -> bool:
+        mask = fields["action_mask"]
+        return mask.shape[-1] > 0 and _rows_act_on_host(mask)
+
+    def report(checks: Checks, fields: Fields) -> None:
+        mask = fields["action_mask"]
+        if mask.shape[-1] == 0 or checks_module.on_host(mask):
+            if not passes(fields):
+                checks.when_flag(True, lambda: _empty_rows_of(mask))
+            return
+        checks.when_flag(mask.view(torch.uint8).amax(-1).amin() == 0, lambda: _empty_rows_of(mask))
+
+    return Rule("action_mask", ("action_mask",), passes, report)
+
+
+def _same_elements_checked(fields: Fields, t: Tensor, earlier: tuple[str, ...]) -> bool:
+    """An earlier field under the same rule is the same elements as ``t`` (TRL's on-policy ``old_logp =
+    logp.detach()``): ``t`` is not read twice."""
+    address = None
+    for name in earlier:
+        other = fields[name]
+        if other is not None and other.ndim == 2:
+            address = address or t.data_ptr()
+            if other.data_ptr() == address and other.stride() == t.stride() and other.dtype == t.dtype:
+                return True
+    return False
+
+
+def _values(name: str) -> Rule:
+    """A value field: per token (``[B, T]``) finite on the actions, log-probs also ≤ tolerance; per row (``[B]``)
+    finite."""
+    logprob = name in LOGPROBS
+    position = VALUE_FIELDS.index(name)
+    earlier = tuple(other for other in VALUE_FIELDS[:position] if (other in LOGPROBS) == logprob)
+
+    def passes(fields: Fields) -> bool:
+        t = fields[name]
+        if t.ndim == 1:
+            return _finite_on_host(t)
+        if earlier and _same_elements_checked(fields, t, earlier):
+            return True
+        return _token_values_pass_on_host(t, fields["action_mask"], logprob)
+
+    def report(checks: Checks, fields: Fields) -> None:
+        t = fields[name]
+        if t.ndim == 1:
+            _report_finite(checks, name, t)
+        elif not (earlier and _same_elements_checked(fields, t, earlier)):
+            _report_token_values(checks, name, t, fields["action_mask"], logprob)
+
+    return Rule(name, (name, "action_mask"), passes, report)
+
+
+def _finite_rows(name: str) -> Rule:
+    return Rule(
+        name, (name,), lambda fields: _finite_on_host(fields[name]), lambda c, f: _report_finite(c, name, f[name])
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# PolicyBatch
+
+#: every field of PolicyBatch but logp, in declaration order: may it be [B, T], may it be [B], and its dtype kind
+#: (reward_components, [B, K], has a shape rule of its own)
+POLICY_LAYOUT: dict[str, tuple[bool, bool, str]] = {
+    "action_mask": (True, False, "bool"),
+    "old_logp": (True, False, "float"),
+    "behavior_logp": (True, False, "float"),
+    "ref_logp": (True, False, "float"),
+    "advantage": (True, True, "float"),
+    "reward": (True, True, "float"),
+    "value": (True, False, "float"),
+    "group_id": (False, True, "int"),
+    "trajectory_id": (False, True, "int"),
+    "terminated": (False, True, "bool"),
+    "final_value": (False, True, "float"),
+    "entropy": (True, False, "float"),
+    "sum_pi_squared": (True, False, "float"),
+    "reward_baseline": (False, True, "float"),
+    "reward_components": (False, False, "float"),
+    "teacher_logp": (True, False, "float"),
+    "behavior_version": (True, True, "int"),
+    "policy_version": (False, True, "int"),
+    "anchor_id": (False, True, "int"),
+}
+
+
+def _aligned_with_logp() -> Rule:
+    """Every field's shape aligns with logp's (:data:`POLICY_LAYOUT`), its dtype is of its kind, and it lives on
+    logp's device."""
+    # per field: which of the allowed-shape choices below it takes (None: [B, K >= 1]), its kind and the kind's test
+    layout = [
+        (name, 2 if per_token and per_row else 1 if per_row else 0 if per_token else None, kind, DTYPE_KINDS[kind][0])
+        for name, (per_token, per_row, kind) in POLICY_LAYOUT.items()
+    ]
+
+    def choices(shape: torch.Size) -> tuple[tuple[torch.Size, ...], ...]:
+        """The shapes a field may take, in the order a violation lists them: [B, T]; [B]; either."""
+        return (shape,), (shape[:1],), (shape[:1], shape)
+
+    def columns_fit(t: Tensor, shape: torch.Size) -> bool:
+        return t.ndim == 2 and t.shape[0] == shape[0] and t.shape[1] > 0
+
+    def passes(fields: Fields) -> bool:
+        shape = fields["logp"].shape
+        allowed = choices(shape)
+        for name, shapes, _, accepts in layout:
+            t = fields[name]
+            if t is None:
+                continue
+            if not (
+                (t.shape in allowed[shapes] if shapes is not None else columns_fit(t, shape))
+                and accepts(t)
+                and t.is_cpu  # (the quick path runs on the host: logp is on the CPU)
+            ):
+                return False
+        return True
+
+    def report(checks: Checks, fields: Fields) -> None:
+        logp = fields["logp"]
+        shape = logp.shape
+        allowed = choices(shape)
+        B, T = shape
+        for name, shapes, kind, _ in layout:
+            t = fields[name]
+            if t is None:
+                continue
+            got = list(t.shape)
+            if shapes is None and not columns_fit(t, shape):
+                checks.fail(name, f"must be [B={B}, K] with one column per reward function (K >= 1), got {got}")
+            elif shapes is not None and t.shape not in allowed[shapes]:
+                want = " or ".join(str(list(s)) for s in allowed[shapes])
+                checks.fail(name, f"shape must align with logp [B={B}, T={T}]: expected {want}, got {got}")
+            checks.dtype(name, t, kind)
+            if t.device != logp.device:
+                checks.fail(name, f"must be on logp's device {logp.device}, got {t.device}")
+
+    return Rule("logp", ("logp",), passes, report)
+
+
+def _token_view(t: Tensor, mask: Tensor) -> Tensor:
+    """A ``[B]`` or ``[B, T]`` field seen as ``[B, T]`` (a per-row value repeated along the tokens)."""
+    return t.unsqueeze(-1).expand_as(mask) if t.ndim == 1 else t
+
+
+def _behavior_versions(fields: Fields) -> Tensor:
+    return _token_view(fields["behavior_version"], fields["action_mask"])
+
+
+def _versions_needed(given: str, missing: str) -> Rule:
+    return needs(
+        given,
+        missing,
+        f"is read against {missing}: give both (the versions that generated the tokens and the version this update "
+        "starts from)",
+    )
+
+
+def _on_actions(bad: Callable[[Fields], Tensor]) -> Callable[[Fields], Tensor]:
+    return lambda fields: fields["action_mask"] & bad(fields)
+
+
+_VERSIONS = ("behavior_version", "policy_version", "action_mask")
+
+POLICY_BATCH_RULES = RuleTable(
+    "logp",
+    [
+        [
+            requirement(
+                "logp",
+                ("logp",),
+                lambda f: f["logp"].ndim == 2,
+                lambda f: f"must be [B, T], got shape {tuple(f['logp'].shape)}",
+            )
+        ],
+        [
+            requirement(
+                "logp",
+                ("logp",),
+                lambda f: f["logp"].shape[0] > 0,
+                lambda f: f"a batch needs at least one response, got shape {list(f['logp'].shape)}",
+            )
+        ],
+        [
+            of_kind("logp", "float"),
+            _aligned_with_logp(),
+        ],
+        [
+            _rows_act(),
+            *(_values(name) for name in VALUE_FIELDS),
+            _finite_rows("reward_components"),
+            where_bad(
+                "entropy",
+                ("entropy", "action_mask"),
+                _on_actions(lambda f: ~(torch.isfinite(f["entropy"]) & (f["entropy"] >= -ENTROPY_TOLERANCE))),
+                f"must be finite and >= 0 (tolerance {ENTROPY_TOLERANCE}) on action positions",
+            ),
+            where_bad(
+                "sum_pi_squared",
+                ("sum_pi_squared", "action_mask"),
+                _on_actions(
+                    lambda f: ~((f["sum_pi_squared"] >= 0) & (f["sum_pi_squared"] <= 1 + PROBABILITY_TOLERANCE))
+                ),
+                f"must be in [0, 1] (tolerance {PROBABILITY_TOLERANCE}) on action positions: Σ_v π(v)² of a "
+                "distribution",
+            ),
+            _versions_needed("behavior_version", "policy_version"),
+            _versions_needed("policy_version", "behavior_version"),
+            where_bad(
+                "behavior_version",
+                _VERSIONS,
+                _on_actions(lambda f: _behavior_versions(f) < 0),
+                "must be >= 0 on action positions",
+            ),
+            where_bad(
+                "behavior_version",
+                _VERSIONS,
+                _on_actions(lambda f: _behavior_versions(f) > f["policy_version"].unsqueeze(-1)),
+                "must be <= the row's policy_version on action positions: a token cannot come from a policy newer "
+                "than the one this update starts from",
+            ),
+            needs(
+                "anchor_id",
+                "group_id",
+                "names states within a prompt group: give group_id [B] with it (rows of one group with equal "
+                "anchor_id saw the same state)",
+            ),
+            needs(
+                "final_value",
+                "terminated",
+                "is only read for truncated responses: give terminated [B] bool with it (False where the response "
+                "was cut by a time limit)",
+            ),
+            where_bad(
+                "final_value",
+                ("final_value", "terminated"),
+                lambda f: ~f["terminated"] & ~torch.isfinite(f["final_value"]),
+                "must be finite for truncated (not terminated) responses",
+            ),
+        ],
+    ],
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# PackedTransitions
+
+#: PackedTransitions' fields, all [N], and their dtype kinds
+PACKED_LAYOUT = {
+    "reward": "float",
+    "value": "float",
+    "next_value": "float",
+    "terminated": "bool",
+    "boundary": "bool",
+    "trajectory_id": "int",
+}
+
+
+def _aligned_with_reward(name: str, kind: str) -> Rule:
+    accepts = DTYPE_KINDS[kind][0]
+
+    def passes(fields: Fields) -> bool:
+        t = fields[name]
+        return t.shape == fields["reward"].shape and accepts(t)
+
+    def report(checks: Checks, fields: Fields) -> None:
+        t, (N,) = fields[name], fields["reward"].shape
+        if t.shape != (N,):
+            checks.fail(name, f"all transition tensors must align with reward [N={N}], got {list(t.shape)}")
+        checks.dtype(name, t, kind)
+
+    return Rule(name, (name,), passes, report)
+
+
+def _closed() -> Rule:
+    """The last transition is a boundary (a fragment ends its trajectory or its truncation)."""
+
+    def report(checks: Checks, fields: Fields) -> None:
+        boundary = fields["boundary"]
+        checks.when(
+            ~boundary[-1],
+            "boundary",
+            "packed fragments must be closed: the last transition must be a boundary",
+            f"position {boundary.shape[0] - 1}",
+        )
+
+    return Rule("boundary", ("boundary",), lambda f: bool(f["boundary"][-1]), report)
+
+
+PACKED_RULES = RuleTable(
+    "reward",
+    [
+        [
+            requirement(
+                "reward",
+                ("reward",),
+                lambda f: f["reward"].ndim == 1 and f["reward"].numel() > 0,
+                lambda f: (
+                    f"packed fragments must be non-empty and one-dimensional, got shape {list(f['reward'].shape)}"
+                ),
+            )
+        ],
+        [_aligned_with_reward(name, kind) for name, kind in PACKED_LAYOUT.items()],
+        [
+            _closed(),
+            where_bad(
+                "terminated",
+                ("terminated", "boundary"),
+                lambda f: f["terminated"] & ~f["boundary"],
+                "a terminal transition must close its trajectory (terminated ⇒ boundary)",
+                noun="positions",
+            ),
+            where_bad("reward", ("reward",), lambda f: ~torch.isfinite(f["reward"]), "must be finite", "positions"),
+            where_bad("value", ("value",), lambda f: ~torch.isfinite(f["value"]), "must be finite", "positions"),
+            where_bad(
+                "next_value",
+                ("next_value", "terminated"),
+                lambda f: ~f["terminated"] & ~torch.isfinite(f["next_value"]),
+                "must be finite where the transition bootstraps (not terminated)",
+                noun="positions",
+            ),
+            where_bad(
+                "trajectory_id",
+                ("trajectory_id", "boundary"),
+                lambda f: (f["trajectory_id"][1:] != f["trajectory_id"][:-1]) & ~f["boundary"][:-1],
+                "a fragment must not mix trajectories: the id changes without a boundary after",
+                noun="positions",
+            ),
+        ],
+    ],
+)

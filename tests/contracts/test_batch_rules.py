@@ -1,0 +1,97 @@
+"""The rule tables: every field has a layout, and the quick path and the report are two readings of the same rules —
+on any batch the quick test passes exactly when the report records nothing."""
+
+import random
+
+import pytest
+import torch
+
+from lossplug import BatchValidationError, PackedTransitions, PolicyBatch
+from lossplug.contracts.batch_rules import PACKED_LAYOUT, PACKED_RULES, POLICY_BATCH_RULES, POLICY_LAYOUT
+from lossplug.contracts.checks import Checks
+from lossplug.contracts.memo import forget_checked
+
+NAN, INF = float("nan"), float("inf")
+
+
+def test_every_field_has_a_layout_in_declaration_order():
+    assert ("logp", *POLICY_LAYOUT) == tuple(PolicyBatch.model_fields)
+    assert tuple(PACKED_LAYOUT) == tuple(PackedTransitions.model_fields)
+
+
+def _corrupt(rng: random.Random, t: torch.Tensor) -> torch.Tensor:
+    """``t`` with one element set to a value some rule refuses (or that is harmless where it lands)."""
+    t = t.clone()
+    if t.numel():
+        if t.dtype == torch.bool:
+            t.view(-1)[rng.randrange(t.numel())] = rng.random() < 0.5
+        elif t.is_floating_point():
+            t.view(-1)[rng.randrange(t.numel())] = rng.choice([NAN, INF, -INF, 0.5, 1.5, -0.5])
+        else:
+            t.view(-1)[rng.randrange(t.numel())] = rng.choice([-1, 9])
+    return t
+
+
+def _policy_fields(rng: random.Random) -> dict[str, torch.Tensor]:
+    B, T = rng.choice([(1, 1), (3, 4), (4, 7)])
+    mask = torch.rand(B, T) < 0.7
+    mask[:, 0] = True
+    fields = {"logp": -torch.rand(B, T), "action_mask": mask}
+    for name, (per_token, per_row, kind) in POLICY_LAYOUT.items():
+        if name == "action_mask" or rng.random() < 0.6:
+            continue
+        shape = (B, T) if per_token and not (per_row and rng.random() < 0.5) else (B,) if per_row else (B, 3)
+        if kind == "bool":
+            fields[name] = torch.rand(shape) < 0.5
+        elif kind == "int":
+            fields[name] = torch.randint(0, 3, shape)
+        else:
+            fields[name] = torch.rand(shape) * (-1 if name.endswith("logp") else 1)
+    if "behavior_version" in fields and "policy_version" in fields:
+        fields["policy_version"] = torch.full_like(fields["policy_version"], 2)
+    for name in rng.sample(sorted(fields), k=rng.choice([0, 0, 1, 2])):
+        fields[name] = _corrupt(rng, fields[name])
+    return fields
+
+
+def _packed_fields(rng: random.Random) -> dict[str, torch.Tensor]:
+    N = rng.choice([1, 2, 5])
+    boundary = torch.rand(N) < 0.5
+    boundary[-1] = True
+    fields = {
+        "reward": torch.randn(N),
+        "value": torch.randn(N),
+        "next_value": torch.randn(N),
+        "terminated": boundary & (torch.rand(N) < 0.5),
+        "boundary": boundary,
+    }
+    if rng.random() < 0.5:
+        fields["trajectory_id"] = torch.cumsum(boundary.long(), 0) - boundary.long()
+    for name in rng.sample(sorted(fields), k=rng.choice([0, 1, 2])):
+        fields[name] = _corrupt(rng, fields[name])
+    return fields
+
+
+@pytest.mark.parametrize(
+    "contract, table, make",
+    [(PolicyBatch, POLICY_BATCH_RULES, _policy_fields), (PackedTransitions, PACKED_RULES, _packed_fields)],
+)
+def test_the_quick_path_passes_exactly_when_the_report_is_empty(contract, table, make):
+    rng = random.Random(0)
+    outcomes = set()
+    for _ in range(300):
+        fields = contract.unchecked(**make(rng)).__dict__
+        forget_checked()
+        quick = table.passes(fields)
+        forget_checked()
+        checks = Checks(contract.__name__)
+        table.report(checks, fields)
+        try:
+            checks.raise_if_any()
+            reported = False
+        except BatchValidationError:
+            reported = True
+        assert quick != reported, {k: v for k, v in fields.items() if v is not None}
+        outcomes.add(quick)
+    assert outcomes == {True, False}  # both kinds of batch were drawn
+    forget_checked()
