@@ -34,7 +34,7 @@ class Kind:
 
 
 def _bind() -> dict[str, Kind]:
-    by_name = {cls.kind: cls for cls in _PLUGIN_CLASSES}
+    by_name: dict[str, PluginClass] = {cls.kind: cls for cls in _PLUGIN_CLASSES}
     if set(by_name) != set(PLUGIN_KINDS):
         raise AssertionError(f"plugin classes {sorted(by_name)} do not match the recipe's kinds {sorted(PLUGIN_KINDS)}")
     table = {}

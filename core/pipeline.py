@@ -9,6 +9,10 @@ and entropy terms are added after the importance weights multiplied the policy t
 ``policy_loss`` is then plain tensor code per micro-batch. With ``validate="full"`` the batch is checked against the
 contract (once per batch object) and against what the recipe's plugins declare they need; ``validate="off"`` skips
 every check and every host synchronisation.
+
+The pieces live beside it: :mod:`lossplug.stages` (the compiled recipe, calling plugin code with blame),
+:mod:`lossplug.validation` (the checks of inputs and plugin outputs) and :mod:`lossplug.loss_metrics` (what
+``metrics=`` reports).
 """
 
 from __future__ import annotations
@@ -289,7 +293,7 @@ def policy_loss(
     objective = zero_off(objective, inp.mask, inp._bits)
 
     red = compiled.reduction
-    population = population_of(inp.mask, normalizer, inp.lengths)
+    population = population_of(inp.mask, normalizer, inp.lengths, batch.group_id)
     loss = -_reduce(red, validate, objective, inp.mask, inp.lengths, population, normalizer, _scope(red))
     policy_term = loss
 
@@ -329,6 +333,8 @@ def _check_policy_inputs(
         violations += missing_fields(batch, stage.plugin.required_fields(stage.params), stage_label(stage))
     for reg_stage in compiled.regularisers:
         violations += missing_fields(batch, reg_stage.plugin.required_fields(reg_stage.params), stage_label(reg_stage))
+    reduction = compiled.reduction.plugin
+    violations += missing_fields(batch, reduction.requires, f"recipe.reduction ({reduction.name})")
     if weight is not None:
         violations += weight_violations(weight, batch)
     raise_violations(batch, compiled, violations)
@@ -410,9 +416,9 @@ def _reduce(
     if where == "step":
         reduced: Tensor = run_stage(stage, validate, values, mask, lengths, population)
         return reduced
-    own = population_of(mask, None, lengths)
+    own = population_of(mask, None, lengths, population.group_id)
     if normalizer is not None and normalizer.budget is not None:
-        own = Population(own.action_tokens, own.sequences, None, normalizer.budget)
+        own = Population(own.action_tokens, own.sequences, None, normalizer.budget, own.group_id)
     reduced = run_stage(stage, validate, values, mask, lengths, own)
     if normalizer is not None:
         share = (
@@ -424,7 +430,9 @@ def _reduce(
     return reduced
 
 
-def population_of(mask: Tensor, normalizer: Normalizer | None, lengths: Tensor | None = None) -> Population:
+def population_of(
+    mask: Tensor, normalizer: Normalizer | None, lengths: Tensor | None = None, group_id: Tensor | None = None
+) -> Population:
     """The reduction denominators: the normaliser's global counts, else this micro-batch's own (no host sync).
 
     The default population counts the action tokens and the responses **with at least one action token**: a
@@ -432,13 +440,22 @@ def population_of(mask: Tensor, normalizer: Normalizer | None, lengths: Tensor |
     numerator, so counting it would only shrink every other response's weight — verl's and OpenRLHF's convention,
     and the one ``policy_loss`` enforces by refusing such rows. A trainer that counts them (TRL keeps rows masked by
     ``mask_truncated_completions`` in its mean) says so through the ``Normalizer``'s ``sequences``. ``lengths``: the
-    action tokens per row when the caller has them.
+    action tokens per row when the caller has them. ``group_id``: the rows' prompt groups, passed on for a
+    reduction over prompts (``prompt_mean``), with the Normalizer's per-group token counts.
     """
     if normalizer is None:
         per_row = torch.count_nonzero(mask, -1) if lengths is None else lengths
         # at least 1: a batch without any action token reduces to 0 (its numerators are all 0), never to 0/0
-        return Population(torch.count_nonzero(mask).clamp(min=1), torch.count_nonzero(per_row).clamp(min=1), None, None)
-    return Population(normalizer.action_tokens, normalizer.sequences, normalizer.groups, normalizer.budget)
+        tokens, sequences = torch.count_nonzero(mask).clamp(min=1), torch.count_nonzero(per_row).clamp(min=1)
+        return Population(tokens, sequences, None, None, group_id)
+    return Population(
+        normalizer.action_tokens,
+        normalizer.sequences,
+        normalizer.groups,
+        normalizer.budget,
+        group_id,
+        normalizer.group_tokens,
+    )
 
 
 ReductionSpec = str | Mapping[str, Any] | PluginSpec
@@ -471,6 +488,7 @@ def reduce(
     normalizer: Normalizer | None = None,
     *,
     reduction: ReductionSpec | None = None,
+    group_id: Tensor | None = None,
 ) -> Tensor:
     """Reduce any per-token quantity ``[B, T]`` (a KL penalty, an entropy bonus, a value loss…) exactly as the
     recipe reduces its objective — same denominators, same population. Reductions are linear, so a loss built as
@@ -484,7 +502,8 @@ def reduce(
     ``response`` mean is ``(1.5 + 4) / 2 = 2.75``. A trainer that counts such rows (TRL's
     ``mask_truncated_completions`` keeps them in its mean: ``5.5 / 3``) passes ``Normalizer(sequences=3, …)``.
     A reduction with ``population: micro_batch`` divides by this batch's own counts, its value then weighted as the
-    policy term's is (``1 / normalizer.micro_batches``, else rows / ``normalizer.sequences``).
+    policy term's is (``1 / normalizer.micro_batches``, else rows / ``normalizer.sequences``). ``group_id`` ``[B]``:
+    the rows' prompt groups, which a reduction over prompts (``prompt_mean``) needs.
     """
     if reduction is not None and recipe is None:
         red = compile_reduction(reduction)
@@ -510,5 +529,5 @@ def reduce(
         )
     values = zero_off(values, action_mask)
     lengths = torch.count_nonzero(action_mask, -1)
-    population = population_of(action_mask, normalizer, lengths)
+    population = population_of(action_mask, normalizer, lengths, group_id)
     return _reduce(red, "full", values, action_mask, lengths, population, normalizer, _scope(red))

@@ -268,13 +268,13 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
     def origin_of(plugin_name: str) -> str:
         return origins.get(plugin_name, plugin_name)
 
-    for kind in KINDS.values():
+    for entry in KINDS.values():
         call_hook(
-            kind.hook,
+            entry.hook,
             pm=pm,
             origin_of=origin_of,
             on_error=contain,
-            arguments_for=lambda origin, kind=kind.name: {  # type: ignore[misc]
+            arguments_for=lambda origin, kind=entry.name: {  # type: ignore[misc]
                 "register": lambda plugin: registry.add(kind, plugin, origin)
             },
         )
