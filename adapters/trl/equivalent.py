@@ -142,7 +142,7 @@ def _advantage(args: GRPOConfig) -> dict[str, Any]:
 
 def trl_equivalent(args: GRPOConfig, *, sampling_logprobs: bool | None = None) -> tuple[Recipe, Population]:
     """The lossplug recipe and population that reproduce TRL's native loss for ``args`` (a ``GRPOConfig``): every
-    option of TRL 1.16 that touches the loss (the table in the module docstring and the README).
+    option of TRL 1.16 that touches the loss (the table in :mod:`lossplug.adapters.trl` and docs/trl.md).
 
     ``sampling_logprobs``: whether the trainer has behaviour log-probs (``sampling_per_token_logps``: vLLM or a
     ``rollout_func``); default ``args.use_vllm``. Only the off-policy mask depends on it (TRL's rule: the sampling

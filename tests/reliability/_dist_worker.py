@@ -6,10 +6,10 @@ conventions:
 
 * ``trl`` — TRL's ``_compute_loss`` returns a loss *already scaled for gradient accumulation* (the Trainer adds the
   micro-batch gradients without dividing by GA) and DDP averages over the ``W`` processes. lossplug's TRL adapter
-  (``adapters/trl.py``, ``_compute_loss``) hands ``policy_loss`` the population of the whole step and multiplies the
+  (``adapters/trl/loss.py``, ``step_scaling``) hands ``policy_loss`` the population of the whole step and multiplies the
   micro-batch share by ``num_processes × steps_per_generation / gradient_accumulation_steps`` (= W with TRL's default
-  ``steps_per_generation == GA``). The adapter builds that population inside a trainer method (there is no standalone
-  function to call), so this worker reproduces it: each rank counts its own micro-batches of the step
+  ``steps_per_generation == GA``). The adapter builds that population from a trainer's attributes (``step_scaling`` reads a
+  ``GRPOTrainer``), so this worker reproduces it: each rank counts its own micro-batches of the step
   (``Normalizer.for_masks``) and ``Normalizer.all_reduce`` sums them over the ranks.
 * ``verl`` — verl fills ``config.global_batch_info = {dp_size, batch_num_tokens, global_batch_size,
   loss_scale_factor}`` (all-reduced counts of the mini-batch); a policy loss normalises each micro-batch by those
