@@ -4,7 +4,6 @@ trainer), both running a lossplug recipe through the overrides of one mixin. Thi
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -127,20 +126,22 @@ class LossplugGRPOTrainer(_Mixin, trl.GRPOTrainer):
         _setup(self, recipe_obj, validate, population, provenance, metrics)
 
 
+#: ``Lossplug<base>`` for each user subclass of ``GRPOTrainer`` attached to: one class per base, so that attaching
+#: again swaps to the same class
+_SUBCLASSES: dict[type, type] = {}
+
+
 def _class_for(base: type) -> type:
     """The lossplug subclass of ``base``: ``LossplugGRPOTrainer`` for ``GRPOTrainer`` itself, ``base`` when it is one."""
     if issubclass(base, _Mixin):
         return base
     if base is trl.GRPOTrainer:
         return LossplugGRPOTrainer
-    return _subclass_of(base)
-
-
-@functools.cache
-def _subclass_of(base: type) -> type:
-    """``Lossplug<base>``: one class per user subclass of ``GRPOTrainer``, so that attaching twice swaps to the same."""
-    namespace = {"__module__": __name__, "__doc__": f"{base.__name__} with a lossplug recipe"}
-    return type(f"Lossplug{base.__name__}", (_Mixin, base), namespace)
+    cls = _SUBCLASSES.get(base)
+    if cls is None:
+        namespace = {"__module__": __name__, "__doc__": f"{base.__name__} with a lossplug recipe"}
+        cls = _SUBCLASSES[base] = type(f"Lossplug{base.__name__}", (_Mixin, base), namespace)
+    return cls
 
 
 def attach(
