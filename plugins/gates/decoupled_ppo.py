@@ -25,7 +25,9 @@ no weight), ``weight_cap`` / ``weight_floor`` bound it (AReaL's ``rejection_samp
       linear:     prox = log((1 − α)·exp(behavior_logp) + α·exp(sg(logp)) + 1e-10)
 
   so a token sampled by the newest weights (``v_behave = v_θ``) or by the version just before them has π_prox =
-  π_behave (``w = 1``), an older one is interpolated towards the current policy;
+  π_behave (``w = 1``), an older one is interpolated towards the current policy. This is AReaL's labelling: the
+  update starts from the weights of version ``v_θ`` (AReaL's ``engine.get_version()``, which is also what the
+  rollout stamps on tokens sampled by those weights) and its proximal policy is taken one version behind them;
 * ``rollout``: ``prox = behavior_logp`` (``w = 1``, the ratio is ``π_θ/π_behave``).
 
 ``m2_threshold`` applies M2PO's mask (the ``m2po`` gate, renormalised as AReaL does) on ``(prox − behavior_logp)²``

@@ -5,7 +5,7 @@ stale one that sampled the token) and ``m_t = δ_t²`` on the action tokens of t
 
     M2 = mean_t m_t                     (the second moment of the log-ratio over the micro-batch's action tokens)
     sort m descending; drop the k largest, k the smallest count with mean(m without them) < τ
-    w_t = 0 for the dropped tokens, else 1   (· n / n_kept with renormalize: AReaL's denominator)
+    w_t = 0 for the dropped tokens, else 1   (· n / n_kept with renormalize: true, AReaL's denominator)
 
 If no suffix reaches ``M2 < τ`` every token but the one with the smallest ``m`` is dropped; a micro-batch whose
 ``M2`` is already below τ keeps every token (at π_prox = π_behave, ``m = 0``: weight 1 everywhere). Unlike a
@@ -17,11 +17,12 @@ a trainer, each micro-batch on its own, as AReaL masks inside its loss function 
 micro-batch. A split into other micro-batches drops other tokens: the gate is not additive over micro-batches by
 design.
 
-``renormalize`` (default, AReaL's convention): AReaL counts the loss mask *after* M2PO in the micro-batch's token
-mean (``ppo_actor_loss_fn``'s ``loss_mask_count``) while weighting micro-batches by their token count before it,
-so the kept tokens' weights are multiplied by ``n / n_kept`` (the micro-batch's action tokens over the kept ones)
-— with the ``token`` reduction this reproduces AReaL's loss exactly. ``false``: the dropped tokens still count in
-the denominator (weight 0/1).
+By default the weight is a plain 0/1 mask, like every lossplug rejection: the dropped tokens still count in the
+reduction's denominator. ``renormalize: true`` is AReaL's convention: AReaL counts the loss mask *after* M2PO in the
+micro-batch's token mean (``ppo_actor_loss_fn``'s ``loss_mask_count``) while weighting micro-batches by their token
+count before it, so the kept tokens' weights are multiplied by ``n / n_kept`` (the micro-batch's action tokens over
+the kept ones) — with the ``token`` reduction this reproduces AReaL's loss exactly. That factor can reach ``n``: in
+float16, times a large advantage, the gradient can leave the format's range.
 
 A correction (``role="correction"``): its weight, computed under ``no_grad`` from detached log-probs, multiplies
 the update gate's objective (``ppo_clip`` for AReaL's PPO, ``decoupled_ppo`` for its decoupled loss — which
@@ -51,7 +52,7 @@ class M2POParams(lossplug.Params):
         "τ (AReaL's m2_threshold; the paper uses 0.04)",
     )
     renormalize: bool = Field(
-        True,
+        False,
         description="multiply the kept tokens' weights by n / n_kept, the micro-batch's action tokens over the kept "
         "ones, so that a token mean divides by the kept tokens as AReaL does; false: weight 0/1",
     )

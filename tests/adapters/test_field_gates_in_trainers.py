@@ -25,7 +25,11 @@ FAMILIES = {
         "gates": [{"name": "decoupled_ppo", "weight_cap": 5.0, "eps_high": 0.28}],
         "reduction": "token",
     },
-    "m2po": {"advantage": "grpo", "gates": ["ppo_clip", {"name": "m2po", "threshold": 0.04}], "reduction": "token"},
+    "m2po": {
+        "advantage": "grpo",
+        "gates": ["ppo_clip", {"name": "m2po", "threshold": 0.04, "renormalize": True}],
+        "reduction": "token",
+    },
 }
 #: a metric each family must have logged in TRL
 TRL_METRIC = {

@@ -72,9 +72,11 @@ def test_mask_weight_loss_and_gradient_match_the_transcription():
             keep = transcribed_keep(delta.square(), f["action_mask"], threshold)
             n, kept = int(f["action_mask"].sum()), int(keep.sum())
             masked_some += kept < n
-            torch.testing.assert_close(gate_weight(f, threshold=threshold), keep.double() * n / kept, rtol=0, atol=0)
-            torch.testing.assert_close(gate_weight(f, threshold=threshold, renormalize=False), keep.double())
-            recipe = {"gates": [{"name": "ppo_clip"}, {"name": "m2po", "threshold": threshold}], "reduction": "token"}
+            renormalized = gate_weight(f, threshold=threshold, renormalize=True)
+            torch.testing.assert_close(renormalized, keep.double() * n / kept, rtol=0, atol=0)
+            torch.testing.assert_close(gate_weight(f, threshold=threshold), keep.double())
+            m2po = {"name": "m2po", "threshold": threshold, "renormalize": True}
+            recipe = {"gates": [{"name": "ppo_clip"}, m2po], "reduction": "token"}
             result, grad = loss_and_grad(recipe, **f)
             expected_loss, expected_grad = transcribed_areal_loss(f, keep)
             torch.testing.assert_close(result.loss, expected_loss, rtol=1e-12, atol=1e-14)
@@ -95,7 +97,7 @@ def test_matches_areal(areal):
             mask = f["action_mask"]
             # AReaL's names: old_logp is the behaviour policy's, prox_logp the proximal (lossplug's old_logp)
             areal_mask = areal.apply_m2po_masking(f["behavior_logp"], f["old_logp"], mask, threshold)
-            keep = gate_weight(f, threshold=threshold, renormalize=False) > 0
+            keep = gate_weight(f, threshold=threshold) > 0
             assert torch.equal(keep, areal_mask)
             logp = f["logp"].clone().requires_grad_()
             areal_loss, _ = areal.ppo_actor_loss_fn(
@@ -107,7 +109,8 @@ def test_matches_areal(areal):
                 loss_mask=areal_mask,
             )
             areal_loss.backward()
-            recipe = {"gates": [{"name": "ppo_clip"}, {"name": "m2po", "threshold": threshold}], "reduction": "token"}
+            m2po = {"name": "m2po", "threshold": threshold, "renormalize": True}
+            recipe = {"gates": [{"name": "ppo_clip"}, m2po], "reduction": "token"}
             result, grad = loss_and_grad(recipe, **f)
             torch.testing.assert_close(result.loss, areal_loss.detach(), rtol=1e-12, atol=1e-14)
             torch.testing.assert_close(grad, logp.grad, rtol=1e-12, atol=1e-14)
@@ -148,5 +151,5 @@ def test_the_kept_second_moment_is_below_the_threshold_and_the_dropped_tokens_ar
 def test_on_policy_keeps_every_token_with_weight_one(B, T, seed, threshold):
     f = stale_batch(B, T, seed)
     f["behavior_logp"] = f["old_logp"].clone()
-    weight = gate_weight(f, threshold=threshold)
+    weight = gate_weight(f, threshold=threshold, renormalize=True)
     assert torch.equal(weight[f["action_mask"]], torch.ones(int(f["action_mask"].sum()), dtype=torch.float64))
