@@ -48,6 +48,11 @@ def lossplug_register_advantages(register: Callable[[lossplug.AdvantagePlugin], 
 
     for field_estimator in (maxrl.maxrl, gigpo.gigpo, distillation.opd):
         register(field_estimator)
+    # found missing by the field inventory (docs/field.md): NeMo-RL's leave-one-out GRPO, a batch baseline
+    from lossplug.plugins.advantages import batch_normalized, grpo_loo
+
+    register(grpo_loo.grpo_loo)
+    register(batch_normalized.batch_normalized)
 
 
 @lossplug.hookimpl
@@ -117,6 +122,10 @@ def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> 
         probability_trust_region.ipo,
     ):
         register(field_gate)
+    # found missing by the field inventory (docs/field.md): OpenRLHF's binary-KL / TV engine trust region
+    from lossplug.plugins.gates import engine_divergence
+
+    register(engine_divergence.engine_divergence_mask)
 
 
 @lossplug.hookimpl

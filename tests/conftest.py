@@ -153,6 +153,8 @@ BUILTIN_GATES = frozenset(
         "seq_mask_tis",
         "dppo_binary_tv",
         "ipo",
+        # found missing by the field inventory (docs/field.md)
+        "engine_divergence_mask",
     }
 )
 
