@@ -56,6 +56,9 @@ class Normalizer(BaseModel):
     #: micro-batches in the whole step (all ranks), where known: the weight ``1 / micro_batches`` of a regulariser
     #: whose population is its micro-batch
     micro_batches: int | None = Field(default=None, gt=0)
+    #: ``(group id, action tokens)`` of every prompt group in the whole step, sorted by id, where known: the
+    #: denominators of the ``prompt_mean`` reduction (a group's tokens may lie in several micro-batches)
+    group_tokens: tuple[tuple[int, int], ...] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -103,17 +106,30 @@ class Normalizer(BaseModel):
         sequences = sum(
             int(m.shape[0]) if count_empty_responses else int(m.reshape(m.shape[0], -1).any(-1).sum()) for m in masks
         )
-        groups = None
+        groups = group_tokens = None
         if group_ids is not None:
-            groups = int(torch.unique(torch.cat([g.reshape(-1).cpu() for g in group_ids])).numel())
-        return cls(action_tokens=tokens, sequences=sequences, groups=groups, budget=budget, micro_batches=micro_batches)
+            ids = torch.cat([g.reshape(-1).cpu() for g in group_ids])
+            rows = torch.cat([m.reshape(m.shape[0], -1).sum(-1).cpu() for m in masks])
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            counts = torch.zeros(len(unique), dtype=torch.int64).index_add_(0, inverse, rows.to(torch.int64))
+            groups = int(unique.numel())
+            group_tokens = tuple(zip(unique.tolist(), counts.tolist()))
+        return cls(
+            action_tokens=tokens,
+            sequences=sequences,
+            groups=groups,
+            budget=budget,
+            micro_batches=micro_batches,
+            group_tokens=group_tokens,
+        )
 
     @classmethod
     def all_reduce(cls, local: Normalizer, group: Any = None) -> Normalizer:
         """Sum this rank's local population over a ``torch.distributed`` process group.
 
         ``groups`` is summed too, which is exact when every prompt group lives on one rank (as in TRL and verl,
-        where the rollouts of a prompt are scattered only within the rank's generation batch). ``micro_batches``
+        where the rollouts of a prompt are scattered only within the rank's generation batch); under the same
+        condition ``group_tokens`` stays the rank's own (a rank only ever looks up its own groups). ``micro_batches``
         (this rank's, where given) is summed into the step's count over all ranks; every rank must then give it.
         """
         import torch.distributed as dist
@@ -131,6 +147,7 @@ class Normalizer(BaseModel):
             groups=groups or None,
             budget=local.budget,
             micro_batches=(micro_batches or None) if local.micro_batches is not None else None,
+            group_tokens=local.group_tokens,
         )
 
     def check_covers(self, action_tokens: int, sequences: int) -> None:

@@ -40,13 +40,16 @@ def batch_fields(plugin: Any, params: Any | None = None) -> tuple[str, ...]:
 
     A gate also needs the log-probs, the mask and the advantages it weights; a padded advantage estimator the
     log-probs and the mask of the batch it scores, and ``group_id`` when it works on prompt groups; a regulariser the
-    log-probs and the mask and what it declares. A reduction reads what the gates produce, not batch fields.
+    log-probs and the mask and what it declares. A reduction reads what the gates produce, and what it declares (a
+    reduction over prompts: ``group_id``).
     """
     requires = required_fields(plugin, params)
     if plugin.kind == "gate":
         return tuple(dict.fromkeys([*ALWAYS, "advantage", *requires]))
     if plugin.kind == "regulariser":
         return tuple(dict.fromkeys([*ALWAYS, *requires]))
+    if plugin.kind == "reduction":
+        return tuple(requires)
     if plugin.kind == "advantage":
         base = list(ALWAYS) if "padded" in plugin.layouts else []
         groups = ["group_id"] if plugin.min_group_size > 0 else []
@@ -86,4 +89,6 @@ def recipe_needs(recipe: Any) -> dict[str, tuple[str, ...]]:
     for i, reg_stage in enumerate(compiled.regularisers):
         for field in required_fields(reg_stage.plugin, reg_stage.params):
             add(field, f"regularisers[{i}] '{reg_stage.plugin.name}'")
+    for field in compiled.reduction.plugin.requires:
+        add(field, f"reduction '{compiled.reduction.plugin.name}'")
     return {field: tuple(stages) for field, stages in needs.items()}

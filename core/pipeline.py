@@ -455,6 +455,7 @@ def population_of(
         normalizer.budget,
         group_id,
         normalizer.group_tokens,
+        of_step=True,
     )
 
 

@@ -401,6 +401,12 @@ class Population:
     sequences: int | Tensor
     groups: int | None
     budget: float | None
+    #: the prompt group of each row of the micro-batch (the batch's ``group_id``), where it has one
+    group_id: Tensor | None = None
+    #: ``(group id, action tokens)`` of every prompt group of the step (the Normalizer's), where known
+    group_tokens: tuple[tuple[int, int], ...] | None = None
+    #: the counts are the step's (a Normalizer's), not the micro-batch's own
+    of_step: bool = False
 
 
 ReductionFn = Callable[[Tensor, Tensor, Tensor, Population, Any], Tensor]  # the last argument: its params
@@ -420,17 +426,24 @@ class ReductionPlugin:
     doc: str
     kind: Literal["reduction"] = "reduction"
     role: None = None
+    #: the optional batch fields it reads through the population (``group_id`` for a reduction over prompts)
+    requires: tuple[str, ...] = ()
 
     def __call__(self, objective: Tensor, mask: Tensor, lengths: Tensor, population: Population, p: Params) -> Tensor:
         return self.fn(objective, mask, lengths, population, p)
 
+    def required_fields(self, params: Params) -> tuple[str, ...]:
+        """The batch fields this reduction reads (its population's ``group_id``, for one over prompts)."""
+        return self.requires
+
 
 def reduction(
-    name: str, *, params: type[Params] = ReductionParams, doc: str | None = None
+    name: str, *, params: type[Params] = ReductionParams, requires: tuple[str, ...] = (), doc: str | None = None
 ) -> Callable[[ReductionFn], ReductionPlugin]:
     """Declare a reduction. With ``params`` a subclass of :class:`ReductionParams` (the default) a recipe may give it
-    ``population: micro_batch``; the pipeline then hands it the micro-batch's own population and weights its value."""
-    return lambda fn: ReductionPlugin(name, fn, params, _doc(fn, doc))
+    ``population: micro_batch``; the pipeline then hands it the micro-batch's own population and weights its value.
+    ``requires``: the optional batch fields it reads (``("group_id",)``: the population's ``group_id``)."""
+    return lambda fn: ReductionPlugin(name, fn, params, _doc(fn, doc), requires=tuple(requires))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

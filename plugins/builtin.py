@@ -136,6 +136,7 @@ def lossplug_register_reductions(register: Callable[[lossplug.ReductionPlugin], 
         reductions.fixed_budget,
         reductions.sequence_sum,
         reductions.token_sum,
+        reductions.prompt_mean,
     ):
         register(plugin)
 

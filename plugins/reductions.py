@@ -9,6 +9,7 @@ population of the whole optimizer step (``N`` action tokens, ``S`` responses; a 
     fixed         Σ_i Σ_t L_it / (budget · S)       per-response sums over a fixed budget (Dr. GRPO)
     sequence_sum  Σ_i Σ_t L_it / S                  mean of per-response sums
     token_sum     Σ_i Σ_t L_it                      unnormalised sum (verl's token-sum)
+    prompt_mean   Σ_g (Σ_{i∈g} Σ_t L_it / N_g) / G  mean over prompt groups of their token means (SkyRL)
 
 Each is additive over micro-batches: the sum over all micro-batches and ranks of their values equals the value of
 the whole step — which is why the denominators come from the step's population and never from the micro-batch.
@@ -27,6 +28,7 @@ hands such a reduction no step population, see docs/verl.md). Not additive by de
 
 from __future__ import annotations
 
+import torch
 from pydantic import Field
 from torch import Tensor
 
@@ -109,3 +111,51 @@ def token_sum(
     Reference: verl, ``verl.trainer.ppo.core_algos.agg_loss`` with ``loss_agg_mode="token-sum"``.
     """
     return objective.sum()
+
+
+@lossplug.reduction("prompt_mean", requires=("group_id",))
+def prompt_mean(
+    objective: Tensor, mask: Tensor, lengths: Tensor, population: lossplug.Population, p: lossplug.ReductionParams
+) -> Tensor:
+    """Mean over prompts of each prompt group's token mean: Σ_g (Σ_{i∈g} Σ_t L_it / N_g) / G.
+
+    ``N_g`` is the action tokens of prompt group ``g`` (at least 1), ``G`` the number of groups, both over the
+    population: the Normalizer's ``groups`` and ``group_tokens`` (``Normalizer.for_masks(..., group_ids=...)``
+    counts them) — so a group whose responses lie in several micro-batches or ranks is still divided by its whole
+    token count, and the micro-batch shares add up to the full step's value; without a Normalizer the micro-batch's
+    own groups. Every prompt weighs the same, whatever the number or length of its responses; within a prompt every
+    action token does. Needs the batch's ``group_id``.
+
+    Reference: SkyRL 0.3.0, ``skyrl/backends/skyrl_train/utils/ppo_utils.py``
+    ``apply_loss_reduction_to_advantages_minibatch`` (``loss_reduction="prompt_mean"``: token ``[i, t]`` of prompt
+    ``p`` scaled by ``1 / (num_prompts · tokens_in_prompt_p)``, ``tokens_in_prompt_p`` clamped at 1, over the
+    mini-batch, then summed).
+    """
+    group_id = population.group_id
+    if group_id is None:
+        raise LossplugError(
+            "reduction 'prompt_mean' needs the batch's group_id (the prompt group of each response): set "
+            "PolicyBatch.group_id (lossplug.reduce: group_id=...)"
+        )
+    per_row = objective.sum(-1)
+    if not population.of_step:  # the micro-batch is its own population
+        same = group_id.unsqueeze(-1) == group_id.unsqueeze(0)  # [B, B]: no unique(), no host synchronisation
+        group_tokens = (same * lengths.unsqueeze(0)).sum(-1).to(objective.dtype)
+        groups = (1.0 / same.sum(-1).to(objective.dtype)).sum()
+        return (per_row / group_tokens.clamp(min=1)).sum() / groups
+    if population.group_tokens is None or population.groups is None:
+        raise LossplugError(
+            "reduction 'prompt_mean' needs the step's prompt groups and their action tokens in the Normalizer: "
+            "build it with Normalizer.for_masks(masks, group_ids=[...]) (it counts groups and group_tokens)"
+        )
+    ids, counts = (torch.tensor(column, device=group_id.device) for column in zip(*population.group_tokens))
+    where = torch.searchsorted(ids, group_id).clamp(max=ids.numel() - 1)
+    # a group the Normalizer did not count is refused on the CPU; on an accelerator the check would stall the stream
+    if group_id.device.type == "cpu" and not bool((ids[where] == group_id).all()):
+        missing = sorted(set(group_id.tolist()) - set(ids.tolist()))[:8]
+        raise LossplugError(
+            f"reduction 'prompt_mean': group_id {missing} of this micro-batch are not in the Normalizer's "
+            "group_tokens — it must count every prompt group of the step"
+        )
+    group_tokens = counts[where].to(objective.dtype)
+    return (per_row / group_tokens.clamp(min=1)).sum() / population.groups

@@ -56,6 +56,7 @@ def meta_batch(sequence_advantage: bool) -> tuple[lossplug.PolicyBatch, torch.Te
         reward_baseline=empty(B),
         reward_components=empty(B, 2),
         advantage=empty(B) if sequence_advantage else empty(B, T),
+        group_id=empty(B, dtype=torch.int64),
     )
     return batch, logp
 
@@ -68,7 +69,12 @@ CASES = list(itertools.product(builtin("gate"), builtin("reduction")))
 def test_loss_step_makes_no_host_sync(gate, reduction, metrics):
     rec = recipe(gate, reduction)
     for sequence_advantage, normalizer in itertools.product(
-        (True, False), (None, lossplug.Normalizer(action_tokens=20, sequences=B, budget=16.0))
+        # the Normalizer counts two prompt groups and their tokens (prompt_mean reads them)
+        (True, False),
+        (
+            None,
+            lossplug.Normalizer(action_tokens=20, sequences=B, budget=16.0, groups=2, group_tokens=((0, 8), (1, 12))),
+        ),
     ):
         batch, logp = meta_batch(sequence_advantage)
         result = lossplug.policy_loss(batch, rec, normalizer, validate="off", metrics=metrics)

@@ -43,6 +43,8 @@ def test_the_page_shows_each_builtin_with_formula_parameters_fields_and_citation
     for row in parameters(plugin):
         assert f"| `{row['name']}` |" in text and row["description"].split("``")[0] in text
     needs = "none: it reads the gates' objective" if kind == "reduction" else "`logp`, `action_mask`"
+    if kind == "reduction" and plugin.requires:  # a reduction over prompts reads the batch's group_id
+        needs = ", ".join(f"`{f}`" for f in plugin.requires)
     assert f"**Batch fields** — {needs}" in text
     assert citations(plugin) and all(f"**{c.split(':')[0]}** —" in text for c in citations(plugin))
 

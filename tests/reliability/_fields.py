@@ -120,6 +120,8 @@ def complete_fields(fields: dict[str, Any], recipe: Any, *, components: Componen
         "teacher_logp": lambda: (out.get("old_logp", logp).detach() + 0.3).clamp(max=0.0),
         "trajectory_id": lambda: torch.arange(logp.shape[0]),
         "anchor_id": lambda: torch.arange(logp.shape[0]) % 2,
+        # prompt_mean's prompt groups: pairs of consecutive rows
+        "group_id": lambda: torch.arange(logp.shape[0]) // 2,
     }
     # the log-probs first: sum_pi_squared is derived from old_logp
     for name in sorted(needed, key=lambda n: (not n.endswith("logp"), n)):

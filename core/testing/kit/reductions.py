@@ -14,7 +14,10 @@ def reduction_output_contract(s: Subject) -> None:
     f = check_fields()
     mask = f["action_mask"]
     objective = torch.where(mask, torch.randn(mask.shape, dtype=torch.float64), 0)
-    pop = Population(int(mask.sum()), mask.shape[0], 2, BUDGET)
+    groups = normalizer_for(f)  # the rows' prompt groups and their action tokens (a reduction over prompts reads them)
+    pop = Population(
+        int(mask.sum()), mask.shape[0], groups.groups, BUDGET, f["group_id"], groups.group_tokens, of_step=True
+    )
     out = s.plugin(objective, mask, mask.sum(-1), pop, s.param_model())
     if not isinstance(out, Tensor) or out.ndim != 0 or not out.is_floating_point():
         raise CheckFailed(
