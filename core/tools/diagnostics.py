@@ -262,30 +262,20 @@ def ppo_diagnostics(
         and logp.ndim == 2
     ):
         advantages = advantages.unsqueeze(-1).expand_as(logp)
-    c = Checks("ppo_diagnostics")
-    named = {
-        "logp": logp,
-        "old_logp": old_logp,
-        "advantages": advantages,
-        "entropy": entropy,
-        "values": values,
-        "old_values": old_values,
-        "returns": returns,
-    }
-    ok = _check_token_args(c, named, action_mask)
-    if advantages is not None:
-        _check_eps(c, eps_low, eps_high)
-    if logits is not None and entropy is not None:
-        c.fail("entropy", "give either logits or precomputed entropy, not both")
-    if logits is not None and ok:
-        c.tensor("logits", logits, ndim=(3,))
-        if isinstance(logits, Tensor) and tuple(logits.shape[:2]) != tuple(logp.shape):
-            c.fail("logits", f"must be [B, T, V] aligned with logp {list(logp.shape)}, got {list(logits.shape)}")
-    if value_clip_eps is not None:
-        c.number("value_clip_eps", value_clip_eps, ge=0.0, allow_inf=True)
-        if values is None or old_values is None or returns is None:
-            c.fail("value_clip_eps", "the value clip fraction needs values, old_values and returns")
-    c.raise_if_any()
+    _check_diagnostics_args(
+        logp,
+        old_logp,
+        action_mask,
+        advantages,
+        eps_low,
+        eps_high,
+        logits,
+        entropy,
+        values,
+        old_values,
+        returns,
+        value_clip_eps,
+    )
     if int(action_mask.sum()) == 0:
         raise LossplugError("ppo_diagnostics: action_mask: the micro-batch needs at least one action token, got none")
 
@@ -322,6 +312,47 @@ def ppo_diagnostics(
                 )
                 out["value/clip_frac"] = vl.clip_frac
     return out
+
+
+def _check_diagnostics_args(
+    logp: Tensor,
+    old_logp: Tensor,
+    action_mask: Tensor,
+    advantages: Tensor | None,
+    eps_low: float,
+    eps_high: float | None,
+    logits: Tensor | None,
+    entropy: Tensor | None,
+    values: Tensor | None,
+    old_values: Tensor | None,
+    returns: Tensor | None,
+    value_clip_eps: float | None,
+) -> None:
+    """:func:`ppo_diagnostics`' arguments, every problem reported at once."""
+    c = Checks("ppo_diagnostics")
+    named = {
+        "logp": logp,
+        "old_logp": old_logp,
+        "advantages": advantages,
+        "entropy": entropy,
+        "values": values,
+        "old_values": old_values,
+        "returns": returns,
+    }
+    ok = _check_token_args(c, named, action_mask)
+    if advantages is not None:
+        _check_eps(c, eps_low, eps_high)
+    if logits is not None and entropy is not None:
+        c.fail("entropy", "give either logits or precomputed entropy, not both")
+    if logits is not None and ok:
+        c.tensor("logits", logits, ndim=(3,))
+        if isinstance(logits, Tensor) and tuple(logits.shape[:2]) != tuple(logp.shape):
+            c.fail("logits", f"must be [B, T, V] aligned with logp {list(logp.shape)}, got {list(logits.shape)}")
+    if value_clip_eps is not None:
+        c.number("value_clip_eps", value_clip_eps, ge=0.0, allow_inf=True)
+        if values is None or old_values is None or returns is None:
+            c.fail("value_clip_eps", "the value clip fraction needs values, old_values and returns")
+    c.raise_if_any()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

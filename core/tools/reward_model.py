@@ -121,17 +121,7 @@ def pairwise_reward_loss(
         # set: a None is reported below when validating; without validation, set is the caller's promise
         values, attention_mask = cast(Tensor, values), cast(Tensor, attention_mask)
         if validate:
-            missing = [n for n, t in (("values", values), ("attention_mask", attention_mask)) if t is None]
-            for name in missing:
-                c.fail(name, "is required with the combined [2P, T] layout")
-            if not missing and _check_scores_args(c, values, attention_mask, "values", "attention_mask"):
-                if values.shape[0] % 2:
-                    c.fail(
-                        "values",
-                        "the combined layout needs an even number of rows (P chosen, then P rejected), "
-                        f"got {values.shape[0]}",
-                    )
-            c.raise_if_any()
+            _check_combined(c, values, attention_mask)
         half = values.shape[0] // 2
         chosen_values, rejected_values = values[:half], values[half:]
         chosen_mask, rejected_mask = attention_mask[:half], attention_mask[half:]
@@ -139,47 +129,14 @@ def pairwise_reward_loss(
         chosen_values, chosen_mask = cast(Tensor, chosen_values), cast(Tensor, chosen_mask)
         rejected_values, rejected_mask = cast(Tensor, rejected_values), cast(Tensor, rejected_mask)
     if not combined and validate:
-        pairs = (
-            ("chosen_values", chosen_values),
-            ("chosen_mask", chosen_mask),
-            ("rejected_values", rejected_values),
-            ("rejected_mask", rejected_mask),
-        )
-        missing = [n for n, t in pairs if t is None]
-        for name in missing:
-            c.fail(name, "is required with the separate chosen/rejected layout")
-        if not missing:
-            ok = _check_scores_args(c, chosen_values, chosen_mask, "chosen_values", "chosen_mask")
-            ok &= _check_scores_args(c, rejected_values, rejected_mask, "rejected_values", "rejected_mask")
-            if ok and chosen_values.shape[0] != rejected_values.shape[0]:
-                c.fail(
-                    "rejected_values",
-                    f"must have one row per chosen row: {chosen_values.shape[0]} chosen, "
-                    f"{rejected_values.shape[0]} rejected",
-                )
-        c.raise_if_any()
+        _check_separate(c, chosen_values, chosen_mask, rejected_values, rejected_mask)
     if validate:
-        if chosen_values.shape[0] == 0:
-            c.fail("values" if combined else "chosen_values", "needs at least one preference pair, got none")
-        if num_pairs is not None and c.number("num_pairs", num_pairs, gt=0, integer=True):
-            if num_pairs < chosen_values.shape[0]:
-                c.fail(
-                    "num_pairs",
-                    f"the global population ({num_pairs} pairs) is smaller than this micro-batch "
-                    f"({chosen_values.shape[0]} pairs); it must count the whole optimizer step",
-                )
-        c.raise_if_any()
+        _check_population(c, chosen_values.shape[0], num_pairs, "values" if combined else "chosen_values")
 
     chosen = _scores(chosen_values, chosen_mask)
     rejected = _scores(rejected_values, rejected_mask)
     if validate:
-        rule = "the score at the last non-padding token must be finite"
-        if combined:
-            c.when_any(~torch.isfinite(torch.cat([chosen, rejected]).detach()), "values", rule)
-        else:
-            c.when_any(~torch.isfinite(chosen.detach()), "chosen_values", rule)
-            c.when_any(~torch.isfinite(rejected.detach()), "rejected_values", rule)
-        c.raise_if_any()
+        _check_scores_finite(c, chosen, rejected, combined)
     margin = chosen - rejected
     if margin.dtype in (torch.float16, torch.bfloat16):
         margin = margin.float()
@@ -196,3 +153,66 @@ def pairwise_reward_loss(
             "reward_model/rejected_mean": rejected.detach().mean(),
         }
     return RewardModelOutput(loss=loss, chosen_scores=chosen, rejected_scores=rejected, metrics=metrics)
+
+
+def _check_combined(c: Checks, values: Tensor, attention_mask: Tensor) -> None:
+    """The combined ``[2P, T]`` layout: both tensors given, well-formed, an even number of rows."""
+    missing = [n for n, t in (("values", values), ("attention_mask", attention_mask)) if t is None]
+    for name in missing:
+        c.fail(name, "is required with the combined [2P, T] layout")
+    if not missing and _check_scores_args(c, values, attention_mask, "values", "attention_mask"):
+        if values.shape[0] % 2:
+            c.fail(
+                "values",
+                f"the combined layout needs an even number of rows (P chosen, then P rejected), got {values.shape[0]}",
+            )
+    c.raise_if_any()
+
+
+def _check_separate(
+    c: Checks, chosen_values: Tensor, chosen_mask: Tensor, rejected_values: Tensor, rejected_mask: Tensor
+) -> None:
+    """The separate chosen/rejected layout: all four tensors given, well-formed, one rejected row per chosen row."""
+    pairs = (
+        ("chosen_values", chosen_values),
+        ("chosen_mask", chosen_mask),
+        ("rejected_values", rejected_values),
+        ("rejected_mask", rejected_mask),
+    )
+    missing = [n for n, t in pairs if t is None]
+    for name in missing:
+        c.fail(name, "is required with the separate chosen/rejected layout")
+    if not missing:
+        ok = _check_scores_args(c, chosen_values, chosen_mask, "chosen_values", "chosen_mask")
+        ok &= _check_scores_args(c, rejected_values, rejected_mask, "rejected_values", "rejected_mask")
+        if ok and chosen_values.shape[0] != rejected_values.shape[0]:
+            c.fail(
+                "rejected_values",
+                f"must have one row per chosen row: {chosen_values.shape[0]} chosen, "
+                f"{rejected_values.shape[0]} rejected",
+            )
+    c.raise_if_any()
+
+
+def _check_population(c: Checks, pairs: int, num_pairs: int | None, values_name: str) -> None:
+    """At least one pair; ``num_pairs``, when given, a positive integer counting at least this micro-batch's."""
+    if pairs == 0:
+        c.fail(values_name, "needs at least one preference pair, got none")
+    if num_pairs is not None and c.number("num_pairs", num_pairs, gt=0, integer=True):
+        if num_pairs < pairs:
+            c.fail(
+                "num_pairs",
+                f"the global population ({num_pairs} pairs) is smaller than this micro-batch "
+                f"({pairs} pairs); it must count the whole optimizer step",
+            )
+    c.raise_if_any()
+
+
+def _check_scores_finite(c: Checks, chosen: Tensor, rejected: Tensor, combined: bool) -> None:
+    rule = "the score at the last non-padding token must be finite"
+    if combined:
+        c.when_any(~torch.isfinite(torch.cat([chosen, rejected]).detach()), "values", rule)
+    else:
+        c.when_any(~torch.isfinite(chosen.detach()), "chosen_values", rule)
+        c.when_any(~torch.isfinite(rejected.detach()), "rejected_values", rule)
+    c.raise_if_any()
