@@ -66,7 +66,7 @@ _MT_WORDS = 624
 def next_cpu_words(count: int) -> list[int]:
     """The next ``count`` 32-bit outputs of torch's default CPU generator (what ``randperm`` draws one by one), read
     from its state without advancing it."""
-    raw = torch.get_rng_state().numpy().tobytes()
+    raw = bytes(torch.get_rng_state().tolist())  # uint8 state; not .numpy(): NumPy is no dependency
     head = struct.calcsize(_STATE_HEAD)
     if len(raw) < head + 8 * _MT_WORDS:
         raise LossplugError(

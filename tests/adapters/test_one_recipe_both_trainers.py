@@ -39,13 +39,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("trl")
 pytest.importorskip("verl")
 
+import numpy as np  # verl's uid arrays; verl brings numpy
 from tensordict import TensorDict
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 from verl.utils import tensordict_utils as tu

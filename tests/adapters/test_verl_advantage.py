@@ -8,12 +8,12 @@ observation-token holes, ``uid`` as verl's numpy object array with scattered gro
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("verl")
 
+import numpy as np  # verl's uid arrays; verl brings numpy
 from omegaconf import OmegaConf
 from verl import DataProto
 from verl.trainer.ppo import core_algos

@@ -12,20 +12,20 @@ those are compared at float32 precision.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-import lossplug
-from lossplug.adapters.verl.equivalent.advantages import VERL_ESTIMATORS, advantage_stage
-from lossplug.contracts import LossplugError
+pytest.importorskip("verl.trainer.ppo.ray_trainer")  # first: lossplug.adapters.verl imports numpy, which verl brings
 
-pytest.importorskip("verl.trainer.ppo.ray_trainer")
-
+import numpy as np
 from omegaconf import OmegaConf
 from verl import DataProto
 from verl.trainer.ppo.core_algos import AdvantageEstimator
 from verl.trainer.ppo.ray_trainer import compute_advantage
+
+import lossplug
+from lossplug.adapters.verl.equivalent.advantages import VERL_ESTIMATORS, advantage_stage
+from lossplug.contracts import LossplugError
 
 F64 = torch.float64
 TOL = 1e-8

@@ -8,14 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-import lossplug
-from lossplug.adapters.verl.equivalent.rollout_correction import DEFAULTS, correction_gates, parse_is_threshold
-
-pytest.importorskip("verl")
+pytest.importorskip("verl")  # first: lossplug.adapters.verl imports numpy, which verl brings
 from verl.trainer.config.algorithm import RolloutCorrectionConfig
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo import rollout_corr_helper as verl_rc
 from verl.workers.config.actor import ActorConfig
+
+import lossplug
+from lossplug.adapters.verl.equivalent.rollout_correction import DEFAULTS, correction_gates, parse_is_threshold
 
 PPO = {"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.28}
 REDUCTIONS = {

@@ -134,6 +134,7 @@ def batch_tensors(**overrides):
 
 
 def save(path, tensors):
+    pytest.importorskip("safetensors")  # writing the file (lossplug reads it without safetensors)
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
@@ -458,6 +459,7 @@ class FlippedSignPlugin:
 
 
 def test_plot_gates_writes_a_png_through_the_real_plugins(tmp_path):
+    pytest.importorskip("matplotlib")
     gates = ["ppo_clip", "ppo_clip:dual_clip_c=3", "sapo", "icepop:low=0.8,high=2"]
     out = run("plot", "gates", "--out", str(tmp_path / "gates.png"), *[a for g in gates for a in ("--gate", g)])
     assert out.exit_code == 0, out.output
@@ -469,6 +471,7 @@ def test_plot_gates_writes_a_png_through_the_real_plugins(tmp_path):
 
 
 def test_plot_default_covers_every_gate_and_dual_clip():
+    pytest.importorskip("numpy")  # gate_coefficients returns a NumPy array
     from lossplug.cli import _gate_specs
     from lossplug.cli.gate_curves import NOT_PLOTTED, gate_coefficients
 
@@ -485,6 +488,7 @@ def test_plot_default_covers_every_gate_and_dual_clip():
 
 
 def test_plot_gate_coefficients_are_the_gradients():
+    pytest.importorskip("numpy")  # gate_coefficients returns a NumPy array
     from lossplug.cli.gate_curves import gate_coefficients
 
     r = [0.5, 0.9, 1.0, 1.1, 1.5]

@@ -46,6 +46,7 @@ def test_default_specs_put_update_gates_first_then_corrections():
 
 
 def test_coefficients_follow_the_clip_and_the_correction_weights():
+    pytest.importorskip("numpy")  # gate_coefficients returns a NumPy array
     r = [0.5, 1.0, 2.0]
     assert gate_coefficients({"name": "reinforce"}, r, 1.0).tolist() == pytest.approx([1.0, 1.0, 1.0])
     assert gate_coefficients({"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2}, r, -1.0).tolist() == pytest.approx(
@@ -63,6 +64,7 @@ def test_an_unknown_gate_is_a_recipe_error():
 def test_every_plotted_gate_draws_its_own_curve(spec):
     """The default plot shows each gate doing something reinforce's flat A does not, somewhere on the ratio axis
     (reinforce itself is the flat line), and is the policy gradient at ratio 1."""
+    pytest.importorskip("numpy")  # gate_coefficients returns a NumPy array
     curves = {adv: gate_coefficients(spec, RATIOS, adv) for adv in (1.0, -1.0)}
     for adv, coef in curves.items():
         assert coef[RATIOS.index(1.0)] == pytest.approx(adv, rel=1e-6)
@@ -73,6 +75,7 @@ def test_every_plotted_gate_draws_its_own_curve(spec):
 @pytest.mark.parametrize("name", sorted(NOT_PLOTTED))
 def test_gates_left_out_of_the_plot_are_flat_but_still_drawable(name):
     """What NOT_PLOTTED says stays true: on request the gate draws, and its curve is A at every ratio."""
+    pytest.importorskip("numpy")  # gate_coefficients returns a NumPy array
     for adv in (1.0, -1.0):
         assert gate_coefficients({"name": name}, RATIOS, adv).tolist() == pytest.approx([adv] * len(RATIOS))
 
@@ -86,5 +89,6 @@ def test_each_correction_is_drawn_against_the_ratio_it_reads():
 
 
 def test_dppo_is_drawn_where_its_probability_trust_region_binds():
+    pytest.importorskip("numpy")  # gate_coefficients returns a NumPy array
     # π_old = 0.2: a gap π_θ − π_old above eps_high (0.2, verl's clip_ratio_high) cuts A > 0 beyond r = 2
     assert gate_coefficients({"name": "dppo_tv"}, [1.5, 2.5], 1.0).tolist() == pytest.approx([1.5, 0.0])

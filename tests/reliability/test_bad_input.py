@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import pydantic
 import pytest
 import torch
@@ -373,7 +372,7 @@ CASES: list[Case] = [
     ),
     C(
         "a field is a numpy array",
-        lambda: batch(logp=np.zeros((B, T))),
+        lambda: batch(logp=pytest.importorskip("numpy").zeros((B, T))),
         ("logp", "must be a torch.Tensor", "ndarray"),
         BatchValidationError,
     ),
@@ -1129,7 +1128,7 @@ def test_the_catalogue_is_large_and_named_uniquely():
 @pytest.mark.parametrize("case", [_param(c) for c in CASES])
 def test_bad_input_is_a_clear_lossplug_error(case: Case, contract_flag_path):
     """Each case twice: the contract's value rules resolved on the host and as flag tensors (conftest)."""
-    with pytest.raises(BaseException) as info:
+    with pytest.raises(Exception) as info:  # not BaseException: a case's importorskip still skips
         case.build()
     err = info.value
     assert isinstance(err, LossplugError), f"{case.name}: raw {type(err).__module__}.{type(err).__name__}: {err}"
@@ -1192,6 +1191,7 @@ def _touch(path):
 
 
 def _bad_batch_files(tmp_path):
+    pytest.importorskip("safetensors")  # writes the good file the others are made from
     from safetensors.torch import save_file
 
     tensors = {k: v.contiguous() for k, v in fields().items()}
@@ -1278,7 +1278,13 @@ DTYPES = [
 ]
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 SPECIAL = [NAN, INF, -INF, 5.0, 1e6, -1e6]
-ALIENS = [3, [1.0, 2.0], "logp", np.zeros(2)]
+ALIENS: list[Any] = [3, [1.0, 2.0], "logp"]
+try:  # NumPy is no dependency of lossplug: a core-only install draws the other aliens
+    import numpy as np
+
+    ALIENS.append(np.zeros(2))
+except ImportError:
+    pass
 
 SHAPES = {
     "logp": "BT",
@@ -1502,6 +1508,7 @@ def test_the_validate_command_names_the_newer_plugins_missing_and_bad_fields(tmp
     # a recipe reading entropy (top_entropy gate, entropy bonus), reward_components (gdpo) and sum_pi_squared: a
     # dump without them is refused naming each field and the stage that needs it; one with them passes; one whose
     # sum_pi_squared is out of [0, 1] is refused naming the rule and position
+    pytest.importorskip("safetensors")
     from safetensors.torch import save_file
     from typer.testing import CliRunner
 

@@ -14,7 +14,6 @@ GDPO is the exception: verl 0.9.1 computes it in float32 (``np.float32`` compone
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -26,6 +25,7 @@ from lossplug.contracts import LossplugError
 pytest.importorskip("verl")
 pytest.importorskip("verl.trainer.ppo.ray_trainer")
 
+import numpy as np  # verl's uid arrays; verl brings numpy
 from omegaconf import OmegaConf
 from verl import DataProto
 from verl.trainer.ppo import core_algos

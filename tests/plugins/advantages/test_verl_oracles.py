@@ -13,13 +13,13 @@ Documented differences, each pinned by a test below:
   ``terminated``/``final_value`` have no verl counterpart).
 """
 
-import numpy as np
 import pytest
 import torch
 
 import lossplug
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+np = pytest.importorskip("numpy")  # verl's uid arrays; verl brings numpy
 
 F64 = torch.float64
 
