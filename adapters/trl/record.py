@@ -3,15 +3,13 @@ and versions written next to a run (:func:`write_record`)."""
 
 from __future__ import annotations
 
-import importlib.metadata as _md
 import json
-import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import lossplug
 from lossplug.adapters.trl.state import adapter_state, grpo_config
 from lossplug.contracts import LogProbSource, Provenance
+from lossplug.versions import installed
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer
@@ -65,14 +63,9 @@ ENTROPY_SETTINGS = (
 
 
 def versions() -> dict[str, str]:
-    """The versions of lossplug, Python and the libraries a TRL run depends on (those installed)."""
-    out = {"lossplug": lossplug.__version__, "python": platform.python_version()}
-    for dist in ("trl", "transformers", "torch", "accelerate", "vllm", "peft"):
-        try:
-            out[dist] = _md.version(dist)
-        except _md.PackageNotFoundError:
-            pass
-    return out
+    """The versions of lossplug, Python and the libraries a run depends on (those installed): what
+    ``lossplug --version`` prints (:func:`lossplug.versions.installed`)."""
+    return installed()
 
 
 def trl_provenance(trainer: GRPOTrainer) -> Provenance:

@@ -82,7 +82,7 @@ from lossplug.adapters.verl.config import (
 from lossplug.adapters.verl.equivalent import verl_equivalent
 from lossplug.adapters.verl.policy_loss import LOSS_AGG_MODES, compute_policy_loss_lossplug, verl_normalizer
 from lossplug.adapters.verl.registration import ENTRY_POINT_GROUP, MODULE, NAME, check_registration, register
-from lossplug.adapters.verl.trl_beside import trl_breaks_verl, warn_if_trl_breaks_verl
+from lossplug.adapters.verl.trl_beside import trl_breaks_verl
 
 __all__ = [
     "NAME",
@@ -105,4 +105,3 @@ __all__ = [
 ]
 
 register()
-warn_if_trl_breaks_verl()

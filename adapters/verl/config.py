@@ -13,6 +13,7 @@ from verl.workers.config import PolicyLossConfig
 
 import lossplug
 from lossplug.adapters.verl.registration import NAME, check_registration
+from lossplug.adapters.verl.trl_beside import warn_if_trl_breaks_verl
 from lossplug.contracts import LossplugError, Recipe
 from lossplug.pipeline import metric_level
 
@@ -133,3 +134,4 @@ class LossplugPolicyLossConfig(PolicyLossConfig):
             return
         check_registration(estimator=False)
         load_recipe(self.recipe, POLICY_RECIPE_KEY)
+        warn_if_trl_breaks_verl()  # this process builds a verl actor: where TRL beside verl fails

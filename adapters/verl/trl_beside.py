@@ -1,6 +1,8 @@
 """TRL beside verl: verl's FSDP workers import ``AutoModelForCausalLMWithValueHead`` from any importable TRL, which
-TRL ≥ 1.0 does not have (:func:`trl_breaks_verl`); importing :mod:`lossplug.adapters.verl` warns once when that is
-the environment."""
+TRL ≥ 1.0 does not have (:func:`trl_breaks_verl`). The warning speaks where that matters, once per process: when a
+verl actor is configured with ``loss_mode=lossplug`` (:class:`~lossplug.adapters.verl.LossplugPolicyLossConfig`,
+built in each FSDP worker before its model) — not at every ``import verl``, which a test suite or a TRL run in an
+environment holding both may do without ever building a verl actor."""
 
 from __future__ import annotations
 

@@ -91,9 +91,8 @@ def test_import_verl_alone_registers_lossplug_and_none_disables_it(tmp_path):
     assert auto["estimator"] == "compute_lossplug_advantage"
     assert auto["check"] == "ok"
 
-    # the TRL-beside-verl trap is named at `import verl`, once, exactly when this environment has it
-    expected = adapter.trl_breaks_verl()
-    assert auto["trl_warnings"] == ([] if expected is None else [expected])
+    # `import verl` alone says nothing of TRL beside verl: only a verl actor configured with lossplug does
+    assert auto["trl_warnings"] == []
 
     none = results["none"]
     assert not none["imported_by_verl"] and not none["resolvable"], none
@@ -325,6 +324,23 @@ def test_trl_beside_verl_is_detected_without_importing_trl(
         assert "monkey_patch.py" in problem and "pip uninstall trl" in problem and "lossplug[verl]" in problem
     else:
         assert problem is None
+
+
+def test_trl_beside_verl_is_named_once_when_a_lossplug_actor_is_configured(monkeypatch):
+    import warnings
+
+    from lossplug.adapters import common
+    from lossplug.adapters.verl import trl_beside
+
+    monkeypatch.setattr(common, "ONCE_WARNED", set())
+    monkeypatch.setattr(trl_beside, "trl_breaks_verl", lambda: "lossplug: TRL 1.16.0 is installed beside verl")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        adapter.LossplugPolicyLossConfig(loss_mode="vanilla")  # not lossplug's actor: nothing to say
+        assert caught == []
+        for _ in range(3):
+            adapter.LossplugPolicyLossConfig(loss_mode="lossplug", recipe="dapo")
+    assert [str(w.message) for w in caught] == ["lossplug: TRL 1.16.0 is installed beside verl"]
 
 
 def test_no_trl_no_warning(monkeypatch):
