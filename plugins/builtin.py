@@ -122,10 +122,12 @@ def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> 
         probability_trust_region.ipo,
     ):
         register(field_gate)
-    # found missing by the field inventory (docs/field.md): OpenRLHF's binary-KL / TV engine trust region
-    from lossplug.plugins.gates import engine_divergence
+    # found missing by the field inventory (docs/field.md): OpenRLHF's binary-KL / TV engine trust region, SkyRL's
+    # outlier-token rejection
+    from lossplug.plugins.gates import engine_divergence, outlier_mask
 
     register(engine_divergence.engine_divergence_mask)
+    register(outlier_mask.outlier_sequence_mask)
 
 
 @lossplug.hookimpl

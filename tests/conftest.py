@@ -155,6 +155,7 @@ BUILTIN_GATES = frozenset(
         "ipo",
         # found missing by the field inventory (docs/field.md)
         "engine_divergence_mask",
+        "outlier_sequence_mask",
     }
 )
 
