@@ -27,15 +27,34 @@ AREAL_VERSION = "1.0.4"
 #: the functions taken from each of AReaL's files
 FUNCTIONAL = ("RejectionSamplingResult", "_check_bounds", "apply_rejection_sampling", "ppo_actor_loss_fn")
 ACTOR = ("compute_prox_logp_approximations", "_apply_m2po_masking", "_get_m2po_loss_mask")
+#: AReaL's two float32 casts, whatever the log-probs' dtype (the behaviour weight's log-ratio, the versions' α), and
+#: the same lines in float64: with them the oracles can demand float64 agreement, which shows those casts are the
+#: only difference
+FLOAT32_CASTS = {
+    "functional.py": (
+        "proximal_logprobs.detach().float() - old_logprobs.detach().float()",
+        "proximal_logprobs.detach() - old_logprobs.detach()",
+    ),
+    "actor.py": ("v_behave = versions.float()", "v_behave = versions.double()"),
+}
 
 
-def _definitions(path: Path, names: tuple[str, ...], module_name: str, namespace: dict[str, Any]) -> dict[str, Any]:
+def _definitions(
+    path: Path, names: tuple[str, ...], module_name: str, namespace: dict[str, Any], float64: bool = False
+) -> dict[str, Any]:
     """Execute the top-level definitions ``names`` of the Python file ``path`` in a module ``module_name`` that
-    holds ``namespace`` (registered in ``sys.modules``: a dataclass looks its module up)."""
-    tree = ast.parse(path.read_text(), str(path))
+    holds ``namespace`` (registered in ``sys.modules``: a dataclass looks its module up); ``float64``: with
+    :data:`FLOAT32_CASTS` in float64."""
+    text = path.read_text()
+    if float64:
+        cast, wide = FLOAT32_CASTS[path.name]
+        assert cast in text, f"AReaL's {path.name} no longer reads {cast!r}"
+        text = text.replace(cast, wide)
+    tree = ast.parse(text, str(path))
     nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name in names]
     missing = set(names) - {n.name for n in nodes}
     assert not missing, f"AReaL's {path.name} no longer defines {sorted(missing)}"
+    module_name += "_float64" if float64 else ""
     module = types.ModuleType(module_name)
     module.__dict__.update(namespace)
     sys.modules[module_name] = module
@@ -47,6 +66,16 @@ def _definitions(path: Path, names: tuple[str, ...], module_name: str, namespace
 def areal() -> types.SimpleNamespace:
     """AReaL's ``ppo_actor_loss_fn``, ``apply_rejection_sampling``, ``compute_prox_logp_approximations`` and the
     M2PO mask, plus ``rejection_config(**kw)`` building the ``RejectionSamplingConfig`` they read."""
+    return _load_areal(float64=False)
+
+
+@pytest.fixture(scope="session")
+def areal_float64() -> types.SimpleNamespace:
+    """:func:`areal` with its two float32 casts in float64 (:data:`FLOAT32_CASTS`)."""
+    return _load_areal(float64=True)
+
+
+def _load_areal(float64: bool) -> types.SimpleNamespace:
     spec = importlib.util.find_spec("areal")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip(f"AReaL is not installed (pip install --no-deps areal=={AREAL_VERSION} runs this oracle)")
@@ -67,12 +96,14 @@ def areal() -> types.SimpleNamespace:
         FUNCTIONAL,
         "areal_oracle_functional",
         {**base, "RejectionSamplingConfig": object, "KLEstimator": None},
+        float64,
     )
     actor = _definitions(
         root / "trainer" / "ppo" / "actor.py",
         ACTOR,
         "areal_oracle_actor",
         {**base, **{k: v for k, v in vars(constants).items() if not k.startswith("__")}},
+        float64,
     )
 
     def rejection_config(

@@ -196,6 +196,20 @@ def test_matches_areal(areal, method):
     print(f"decoupled_ppo[{method}] vs AReaL", worst)
 
 
+@pytest.mark.parametrize("method", PROX)
+def test_matches_areal_in_float64_once_its_two_float32_casts_are_float64(areal_float64, method):
+    worst = dict(loss_abs=0.0, loss_rel=0.0, grad_abs=0.0, grad_rel=0.0)
+    for (B, T), seed in zip(SHAPES, range(10, 10 + len(SHAPES))):
+        f = async_batch(B, T, seed)
+        for params, areal_params in CASES:
+            result, grad = ours(f, method, params)
+            expected_loss, expected_grad = areal_loss(areal_float64, f, method, areal_params)
+            torch.testing.assert_close(result.loss.detach(), expected_loss, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-14)
+            _errors(worst, result.loss, grad, expected_loss, expected_grad)
+    print(f"decoupled_ppo[{method}] vs AReaL, its float32 casts in float64", worst)
+
+
 @given(
     eps_low=st.floats(0.01, 0.9),
     eps_high=st.floats(0.01, 2.0),
