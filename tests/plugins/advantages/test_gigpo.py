@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -133,6 +132,7 @@ def test_discounted_returns_follow_batch_order_within_a_trajectory():
 @pytest.mark.parametrize("gamma", [0.95, 1.0])
 def test_matches_verl_agent(seed, mode, gamma):
     core_gigpo = pytest.importorskip("gigpo.core_gigpo")
+    np = pytest.importorskip("numpy")  # verl-agent's uid arrays; verl-agent brings numpy
     batch, lengths = episodes(seed)
     B = batch.batch_size
     mask = batch.action_mask

@@ -6,7 +6,6 @@ changes nothing.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -64,6 +63,7 @@ def transcribed(reward, group, eps, nonpositive_mean, singleton):
 @pytest.mark.parametrize("binary", [True, False])
 def test_matches_skyrl_compute_maxrl_advantage(sizes, binary):
     ppo_utils = pytest.importorskip("skyrl.backends.skyrl_train.utils.ppo_utils")
+    np = pytest.importorskip("numpy")  # SkyRL's uid arrays; SkyRL brings numpy
     gen = torch.Generator().manual_seed(len(sizes) + 7 * binary)
     batch, token_rewards, mask = batch_for(gen, sizes, binary=binary)
     index = np.array([f"uid-{int(g)}" for g in batch.group_id], dtype=object)
