@@ -23,7 +23,9 @@ ratio).
 Reference: OpenRLHF 0.11.0 (``pip download openrlhf==0.11.0``), ``openrlhf/models/loss.py`` ``PolicyLoss.forward``
 (``vllm_is_correction_type="seq-mask-tis"``, ``vllm_is_truncated_threshold=[low, high]``; CLI
 ``--algo.advantage.is_correction_type seq-mask-tis``, ``--algo.advantage.is_correction_threshold`` default
-``0.5 5.0``); NeMo-RL (NVIDIA-NeMo/RL, commit 7ea279ab) ``nemo_rl/algorithms/loss/loss_functions.py``
+``0.5 5.0``) — the same rule in OpenRLHF 0.11.2 as ``is_correction_level: seq``, ``is_correction_mode: mask``,
+``is_correction_gating: ratio`` (``is_correction_threshold: [low, high]``), whose ``torch.where`` gives 0, not NaN,
+in a dropped response; NeMo-RL (NVIDIA-NeMo/RL, commit 7ea279ab) ``nemo_rl/algorithms/loss/loss_functions.py``
 ``ClippedPGLossFn`` (``truncated_importance_sampling_type: seq-mask-tis``, ``truncated_importance_sampling_ratio_min``
 = low, ``truncated_importance_sampling_ratio`` = high, with ``use_importance_sampling_correction: true``).
 """

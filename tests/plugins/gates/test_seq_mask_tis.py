@@ -1,10 +1,13 @@
 """seq_mask_tis: OpenRLHF's and NeMo-RL's seq-mask-tis correction, after PPO's clip (OpenRLHF's ``ppo`` loss).
 
 Oracles, float64, loss and gradient: the rule transcribed here from OpenRLHF 0.11.0 and NeMo-RL (always), and
-OpenRLHF's own ``PolicyLoss`` where it is installed.
+OpenRLHF's own ``PolicyLoss`` where it is installed (0.11.0's ``vllm_is_correction_type="seq-mask-tis"`` or 0.11.2's
+``is_correction_level="seq"``, ``is_correction_mode="mask"``, ``is_correction_gating="ratio"``).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -66,13 +69,19 @@ def loss_module():
 @pytest.mark.parametrize("B,T", SHAPES)
 @pytest.mark.parametrize("low,high", BOUNDS)
 def test_against_openrlhf(loss_module, B, T, low, high):
-    policy_loss = loss_module.PolicyLoss(
-        clip_eps_low=0.2,
-        clip_eps_high=0.2,
-        enable_vllm_is_correction=True,
-        vllm_is_truncated_threshold=[low, high],
-        vllm_is_correction_type="seq-mask-tis",
-    )
+    if "is_correction_level" in inspect.signature(loss_module.PolicyLoss).parameters:  # OpenRLHF ≥ 0.11.2
+        options = dict(is_correction_level="seq", is_correction_mode="mask", is_correction_gating="ratio")
+        policy_loss = loss_module.PolicyLoss(
+            clip_eps_low=0.2, clip_eps_high=0.2, **options, is_correction_threshold=[low, high]
+        )
+    else:  # OpenRLHF 0.11.0
+        policy_loss = loss_module.PolicyLoss(
+            clip_eps_low=0.2,
+            clip_eps_high=0.2,
+            enable_vllm_is_correction=True,
+            vllm_is_truncated_threshold=[low, high],
+            vllm_is_correction_type="seq-mask-tis",
+        )
     for seed in range(3):
         f = fields(B, T, seed, token_advantage=True)
         result, grad = run(f, low, high)
