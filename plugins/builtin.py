@@ -48,11 +48,13 @@ def lossplug_register_advantages(register: Callable[[lossplug.AdvantagePlugin], 
 
     for field_estimator in (maxrl.maxrl, gigpo.gigpo, distillation.opd):
         register(field_estimator)
-    # found missing by the field inventory (docs/field.md): NeMo-RL's leave-one-out GRPO, a batch baseline
-    from lossplug.plugins.advantages import batch_normalized, grpo_loo
+    # found missing by the field inventory (docs/field.md): NeMo-RL's leave-one-out GRPO, a batch baseline, AReaL's
+    # token-weighted normalisation
+    from lossplug.plugins.advantages import batch_normalized, grpo_loo, length_weighted
 
     register(grpo_loo.grpo_loo)
     register(batch_normalized.batch_normalized)
+    register(length_weighted.length_weighted_grpo)
 
 
 @lossplug.hookimpl
