@@ -102,7 +102,8 @@ def live() -> dict[str, Any]:
         "broken": [{"origin": b.origin, "error": b.error} for b in reg.broken],
         "duplicates": [{"kind": k, "name": n, "sources": list(v)} for (k, n), v in reg.duplicates.items()],
     }
-    return json.loads(json.dumps(data, default=str))
+    as_json: dict[str, Any] = json.loads(json.dumps(data, default=str))
+    return as_json
 
 
 def snapshot() -> dict[str, Any] | None:
