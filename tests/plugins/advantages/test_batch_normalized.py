@@ -50,7 +50,7 @@ def roll_batch_norm(score):
 
 CASES = [
     ({}, rllm_prpo),
-    ({"center": False, "scale": False}, lambda s: s.clone()),  # rLLM reinforce, NeMo-RL raw_reward
+    ({"center": "none", "scale": False}, lambda s: s.clone()),  # rLLM reinforce, NeMo-RL raw_reward
     ({"scale": False}, lambda s: s - s.mean()),  # OpenRLHF flash_reinforce
     ({"std": "sample"}, roll_batch_norm),
 ]
@@ -80,6 +80,35 @@ def test_loss_and_gradient_of_reinforce_with_it(params, oracle):
     torch.testing.assert_close(logp.grad, reference.grad, atol=ATOL, rtol=RTOL)
 
 
+def rllm_reinforce_plus_plus_baseline(score, group):
+    """rLLM's per-group centring, then the batch's population std of the centred rewards (numpy), ε 1e-6."""
+    np = pytest.importorskip("numpy")  # the transcription is rLLM's numpy code
+    r, g = score.numpy(), group.numpy()
+    centred = r.copy()
+    for k in np.unique(g):
+        centred[g == k] = r[g == k] - np.mean(r[g == k])
+    return torch.from_numpy(centred / (np.std(centred) + 1e-6))
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_group_centring_matches_rllms_reinforce_plus_plus_baseline(binary):
+    for seed in range(4):
+        batch, score = batch_for(seed, B=12, binary=binary)
+        group = torch.arange(12) % 4
+        group[:3] = 4  # a group of three
+        score[group == 4] = 0.5  # all equal: exactly 0
+        batch = batch.replace(reward=score, group_id=group)
+        adv = lossplug.compute_advantages(batch, recipe(center="group"))
+        torch.testing.assert_close(adv, rllm_reinforce_plus_plus_baseline(score, group), atol=ATOL, rtol=RTOL)
+        assert torch.equal(adv[group == 4], torch.zeros(3, dtype=F64))
+
+
+def test_group_centring_needs_group_id():
+    batch, _ = batch_for(0)
+    with pytest.raises(lossplug.LossplugError, match="group_id"):
+        lossplug.compute_advantages(batch, recipe(center="group"))
+
+
 @pytest.mark.parametrize("params", [{}, {"scale": False}, {"std": "sample", "eps": 0.0}])
 def test_a_constant_batch_gets_zero_when_centred(params):
     batch, _ = batch_for(1)
@@ -105,6 +134,6 @@ def test_order_changes_nothing_and_groups_are_ignored(seed, B):
 
 
 def test_parameters_are_checked():
-    for bad in ({"std": "group"}, {"eps": -1.0}, {"center": "maybe"}):
+    for bad in ({"std": "group"}, {"eps": -1.0}, {"center": "prompt"}):
         with pytest.raises(lossplug.RecipeError, match="batch_normalized"):
             recipe(**bad)
