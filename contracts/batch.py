@@ -1,21 +1,25 @@
 """The batch contracts: :class:`PolicyBatch` (padded ``[B, T]``) and :class:`PackedTransitions` (packed 1-D).
 
-Both are pydantic models holding torch tensors, validated the way pydantic validates: a ``before`` validator names
-unknown fields (with a did-you-mean), non-tensors and missing fields in lossplug's terms, pydantic's own field
-validation stores the tensors, and an ``after`` validator runs the contract — the class's rule table
-(:mod:`lossplug.contracts.batch_rules`) — in one O(N) pass of vectorised checks with a single host synchronisation;
-every violated rule is reported at once, each naming the field, the rule and the offending rows/positions.
-``PolicyBatch.unchecked(...)`` builds one without checks for the hot path (pydantic's ``model_construct``).
+Both are frozen dataclasses of torch tensors. Constructing one checks that every keyword is a field and every value
+a dense tensor (or None), then runs the contract — the class's rule table (:mod:`lossplug.contracts.batch_rules`)
+— in one O(N) pass of vectorised checks with a single host synchronisation; every violated rule is reported at
+once, each naming the field, the rule and the offending rows/positions. ``PolicyBatch.unchecked(...)`` builds one
+without checks for the hot path; ``check()`` runs the contract later.
+
+They are dataclasses rather than pydantic models because a contract is built once per micro-batch in a trainer's
+hot loop: pydantic's validation would only repeat the tensor-or-None test at several µs more per batch (far more
+with the caches cold from the loss step), and bypassing it meant writing pydantic's internals.
 
 Masked (non-action) positions may hold anything, NaN and inf included: nothing downstream reads them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
 
 from .batch_rules import (
     ENTROPY_TOLERANCE,
@@ -45,53 +49,54 @@ Tensor = torch.Tensor
 _M = TypeVar("_M", bound="_TensorModel")
 
 
-class _TensorModel(BaseModel):
-    """Shared machinery: tensor-only fields, typo-aware unknown-field errors, checked/unchecked construction; each
-    contract's rules are its ``RULES`` table."""
+class _TensorModel:
+    """Shared machinery of the batch contracts (frozen dataclasses of tensors): keyword-only construction that
+    checks, typo-aware unknown-field errors, unchecked construction; each contract's rules are its ``RULES`` table."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
-    _validated: bool = PrivateAttr(default=False)
     RULES: ClassVar[RuleTable]
-    #: per contract, set when the class is built: its field names and the required ones
-    _FIELD_NAMES: ClassVar[frozenset[str]] = frozenset()
+    #: per contract (set by :func:`_declare`): its field names in declaration order, the required ones, the defaults
+    FIELD_NAMES: ClassVar[tuple[str, ...]] = ()
+    _NAMES: ClassVar[frozenset[str]] = frozenset()
     _REQUIRED: ClassVar[tuple[str, ...]] = ()
+    _DEFAULTS: ClassVar[dict[str, None]] = {}
 
-    @classmethod
-    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
-        super().__pydantic_init_subclass__(**kwargs)
-        cls._FIELD_NAMES = frozenset(cls.model_fields)
-        cls._REQUIRED = tuple(name for name, info in cls.model_fields.items() if info.is_required())
-
-    @model_validator(mode="before")
-    @classmethod
-    def _tensors_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and cls._plain_tensors(data):
-            return data
-        if not isinstance(data, dict):
-            raise BatchValidationError(
-                cls.__name__, [Violation("<batch>", f"expected keyword fields, got {type(data).__name__}")]
-            )
-        checks = Checks(cls.__name__)
-        fields = cls.model_fields
-        for key in data:
-            if key not in fields:
-                checks.fail(key, "unknown field" + did_you_mean(key, fields), f"fields are: {', '.join(fields)}")
-        cls._field_types({k: v for k, v in data.items() if k in fields}, checks)
-        checks.raise_if_any()
-        return data
+    def __init__(self, *args: object, **data: Any) -> None:
+        cls = type(self)
+        if args or not cls._plain_tensors(data):
+            cls._refuse(args, data)
+        self.__dict__.update(cls._DEFAULTS)  # (frozen: the fields are set past __setattr__, as dataclasses do)
+        self.__dict__.update(data)
+        self.check(types_checked=True)
 
     @classmethod
     def _plain_tensors(cls, data: dict[str, Any]) -> bool:
         """Every key a field, every value a dense tensor or None, every required field given: the common case, tested
-        without building a report (:meth:`_field_types` names what is wrong otherwise)."""
-        names = cls._FIELD_NAMES
+        without building a report (:meth:`_refuse` names what is wrong otherwise)."""
+        defaults = cls._DEFAULTS
         strided = torch.strided
         for key, value in data.items():
-            if key not in names or (
-                value is not None and (not isinstance(value, torch.Tensor) or value.layout != strided)
-            ):
+            if value is None:
+                if key not in defaults:  # an unknown field, or a required one given as None
+                    return False
+            elif not isinstance(value, torch.Tensor) or value.layout != strided or key not in cls._NAMES:
                 return False
         return all(data.get(key) is not None for key in cls._REQUIRED)
+
+    @classmethod
+    def _refuse(cls, args: tuple[object, ...], data: dict[str, Any]) -> None:
+        """Raise :class:`BatchValidationError` naming every keyword that is not a field, every value that is not a
+        dense tensor and every missing required field."""
+        if args:
+            raise BatchValidationError(
+                cls.__name__, [Violation("<batch>", f"expected keyword fields, got {type(args[0]).__name__}")]
+            )
+        checks = Checks(cls.__name__)
+        names = cls.FIELD_NAMES
+        for key in data:
+            if key not in names:
+                checks.fail(key, "unknown field" + did_you_mean(key, names), f"fields are: {', '.join(names)}")
+        cls._field_types({k: v for k, v in data.items() if k in names}, checks)
+        checks.raise_if_any()
 
     @classmethod
     def _field_types(cls, values: dict[str, Any], checks: Checks) -> None:
@@ -107,20 +112,19 @@ class _TensorModel(BaseModel):
             if values.get(key) is None:
                 checks.fail(key, "is required")
 
-    @model_validator(mode="after")
-    def _run_contract(self) -> _TensorModel:
-        self.check(types_checked=True)
-        return self
-
     @classmethod
     def unchecked(cls: type[_M], **fields: Tensor | None) -> _M:
-        """Build without any validation (hot path). ``policy_loss(validate="full")`` still checks it later."""
-        # None: _fields_set, as by default; the pydantic plugin types model_construct on the declaring class
-        return cls.model_construct(None, **fields)  # type: ignore[return-value]
+        """Build without any validation (hot path). ``policy_loss(validate="full")`` still checks it later. Unknown
+        keywords are dropped; a required field not given stays unset (``check()`` names it)."""
+        batch = cls.__new__(cls)
+        batch.__dict__.update(cls._DEFAULTS)
+        batch.__dict__.update((k, v) for k, v in fields.items() if k in cls._NAMES)
+        return batch
 
     @property
     def validated(self) -> bool:
-        return self._validated
+        """Whether the contract ran on this batch and every rule held."""
+        return self.__dict__.get("_validated", False)
 
     def check(self, types_checked: bool = False) -> None:
         """Run every contract rule; raise :class:`BatchValidationError` listing all violations.
@@ -128,16 +132,27 @@ class _TensorModel(BaseModel):
         The quick path (:meth:`RuleTable.passes`) runs first — once per micro-batch in a trainer's hot loop, no
         report built — and only if it fails, or does not apply (an accelerator), is the report built."""
         cls = type(self)
+        fields = self.__dict__  # the field values, by name
         if not types_checked:  # (an unchecked batch may hold anything) the rules assume tensors
             checks = Checks(cls.__name__)
-            cls._field_types({k: getattr(self, k, None) for k in cls.model_fields}, checks)
+            cls._field_types({k: fields.get(k) for k in cls.FIELD_NAMES}, checks)
             checks.raise_if_any()
-        fields = self.__dict__  # the field values, by name
         if not cls.RULES.passes(fields):
             checks = Checks(cls.__name__)
             cls.RULES.report(checks, fields)
             checks.raise_if_any()
-        self._validated = True
+        fields["_validated"] = True  # (not a field: the rule table reads fields by name)
+
+    def __repr__(self) -> str:
+        values = self.__dict__
+        shown = (
+            f"{k}=<{'x'.join(map(str, v.shape))} {str(v.dtype).removeprefix('torch.')} {v.device}>"
+            if isinstance(v, torch.Tensor)
+            else f"{k}={v!r}"
+            for k in type(self).FIELD_NAMES
+            if (v := values.get(k)) is not None
+        )
+        return f"{type(self).__name__}({', '.join(shown)})"
 
     def replace(self: _M, **fields: Tensor | None) -> _M:
         """A copy with some fields replaced, validated again."""
@@ -145,9 +160,22 @@ class _TensorModel(BaseModel):
 
     def fields(self) -> dict[str, Tensor]:
         """The tensors that are set, by field name."""
-        return {k: getattr(self, k) for k in type(self).model_fields if getattr(self, k) is not None}
+        values = self.__dict__
+        return {k: values[k] for k in type(self).FIELD_NAMES if values.get(k) is not None}
 
 
+def _declare(cls: type[_M]) -> type[_M]:
+    """Record a contract's fields (its dataclass fields, in declaration order) for construction and checks."""
+    declared = dataclasses.fields(cls)  # type: ignore[arg-type]
+    cls.FIELD_NAMES = tuple(f.name for f in declared)
+    cls._NAMES = frozenset(cls.FIELD_NAMES)
+    cls._REQUIRED = tuple(f.name for f in declared if f.default is dataclasses.MISSING)
+    cls._DEFAULTS = {f.name: None for f in declared if f.default is not dataclasses.MISSING}
+    return cls
+
+
+@_declare
+@dataclass(frozen=True, eq=False, init=False, repr=False)
 class PolicyBatch(_TensorModel):
     """A padded batch of B responses of up to T tokens.
 
@@ -218,6 +246,8 @@ class PolicyBatch(_TensorModel):
         return self.action_mask.sum(-1)
 
 
+@_declare
+@dataclass(frozen=True, eq=False, init=False, repr=False)
 class PackedTransitions(_TensorModel):
     """The packed layout: N transitions of several trajectories laid end to end, all ``[N]``.
 

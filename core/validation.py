@@ -35,7 +35,7 @@ def missing_fields(batch: PolicyBatch | PackedTransitions, fields: Iterable[str]
     contract = type(batch)
     out: list[Violation] = []
     for name in fields:
-        if name not in contract.model_fields:
+        if name not in contract.FIELD_NAMES:
             out.append(Violation(name, f"required by {who}, but the {contract.__name__} layout has no such field"))
         elif getattr(batch, name) is None:
             hint = " (for a single on-policy step pass old_logp=logp.detach())" if name == "old_logp" else ""

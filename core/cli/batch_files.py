@@ -215,7 +215,7 @@ def _contract_violations(tensors: dict[str, Any], contract: Contract) -> tuple[l
         violations = list(err.violations)
     # The contract stops at the first layer of problems (unknown fields; then dtypes and shapes, before the value
     # rules). Name everything at once: check again without the unknown fields, then also with 0/1 masks as bool.
-    known = {k: v for k, v in tensors.items() if k in contract.model_fields}
+    known = {k: v for k, v in tensors.items() if k in contract.FIELD_NAMES}
     as_bool = dict(known)
     for name in ("action_mask", "terminated", "boundary"):
         t = as_bool.get(name)

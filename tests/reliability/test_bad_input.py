@@ -390,7 +390,7 @@ CASES: list[Case] = [
     ),
     C(
         "the batch is not keyword fields",
-        lambda: PolicyBatch.model_validate([1, 2]),
+        lambda: PolicyBatch([1, 2]),
         ("<batch>", "expected keyword fields", "list"),
         BatchValidationError,
     ),

@@ -19,9 +19,9 @@ def advantage_output_contract(s: Subject) -> None:
         raise CheckFailed(f"layouts must be a non-empty subset of ('padded', 'packed'), got {layouts}")
     contract_fields = set()
     if "padded" in layouts:
-        contract_fields |= set(PolicyBatch.model_fields)
+        contract_fields |= set(PolicyBatch.FIELD_NAMES)
     if "packed" in layouts:
-        contract_fields |= set(PackedTransitions.model_fields)
+        contract_fields |= set(PackedTransitions.FIELD_NAMES)
     unknown = set(s.requires) - contract_fields
     if unknown:
         raise CheckFailed(f"requires names fields no batch contract has: {sorted(unknown)}")

@@ -24,11 +24,11 @@ from ._common import (
 
 
 def gate_output_contract(s: Subject) -> None:
-    unknown = set(s.requires) - set(PolicyBatch.model_fields)
+    unknown = set(s.requires) - set(PolicyBatch.FIELD_NAMES)
     if unknown:
         raise CheckFailed(
             f"requires names fields PolicyBatch does not have: {sorted(unknown)} "
-            f"(fields are {', '.join(PolicyBatch.model_fields)})"
+            f"(fields are {', '.join(PolicyBatch.FIELD_NAMES)})"
         )
     if s.plugin.role not in ("update", "correction") or s.plugin.level not in ("token", "sequence"):
         raise CheckFailed(

@@ -46,7 +46,7 @@ def regulariser_output_contract(s: Subject) -> None:
         raise CheckFailed(
             f"params {s.plugin.params.__name__} must subclass lossplug.RegulariserParams (coef, reduction, population)"
         )
-    unknown = set(s.requires) - set(PolicyBatch.model_fields)
+    unknown = set(s.requires) - set(PolicyBatch.FIELD_NAMES)
     if unknown:
         raise CheckFailed(f"requires names fields PolicyBatch does not have: {sorted(unknown)}")
     f = check_fields()
