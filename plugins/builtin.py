@@ -126,10 +126,11 @@ def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> 
         register(field_gate)
     # found missing by the field inventory (docs/field.md): OpenRLHF's binary-KL / TV engine trust region, SkyRL's
     # outlier-token rejection
-    from lossplug.plugins.gates import engine_divergence, outlier_mask
+    from lossplug.plugins.gates import cispo_masked, engine_divergence, outlier_mask
 
     register(engine_divergence.engine_divergence_mask)
     register(outlier_mask.outlier_sequence_mask)
+    register(cispo_masked.cispo_masked)  # ROLL's cispo_use_unified_mask
 
 
 @lossplug.hookimpl

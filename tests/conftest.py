@@ -156,6 +156,7 @@ BUILTIN_GATES = frozenset(
         # found missing by the field inventory (docs/field.md)
         "engine_divergence_mask",
         "outlier_sequence_mask",
+        "cispo_masked",
     }
 )
 
