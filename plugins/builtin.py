@@ -159,3 +159,7 @@ def lossplug_register_regularisers(register: Callable[[lossplug.RegulariserPlugi
     register(kl.kl)
     register(entropy.entropy)
     register(nll.nll)
+    # found missing by the field inventory (docs/field.md): NeMo-RL's KL with its score-function weight
+    from lossplug.plugins.regularisers import kl_on_policy
+
+    register(kl_on_policy.kl_on_policy)

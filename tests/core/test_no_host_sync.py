@@ -53,6 +53,7 @@ def meta_batch(sequence_advantage: bool) -> tuple[lossplug.PolicyBatch, torch.Te
         behavior_logp=empty(B, T),
         ref_logp=empty(B, T),
         entropy=empty(B, T).requires_grad_(),
+        reward=empty(B),
         reward_baseline=empty(B),
         reward_components=empty(B, 2),
         advantage=empty(B) if sequence_advantage else empty(B, T),
@@ -136,6 +137,11 @@ REGULARISER_SPECS = [
     {"name": "kl", "estimator": "low_var_kl", "ratio_weight": "sequence", "reduction": "response"},
     {"name": "entropy", "coef": 0.01},
     {"name": "entropy", "coef": 0.01, "adaptive": True, "reduction": "token", "population": "micro_batch"},
+    *({"name": "kl_on_policy", "estimator": e} for e in ("k1", "k2", "k3")),
+    {"name": "kl_on_policy", "weight": "behavior", "input_clamp": None, "output_clamp": None},
+    {"name": "nll"},
+    {"name": "nll", "responses": "positive_advantage", "denominator": "selected"},
+    {"name": "nll", "responses": "all", "reduction": "token_sum"},
 ]
 
 
