@@ -472,7 +472,7 @@ def test_plot_gates_writes_a_png_through_the_real_plugins(tmp_path):
 
 def test_plot_default_covers_every_gate_and_dual_clip():
     pytest.importorskip("numpy")  # gate_coefficients returns a NumPy array
-    from lossplug.cli import _gate_specs
+    from lossplug.cli.app import _gate_specs
     from lossplug.cli.gate_curves import NOT_PLOTTED, gate_coefficients
 
     specs = _gate_specs(None)

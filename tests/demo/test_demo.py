@@ -1,5 +1,5 @@
 """`lossplug demo`: a tiny model trained from scratch with TRL's GRPOTrainer and a lossplug recipe learns the task, and
-the run folder holds everything the seed asks a run to record (recipe, provenance, versions, metrics, separate plots).
+the run folder holds everything a run must record to be judged (recipe, provenance, versions, metrics, separate plots).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_help_lists_the_options():
     assert out.exit_code == 0
     for option in ("--recipe", "--steps", "--seed", "--out", "--compare", "--fast", "--quiet"):
         assert option in out.output, option
-    assert "│ demo " in cli("--help").output
+    assert "\n  demo " in cli("--help").output.split("Commands:")[1]
 
 
 def test_an_unknown_recipe_fails_before_anything_is_built(tmp_path):
