@@ -1,7 +1,7 @@
 """prompt_mean: SkyRL's reduction, the mean over prompt groups of each group's token mean.
 
 Oracles, float64, loss and gradient: the definition transcribed here (always) and SkyRL 0.3.0's own
-``apply_loss_reduction_to_advantages_minibatch`` + ``importance_sampling_loss`` where SkyRL is installed; exactness
+``apply_loss_reduction_to_advantages_minibatch`` + ``importance_sampling_loss`` (from SkyRL's wheel, ``tests/_origins.py``); exactness
 under any split into micro-batches with the step's Normalizer (groups cut across micro-batches included); properties.
 """
 
@@ -83,8 +83,8 @@ def test_micro_batches_add_up_to_the_step_even_when_they_cut_a_group(layout):
 
 
 @pytest.fixture(scope="module")
-def ppo_utils():
-    return skyrl_ppo_utils()
+def ppo_utils(origins):
+    return skyrl_ppo_utils(origins)
 
 
 @pytest.mark.parametrize("B,T", SHAPES)

@@ -1,8 +1,7 @@
 """``length_weighted_grpo`` (float64): against AReaL's ``Normalization`` transcribed here on the ``[B, T]`` advantage
 (the outcome reward on every action token: AReaL's critic-free GAE with discount 1, λ 1), every ``mean_level`` ×
-``std_level`` × ``mean_leave1out`` × ``std_unbiased`` — and against AReaL 1.0.4's own class where the package is
-installed (``pip install --no-deps areal==1.0.4``; executed from its file without importing the package; skipped
-otherwise). End to end, the loss and gradient of a REINFORCE recipe against ``−Σ A·logp / N``. Properties: each
+``std_level`` × ``mean_leave1out`` × ``std_unbiased`` — and against AReaL 1.0.4's own class read from its
+wheel (``tests/_origins.py``; executed from its file without importing the package). End to end, the loss and gradient of a REINFORCE recipe against ``−Σ A·logp / N``. Properties: each
 response weighs by its length (equal lengths give ``grpo``'s mean), equal rewards give 0, ``mean: group, std: none``
 is ``opo``.
 
@@ -12,9 +11,7 @@ Measured: ≤ 8.9e-16 abs against the transcription; against AReaL's class, the 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import itertools
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -102,11 +99,8 @@ def test_matches_areals_normalization(params, binary):
 
 
 @pytest.fixture(scope="module")
-def areal_normalization():
-    spec = importlib.util.find_spec("areal")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("areal is not installed here (pip install --no-deps areal==1.0.4): no origin oracle")
-    path = Path(next(iter(spec.submodule_search_locations))) / "utils" / "data.py"
+def areal_normalization(origins):
+    path = origins.package("areal") / "utils" / "data.py"
     tree = ast.parse(path.read_text(), str(path))
     tree.body = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Normalization"]
     namespace = {"torch": torch, "np": np, "dist": torch.distributed, "NormConfig": object}

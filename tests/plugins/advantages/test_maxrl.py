@@ -1,4 +1,4 @@
-"""``maxrl`` (float64): against SkyRL 0.3.0's own ``compute_maxrl_advantage`` when SkyRL is importable, and always
+"""``maxrl`` (float64): against SkyRL 0.3.0's own ``compute_maxrl_advantage`` (from its wheel, ``tests/_origins.py``) and
 against the formula transcribed here group by group, in both conventions (SkyRL's and prime-rl's); hypothesis
 properties: equal rewards give 0, a positive rescaling of the rewards changes nothing (eps 0), the rows' order
 changes nothing.
@@ -12,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lossplug
+
+from ..gates._field_origins import skyrl_ppo_utils
 
 F64 = torch.float64
 #: measured: SkyRL vs lossplug ≤ 2.3e-16 abs; the transcription ≤ 4.5e-16 abs
@@ -59,11 +61,15 @@ def transcribed(reward, group, eps, nonpositive_mean, singleton):
     return out
 
 
+@pytest.fixture(scope="module")
+def ppo_utils(origins):
+    return skyrl_ppo_utils(origins)
+
+
 @pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("binary", [True, False])
-def test_matches_skyrl_compute_maxrl_advantage(sizes, binary):
-    ppo_utils = pytest.importorskip("skyrl.backends.skyrl_train.utils.ppo_utils")
-    np = pytest.importorskip("numpy")  # SkyRL's uid arrays; SkyRL brings numpy
+def test_matches_skyrl_compute_maxrl_advantage(ppo_utils, sizes, binary):
+    np = pytest.importorskip("numpy")  # SkyRL's uid arrays (numpy comes with the test extras)
     gen = torch.Generator().manual_seed(len(sizes) + 7 * binary)
     batch, token_rewards, mask = batch_for(gen, sizes, binary=binary)
     index = np.array([f"uid-{int(g)}" for g in batch.group_id], dtype=object)

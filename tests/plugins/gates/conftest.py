@@ -1,10 +1,9 @@
 """AReaL's own loss functions, for the oracles of the gates that reproduce them (decoupled_ppo, m2po).
 
 AReaL's package imports its whole trainer stack (colorlog, hydra, ray, …) on ``import areal``; the loss functions
-themselves need only torch. So the functions are taken from the installed package's source files — found without
-importing it — and executed alone, with the few names they read. Where AReaL is not installed, the fixture skips
-(``pip install --no-deps areal==1.0.4`` is enough to run these oracles); every test that uses it has a transcribed
-oracle beside it that always runs.
+themselves need only torch. So the functions are taken from the source files of AReaL's wheel (``origins``,
+``tests/_origins.py``: downloaded, never installed nor imported) and executed alone, with the few names they read.
+Every test that uses it has a transcribed oracle beside it.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import importlib.metadata
 import importlib.util
 import sys
 import types
@@ -22,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-AREAL_VERSION = "1.0.4"
+from ..._origins import Origins
 
 #: the functions taken from each of AReaL's files
 FUNCTIONAL = ("RejectionSamplingResult", "_check_bounds", "apply_rejection_sampling", "ppo_actor_loss_fn")
@@ -63,29 +61,20 @@ def _definitions(
 
 
 @pytest.fixture(scope="session")
-def areal() -> types.SimpleNamespace:
+def areal(origins: Origins) -> types.SimpleNamespace:
     """AReaL's ``ppo_actor_loss_fn``, ``apply_rejection_sampling``, ``compute_prox_logp_approximations`` and the
     M2PO mask, plus ``rejection_config(**kw)`` building the ``RejectionSamplingConfig`` they read."""
-    return _load_areal(float64=False)
+    return _load_areal(origins.package("areal"), float64=False)
 
 
 @pytest.fixture(scope="session")
-def areal_float64() -> types.SimpleNamespace:
+def areal_float64(origins: Origins) -> types.SimpleNamespace:
     """:func:`areal` with its two float32 casts in float64 (:data:`FLOAT32_CASTS`)."""
-    return _load_areal(float64=True)
+    return _load_areal(origins.package("areal"), float64=True)
 
 
-def _load_areal(float64: bool) -> types.SimpleNamespace:
-    spec = importlib.util.find_spec("areal")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip(f"AReaL is not installed (pip install --no-deps areal=={AREAL_VERSION} runs this oracle)")
-    root = Path(next(iter(spec.submodule_search_locations)))
-    try:
-        version = importlib.metadata.version("areal")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    if version != AREAL_VERSION:
-        pytest.skip(f"these oracles read AReaL {AREAL_VERSION}; the installed one is {version}")
+def _load_areal(root: Path, float64: bool) -> types.SimpleNamespace:
+    """The functions from AReaL's package folder ``root`` (its pinned version: ``ORIGINS["areal"]``)."""
     constants_spec = importlib.util.spec_from_file_location("areal_oracle_constants", root / "utils" / "constants.py")
     assert constants_spec is not None and constants_spec.loader is not None
     constants = importlib.util.module_from_spec(constants_spec)

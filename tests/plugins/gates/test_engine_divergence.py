@@ -1,9 +1,7 @@
 """engine_divergence_mask: OpenRLHF's binary-KL / TV trust region on the train–inference mismatch.
 
 Two oracles, float64, loss and gradient: the formula transcribed here from OpenRLHF's definitions (always), and
-OpenRLHF 0.11.2's own ``PolicyLoss`` where the package is installed (``pip install --no-deps 'openrlhf>=0.11.2,<0.12'``;
-skipped otherwise, and on an OpenRLHF without the ``is_correction_gating`` option). ``openrlhf/models/loss.py`` is
-executed from its file without importing the package (whose ``__init__`` needs flash-attn and DeepSpeed), with
+OpenRLHF 0.11.2's own ``PolicyLoss``, read from its wheel (``tests/_origins.py``). ``openrlhf/models/loss.py`` is executed from its file without importing the package (whose ``__init__`` needs flash-attn and DeepSpeed), with
 ``masked_mean`` taken from its ``models/utils.py`` the same way. Measured: bit-identical loss and gradient (0.0).
 Properties: the weight is the engine ratio where kept and 0 where dropped; equal engines keep every token with
 weight 1; no gradient flows through the weight.
@@ -12,7 +10,6 @@ weight 1; no gradient flows through the weight.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
 from pathlib import Path
 from typing import Optional
@@ -93,11 +90,8 @@ def _definitions(path: Path, keep, namespace: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def policy_loss_cls():
-    spec = importlib.util.find_spec("openrlhf")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("openrlhf is not installed here (pip install --no-deps openrlhf): no origin oracle")
-    models = Path(next(iter(spec.submodule_search_locations))) / "models"
+def policy_loss_cls(origins):
+    models = origins.package("openrlhf") / "models"
     utils = _definitions(
         models / "utils.py",
         lambda n: isinstance(n, ast.FunctionDef) and n.name == "masked_mean",
@@ -105,8 +99,7 @@ def policy_loss_cls():
     )
     not_relative = lambda n: not (isinstance(n, ast.ImportFrom) and n.level > 0)
     loss = _definitions(models / "loss.py", not_relative, {"masked_mean": utils["masked_mean"], "__name__": "loss"})
-    if "is_correction_gating" not in inspect.signature(loss["PolicyLoss"].__init__).parameters:
-        pytest.skip("this OpenRLHF has no is_correction_gating (0.11.2 added binary_kl / tv): no origin oracle")
+    assert "is_correction_gating" in inspect.signature(loss["PolicyLoss"].__init__).parameters, "OpenRLHF changed"
     return loss["PolicyLoss"]
 
 

@@ -1,8 +1,8 @@
 """outlier_sequence_mask: SkyRL's outlier-token rejection of whole responses on the engine ratio.
 
 Two oracles, float64, loss and gradient (PPO clip then the mask, token_sum as SkyRL's pre-scaled sum): the rule
-transcribed here from SkyRL's definitions (always), and SkyRL 0.3.0's own ``compute_outlier_token_mask`` where the
-package is installed (``pip install --no-deps skyrl==0.3.0``; skipped otherwise), executed from its file without
+transcribed here from SkyRL's definitions (always), and SkyRL 0.3.0's own ``compute_outlier_token_mask``, read from its
+wheel (``tests/_origins.py``) and executed from its file without
 importing the package, with ``safe_exp_delta`` taken from its ``torch_utils.py`` the same way. Measured: identical
 masks, bit-identical loss and gradient (0.0). Properties: the weight is 0 or 1, constant over a response; equal
 engines keep everything; no gradient flows through the weight.
@@ -11,7 +11,6 @@ engines keep everything; no gradient flows through the weight.
 from __future__ import annotations
 
 import ast
-import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -80,11 +79,8 @@ def _definitions(path: Path, names: tuple[str, ...], namespace: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def skyrl_outlier_mask():
-    spec = importlib.util.find_spec("skyrl")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("skyrl is not installed here (pip install --no-deps skyrl==0.3.0): no origin oracle")
-    utils = Path(next(iter(spec.submodule_search_locations))) / "backends" / "skyrl_train" / "utils"
+def skyrl_outlier_mask(origins):
+    utils = origins.package("skyrl") / "backends" / "skyrl_train" / "utils"
     helpers = _definitions(utils / "torch_utils.py", ("safe_exp_delta",), {"torch": torch})
     namespace = {"torch": torch, "Tuple": tuple, "DictConfig": object, "safe_exp_delta": helpers["safe_exp_delta"]}
     return _definitions(utils / "off_policy_correction_utils.py", ("compute_outlier_token_mask",), namespace)[

@@ -3,7 +3,7 @@
 Oracles, float64, loss and gradient: prime-rl's ``default_loss_fn`` / ``ipo_loss_fn`` summed over packed samples and
 divided by the global loss-token count (``compute_loss``), transcribed here — prime-rl is not on a package index, so
 its code does not run here; SkyRL 0.3.0's ``dppo_policy_loss`` (binary_tv, with rollout log-probs) for the
-``kl_tau: 0`` case where SkyRL is installed. And how they differ from verl's ``dppo_tv``.
+``kl_tau: 0`` case, read from its wheel (``tests/_origins.py``). And how they differ from verl's ``dppo_tv``.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def test_micro_batches_with_the_global_token_count_add_up_to_prime_rls_step(name
 
 
 @pytest.fixture(scope="module")
-def ppo_utils():
-    return skyrl_ppo_utils()
+def ppo_utils(origins):
+    return skyrl_ppo_utils(origins)
 
 
 @pytest.mark.parametrize("B,T", SHAPES)

@@ -1,7 +1,7 @@
 """importance_sampling, rollout_is, cispo_rollout: SkyRL's losses anchored at the rollout log-probs.
 
 Two oracles each, float64, loss and gradient: the formula transcribed here (always), and SkyRL 0.3.0's own
-``ppo_utils`` where it is installed (its ratios go through float32 in ``safe_exp_delta``: 1e-6 relative there).
+``ppo_utils``, read from its wheel (``tests/_origins.py``; its ratios go through float32 in ``safe_exp_delta``: 1e-6 relative there).
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ def skyrl_loss(ppo_utils, name: str, params: dict, logp, behavior, adv, mask):
 
 
 @pytest.fixture(scope="module")
-def ppo_utils():
-    return skyrl_ppo_utils()
+def ppo_utils(origins):
+    return skyrl_ppo_utils(origins)
 
 
 @pytest.mark.parametrize("B,T", SHAPES)

@@ -1,13 +1,12 @@
 """seq_mask_tis: OpenRLHF's and NeMo-RL's seq-mask-tis correction, after PPO's clip (OpenRLHF's ``ppo`` loss).
 
 Oracles, float64, loss and gradient: the rule transcribed here from OpenRLHF 0.11.0 and NeMo-RL (always), and
-OpenRLHF's own ``PolicyLoss`` where it is installed (0.11.0's ``vllm_is_correction_type="seq-mask-tis"`` or 0.11.2's
-``is_correction_level="seq"``, ``is_correction_mode="mask"``, ``is_correction_gating="ratio"``).
+OpenRLHF 0.11.2's own ``PolicyLoss``, read from its wheel (``tests/_origins.py``) with ``is_correction_level="seq"``,
+``is_correction_mode="mask"``, ``is_correction_gating="ratio"`` (0.11.0's ``vllm_is_correction_type="seq-mask-tis"``
+spelled the same rule).
 """
 
 from __future__ import annotations
-
-import inspect
 
 import pytest
 import torch
@@ -62,26 +61,17 @@ def test_against_the_transcribed_rule(B, T, low, high, token_advantage):
 
 
 @pytest.fixture(scope="module")
-def loss_module():
-    return openrlhf_loss()
+def loss_module(origins):
+    return openrlhf_loss(origins)
 
 
 @pytest.mark.parametrize("B,T", SHAPES)
 @pytest.mark.parametrize("low,high", BOUNDS)
 def test_against_openrlhf(loss_module, B, T, low, high):
-    if "is_correction_level" in inspect.signature(loss_module.PolicyLoss).parameters:  # OpenRLHF ≥ 0.11.2
-        options = dict(is_correction_level="seq", is_correction_mode="mask", is_correction_gating="ratio")
-        policy_loss = loss_module.PolicyLoss(
-            clip_eps_low=0.2, clip_eps_high=0.2, **options, is_correction_threshold=[low, high]
-        )
-    else:  # OpenRLHF 0.11.0
-        policy_loss = loss_module.PolicyLoss(
-            clip_eps_low=0.2,
-            clip_eps_high=0.2,
-            enable_vllm_is_correction=True,
-            vllm_is_truncated_threshold=[low, high],
-            vllm_is_correction_type="seq-mask-tis",
-        )
+    options = dict(is_correction_level="seq", is_correction_mode="mask", is_correction_gating="ratio")
+    policy_loss = loss_module.PolicyLoss(
+        clip_eps_low=0.2, clip_eps_high=0.2, **options, is_correction_threshold=[low, high]
+    )
     for seed in range(3):
         f = fields(B, T, seed, token_advantage=True)
         result, grad = run(f, low, high)

@@ -1,5 +1,5 @@
-"""The ``nll`` regulariser, float64, loss AND gradient: against SkyRL 0.3.0's own ``cross_entropy_loss`` when SkyRL is
-importable (``responses: all``, ``reduction: token_sum``), and always against VAPO's positive-example LM loss
+"""The ``nll`` regulariser, float64, loss AND gradient: against SkyRL 0.3.0's own ``cross_entropy_loss`` (from its
+wheel, ``tests/_origins.py``; ``responses: all``, ``reduction: token_sum``), and against VAPO's positive-example LM loss
 transcribed here (``μ · Σ_{correct responses} −log π / #their tokens``) and the plain per-token forms; hypothesis
 properties: no positive response adds nothing, the term is linear in μ, padding is never read.
 """
@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 import lossplug
 from lossplug import PolicyBatch, Recipe
+
+from ..gates._field_origins import skyrl_ppo_utils
 
 F64 = torch.float64
 B, T = 6, 8
@@ -58,9 +60,13 @@ def assert_close(actual, expected):
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=1e-14)
 
 
+@pytest.fixture(scope="module")
+def ppo_utils(origins):
+    return skyrl_ppo_utils(origins)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_matches_skyrl_cross_entropy_loss(seed):
-    ppo_utils = pytest.importorskip("skyrl.backends.skyrl_train.utils.ppo_utils")
+def test_matches_skyrl_cross_entropy_loss(ppo_utils, seed):
     logp, mask, _ = tensors(seed)
     result, grad = lossplug_loss(nll_recipe("token_sum", coef=1.0, responses="all"), logp, mask)
     leaf = logp.clone().requires_grad_()
