@@ -21,7 +21,7 @@ https://thinkingmachines.ai/blog/on-policy-distillation/.
 Reference: slime ``apply_opd_kl_to_advantages`` (``slime/backends/megatron_utils/loss.py``, THUDM/slime 624b824a:
 ``advantages[i] = adv − opd_kl_coef · (log_probs − teacher_log_probs)``, applied after the estimator, before any
 whitening); prime-rl ``OPDAlgorithm`` (``src/prime_rl/orchestrator/algo/opd.py``: teacher log-probs from a prefill
-of the student's sample).
+of the student's sample). Neither is on a package index: the tests' oracle is slime's line above, transcribed.
 """
 
 from __future__ import annotations

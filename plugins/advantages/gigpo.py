@@ -30,6 +30,7 @@ Reference: verl-agent ``compute_gigpo_outcome_advantage``, ``episode_norm_reward
 ``compute_step_discounted_returns`` (``gigpo/core_gigpo.py`` of langfengQ/verl-agent, as of commit 29e3e8b, read in
 the mirror johnhaofu/verl-agent 5d7e4b83; defaults from ``verl/trainer/config/ppo_trainer.yaml``
 ``algorithm.gigpo``); the anchor states are ``build_step_group``'s exact-match clusters, given here as ids.
+verl-agent is on no package index, so the tests' oracle is that code transcribed loop by loop, in float64.
 """
 
 from __future__ import annotations
