@@ -1,4 +1,5 @@
-"""lossplug.contracts — the pydantic models every batch, recipe and result is checked against.
+"""lossplug.contracts — the models every batch, recipe and result is checked against (the batches: frozen dataclasses
+with one rule table each; the rest: pydantic models).
 
 Imports only torch and pydantic (and, lazily, yaml for recipes).
 """

@@ -124,7 +124,7 @@ class _TensorModel:
     @property
     def validated(self) -> bool:
         """Whether the contract ran on this batch and every rule held."""
-        return self.__dict__.get("_validated", False)
+        return bool(self.__dict__.get("_validated", False))
 
     def check(self, types_checked: bool = False) -> None:
         """Run every contract rule; raise :class:`BatchValidationError` listing all violations.
