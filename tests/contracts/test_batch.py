@@ -152,7 +152,7 @@ def test_replace_revalidates():
 
 
 def packed(**over):
-    fields = dict(  # the seed's packed GAE example: NaN next_value at the terminal transition is allowed
+    fields = dict(  # the packed GAE worked example: NaN next_value at the terminal transition is allowed
         reward=torch.tensor([1.0, 2.0, 10.0]),
         value=torch.tensor([0.5, 1.0, 3.0]),
         next_value=torch.tensor([1.0, 4.0, NAN]),
@@ -169,7 +169,7 @@ def packed_error(**fields):
     return str(info.value)
 
 
-def test_seed_packed_example_is_valid():
+def test_packed_worked_example_is_valid():
     assert PackedTransitions(**packed()).validated
 
 

@@ -1,4 +1,4 @@
-"""policy_loss / compute_advantages / reduce: the seeds' examples, exactness under a Normalizer, checks, hooks."""
+"""policy_loss / compute_advantages / reduce: worked examples, exactness under a Normalizer, checks, hooks."""
 
 import math
 
@@ -27,9 +27,10 @@ def recipe_for(reduction, **params):
     return Recipe.model_validate({"gates": "ppo_clip", "reduction": {"name": reduction, **params}})
 
 
-def seed_reduction_batch(mask=None):
-    # seed 1, "Reduction 决定隐式权重": per-token values with NaN at masked positions. With logp == old_logp the
-    # ratio is 1 and the PPO objective is exactly the advantage, so the advantage carries the seed's values.
+def reduction_example_batch(mask=None):
+    # the reductions (response mean, DAPO's token mean arXiv:2503.14476, Dr. GRPO's fixed budget arXiv:2503.20783),
+    # worked example: per-token values with NaN at masked positions. With logp == old_logp the
+    # ratio is 1 and the PPO objective is exactly the advantage, so the advantage carries the example's values.
     values = torch.tensor([[2.0, NAN, NAN, NAN], [1.0, 1.0, 1.0, 1.0]])
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool) if mask is None else mask
     logp = torch.full((2, 4), -0.5)
@@ -46,27 +47,28 @@ def seed_reduction_batch(mask=None):
         ("token_sum", {}, 6.0),
     ],
 )
-def test_seed_reduction_example(reduction, params, expected):
-    result = policy_loss(PolicyBatch(**seed_reduction_batch()), recipe_for(reduction, **params))
+def test_reduction_worked_example(reduction, params, expected):
+    result = policy_loss(PolicyBatch(**reduction_example_batch()), recipe_for(reduction, **params))
     assert -result.loss == pytest.approx(expected)
     assert math.isfinite(result.metrics["loss"])
 
 
-def test_seed_reduction_rejects_an_empty_response():
+def test_reduction_example_rejects_an_empty_response():
     with pytest.raises(BatchValidationError, match="every response needs at least one action token — row \\[0\\]"):
-        PolicyBatch(**seed_reduction_batch(torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)))
+        PolicyBatch(**reduction_example_batch(torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)))
 
 
 def test_fixed_needs_a_budget_from_recipe_or_normalizer():
-    batch = PolicyBatch(**seed_reduction_batch())
+    batch = PolicyBatch(**reduction_example_batch())
     with pytest.raises(LossplugError, match="reduction 'fixed' needs a positive budget"):
         policy_loss(batch, recipe_for("fixed"))
     norm = Normalizer(action_tokens=5, sequences=2, budget=4)
     assert -policy_loss(batch, recipe_for("fixed"), norm).loss == pytest.approx(0.75)
 
 
-def test_seed_ppo_example_objective_and_gradient_signs():
-    # seed 1, "PPO 的符号相关裁剪": ratios [1.3, .7, 1.3, .7], advantages [1, 1, -1, -1], eps 0.2.
+def test_ppo_worked_example_objective_and_gradient_signs():
+    # PPO's sign-aware clip (arXiv:1707.06347), worked example: ratios [1.3, .7, 1.3, .7], advantages
+    # [1, 1, -1, -1], eps 0.2.
     # Log-probs are shifted by −1 on both sides (the contract rejects positive log-probs); the ratio is unchanged.
     ratio = torch.tensor([1.3, 0.7, 1.3, 0.7])
     logp = (ratio.log() - 1).unsqueeze(-1).requires_grad_()
@@ -88,7 +90,7 @@ def test_seed_ppo_example_objective_and_gradient_signs():
     assert m["effective/token_frac"] == 0.5 and m["ppo_clip/active_token_frac"] == 0.5
 
 
-def test_seed_grpo_rloo_example_through_compute_advantages():
+def test_grpo_rloo_worked_example_through_compute_advantages():
     reward = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     batch = PolicyBatch(
         logp=torch.zeros(6, 1),
@@ -98,14 +100,14 @@ def test_seed_grpo_rloo_example_through_compute_advantages():
     )
     rloo = compute_advantages(batch, Recipe.preset("rloo"))
     torch.testing.assert_close(rloo[:3], 1.5 * (reward[:3] - reward[:3].mean()))
-    seed_grpo = Recipe.model_validate(
+    threshold_grpo = Recipe.model_validate(
         {
             "advantage": {"name": "grpo", "std": "population", "eps": 1e-6, "eps_mode": "threshold"},
             "gates": "ppo_clip",
             "reduction": "token",
         }
     )
-    grpo = compute_advantages(batch, seed_grpo)
+    grpo = compute_advantages(batch, threshold_grpo)
     torch.testing.assert_close(grpo.view(2, 3).mean(1), torch.zeros(2))
     assert torch.count_nonzero(grpo[3:]) == 0
 
@@ -242,7 +244,7 @@ def test_missing_fields_are_named_with_who_needs_them():
 
 
 def test_validate_off_skips_checks_and_full_checks_unchecked_batches():
-    fields = seed_reduction_batch()
+    fields = reduction_example_batch()
     fields["logp"] = fields["logp"].clone()
     fields["logp"][1, 0] = 3.0  # positive log-prob on an action: a contract violation
     batch = PolicyBatch.unchecked(**fields)
@@ -254,13 +256,13 @@ def test_validate_off_skips_checks_and_full_checks_unchecked_batches():
 
 
 def test_normalizer_smaller_than_the_batch_is_refused():
-    batch = PolicyBatch(**seed_reduction_batch())
+    batch = PolicyBatch(**reduction_example_batch())
     with pytest.raises(LossplugError, match="smaller than this micro-batch alone"):
         policy_loss(batch, "dapo", Normalizer(action_tokens=2, sequences=2))
 
 
 def test_masked_nan_never_reaches_loss_or_gradient():
-    fields = seed_reduction_batch()
+    fields = reduction_example_batch()
     logp = fields["logp"].clone()
     logp[0, 1:] = NAN
     logp.requires_grad_()
@@ -275,7 +277,7 @@ def test_masked_nan_never_reaches_loss_or_gradient():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_logprobs_are_computed_in_float32(dtype):
-    fields = seed_reduction_batch()
+    fields = reduction_example_batch()
     logp = fields["logp"].to(dtype).requires_grad_()
     result = policy_loss(PolicyBatch(**{**fields, "logp": logp, "old_logp": fields["old_logp"].to(dtype)}), "dapo")
     # the loss the trainers log is not rounded to the log-probs' precision (verl's own stays float32 too)
@@ -290,14 +292,14 @@ def test_low_precision_logprobs_are_computed_in_float32(dtype):
 
 
 def test_metrics_are_lazy_tensors_then_floats():
-    result = policy_loss(PolicyBatch(**seed_reduction_batch()), "dapo")
+    result = policy_loss(PolicyBatch(**reduction_example_batch()), "dapo")
     assert all(isinstance(v, torch.Tensor) for v in result.metric_tensors.values())
     assert all(isinstance(v, float) for v in result.metrics.values())
-    assert policy_loss(PolicyBatch(**seed_reduction_batch()), "dapo", metrics=False).metric_tensors == {}
+    assert policy_loss(PolicyBatch(**reduction_example_batch()), "dapo", metrics=False).metric_tensors == {}
 
 
 def test_reduce_matches_the_recipe_reduction():
-    fields = seed_reduction_batch()
+    fields = reduction_example_batch()
     mask = fields["action_mask"]
     for reduction, expected in (("response", 1.5), ("token", 1.2), ("sequence_sum", 3.0)):
         assert lossplug.reduce(fields["advantage"], mask, recipe_for(reduction)).item() == pytest.approx(expected)
@@ -343,7 +345,7 @@ def test_a_batch_without_actions_reduces_to_zero():
 
 
 def test_reduce_takes_a_recipe_or_a_reduction_named_like_a_recipe_names_one():
-    fields = seed_reduction_batch()
+    fields = reduction_example_batch()
     mask, values = fields["action_mask"], fields["advantage"]
     assert lossplug.reduce(values, mask, reduction={"name": "fixed", "budget": 4}).item() == 0.75
     assert lossplug.reduce(values, mask, reduction="token") == lossplug.reduce(values, mask, "dapo")
@@ -358,7 +360,7 @@ def test_reduce_takes_a_recipe_or_a_reduction_named_like_a_recipe_names_one():
 
 
 def test_token_sum_is_the_plain_sum_whatever_the_population():
-    fields = seed_reduction_batch()
+    fields = reduction_example_batch()
     mask, values = fields["action_mask"], fields["advantage"]
     for norm in (None, Normalizer(action_tokens=50, sequences=7, budget=3)):
         assert lossplug.reduce(values, mask, reduction="token_sum", normalizer=norm).item() == 6.0
@@ -420,14 +422,14 @@ def test_validator_and_metric_hooks():
     plugin = CheckingPlugin()
     lossplug.register_plugin(plugin, "checking")
     try:
-        fields = seed_reduction_batch()
+        fields = reduction_example_batch()
         with pytest.raises(BatchValidationError, match="group_id: required by the checking plugin"):
             policy_loss(PolicyBatch(**fields), "dapo")
         result = policy_loss(PolicyBatch(**fields, group_id=torch.tensor([0, 0])), "dapo")
         assert result.metrics["checking/objective_abs_max"] == 2.0
     finally:
         lossplug.unregister_plugin(plugin)
-    assert "checking/objective_abs_max" not in policy_loss(PolicyBatch(**seed_reduction_batch()), "dapo").metrics
+    assert "checking/objective_abs_max" not in policy_loss(PolicyBatch(**reduction_example_batch()), "dapo").metrics
 
 
 class UndetachedWeightPlugin:
@@ -445,7 +447,7 @@ def test_a_correction_weight_that_carries_gradient_is_refused():
     plugin = UndetachedWeightPlugin()
     lossplug.register_plugin(plugin, "grad-weight")
     try:
-        fields = seed_reduction_batch()
+        fields = reduction_example_batch()
         fields["logp"] = fields["logp"].clone().requires_grad_()
         recipe = Recipe.model_validate({"gates": ["ppo_clip", "grad_weight"], "reduction": "token"})
         with pytest.raises(
@@ -470,7 +472,7 @@ def reads_logp_without_grad_first(inp, p):
 def test_fields_first_read_under_no_grad_still_carry_the_gradient(fresh_registry, register_gates):
     """The pipeline cleans each field on first read: under the grad mode of the call, not of the gate's block."""
     register_gates(reads_logp_without_grad_first, name="lazy")
-    f = seed_reduction_batch()
+    f = reduction_example_batch()
     logp = f["logp"].clone().requires_grad_(True)
     recipe = {"gates": ["reads_logp_without_grad_first"], "reduction": "token"}
     policy_loss(PolicyBatch(**{**f, "logp": logp}), recipe).loss.backward()

@@ -1,4 +1,4 @@
-"""PPO-epoch diagnostics of seed 003 and the ratio guard."""
+"""PPO-epoch diagnostics of TRL ≤ 0.11's PPOTrainer.loss and the ratio guard."""
 
 import warnings
 
@@ -20,7 +20,7 @@ from lossplug.tools.diagnostics import (
 )
 
 # ---------------------------------------------------------------------------------------------------------------------
-# seed 003's loss(), verbatim apart from the config object (TRL's helpers inlined)
+# TRL ≤ 0.11's PPOTrainer.loss(), transcribed apart from the config object (TRL's helpers inlined)
 
 
 def _masked_mean(values, mask):
@@ -43,7 +43,7 @@ def _entropy_from_logits(logits):
     return torch.logsumexp(logits, axis=-1) - torch.sum(pd * logits, axis=-1)
 
 
-def _seed_loss(
+def _trl_ppo_loss(
     old_logprobs,
     values,
     logits,
@@ -109,9 +109,9 @@ def _epoch_batch(B=4, T=6, V=11, seed=0, drift=0.3):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_matches_seed_statistics(seed):
+def test_matches_trl_ppo_statistics(seed):
     b = _epoch_batch(seed=seed)
-    *_, stats = _seed_loss(
+    *_, stats = _trl_ppo_loss(
         b["old"], b["values"], b["logits"], b["vpreds"], b["logp"], b["mask"].double(), b["adv"], b["returns"]
     )
     ours = ppo_diagnostics(
@@ -239,14 +239,14 @@ def test_ratio_guard_passes_a_normal_batch_untouched():
     torch.testing.assert_close(out.mean_ratio, ((logp - b["old"]).exp()[b["mask"]]).mean().detach())
 
 
-def test_ratio_guard_skips_a_runaway_batch_like_the_seed():
+def test_ratio_guard_skips_a_runaway_batch_like_trl():
     b = _epoch_batch(seed=8)
     old = b["logp"] - 3.0  # ratio e^3 ≈ 20 everywhere
     logp = b["logp"].clone().requires_grad_()
-    pg_loss, vf_loss, loss, _ = _seed_loss(
+    pg_loss, vf_loss, loss, _ = _trl_ppo_loss(
         old, b["values"], b["logits"], b["vpreds"], logp, b["mask"].double(), b["adv"], b["returns"]
     )
-    assert loss.item() == 0.0  # the seed skipped it
+    assert loss.item() == 0.0  # TRL skipped it
     raw = (-(logp - old).exp() * b["adv"])[b["mask"]].mean()
     with pytest.warns(RatioGuardWarning, match=r"mean update ratio of the batch \(20.09\) exceeds the threshold 10.00"):
         out = ratio_guard({"policy": raw, "total": raw * 2}, logp, old, b["mask"], threshold=10.0)

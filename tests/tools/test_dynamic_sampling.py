@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling: the seed's mixed-group rule on scattered groups, and the full cost report (invariant 6)."""
+"""DAPO dynamic sampling (arXiv:2503.14476): the mixed-group rule on scattered groups, and the full cost report."""
 
 import pytest
 import torch
@@ -8,24 +8,24 @@ from hypothesis import strategies as st
 from lossplug import LossplugError
 from lossplug.tools.dynamic_sampling import SamplingCost, difficulty_buckets, keep_mixed_groups
 
-SEED_REWARD = torch.tensor([[0.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 1.0]])
+DAPO_REWARD = torch.tensor([[0.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 1.0]])
 
 
-def test_seed_example_prompt_rollout_layout():
-    keep, report = keep_mixed_groups(SEED_REWARD)
+def test_worked_example_prompt_rollout_layout():
+    keep, report = keep_mixed_groups(DAPO_REWARD)
     assert keep.tolist() == [False, True, False, True]
-    kept = SEED_REWARD[keep]
+    kept = DAPO_REWARD[keep]
     assert torch.all(kept.std(1, unbiased=False) > 0)
-    assert kept.numel() < SEED_REWARD.numel()
+    assert kept.numel() < DAPO_REWARD.numel()
     assert (report.generated_groups, report.retained_groups) == (4, 2)
     assert (report.generated_sequences, report.retained_sequences) == (12, 6)
     assert report.generated_tokens is None and report.token_retention is None
 
 
-def test_seed_example_scattered_by_group_id():
+def test_worked_example_scattered_by_group_id():
     perm = torch.tensor([7, 2, 10, 0, 5, 11, 3, 8, 1, 6, 4, 9])
     group_id = torch.arange(4).repeat_interleave(3)[perm] * 10 + 3  # arbitrary ids, rows shuffled
-    reward = SEED_REWARD.reshape(-1)[perm]
+    reward = DAPO_REWARD.reshape(-1)[perm]
     keep, report = keep_mixed_groups(reward, group_id)
     expected_groups = {3 + 10 * g for g in (1, 3)}
     assert keep.tolist() == [int(g) in expected_groups for g in group_id]
@@ -85,12 +85,12 @@ def test_graded_rewards_mixed_but_all_pass_is_kept_in_all_right():
 
 
 def test_integer_rewards():
-    keep, _ = keep_mixed_groups(SEED_REWARD.long())
+    keep, _ = keep_mixed_groups(DAPO_REWARD.long())
     assert keep.tolist() == [False, True, False, True]
 
 
 def test_merge_reports_the_cost_of_every_round():
-    r1 = keep_mixed_groups(SEED_REWARD, lengths=torch.full((4, 3), 10), generation_seconds=2.0).report
+    r1 = keep_mixed_groups(DAPO_REWARD, lengths=torch.full((4, 3), 10), generation_seconds=2.0).report
     r2 = keep_mixed_groups(
         torch.tensor([[0.0, 1.0], [1.0, 1.0]]), lengths=torch.full((2, 2), 5), generation_seconds=1.5
     ).report
@@ -101,14 +101,14 @@ def test_merge_reports_the_cost_of_every_round():
     assert total.generation_seconds == 3.5
     assert total.by_difficulty["all_right"].groups == 2
     assert sum(b.groups for b in total.by_difficulty.values()) == total.generated_groups
-    no_tokens = keep_mixed_groups(SEED_REWARD).report
+    no_tokens = keep_mixed_groups(DAPO_REWARD).report
     assert (r1 + no_tokens).generated_tokens is None  # unknown stays unknown, never silently partial
     with pytest.raises(LossplugError, match="by_difficulty: the reports use different buckets"):
-        r1.merge(keep_mixed_groups(SEED_REWARD, bins=2).report)
+        r1.merge(keep_mixed_groups(DAPO_REWARD, bins=2).report)
 
 
 def test_report_round_trips_through_json_and_flattens_for_loggers():
-    report = keep_mixed_groups(SEED_REWARD, lengths=torch.ones(4, 3, dtype=torch.long)).report
+    report = keep_mixed_groups(DAPO_REWARD, lengths=torch.ones(4, 3, dtype=torch.long)).report
     assert SamplingCost.model_validate_json(report.model_dump_json()) == report
     m = report.metrics()
     assert m["dynamic_sampling/rejected_tokens"] == 6.0
@@ -156,7 +156,7 @@ def test_errors_name_field_rule_and_place():
     with pytest.raises(LossplugError, match="group_id: is required with \\[B\\] rewards"):
         keep_mixed_groups(reward)
     with pytest.raises(LossplugError, match="group_id: must be omitted with \\[prompt, rollout\\] rewards"):
-        keep_mixed_groups(SEED_REWARD, torch.zeros(4, 3, dtype=torch.long))
+        keep_mixed_groups(DAPO_REWARD, torch.zeros(4, 3, dtype=torch.long))
     with pytest.raises(LossplugError, match="group_id: must be an int tensor, got torch.float32"):
         keep_mixed_groups(reward, gid.float())
     with pytest.raises(LossplugError, match=r"group_id: shape must match reward \[3\], got \[2\]"):

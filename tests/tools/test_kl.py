@@ -227,11 +227,12 @@ def test_fixed_controller_matches_verl(verl_algos):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# KL in the reward: seed 003's compute_rewards and verl's apply_kl_penalty
+# KL in the reward: TRL ≤ 0.11's compute_rewards and verl's apply_kl_penalty
 
 
-def _seed_compute_rewards(scores, logprobs, ref_logprobs, masks, kl_ctl_value):
-    """Seed 003's compute_rewards, verbatim (``_kl_penalty`` = TRL's default "kl": logprob − ref_logprob)."""
+def _trl_ppo_compute_rewards(scores, logprobs, ref_logprobs, masks, kl_ctl_value):
+    """TRL ≤ 0.11's ``PPOTrainer.compute_rewards``, transcribed (``_kl_penalty`` = TRL's default "kl":
+    logprob − ref_logprob)."""
     rewards, non_score_rewards, kls = [], [], []
     for score, logprob, ref_logprob, mask in zip(scores, logprobs, ref_logprobs, masks):
         kl = logprob - ref_logprob
@@ -245,7 +246,7 @@ def _seed_compute_rewards(scores, logprobs, ref_logprobs, masks, kl_ctl_value):
     return torch.stack(rewards), torch.stack(non_score_rewards), torch.stack(kls)
 
 
-def test_kl_shaped_rewards_match_seed_on_action_tokens():
+def test_kl_shaped_rewards_match_trl_ppo_on_action_tokens():
     logp, ref = _pair(B=4, T=7, seed=11)
     mask = torch.rand(4, 7) < 0.7
     mask[:, 0] = True
@@ -254,7 +255,7 @@ def test_kl_shaped_rewards_match_seed_on_action_tokens():
     mask[1, 4] = True
     scores = torch.randn(4, dtype=torch.float64)
     out = kl_shaped_rewards(scores, logp, ref, mask, kl_coef=0.05)
-    rewards, non_score, kls = _seed_compute_rewards(scores, logp, ref, mask, 0.05)
+    rewards, non_score, kls = _trl_ppo_compute_rewards(scores, logp, ref, mask, 0.05)
     torch.testing.assert_close(out.rewards, torch.where(mask, rewards, 0.0))
     torch.testing.assert_close(out.non_score_rewards, torch.where(mask, non_score, 0.0))
     torch.testing.assert_close(out.kl, torch.where(mask, kls, 0.0))
@@ -305,7 +306,7 @@ def test_kl_shaped_rewards_errors():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# PPO-Penalty (seed 003)
+# PPO-Penalty (arXiv:1707.06347, §4)
 
 
 def test_adaptive_controller_follows_ppo_penalty_rule():

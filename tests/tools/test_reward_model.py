@@ -1,4 +1,4 @@
-"""Pairwise reward-model loss on the last non-padding token: right and left padding, seed equivalence, errors."""
+"""Pairwise reward-model loss on the last non-padding token: left/right padding, LLaMA-Factory equivalence, errors."""
 
 import math
 
@@ -12,8 +12,9 @@ from lossplug import LossplugError
 from lossplug.tools.reward_model import last_token_index, last_token_scores, pairwise_reward_loss
 
 
-def _seed_compute_loss(values, attention_mask):
-    """Seed 003's compute_loss body (after the forward pass), verbatim: gathers at mask.sum() − 1."""
+def _llamafactory_compute_loss(values, attention_mask):
+    """LLaMA-Factory's ``PairwiseTrainer.compute_loss`` (``src/llamafactory/train/rm/trainer.py``) after the forward
+    pass, transcribed: gathers at mask.sum() − 1."""
     batch_size = values.size(0) // 2
     chosen_masks, rejected_masks = torch.split(attention_mask, batch_size, dim=0)
     chosen_rewards, rejected_rewards = torch.split(values, batch_size, dim=0)
@@ -47,18 +48,18 @@ def test_last_token_index_both_padding_sides():
     assert last_token_index(mask).tolist() == [2, 4, 0, 4]
 
 
-def test_equals_seed_on_right_padding():
+def test_equals_llamafactory_on_right_padding():
     seqs = _random_seqs(P=5, T=8, seed=0)
     values, mask = _pad(seqs, 8, "right")
-    values = torch.nan_to_num(values)  # the seed's gather is fine with any padding value; keep it finite for it
+    values = torch.nan_to_num(values)  # LLaMA-Factory's gather is fine with any padding value; keep it finite for it
     ours = pairwise_reward_loss(values, mask)
-    loss, chosen, rejected = _seed_compute_loss(values, mask.long())
+    loss, chosen, rejected = _llamafactory_compute_loss(values, mask.long())
     torch.testing.assert_close(ours.loss, loss.to(ours.loss.dtype))
     torch.testing.assert_close(ours.chosen_scores, chosen)
     torch.testing.assert_close(ours.rejected_scores, rejected)
 
 
-def test_seed_is_wrong_on_left_padding_and_we_are_right():
+def test_llamafactory_is_wrong_on_left_padding_and_we_are_right():
     seqs = [[0.1, 0.2, 3.0], [5.0], [0.0, 1.0, -2.0], [2.0, 0.5]]  # chosen: rows 0,1; rejected: rows 2,3
     values, mask = _pad(seqs, 4, "left")
     values = torch.nan_to_num(values)
@@ -68,8 +69,8 @@ def test_seed_is_wrong_on_left_padding_and_we_are_right():
     torch.testing.assert_close(ours.chosen_scores, truth_c)
     torch.testing.assert_close(ours.rejected_scores, truth_r)
     torch.testing.assert_close(ours.loss, -F.logsigmoid(truth_c - truth_r).mean())
-    _, seed_c, seed_r = _seed_compute_loss(values, mask.long())
-    assert not torch.equal(seed_c, truth_c) and not torch.equal(seed_r, truth_r)  # mask.sum()−1 is inside/padding
+    _, theirs_c, theirs_r = _llamafactory_compute_loss(values, mask.long())
+    assert not torch.equal(theirs_c, truth_c) and not torch.equal(theirs_r, truth_r)  # mask.sum()−1 is inside/padding
 
 
 @given(st.integers(1, 6), st.integers(1, 9), st.integers(0, 10_000))

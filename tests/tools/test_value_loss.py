@@ -1,4 +1,4 @@
-"""PPO clipped value loss: seed 003's formula and three gradient cases, verl equivalence, population exactness."""
+"""PPO clipped value loss: TRL ≤ 0.11's formula and three gradient cases, verl equivalence, population exactness."""
 
 import pytest
 import torch
@@ -19,8 +19,8 @@ def _batch(B=4, T=7, dtype=torch.float64, seed=0, scale=1.0):
     return values, old, returns, mask
 
 
-def _seed_value_loss(vpreds, values, returns, mask, cliprange_value):
-    """Seed 003's value-loss lines, verbatim (TRL's masked_mean / clip_by_value)."""
+def _trl_ppo_value_loss(vpreds, values, returns, mask, cliprange_value):
+    """TRL ≤ 0.11's ``PPOTrainer.loss`` value-loss lines, transcribed (``trl.core``'s masked_mean / clip_by_value)."""
 
     def masked_mean(x, m):
         return (x * m).sum() / m.sum()
@@ -37,13 +37,13 @@ def _seed_value_loss(vpreds, values, returns, mask, cliprange_value):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# seed 003
+# TRL ≤ 0.11's PPOTrainer.loss
 
 
-def test_matches_seed_formula():
+def test_matches_trl_ppo_formula():
     values, old, returns, mask = _batch(seed=1)
     out = value_loss(values, old, returns, mask, clip_eps=0.2)
-    ref_loss, ref_clip = _seed_value_loss(values, old, returns, mask.double(), 0.2)
+    ref_loss, ref_clip = _trl_ppo_value_loss(values, old, returns, mask.double(), 0.2)
     torch.testing.assert_close(out.loss, ref_loss)
     torch.testing.assert_close(out.clip_frac, ref_clip.to(out.clip_frac.dtype))
     assert 0 < float(out.clip_frac) < 1  # both branches are exercised
@@ -57,7 +57,7 @@ def test_matches_seed_formula():
         (1.2, 0.0, True),  # case 3: outside, (V_clip − R)² = 0.25 > (V − R)² = 0.04: zero gradient
     ],
 )
-def test_three_gradient_cases_of_seed(v, expected_grad, clipped):
+def test_three_gradient_cases(v, expected_grad, clipped):
     V = torch.tensor([[v]], dtype=torch.float64, requires_grad=True)
     old, R = torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64)
     out = value_loss(V, old, R, torch.ones(1, 1, dtype=torch.bool), clip_eps=0.5)
@@ -293,7 +293,7 @@ def test_any_registered_reduction_named_like_a_recipe_names_one():
 
 
 def test_band_edge_is_inside_the_band_unlike_verls_tie_splitting(verl_algos):
-    """At V = V_old ± ε exactly both branches are equal; lossplug takes the raw branch (seed case 1: V − R), verl's
+    """At V = V_old ± ε exactly both branches are equal; lossplug takes the raw branch (case 1: V − R), verl's
     min/max ties split the gradient between branches and bounds (0.75·(V − R) here) — a deliberate difference."""
     old = torch.zeros(1, 2, dtype=torch.float64)
     R = torch.full((1, 2), 2.0, dtype=torch.float64)

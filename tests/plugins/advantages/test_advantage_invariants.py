@@ -1,4 +1,5 @@
-"""Property tests of the advantage estimators (the seeds' invariants 3 and 4, and the contract's NaN rule).
+"""Property tests of the advantage estimators (terminals never bootstrap and truncations end the trace;
+an all-equal group gets no advantage; the contract's NaN rule).
 
 * terminals never bootstrap: what ``next_value`` / ``final_value`` hold where terminated changes nothing;
 * boundaries stop the trace: nothing after a boundary changes an advantage before it;

@@ -1,4 +1,5 @@
-"""GAE on both layouts: the seeds' examples and reference loops, multi-turn skipping, truncation, whitening, KL."""
+"""GAE on both layouts: worked examples and reference loops (TRL ≤ 0.11's PPO), multi-turn skipping, truncation,
+whitening, KL."""
 
 import pytest
 import torch
@@ -37,8 +38,8 @@ def sequential_gae(reward_tok, value, mask, gamma, lam, end_value=None):
     return adv, torch.where(mask, adv + value, 0)
 
 
-def seed2_compute_advantages(values, rewards, mask, gamma, lam):
-    """Seed 2's (TRL PPOTrainer's) reference loop, verbatim apart from the config and whitening."""
+def trl_ppo_compute_advantages(values, rewards, mask, gamma, lam):
+    """TRL ≤ 0.11's ``PPOTrainer.compute_advantages`` loop, transcribed apart from the config and whitening."""
     lastgaelam = 0
     advantages_reversed = []
     gen_len = rewards.shape[-1]
@@ -55,7 +56,7 @@ def seed2_compute_advantages(values, rewards, mask, gamma, lam):
 
 
 def trl_masked_whiten(values, mask, shift_mean=True):
-    """The seed's ``masked_whiten`` (TRL's ``trl.core``), verbatim in its arithmetic: the Bessel factor
+    """TRL's ``trl.core.masked_whiten``, transcribed in its arithmetic: the Bessel factor
     ``mask_sum / (mask_sum − 1)`` is computed in the mask's dtype (float32 for an integer or float32 mask)."""
 
     def masked_mean(x, m):
@@ -69,17 +70,17 @@ def trl_masked_whiten(values, mask, shift_mean=True):
     return whitened if shift_mean else whitened + mean
 
 
-def test_whitening_bessel_factor_is_float32_like_the_seed_and_verl():
+def test_whitening_bessel_factor_is_float32_like_trl_and_verl():
     """A float64 mask would give a float64 Bessel factor: the whitened values then differ by ~1e-8 relative, no more
-    (the only difference between the two readings of the seed's masked_whiten)."""
+    (the only difference between the two readings of TRL's masked_whiten)."""
     gen = torch.Generator().manual_seed(1)
     mask = torch.rand(4, 7, generator=gen) < 0.7
     mask[:, 0] = True
     value, reward = torch.randn(4, 7, generator=gen, dtype=F64), torch.randn(4, 7, generator=gen, dtype=F64)
     got = lossplug.estimate_advantages(policy_batch(mask, value, reward), recipe(gamma=1.0, lam=0.95)).advantage
     raw = lossplug.estimate_advantages(policy_batch(mask, value, reward), recipe(gamma=1.0, lam=0.95, whiten=False))
-    for seed_mask in (mask.long(), mask.to(torch.float32)):
-        exact = trl_masked_whiten(raw.advantage, seed_mask)
+    for trl_mask in (mask.long(), mask.to(torch.float32)):
+        exact = trl_masked_whiten(raw.advantage, trl_mask)
         torch.testing.assert_close(got[mask], exact[mask], rtol=0, atol=1e-12)
     float64 = trl_masked_whiten(raw.advantage, mask.to(F64))
     assert 0 < (got[mask] - float64[mask]).abs().max() <= 1e-7
@@ -99,10 +100,10 @@ def random_mask(B, T, gen, gaps=True, left=True):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Seed 1: packed GAE
+# Packed GAE (GAE arXiv:1506.02438; Gymnasium's terminated/truncated split)
 
 
-def seed_packed_example():
+def packed_worked_example():
     return dict(
         reward=torch.tensor([1.0, 2.0, 10.0]),
         value=torch.tensor([0.5, 1.0, 3.0]),
@@ -112,8 +113,8 @@ def seed_packed_example():
     )
 
 
-def test_seed1_packed_gae_example_through_public_api():
-    ex = seed_packed_example()
+def test_packed_gae_worked_example_through_public_api():
+    ex = packed_worked_example()
     batch = lossplug.PackedTransitions(**ex)
     advantage = lossplug.compute_advantages(batch, recipe(gamma=0.5, lam=0.8, whiten=False))
     delta = (
@@ -127,16 +128,16 @@ def test_seed1_packed_gae_example_through_public_api():
     assert not advantage.requires_grad and torch.isfinite(advantage).all()
 
 
-def test_seed1_packed_gae_function_and_returns():
-    ex = seed_packed_example()
+def test_packed_gae_function_and_returns():
+    ex = packed_worked_example()
     advantage = packed_gae(**ex, gamma=0.5, lam=0.8)
     torch.testing.assert_close(advantage, torch.tensor([2.2, 3.0, 7.0]))
     result = lossplug.estimate_advantages(lossplug.PackedTransitions(**ex), recipe(gamma=0.5, lam=0.8, whiten=False))
-    torch.testing.assert_close(result.returns, advantage + ex["value"])  # seed 2: return = A + V_old
+    torch.testing.assert_close(result.returns, advantage + ex["value"])  # TRL's PPO: return = A + V_old
 
 
-def test_packed_gae_keeps_the_seeds_error_rules():
-    ex = seed_packed_example()
+def test_packed_gae_keeps_the_reference_error_rules():
+    ex = packed_worked_example()
     with pytest.raises(lossplug.BatchValidationError, match="closed"):
         packed_gae(**{**ex, "boundary": torch.tensor([False, True, False])})
     with pytest.raises(lossplug.BatchValidationError, match="terminated ⇒ boundary"):
@@ -146,7 +147,7 @@ def test_packed_gae_keeps_the_seeds_error_rules():
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 333])
-def test_packed_matches_the_seed_loop_on_random_fragments(n):
+def test_packed_matches_the_sequential_loop_on_random_fragments(n):
     gen = torch.Generator().manual_seed(n)
     boundary = torch.rand(n, generator=gen) < 0.2
     boundary[-1] = True
@@ -181,7 +182,7 @@ def test_packed_time_limit_truncation_bootstraps_but_does_not_chain():
 
 
 def test_packed_whitening_and_critic_lambda():
-    ex = seed_packed_example()
+    ex = packed_worked_example()
     batch = lossplug.PackedTransitions(**ex)
     raw = lossplug.estimate_advantages(batch, recipe(gamma=0.5, lam=0.8, whiten=False))
     white = lossplug.estimate_advantages(batch, recipe(gamma=0.5, lam=0.8, whiten=True))
@@ -195,7 +196,7 @@ def test_packed_whitening_and_critic_lambda():
 
 def test_packed_rejects_kl_coef():
     with pytest.raises(lossplug.LossplugError, match="kl_coef"):
-        lossplug.compute_advantages(lossplug.PackedTransitions(**seed_packed_example()), recipe(kl_coef=0.1))
+        lossplug.compute_advantages(lossplug.PackedTransitions(**packed_worked_example()), recipe(kl_coef=0.1))
 
 
 def test_reverse_linear_scan_matches_loop():
@@ -211,20 +212,20 @@ def test_reverse_linear_scan_matches_loop():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Seed 2: padded GAE, V(s_T) = 0, returns = A + V_old
+# TRL ≤ 0.11's PPO: padded GAE, V(s_T) = 0, returns = A + V_old
 
 
 @pytest.mark.parametrize("whiten", [False, True])
-def test_seed2_reference_loop_on_right_padded_contiguous_batch(whiten):
+def test_trl_ppo_reference_loop_on_right_padded_contiguous_batch(whiten):
     gen = torch.Generator().manual_seed(0)
     B, T = 5, 9
     lengths = torch.tensor([9, 1, 4, 6, 2])
     mask = torch.arange(T) < lengths[:, None]
     values = torch.randn(B, T, generator=gen, dtype=F64)
     rewards = torch.randn(B, T, generator=gen, dtype=F64)
-    _, ref_adv, ref_ret = seed2_compute_advantages(values, rewards, mask.to(F64), gamma=0.99, lam=0.95)
+    _, ref_adv, ref_ret = trl_ppo_compute_advantages(values, rewards, mask.to(F64), gamma=0.99, lam=0.95)
     if whiten:
-        # the seed's mask is a torch.FloatTensor (float32): its masked_whiten's Bessel factor mask_sum / (mask_sum − 1)
+        # TRL's mask is a torch.FloatTensor (float32): its masked_whiten's Bessel factor mask_sum / (mask_sum − 1)
         # is then float32, as verl's on its integer response_mask — gae reproduces that bit for bit
         ref_adv = trl_masked_whiten(ref_adv, mask.to(torch.float32))
     # padding holds garbage: the contract says it is never read
@@ -378,10 +379,10 @@ def test_gae_parameters_are_validated_before_any_tensor():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# KL-shaped reward inside gae (seed 2's compute_rewards feeding compute_advantages)
+# KL-shaped reward inside gae (TRL ≤ 0.11's compute_rewards feeding compute_advantages)
 
 
-def test_kl_coef_shapes_the_reward_like_seed2():
+def test_kl_coef_shapes_the_reward_like_trl_ppo():
     from lossplug.tools.kl import kl_shaped_rewards
 
     gen = torch.Generator().manual_seed(4)

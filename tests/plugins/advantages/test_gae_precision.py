@@ -121,10 +121,10 @@ def test_huge_values_do_not_overflow_float32():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Packed GAE against the seed's loop
+# Packed GAE against the sequential loop
 
 
-def test_packed_gae_matches_the_seed_loop_float64_long_mixed_fragments():
+def test_packed_gae_matches_the_sequential_loop_float64_long_mixed_fragments():
     gen = torch.Generator().manual_seed(4)
     kw = fragments(20_000, 2_000, gen)  # fragments of ~2k transitions, the longest several thousand
     kw["boundary"][:8192] = False  # and one fragment of at least 8k transitions

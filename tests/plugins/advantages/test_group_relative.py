@@ -1,4 +1,5 @@
-"""Seed 1's RLOO / GRPO example through the public API, and TRL's group-advantage formula."""
+"""RLOO (arXiv:2402.14740) / GRPO (arXiv:2402.03300) worked example through the public API, and TRL's
+group-advantage formula."""
 
 import pytest
 import torch
@@ -6,18 +7,18 @@ import torch
 import lossplug
 
 F64 = torch.float64
-SEED_GRPO = {"name": "grpo", "scale": "group", "std": "population", "eps": 1e-6, "eps_mode": "threshold"}
+THRESHOLD_GRPO = {"name": "grpo", "scale": "group", "std": "population", "eps": 1e-6, "eps_mode": "threshold"}
 
 
 def recipe(advantage):
     return lossplug.Recipe.model_validate({"advantage": advantage, "gates": ["ppo_clip"], "reduction": "token"})
 
 
-def seed_rloo(reward):
+def reference_rloo(reward):
     return reward - (reward.sum(1, keepdim=True) - reward) / (reward.size(1) - 1)
 
 
-def seed_grpo(reward, eps=1e-6):
+def reference_grpo(reward, eps=1e-6):
     centered = reward - reward.mean(1, keepdim=True)
     scale = reward.std(1, keepdim=True, unbiased=False)
     return torch.where(scale > eps, centered / scale, torch.zeros_like(centered))
@@ -38,28 +39,28 @@ def grouped_batch(reward_2d, perm=None):
     )
 
 
-def test_seed_rloo_grpo_example():
+def test_rloo_grpo_worked_example():
     reward = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
     rloo = lossplug.compute_advantages(grouped_batch(reward), recipe("rloo")).view(2, 3)
-    grpo = lossplug.compute_advantages(grouped_batch(reward), recipe(SEED_GRPO)).view(2, 3)
+    grpo = lossplug.compute_advantages(grouped_batch(reward), recipe(THRESHOLD_GRPO)).view(2, 3)
     torch.testing.assert_close(rloo[0], 1.5 * (reward[0] - reward[0].mean()))
     torch.testing.assert_close(grpo.mean(1), torch.zeros(2))
     assert torch.count_nonzero(grpo[1]) == 0
-    # and they are the seed's functions
-    torch.testing.assert_close(rloo, seed_rloo(reward))
-    torch.testing.assert_close(grpo, seed_grpo(reward))
+    # and they are the reference functions
+    torch.testing.assert_close(rloo, reference_rloo(reward))
+    torch.testing.assert_close(grpo, reference_grpo(reward))
 
 
-def test_seed_conventions_on_random_scattered_groups():
+def test_reference_conventions_on_random_scattered_groups():
     gen = torch.Generator().manual_seed(0)
     reward = torch.randn(5, 4, generator=gen, dtype=F64)
     reward[2] = 0.3  # an all-equal group
     perm = torch.randperm(20, generator=gen)
     flat_rloo = lossplug.compute_advantages(grouped_batch(reward, perm), recipe("rloo"))
-    flat_grpo = lossplug.compute_advantages(grouped_batch(reward, perm), recipe(SEED_GRPO))
+    flat_grpo = lossplug.compute_advantages(grouped_batch(reward, perm), recipe(THRESHOLD_GRPO))
     inv = torch.argsort(perm)
-    torch.testing.assert_close(flat_rloo[inv].view(5, 4), seed_rloo(reward), rtol=0, atol=1e-12)
-    torch.testing.assert_close(flat_grpo[inv].view(5, 4), seed_grpo(reward), rtol=0, atol=1e-12)
+    torch.testing.assert_close(flat_rloo[inv].view(5, 4), reference_rloo(reward), rtol=0, atol=1e-12)
+    torch.testing.assert_close(flat_grpo[inv].view(5, 4), reference_grpo(reward), rtol=0, atol=1e-12)
     assert (flat_grpo[inv].view(5, 4)[2] == 0).all() and (flat_rloo[inv].view(5, 4)[2] == 0).all()
 
 

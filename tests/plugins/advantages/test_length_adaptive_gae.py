@@ -1,4 +1,5 @@
-"""VAPO's length-adaptive GAE: the seed's λ example, the λ function's errors, the plugin on both layouts."""
+"""VAPO's length-adaptive GAE (arXiv:2504.05118): a worked λ example, the λ function's errors, the plugin on both
+layouts."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ def recipe(name="length_adaptive_gae", **params):
     )
 
 
-def test_seed_vapo_lambda_example():
+def test_vapo_lambda_worked_example():
     length = torch.tensor([16, 64, 256, 1024])
     lam = length_adaptive_lambda(length)
     assert torch.all(lam[1:] > lam[:-1])

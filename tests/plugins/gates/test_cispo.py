@@ -1,4 +1,4 @@
-"""cispo through the public API: the seed's detached coefficients, verl's and TRL's forms, parameter checks."""
+"""cispo through the public API: a worked example's detached coefficients, verl's and TRL's forms, parameter checks."""
 
 import math
 
@@ -8,14 +8,14 @@ import torch
 import lossplug
 from lossplug.testing.batches import loss_and_grad
 
-SHIFT = -1.0  # the seed's update ratios [.5, 1, 2] as log-probs ≤ 0
+SHIFT = -1.0  # the example's update ratios [.5, 1, 2] as log-probs ≤ 0
 
 
 def run(gate: dict, *, reduction="sequence_sum", mask=None, **fields):
     return loss_and_grad({"gates": [gate], "reduction": {"name": reduction}}, action_mask=mask, **fields)
 
 
-def test_seed_coefficients():
+def test_worked_example_coefficients():
     update = torch.tensor([[0.5, 1.0, 2.0]])
     logp = update.log() + SHIFT
     result, grad = run(

@@ -1,4 +1,4 @@
-"""tis / icepop (token and sequence) through the public API: the seed's engine-ratio coefficients."""
+"""tis / icepop (token and sequence) through the public API: worked engine-ratio coefficients."""
 
 import math
 
@@ -21,7 +21,7 @@ def run(gates: list, *, logp, old_logp, behavior_logp, advantage, reduction="seq
     return result, logp.grad
 
 
-def seed_engine():
+def engine_example():
     engine = torch.tensor([[0.5, 1.0, 3.0]])
     old = torch.full((1, 3), SHIFT)
     return engine, old, old - engine.log()
@@ -34,8 +34,8 @@ def seed_engine():
         ({"name": "icepop", "low": 0.8, "high": 1.2}, [0.0, 1.0, 0.0], 1 / 3),
     ],
 )
-def test_seed_coefficients(gate, expected, active):
-    engine, old, behavior = seed_engine()
+def test_worked_example_coefficients(gate, expected, active):
+    engine, old, behavior = engine_example()
     # reinforce (A·logp) as the update gate, one response under sequence_sum: ∂loss/∂logp = −weight·A
     result, grad = run(
         ["reinforce", gate], logp=old.clone(), old_logp=old, behavior_logp=behavior, advantage=torch.ones(1)
@@ -49,7 +49,7 @@ def test_seed_coefficients(gate, expected, active):
 
 
 def test_icepop_accepts_inside_inclusive_bounds():
-    engine, old, behavior = seed_engine()
+    engine, old, behavior = engine_example()
     result, grad = run(
         ["reinforce", {"name": "icepop", "low": 0.5, "high": 3.0}],
         logp=old.clone(),
@@ -72,7 +72,7 @@ def gate_input(old, behavior, mask=None):
 
 @pytest.mark.parametrize("name", ["tis", "tis_seq", "icepop", "icepop_seq"])
 def test_weights_are_detached(name):
-    engine, old, behavior = seed_engine()
+    engine, old, behavior = engine_example()
     # even when the log-probs they read require grad, the weights carry none
     old = old.clone().requires_grad_()
     behavior = behavior.clone().requires_grad_()

@@ -1,4 +1,4 @@
-"""dis through the public API: the seed's double-sided keep/drop example."""
+"""dis through the public API: a worked double-sided keep/drop example."""
 
 import math
 
@@ -7,17 +7,17 @@ import torch
 
 import lossplug
 
-SHIFT = -1.0  # the seed's log-probs (behaviour = 0) shifted onto the contract's ≤ 0 side
+SHIFT = -1.0  # the example's log-probs (behaviour = 0) shifted onto the contract's ≤ 0 side
 
 
-def test_seed_double_sided_gate():
+def test_double_sided_gate_worked_example():
     ratio = torch.tensor([0.7, 0.81, 1.0, 1.27, 1.4])
     logp = (ratio.log() + SHIFT).reshape(1, 5).requires_grad_()
     behavior = torch.full((1, 5), SHIFT)
     batch = lossplug.PolicyBatch(
         logp=logp, behavior_logp=behavior, advantage=torch.ones(1), action_mask=torch.ones(1, 5, dtype=torch.bool)
     )
-    # one response under sequence_sum: loss = −Σ_t coefficient_t·logp_t, the seed's loss
+    # one response under sequence_sum: loss = −Σ_t coefficient_t·logp_t, the example's loss
     result = lossplug.policy_loss(
         batch, {"gates": [{"name": "dis", "low": 0.2, "high": 0.28}], "reduction": "sequence_sum"}, metrics="full"
     )

@@ -1,4 +1,4 @@
-"""Property tests that every registered gate must satisfy (the seed's list of invariants that must be kept).
+"""Property tests that every registered gate must satisfy (the invariants any loss must keep).
 
 Each gate runs through the public API (PolicyBatch + policy_loss + a Recipe); a correction runs behind
 ``reinforce`` (A·logp, every token active), so that what is observed is the correction's own effect.

@@ -1,5 +1,5 @@
-"""gspo / gspo_token through the public API: the seed's sequence-ratio example, sequence-level clipping, empty
-responses, and the gradient routing that tells the two variants apart."""
+"""gspo / gspo_token through the public API: a worked sequence-ratio example (arXiv:2507.18071), sequence-level
+clipping, empty responses, and the gradient routing that tells the two variants apart."""
 
 import math
 
@@ -24,8 +24,8 @@ def run(rec, *, logp, validate="full", unchecked=False, **fields):
     return result, logp.grad
 
 
-def seed_example():
-    # the seed's example verbatim: all its log-probs are already ≤ 0
+def worked_example():
+    # the worked example: all its log-probs are already ≤ 0
     old_logp = torch.tensor([[-1.0, -2.0, float("nan")], [-1.0, -2.0, -3.0]])
     new_logp = old_logp + torch.tensor([[0.1, 0.3, 9.0], [0.1, 0.3, 0.2]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]]).bool()
@@ -33,8 +33,8 @@ def seed_example():
 
 
 @pytest.mark.parametrize("name", ["gspo", "gspo_token"])
-def test_seed_geometric_sequence_ratio(name):
-    new_logp, old_logp, mask = seed_example()
+def test_geometric_sequence_ratio_worked_example(name):
+    new_logp, old_logp, mask = worked_example()
     result, grad = run(
         recipe(name, **WIDE), logp=new_logp, old_logp=old_logp, action_mask=mask, advantage=torch.ones(2)
     )
@@ -54,7 +54,7 @@ def test_seed_geometric_sequence_ratio(name):
 
 
 def test_empty_response_is_rejected():
-    new_logp, old_logp, mask = seed_example()
+    new_logp, old_logp, mask = worked_example()
     empty = mask.clone()
     empty[0] = False
     with pytest.raises(lossplug.BatchValidationError, match="action_mask.*at least one action"):
@@ -66,7 +66,7 @@ def test_empty_response_is_rejected():
 @pytest.mark.parametrize("name", ["gspo", "gspo_token"])
 @pytest.mark.parametrize("reduction", ["response", "token", "sequence_sum"])
 def test_empty_response_without_validation_is_finite(name, reduction):
-    new_logp, old_logp, mask = seed_example()
+    new_logp, old_logp, mask = worked_example()
     mask = mask.clone()
     mask[0] = False
     result, grad = run(

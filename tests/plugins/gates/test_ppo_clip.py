@@ -1,4 +1,4 @@
-"""ppo_clip through the public API: the seed's sign-aware clip example, clip-higher and dual-clip."""
+"""ppo_clip through the public API: PPO's sign-aware clip (arXiv:1707.06347), clip-higher and dual-clip."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 import lossplug
 from lossplug.testing.batches import loss_and_grad
 
-# the contract rejects log-probs > 0: the seed's log-probs (old = 0) are shifted by SHIFT on both sides
+# the contract rejects log-probs > 0: the example's log-probs (old = 0) are shifted by SHIFT on both sides
 SHIFT = -2.0
 
 
@@ -25,7 +25,7 @@ def per_token_objective(gate: dict, ratio, advantage):
     return torch.stack(out)
 
 
-def test_seed_sign_aware_clip():
+def test_sign_aware_clip_worked_example():
     ratio = torch.tensor([1.3, 0.7, 1.3, 0.7])
     advantage = torch.tensor([1.0, 1.0, -1.0, -1.0])
     gate = {"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2}

@@ -1,4 +1,4 @@
-"""sapo through the public API: the seed's smooth-gate example (gradient = r·sech²(τ(r−1)/2)·A)."""
+"""sapo through the public API: a worked smooth-gate example (gradient = r·sech²(τ(r−1)/2)·A)."""
 
 import pytest
 import torch
@@ -6,18 +6,18 @@ import torch
 import lossplug
 from lossplug.testing.batches import loss_and_grad
 
-SHIFT = -1.0  # the seed's log-probs (old = 0, new up to .7) shifted onto the contract's ≤ 0 side
+SHIFT = -1.0  # the example's log-probs (old = 0, new up to .7) shifted onto the contract's ≤ 0 side
 
 
 def run(gate: dict, *, reduction="sequence_sum", mask=None, **fields):
     return loss_and_grad({"gates": [gate], "reduction": {"name": reduction}}, action_mask=mask, **fields)
 
 
-def test_seed_smooth_gate():
+def test_smooth_gate_worked_example():
     new_logp = torch.tensor([[-0.7, 0.0, 0.7]]) + SHIFT
     old_logp = torch.zeros(1, 3) + SHIFT
     advantage = torch.tensor([[1.0, -1.0, 1.0]])
-    # one response under sequence_sum: loss = −Σ_t term_t, i.e. the seed's term.sum()
+    # one response under sequence_sum: loss = −Σ_t term_t, i.e. the example's term.sum()
     result, grad = run(
         {"name": "sapo", "tau_pos": 1.0, "tau_neg": 2.0}, logp=new_logp, old_logp=old_logp, advantage=advantage
     )
