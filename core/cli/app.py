@@ -76,15 +76,17 @@ plot_app = typer.Typer(
 app.add_typer(recipe_app, name="recipe")
 app.add_typer(plot_app, name="plot")
 
-KIND_ORDER = ("advantage", "gate", "reduction", "regulariser")
+KIND_HELP = "A plugin kind (`lossplug list` names them) or 'preset'"
 
 
-class Kind(str, Enum):
-    advantage = "advantage"
-    gate = "gate"
-    reduction = "reduction"
-    regulariser = "regulariser"
-    preset = "preset"
+def _kinds(catalogue: dict[str, Any], kind: str | None, *, presets: bool = True) -> list[str]:
+    """The kinds a command looks at: ``kind`` (checked against the catalogue's), else every kind (and 'preset')."""
+    known = [*catalogue["kinds"], *(["preset"] if presets else [])]
+    if kind is None:
+        return known
+    if kind not in known:
+        _fail(f"--kind must be one of {', '.join(known)}, got '{kind}'")
+    return [kind]
 
 
 class ContractChoice(str, Enum):
@@ -150,7 +152,7 @@ def _params_line(params: dict[str, Any]) -> str:
 
 @app.command("list")
 def list_cmd(
-    kind: Kind | None = typer.Option(None, "--kind", "-k", help="Only this kind."),
+    kind: str | None = typer.Option(None, "--kind", "-k", help=f"Only this kind. {KIND_HELP}."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Every plugin by kind, with parameters, defaults and source distribution; broken plugins in red."""
@@ -158,7 +160,7 @@ def list_cmd(
 
     catalogue = current()
     broken, duplicates = catalogue["broken"], catalogue["duplicates"]
-    kinds = [kind.value] if kind else [*KIND_ORDER, "preset"]
+    kinds = _kinds(catalogue, kind)
     rows = [r for r in catalogue["rows"] if r["kind"] in kinds]
     if as_json:
         typer.echo(json.dumps({"plugins": rows, "broken": broken, "duplicates": duplicates}, indent=2, default=str))
@@ -252,7 +254,9 @@ def _print_plugin(console: Console, info: dict[str, Any]) -> None:
 @app.command("show")
 def show_cmd(
     name: str = typer.Argument(..., help="Plugin or preset name."),
-    kind: Kind | None = typer.Option(None, "--kind", "-k", help="Only this kind, when the name is ambiguous."),
+    kind: str | None = typer.Option(
+        None, "--kind", "-k", help=f"Only this kind, when the name is ambiguous. {KIND_HELP}."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (with the JSON schema)."),
 ) -> None:
     """A plugin's formula (docstring), its parameter schema, and the batch fields it needs."""
@@ -260,9 +264,9 @@ def show_cmd(
 
     catalogue = current()
     plugins, presets = catalogue["plugins"], catalogue["presets"]
-    kinds = [kind.value] if kind else list(KIND_ORDER)
+    kinds = _kinds(catalogue, kind)
     found = [plugins[f"{k}:{name}"] for k in kinds if f"{k}:{name}" in plugins]
-    is_preset = name in presets and (kind is None or kind.value == "preset")
+    is_preset = name in presets and "preset" in kinds
     if not found and not is_preset:
         from lossplug.contracts.errors import did_you_mean  # (lossplug.contracts imports torch: only on this path)
 
@@ -488,9 +492,7 @@ def validate_cmd(
 @app.command("check")
 def check_cmd(
     name: str = typer.Argument(..., help="A registered plugin name."),
-    kind: Kind | None = typer.Option(
-        None, "--kind", "-k", help="advantage, gate, reduction or regulariser, if ambiguous."
-    ),
+    kind: str | None = typer.Option(None, "--kind", "-k", help="The plugin's kind, if the name is ambiguous."),
     param: list[str] | None = typer.Option(
         None, "--param", "-p", metavar="KEY=VALUE", help="A parameter to test with (repeatable)."
     ),
@@ -501,12 +503,12 @@ def check_cmd(
 
     from lossplug.testing import check_plugin
 
-    if kind == Kind.preset:
+    if kind == "preset":
         _fail("presets are recipes, not plugins: try `lossplug recipe explain`")
     params = _parse_assignments(param, "--param")
     _registry()  # built here, where broken third-party plugins are not also raised as Python warnings
     try:
-        report = check_plugin(name, kind=kind.value if kind else None, params=params, skip=skip or ())
+        report = check_plugin(name, kind=kind, params=params, skip=skip or ())
     except (LookupError, TypeError, ValueError) as err:
         _fail(str(err), 1)
     console = _console()

@@ -30,9 +30,6 @@ from typing import Any
 
 SNAPSHOT = Path(__file__).with_name("catalogue.json")
 
-#: the kinds in the order they are listed
-KIND_ORDER = ("advantage", "gate", "reduction", "regulariser")
-
 
 def _package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
@@ -79,6 +76,7 @@ def live() -> dict[str, Any]:
 
     import lossplug
     from lossplug.contracts import Recipe
+    from lossplug.kinds import KINDS
     from lossplug.plugin_registry import LossplugPluginWarning, registry
 
     from .describe import distribution, explain_recipe, parameters, plugin_info
@@ -90,12 +88,13 @@ def live() -> dict[str, Any]:
     for row in rows:
         row["distribution"] = distribution(row["source"])
     plugins = {}
-    for kind in KIND_ORDER:
+    for kind in KINDS:
         for name, plugin in sorted(reg.plugins.get(kind, {}).items()):
             info = plugin_info(kind, name, plugin, reg.origin(kind, name))
             info["parameters"] = parameters(plugin)
             plugins[f"{kind}:{name}"] = info
     data = {
+        "kinds": list(KINDS),
         "plugins": plugins,
         "rows": rows,
         "presets": {name: explain_recipe(Recipe.preset(name)) for name in sorted(reg.presets)},

@@ -12,6 +12,7 @@ import sys
 from typing import TYPE_CHECKING, Any, cast
 
 from lossplug.contracts import Recipe
+from lossplug.kinds import KINDS
 from lossplug.needs import FIELD_SHAPES, batch_fields, recipe_needs, required_fields
 
 if TYPE_CHECKING:
@@ -300,7 +301,7 @@ def catalogue_markdown(
         "",
     ]
     details_of: dict[str, str] = {}
-    for kind in ("advantage", "gate", "reduction", "regulariser"):
+    for kind in KINDS:
         plugins = {
             n: p
             for n, p in reg.plugins.get(kind, {}).items()

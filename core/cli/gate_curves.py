@@ -58,10 +58,12 @@ NOT_PLOTTED: dict[str, str] = {
     "force_on_policy": "its ratio is 1 by construction (NeMo-RL's force_on_policy_ratio): reinforce's gradient",
 }
 
-#: parameters the default plot draws a gate with, where its defaults cut nothing (verl's bypass_rs has no rule
-#: unless rollout_rs is set; this is verl's token_k1 with threshold 2)
+#: parameters the default plot draws a gate with, where its defaults cut nothing in the plotted range (verl's
+#: bypass_rs has no rule unless rollout_rs is set; this is verl's token_k1 with threshold 2)
 PLOTTED_WITH: dict[str, dict[str, Any]] = {
     "bypass_rs": {"rules": [{"statistic": "token_k1", "upper": 2.0}]},
+    # SkyRL's suggested bounds (1e-4, 100) lie outside the plotted ratios; these show where it drops a response
+    "outlier_sequence_mask": {"low": 0.5, "high": 2.0},
 }
 
 
