@@ -8,15 +8,16 @@ A detached correction on the **engine** pair (``behavior_logp``: the rollout eng
     binary_kl_t = p·log(p/q) + (1 − p)·log((1 − p)/(1 − q))      (the KL of the two Bernoulli "this token or not")
     tv_t        = |p − q|                                         (their total variation)
     stat        = the divergence per token (level token) or its mean over the response's action tokens (sequence)
-    w_t         = ρ_t · 1[stat ≤ delta]          ρ_t = exp(old_logp_t − behavior_logp_t), not truncated
+    w_t         = ρ_t · 1[stat ≤ delta] · 1[|log ρ_t| < log_ratio_clamp]     ρ_t = exp(old_logp_t − behavior_logp_t)
 
 Unlike a ratio bound, the divergence of a token both engines find unlikely stays small however large its ratio:
 the region is on probabilities, not ratios (FlashREINFORCE's gate on the per-response mean binary KL). The weight is
 ``[B, T]`` and detached; gradient flows only through the update gate's ``logp``; it is 0 on dropped tokens, which
 stay in the reduction's population (OpenRLHF's denominators count them too).
 
-Numerics: ``ρ_t`` is ``exp`` of the engine log-ratio clamped to ``± log_ratio_clamp`` (20); OpenRLHF does not clamp,
-and agrees wherever ``|log ρ_t| ≤ 20``.
+Numerics: a token whose engine log-ratio reaches ``± log_ratio_clamp`` (20) is dropped (weight 0: ``e^20`` would be
+an overflow, not a correction — a token both engines find unlikely has a small divergence whatever its ratio);
+OpenRLHF does not clamp, and agrees wherever ``|log ρ_t| < 20``.
 
 Paper: Yao et al., 2025, *Your Efficient RL Framework Secretly Brings You Off-Policy RL Training*,
 https://fengyao.notion.site/off-policy-rl (the engine mismatch and its importance weight).
@@ -81,8 +82,11 @@ def engine_divergence_mask(inp: lossplug.GateInput, p: EngineDivergenceParams) -
         stat = engine_divergence(inp, p.divergence)
         if p.level == "sequence":
             stat = (stat.sum(-1) / inp.lengths.clamp(min=1).to(stat.dtype)).unsqueeze(-1).expand_as(stat)
-        keep = stat <= p.delta
-        ratio = clamp_exact(inp.engine_log_ratio(), -p.log_ratio_clamp, p.log_ratio_clamp).exp()
+        log_ratio = inp.engine_log_ratio()
+        # a token whose engine log-ratio reaches the clamp is dropped too: its weight would be e^20 or more — an
+        # overflow, not a correction (both engines find it unlikely, so its divergence alone would keep it)
+        keep = (stat <= p.delta) & (log_ratio.abs() < p.log_ratio_clamp)
+        ratio = clamp_exact(log_ratio, -p.log_ratio_clamp, p.log_ratio_clamp).exp()
         weight = torch.where(keep, ratio, torch.zeros_like(ratio))
     dropped = ~keep & inp.mask
     return lossplug.GateOutput(

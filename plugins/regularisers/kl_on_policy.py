@@ -60,8 +60,12 @@ def kl_on_policy(inp: lossplug.GateInput, p: KLOnPolicyParams) -> lossplug.Regul
     score-function gradient ``∇k + k·∇logp``."""
     logp, ref = inp.logp, cast(Tensor, inp.ref_logp)  # ref_logp: declared in requires=
     anchor = logp.detach() if p.weight == "self" else cast(Tensor, inp.behavior_logp)
-    weight = torch.exp(logp - anchor)
-    weight = torch.where(torch.isfinite(weight), weight, torch.zeros_like(weight))
+    log_weight = logp - anchor
+    # a weight that overflows becomes 0 (NeMo-RL's nan_to_num): decided on the value, then exp only where it is
+    # finite, so the dropped branch carries no 0·inf = NaN into the gradient
+    finite = torch.isfinite(log_weight.detach().exp())
+    zero = torch.zeros_like(log_weight)
+    weight = torch.where(finite, torch.exp(torch.where(finite, log_weight, zero)), zero)
     delta = ref - logp
     if p.input_clamp is not None:
         clamped = delta.clamp(-p.input_clamp, p.input_clamp)
