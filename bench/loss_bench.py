@@ -153,81 +153,87 @@ def verl_cases(B: int, tokens: int) -> list[Case]:
     ]
 
 
-def trl_cases() -> list[Case]:
-    """TRL's ``_compute_loss`` after the log-probs, replicated (trl 1.16.0, grpo_trainer.py)."""
+# TRL's _compute_loss after the log-probs, replicated line by line (trl 1.16.0, grpo_trainer.py)
 
-    def masked_mean(x, mask):  # global_masked_mean with one process
-        return ((x * mask).sum() / mask.sum().float().clamp(min=1.0)).item()
 
-    def clip_loss(level: str, eps_low: float, eps_high: float, loss_type: str):
-        def native(t, logp):
-            mask = t["mask"].long()  # TRL's completion_mask is an int64 tensor
-            advantages = t["advantage"].unsqueeze(1)
-            log_ratio = logp - t["old_logp"]
-            if level == "token":
-                log_importance_weights = log_ratio
-            else:
-                log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-            coef_1 = torch.exp(log_importance_weights)
-            coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
-            per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-            if loss_type == "grpo":
-                loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-            else:  # dapo: / (num_items_in_batch / processes × GA / steps_per_generation) = / action tokens here
-                loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-            is_low = (coef_1 < 1 - eps_low) & (advantages < 0)
-            is_high = (coef_1 > 1 + eps_high) & (advantages > 0)
-            if coef_1.shape[1] == 1:
-                metrics = [float(x.float().mean()) for x in (is_low, is_high, is_low | is_high)]
-                seq_low, seq_high = is_low.float().squeeze(1), is_high.float().squeeze(1)
-            else:
-                metrics = [masked_mean(x.float(), mask) for x in (is_low, is_high, is_low | is_high)]
-                seq_low = (is_low.float() * mask).sum(-1) / mask.sum(-1)
-                seq_high = (is_high.float() * mask).sum(-1) / mask.sum(-1)
-            metrics += [float(seq_low.min()), float(seq_high.max())]
-            return loss
+def _trl_masked_mean(x, mask):  # global_masked_mean with one process
+    return ((x * mask).sum() / mask.sum().float().clamp(min=1.0)).item()
 
-        return native
 
-    def sapo(t, logp):
-        mask = t["mask"].long()
+def _trl_clip_loss(level: str, eps_low: float, eps_high: float, loss_type: str):
+    def native(t, logp):
+        mask = t["mask"].long()  # TRL's completion_mask is an int64 tensor
         advantages = t["advantage"].unsqueeze(1)
-        coef_1 = torch.exp(logp - t["old_logp"])
-        temperatures = torch.where(advantages > 0, 1.0, 1.05)
-        soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
-        per_token_loss = -soft_coef_1 * advantages
-        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-
-    def cispo_tis(t, logp):
-        mask = t["mask"].long()
-        with torch.no_grad():  # _generate_and_score_completions, vllm_importance_sampling_mode="token_truncate"
-            diff = torch.nan_to_num((t["old_logp"] - t["behavior_logp"]) * mask, nan=0.0)
-            is_ratio = torch.clamp(torch.exp(diff), min=None, max=TIS_CAP)
-        advantages = t["advantage"].unsqueeze(1)
-        coef_1 = torch.exp(logp - t["old_logp"])
-        clamped_ratios = torch.clamp(coef_1, max=5.0).detach()
-        per_token_loss = -clamped_ratios * advantages * logp
-        per_token_loss = per_token_loss * is_ratio
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-        masked_mean(((coef_1 > 5.0) & (advantages > 0)).float(), mask)
+        log_ratio = logp - t["old_logp"]
+        if level == "token":
+            log_importance_weights = log_ratio
+        else:
+            log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        coef_1 = torch.exp(log_importance_weights)
+        coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+        if loss_type == "grpo":
+            loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        else:  # dapo: / (num_items_in_batch / processes × GA / steps_per_generation) = / action tokens here
+            loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+        is_low = (coef_1 < 1 - eps_low) & (advantages < 0)
+        is_high = (coef_1 > 1 + eps_high) & (advantages > 0)
+        if coef_1.shape[1] == 1:
+            metrics = [float(x.float().mean()) for x in (is_low, is_high, is_low | is_high)]
+            seq_low, seq_high = is_low.float().squeeze(1), is_high.float().squeeze(1)
+        else:
+            metrics = [_trl_masked_mean(x.float(), mask) for x in (is_low, is_high, is_low | is_high)]
+            seq_low = (is_low.float() * mask).sum(-1) / mask.sum(-1)
+            seq_high = (is_high.float() * mask).sum(-1) / mask.sum(-1)
+        metrics += [float(seq_low.min()), float(seq_high.max())]
         return loss
 
+    return native
+
+
+def _trl_sapo(t, logp):
+    mask = t["mask"].long()
+    advantages = t["advantage"].unsqueeze(1)
+    coef_1 = torch.exp(logp - t["old_logp"])
+    temperatures = torch.where(advantages > 0, 1.0, 1.05)
+    soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+    per_token_loss = -soft_coef_1 * advantages
+    return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def _trl_cispo_tis(t, logp):
+    mask = t["mask"].long()
+    with torch.no_grad():  # _generate_and_score_completions, vllm_importance_sampling_mode="token_truncate"
+        diff = torch.nan_to_num((t["old_logp"] - t["behavior_logp"]) * mask, nan=0.0)
+        is_ratio = torch.clamp(torch.exp(diff), min=None, max=TIS_CAP)
+    advantages = t["advantage"].unsqueeze(1)
+    coef_1 = torch.exp(logp - t["old_logp"])
+    clamped_ratios = torch.clamp(coef_1, max=5.0).detach()
+    per_token_loss = -clamped_ratios * advantages * logp
+    per_token_loss = per_token_loss * is_ratio
+    loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    _trl_masked_mean(((coef_1 > 5.0) & (advantages > 0)).float(), mask)
+    return loss
+
+
+def trl_cases() -> list[Case]:
+    """TRL's ``_compute_loss`` after the log-probs, replicated (trl 1.16.0, grpo_trainer.py)."""
     return [
         Case(
             "ppo_clip+token",
             "trl",
             {"gates": [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2}], "reduction": "token"},
-            clip_loss("token", 0.2, 0.2, "dapo"),
+            _trl_clip_loss("token", 0.2, 0.2, "dapo"),
             False,
         ),
         Case(
             "gspo",
             "trl",
             {"gates": [{"name": "gspo", "eps_low": 3e-4, "eps_high": 4e-4}], "reduction": "response"},
-            clip_loss("sequence", 3e-4, 4e-4, "grpo"),
+            _trl_clip_loss("sequence", 3e-4, 4e-4, "grpo"),
             False,
         ),
-        Case("sapo", "trl", {"gates": ["sapo"], "reduction": "response"}, sapo, False),
+        Case("sapo", "trl", {"gates": ["sapo"], "reduction": "response"}, _trl_sapo, False),
         Case(
             "cispo+tis",
             "trl",
@@ -238,7 +244,7 @@ def trl_cases() -> list[Case]:
                 ],
                 "reduction": "token",
             },
-            cispo_tis,
+            _trl_cispo_tis,
             False,
             behavior=True,
         ),

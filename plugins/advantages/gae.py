@@ -249,28 +249,55 @@ def gae_padded(
 
     metrics: dict[str, Tensor] = {}
     if kl_coef:
-        missing = [n for n in ("old_logp", "ref_logp") if getattr(batch, n) is None]
-        if missing:
-            raise LossplugError(
-                f"gae with kl_coef={kl_coef} needs {' and '.join(missing)}: the KL-shaped reward is "
-                f"−kl_coef·(old_logp − ref_logp) (for a single on-policy step pass "
-                f"old_logp=logp.detach())"
-            )
-        shaped = kl_shaped_rewards(
-            torch.zeros(B, dtype=dtype, device=mask.device),
-            cast(Tensor, batch.old_logp),
-            cast(Tensor, batch.ref_logp),
-            mask,
-            kl_coef=kl_coef,
-        )  # (checked just above)
-        non_score, kl = shaped.non_score_rewards, shaped.kl
-        reward = reward + torch.masked_select(non_score, mask).to(dtype)
-        kl_flat = torch.masked_select(kl, mask)
-        metrics["kl/mean"] = kl_flat.mean()
-        metrics["reward/non_score_sum_mean"] = -kl_coef * kl_flat.sum() / B
+        reward = reward + _kl_penalty(batch, kl_coef, dtype, metrics)
+    end_value = _end_values(batch, dtype)
+    bootstrap = torch.cat((value[1:], value.new_zeros(1)))  # the next action's value within a row ...
+    bootstrap[ends] = end_value if end_value.shape[0] == ends.shape[0] else end_value[nonempty]  # ... or the end's
 
-    # bootstrap of each row's end: final_value where the response was truncated (terminated given and False)
-    end_value = torch.zeros(B, dtype=dtype, device=mask.device)
+    if lam_of is not None:  # per-row λ from the number of action tokens (length-adaptive GAE)
+        lam_rows = lam_of(lengths.to(dtype))
+        lam = torch.repeat_interleave(lam_rows, lengths, output_size=n)
+        metrics.update(_lambda_metrics(lam_rows))
+    advantage, returns = _gae(reward, value, bootstrap, last, gamma, cast(Lam, lam), critic_lam)  # (as in gae_packed)
+    if whiten:
+        advantage = _whiten(advantage)
+
+    def scatter(x: Tensor) -> Tensor:  # back to [B, T], zero off action positions
+        return torch.zeros(B, T, dtype=dtype, device=mask.device).masked_scatter_(mask, x)
+
+    return lossplug.AdvantageResult(advantage=scatter(advantage), returns=scatter(returns), metric_tensors=metrics)
+
+
+def _kl_penalty(batch: lossplug.PolicyBatch, kl_coef: float, dtype: torch.dtype, metrics: dict[str, Tensor]) -> Tensor:
+    """The packed KL-shaped reward −kl_coef·(old_logp − ref_logp) on the action tokens; its metrics into
+    ``metrics``."""
+    mask = batch.action_mask
+    B = mask.shape[0]
+    missing = [n for n in ("old_logp", "ref_logp") if getattr(batch, n) is None]
+    if missing:
+        raise LossplugError(
+            f"gae with kl_coef={kl_coef} needs {' and '.join(missing)}: the KL-shaped reward is "
+            f"−kl_coef·(old_logp − ref_logp) (for a single on-policy step pass "
+            f"old_logp=logp.detach())"
+        )
+    shaped = kl_shaped_rewards(
+        torch.zeros(B, dtype=dtype, device=mask.device),
+        cast(Tensor, batch.old_logp),
+        cast(Tensor, batch.ref_logp),
+        mask,
+        kl_coef=kl_coef,
+    )  # (checked just above)
+    kl_flat = torch.masked_select(shaped.kl, mask)
+    metrics["kl/mean"] = kl_flat.mean()
+    metrics["reward/non_score_sum_mean"] = -kl_coef * kl_flat.sum() / B
+    return torch.masked_select(shaped.non_score_rewards, mask).to(dtype)
+
+
+def _end_values(batch: lossplug.PolicyBatch, dtype: torch.dtype) -> Tensor:
+    """``[B]`` bootstrap of each row's end: final_value where the response was truncated (terminated given and
+    False), else 0."""
+    mask = batch.action_mask
+    end_value = torch.zeros(mask.shape[0], dtype=dtype, device=mask.device)
     if batch.terminated is not None:
         truncated = ~batch.terminated
         if batch.final_value is None:
@@ -287,21 +314,7 @@ def gae_padded(
             "gae: final_value given without terminated: set terminated ([B] bool) to say which "
             "responses were truncated (bootstrap from final_value) and which ended (no bootstrap)"
         )
-    bootstrap = torch.cat((value[1:], value.new_zeros(1)))  # the next action's value within a row ...
-    bootstrap[ends] = end_value if end_value.shape[0] == ends.shape[0] else end_value[nonempty]  # ... or the end's
-
-    if lam_of is not None:  # per-row λ from the number of action tokens (length-adaptive GAE)
-        lam_rows = lam_of(lengths.to(dtype))
-        lam = torch.repeat_interleave(lam_rows, lengths, output_size=n)
-        metrics.update(_lambda_metrics(lam_rows))
-    advantage, returns = _gae(reward, value, bootstrap, last, gamma, cast(Lam, lam), critic_lam)  # (as in gae_packed)
-    if whiten:
-        advantage = _whiten(advantage)
-
-    def scatter(x: Tensor) -> Tensor:  # back to [B, T], zero off action positions
-        return torch.zeros(B, T, dtype=dtype, device=mask.device).masked_scatter_(mask, x)
-
-    return lossplug.AdvantageResult(advantage=scatter(advantage), returns=scatter(returns), metric_tensors=metrics)
+    return end_value
 
 
 def _lambda_metrics(lam: Tensor) -> dict[str, Tensor]:
