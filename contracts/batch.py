@@ -209,7 +209,7 @@ class PolicyBatch(_TensorModel):
     final_value: Tensor | None = None
     #: per-token entropy of the current policy's distribution at each position, ``[B, T]`` (≥ 0 on the actions;
     #: TRL's ``_get_per_token_logps_and_entropies``, verl's ``entropy``); detached data for entropy-aware gates
-    #: and regularisers
+    #: and regularizers
     entropy: Tensor | None = None
     #: ``[B, T]`` Σ_v π_old(v)² over the vocabulary at each position (verl's ``sum_pi_squared``,
     #: ``actor.calculate_sum_pi_squared=True``): in [0, 1] on the actions; the optimal token baselines read it

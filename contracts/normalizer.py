@@ -35,7 +35,7 @@ class Normalizer(BaseModel):
     of the population — verl's and OpenRLHF's convention); a trainer that keeps such rows in its mean (TRL, whose
     ``mask_truncated_completions`` rows stay in the mean) counts them here — the TRL adapter does.
 
-    ``micro_batches`` is the number of micro-batches the step is split into, over all ranks. A regulariser with
+    ``micro_batches`` is the number of micro-batches the step is split into, over all ranks. A regularizer with
     ``population: micro_batch`` (a per-micro-batch mean, like TRL's entropy bonus) is weighted by ``1 /
     micro_batches`` when it is given — exactly the trainer's mean of per-micro-batch values, whatever rows a
     micro-batch holds — else by the micro-batch's share of the responses, ``rows / sequences`` (the same when every
@@ -53,7 +53,7 @@ class Normalizer(BaseModel):
     #: the fixed generation budget per response (e.g. ``max_completion_length``) used by the ``fixed`` reduction
     #: when its recipe gives none
     budget: float | None = Field(default=None, gt=0)
-    #: micro-batches in the whole step (all ranks), where known: the weight ``1 / micro_batches`` of a regulariser
+    #: micro-batches in the whole step (all ranks), where known: the weight ``1 / micro_batches`` of a regularizer
     #: whose population is its micro-batch
     micro_batches: int | None = Field(default=None, gt=0)
     #: ``(group id, action tokens)`` of every prompt group in the whole step, sorted by id, where known: the

@@ -1,4 +1,4 @@
-"""Recipes: which advantage, which gates, which reduction and which regularisers, with their parameters.
+"""Recipes: which advantage, which gates, which reduction and which regularizers, with their parameters.
 
 A recipe is data — it parses from a dict, YAML or JSON, is written into every run's record, and is validated the
 moment it is built: every plugin name must be registered, and every parameter must pass the plugin's own pydantic
@@ -11,7 +11,7 @@ The stages:
 * ``gates`` — the first is the **update gate** (turns ratio × advantage into a per-token objective that carries the
   gradient); the rest are **detached corrections** (weights on the engine ratio old/behaviour).
 * ``reduction`` — turns the per-token objective into the scalar, over the step's global population.
-* ``regularisers`` — optional: per-token terms added to the loss with a coefficient (KL to the reference, entropy
+* ``regularizers`` — optional: per-token terms added to the loss with a coefficient (KL to the reference, entropy
   bonus), each ``coef · reduce(term)`` with the recipe's reduction unless it names its own. A list; one allowed.
 
 The seam with the plugins. ``contracts`` holds the structure — the plugin kinds and the recipe key of each
@@ -47,8 +47,13 @@ PLUGIN_KINDS: Mapping[str, str] = {
     "advantage": "advantage",
     "gate": "gates",
     "reduction": "reduction",
-    "regulariser": "regularisers",
+    "regularizer": "regularizers",
 }
+
+#: recipe keys under their earlier spellings: still read, written under the new one (lossplug 0.1.0 wrote
+#: ``regularisers``)
+RENAMED_KEYS = {"regularisers": "regularizers"}
+
 #: the recipe's stage keys
 STAGES = tuple(PLUGIN_KINDS.values())
 
@@ -200,20 +205,20 @@ def _check_gates(gates: Any, errors: _StageErrors) -> tuple[PluginSpec, ...]:
     return tuple(resolved)
 
 
-def _check_regularisers(regularisers: Any, errors: _StageErrors) -> tuple[PluginSpec, ...]:
-    if regularisers is None:
+def _check_regularizers(regularizers: Any, errors: _StageErrors) -> tuple[PluginSpec, ...]:
+    if regularizers is None:
         return ()
-    if isinstance(regularisers, (str, Mapping)):
-        regularisers = [regularisers]
-    if not isinstance(regularisers, (list, tuple)):
+    if isinstance(regularizers, (str, Mapping)):
+        regularizers = [regularizers]
+    if not isinstance(regularizers, (list, tuple)):
         raise RecipeError(
-            f"recipe.regularisers: must be a list of regularisers (or one), got "
-            f"{type(regularisers).__name__} {regularisers!r}"
+            f"recipe.regularizers: must be a list of regularizers (or one), got "
+            f"{type(regularizers).__name__} {regularizers!r}"
         )
     resolved = []
-    for i, raw in enumerate(regularisers):
+    for i, raw in enumerate(regularizers):
         with errors.stage():
-            resolved.append(_check_stage(raw, "regulariser", f"recipe.regularisers[{i}]"))
+            resolved.append(_check_stage(raw, "regularizer", f"recipe.regularizers[{i}]"))
     return tuple(resolved)
 
 
@@ -228,7 +233,7 @@ class Recipe(BaseModel):
     advantage: PluginSpec | None = None
     gates: tuple[PluginSpec, ...]
     reduction: PluginSpec
-    regularisers: tuple[PluginSpec, ...] = ()
+    regularizers: tuple[PluginSpec, ...] = ()
 
     #: what core compiled this recipe into (opaque here): see :attr:`compiled`
     _compiled: Any = PrivateAttr(default=None)
@@ -241,6 +246,11 @@ class Recipe(BaseModel):
         if not isinstance(data, Mapping):
             raise RecipeError(f"recipe: expected a mapping with {', '.join(STAGES)}, got {type(data).__name__}")
         data = dict(data)
+        for old, new in RENAMED_KEYS.items():  # recipes written before a key's rename still load
+            if old in data:
+                if new in data:
+                    raise RecipeError(f"recipe: '{old}' is the old spelling of '{new}'; give one of them")
+                data[new] = data.pop(old)
         if "preset" in data:  # a preset with overrides: {preset: dapo, reduction: token}
             preset = data.pop("preset")
             if not isinstance(preset, str):
@@ -269,7 +279,7 @@ class Recipe(BaseModel):
                 raise RecipeError("recipe.reduction: required (e.g. token, response, fixed, sequence_sum)")
             out["reduction"] = _check_stage(data["reduction"], "reduction", "recipe.reduction")
         with errors.stage():
-            out["regularisers"] = _check_regularisers(data.get("regularisers"), errors)
+            out["regularizers"] = _check_regularizers(data.get("regularizers"), errors)
         errors.raise_any()
         return out
 
@@ -350,8 +360,8 @@ class Recipe(BaseModel):
             out["advantage"] = self.advantage.to_dict()
         out["gates"] = [g.to_dict() for g in self.gates]
         out["reduction"] = self.reduction.to_dict()
-        if self.regularisers:
-            out["regularisers"] = [r.to_dict() for r in self.regularisers]
+        if self.regularizers:
+            out["regularizers"] = [r.to_dict() for r in self.regularizers]
         return out
 
     def to_yaml(self) -> str:

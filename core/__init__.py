@@ -61,13 +61,13 @@ _EXPORTS = {
         "Population",
         "ReductionParams",
         "ReductionPlugin",
-        "RegulariserOutput",
-        "RegulariserParams",
-        "RegulariserPlugin",
+        "RegularizerOutput",
+        "RegularizerParams",
+        "RegularizerPlugin",
         "advantage",
         "gate",
         "reduction",
-        "regulariser",
+        "regularizer",
     ),
     "lossplug.plugin_registry": (
         "LossplugPluginWarning",
@@ -83,11 +83,22 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = ["hookimpl", *sorted(_WHERE)]
 
 
+#: lossplug 0.1.0's names for what is now spelled "regularizer" (one spelling across the API): still importable,
+#: not listed in ``__all__``
+_RENAMED = {
+    "RegulariserOutput": "RegularizerOutput",
+    "RegulariserParams": "RegularizerParams",
+    "RegulariserPlugin": "RegularizerPlugin",
+    "regulariser": "regularizer",
+}
+
+
 def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
+    current = _RENAMED.get(name, name)
+    module = _WHERE.get(current)
     if module is None:
         raise AttributeError(f"module 'lossplug' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(module), current)
     globals()[name] = value
     return value
 
@@ -216,13 +227,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are
         ReductionPlugin as ReductionPlugin,
     )
     from .plugin import (
-        RegulariserOutput as RegulariserOutput,
+        RegularizerOutput as RegularizerOutput,
     )
     from .plugin import (
-        RegulariserParams as RegulariserParams,
+        RegularizerParams as RegularizerParams,
     )
     from .plugin import (
-        RegulariserPlugin as RegulariserPlugin,
+        RegularizerPlugin as RegularizerPlugin,
     )
     from .plugin import (
         advantage as advantage,
@@ -234,7 +245,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are
         reduction as reduction,
     )
     from .plugin import (
-        regulariser as regulariser,
+        regularizer as regularizer,
     )
     from .plugin_registry import (
         LossplugPluginWarning as LossplugPluginWarning,

@@ -1,16 +1,16 @@
 """Coefficient controllers: state that lives across optimizer steps and is saved with checkpoints.
 
 One small mechanism serves every coefficient that adapts during training — the adaptive entropy coefficient of a
-regulariser (TRL's ``use_adaptive_entropy``) and the KL coefficient controllers of :mod:`lossplug.tools.kl`. A
+regularizer (TRL's ``use_adaptive_entropy``) and the KL coefficient controllers of :mod:`lossplug.tools.kl`. A
 :class:`Controller` has
 
-* ``coefficient`` — the coefficient in force now (a float; what a regulariser's ``coef`` is replaced with);
+* ``coefficient`` — the coefficient in force now (a float; what a regularizer's ``coef`` is replaced with);
 * ``state_dict()`` / ``load_state_dict(state)`` — a small JSON-serialisable ``dict`` that is everything the
   controller remembers across steps: save it with the checkpoint, load it when resuming.
 
-A :class:`StepController` (the regularisers' kind) is also fed by the loss itself:
+A :class:`StepController` (the regularizers' kind) is also fed by the loss itself:
 
-* ``observe(observation)`` — called by :func:`lossplug.policy_loss` once per micro-batch with the regulariser's
+* ``observe(observation)`` — called by :func:`lossplug.policy_loss` once per micro-batch with the regularizer's
   detached observation tensor (e.g. ``[Σ H, tokens]``); it only adds tensors up, so it never synchronises with the
   device;
 * ``step(all_reduce=None)`` — called **by the trainer (adapter) at every optimizer-step boundary**: the window's
@@ -19,11 +19,11 @@ A :class:`StepController` (the regularisers' kind) is also fed by the loss itsel
   passed to ``update(measured)``, the controller's rule; the window is then reset. One host synchronisation per
   optimizer step.
 
-A compiled recipe owns one controller per adaptive regulariser stage (:func:`controllers`), created from the
+A compiled recipe owns one controller per adaptive regularizer stage (:func:`controllers`), created from the
 stage's parameters the first time the recipe is compiled and kept for the life of the recipe object (a registry
 rebuild carries it over). An adapter therefore does::
 
-    ctrls = lossplug.controllers(recipe)           # {"regularisers[1]": AdaptiveEntropyController, ...}
+    ctrls = lossplug.controllers(recipe)           # {"regularizers[1]": AdaptiveEntropyController, ...}
     ...                                            # policy_loss(...) per micro-batch observes
     if optimizer_step_boundary:
         for c in ctrls.values():
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from lossplug.contracts import LossplugError
 
-# the protocols are the regularisers' plugin contract (what ``make_controller`` returns), so they live with the plugin
+# the protocols are the regularizers' plugin contract (what ``make_controller`` returns), so they live with the plugin
 # classes; this module is their documented home and re-exports them
 from .pipeline import as_recipe, compile_recipe
 from .plugin import AllReduce, Controller, StepController
@@ -103,7 +103,7 @@ class WindowController:
 class AdaptiveEntropyController(WindowController):
     """TRL's adaptive entropy coefficient (``use_adaptive_entropy``; Skywork-OR1, arXiv:2505.22312).
 
-    State: ``entropy_coef`` (starts at the regulariser's ``coef``) and ``last_world_entropy`` (starts at ``inf``).
+    State: ``entropy_coef`` (starts at the regularizer's ``coef``) and ``last_world_entropy`` (starts at ``inf``).
     Observation per micro-batch: ``[Σ H·m, Σ m]`` over the tokens the bonus acts on. At each optimizer step the
     window's sums are reduced over ranks and the world entropy ``H̄ = Σ H·m / max(Σ m, 1)`` (a token-weighted mean
     over the whole window, all ranks) updates the coefficient::
@@ -166,13 +166,13 @@ class AdaptiveEntropyController(WindowController):
 
 
 def controllers(recipe: Recipe | str) -> dict[str, StepController]:
-    """The live controllers of ``recipe``'s adaptive regulariser stages, by stage (``"regularisers[1]"``): the very
+    """The live controllers of ``recipe``'s adaptive regularizer stages, by stage (``"regularizers[1]"``): the very
     objects :func:`lossplug.policy_loss` reads the coefficient from and feeds observations to. Empty when no stage
     adapts."""
     compiled = compile_recipe(as_recipe(recipe))
     return {
         stage.where.removeprefix("recipe."): stage.controller
-        for stage in compiled.regularisers
+        for stage in compiled.regularizers
         if stage.controller is not None
     }
 

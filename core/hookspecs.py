@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # annotations only: the hook specs are loaded with the regist
 
     from lossplug.contracts import PackedTransitions, PolicyBatch, Recipe, Violation
 
-    from .plugin import AdvantagePlugin, GatePlugin, ReductionPlugin, RegulariserPlugin
+    from .plugin import AdvantagePlugin, GatePlugin, ReductionPlugin, RegularizerPlugin
 
 hookspec = pluggy.HookspecMarker("lossplug")
 
@@ -100,24 +100,30 @@ def lossplug_register_reductions(register: Callable[[ReductionPlugin], None]) ->
 
 
 @hookspec
-def lossplug_register_regularisers(register: Callable[[RegulariserPlugin], None]) -> None:
-    """Register regularisers: per-token terms added to the loss with a coefficient (a KL to the reference, an
+def lossplug_register_regularizers(register: Callable[[RegularizerPlugin], None]) -> None:
+    """Register regularizers: per-token terms added to the loss with a coefficient (a KL to the reference, an
     entropy bonus), ``loss += coef · reduce(term)``.
 
     Called once each time the plugin registry is built: on first use (the first recipe checked, ``lossplug list``)
     and again after ``lossplug.register_plugin`` / ``lossplug.unregister_plugin``. Never per batch.
 
-    :param register: Call ``register(plugin)`` once for each :class:`lossplug.RegulariserPlugin` (a function
-        decorated with ``@lossplug.regulariser(name, ...)``, whose parameter model subclasses
-        :class:`lossplug.RegulariserParams`). Its name is what recipes put under ``regularisers:``.
+    :param register: Call ``register(plugin)`` once for each :class:`lossplug.RegularizerPlugin` (a function
+        decorated with ``@lossplug.regularizer(name, ...)``, whose parameter model subclasses
+        :class:`lossplug.RegularizerParams`). Its name is what recipes put under ``regularizers:``.
 
     :return: Nothing. Return values are ignored. A name registered by two plugins is unusable until one of them is
         removed: recipes naming it get a :class:`lossplug.PluginError` naming both.
 
-    If the implementation raises (or registers something that is not a ``RegulariserPlugin``), the plugin is
+    If the implementation raises (or registers something that is not a ``RegularizerPlugin``), the plugin is
     reported with a ``LossplugPluginWarning`` naming it, listed as broken by ``lossplug list`` and named again in the
     error of any lookup that misses; every other plugin keeps working.
     """
+
+
+@hookspec(warn_on_impl=DeprecationWarning("lossplug_register_regularisers is lossplug_register_regularizers now"))
+def lossplug_register_regularisers(register: Callable[[RegularizerPlugin], None]) -> None:
+    """The earlier spelling of :func:`lossplug_register_regularizers` (lossplug 0.1.0), called the same way and at
+    the same time; a plugin that implements it keeps working, with a DeprecationWarning."""
 
 
 @hookspec
@@ -129,7 +135,7 @@ def lossplug_register_presets(register: RegisterPreset) -> None:
     plugins of any package. Never per batch.
 
     :param register: Call ``register(name, recipe, source="paper or link")``: ``name`` a ``str``, ``recipe`` a
-        mapping with ``advantage`` (optional), ``gates``, ``reduction`` and ``regularisers`` (optional) as in a recipe
+        mapping with ``advantage`` (optional), ``gates``, ``reduction`` and ``regularizers`` (optional) as in a recipe
         file, ``source`` a ``str``
         shown by ``lossplug list``. The recipe is checked when it is first used, not when it is registered.
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from lossplug.contracts.recipe import PLUGIN_KINDS
 
 from . import hookspecs
-from .plugin import AdvantagePlugin, GatePlugin, ReductionPlugin, RegulariserPlugin
+from .plugin import AdvantagePlugin, GatePlugin, ReductionPlugin, RegularizerPlugin
 
-PluginClass = type[AdvantagePlugin] | type[GatePlugin] | type[ReductionPlugin] | type[RegulariserPlugin]
+PluginClass = type[AdvantagePlugin] | type[GatePlugin] | type[ReductionPlugin] | type[RegularizerPlugin]
 
-_PLUGIN_CLASSES: tuple[PluginClass, ...] = (AdvantagePlugin, GatePlugin, ReductionPlugin, RegulariserPlugin)
+_PLUGIN_CLASSES: tuple[PluginClass, ...] = (AdvantagePlugin, GatePlugin, ReductionPlugin, RegularizerPlugin)
 
 
 @dataclass(frozen=True)
@@ -46,5 +46,8 @@ def _bind() -> dict[str, Kind]:
     return table
 
 
-#: kind name → :class:`Kind`, in recipe order (advantage, gate, reduction, regulariser); iterating gives the names
+#: hooks under an earlier spelling → the kind they register (still called, after the kind's own hook)
+RENAMED_HOOKS: dict[str, str] = {"lossplug_register_regularisers": "regularizer"}
+
+#: kind name → :class:`Kind`, in recipe order (advantage, gate, reduction, regularizer); iterating gives the names
 KINDS: dict[str, Kind] = _bind()

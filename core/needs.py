@@ -39,14 +39,14 @@ def batch_fields(plugin: Any, params: Any | None = None) -> tuple[str, ...]:
     """Every field a batch must carry for ``plugin`` alone (with ``params``, or its defaults), in a stable order.
 
     A gate also needs the log-probs, the mask and the advantages it weights; a padded advantage estimator the
-    log-probs and the mask of the batch it scores, and ``group_id`` when it works on prompt groups; a regulariser the
+    log-probs and the mask of the batch it scores, and ``group_id`` when it works on prompt groups; a regularizer the
     log-probs and the mask and what it declares. A reduction reads what the gates produce, and what it declares (a
     reduction over prompts: ``group_id``).
     """
     requires = required_fields(plugin, params)
     if plugin.kind == "gate":
         return tuple(dict.fromkeys([*ALWAYS, "advantage", *requires]))
-    if plugin.kind == "regulariser":
+    if plugin.kind == "regularizer":
         return tuple(dict.fromkeys([*ALWAYS, *requires]))
     if plugin.kind == "reduction":
         return tuple(requires)
@@ -61,7 +61,7 @@ def recipe_needs(recipe: Any) -> dict[str, tuple[str, ...]]:
     """What a :class:`PolicyBatch` must contain for ``recipe``: field → the stages that need it, in recipe order.
 
     ``recipe`` is a :class:`Recipe`, a preset name or anything ``Recipe.load`` accepts. Stages are described as
-    people read a recipe (``advantage 'grpo'``, ``gates[1] 'icepop'``, ``regularisers[0] 'kl'``); ``logp`` and ``action_mask`` are needed
+    people read a recipe (``advantage 'grpo'``, ``gates[1] 'icepop'``, ``regularizers[0] 'kl'``); ``logp`` and ``action_mask`` are needed
     ``always``. Without an advantage stage the advantages come with the batch.
     """
     from lossplug.contracts import Recipe
@@ -86,9 +86,9 @@ def recipe_needs(recipe: Any) -> dict[str, tuple[str, ...]]:
     for i, stage in enumerate(compiled.gates):
         for field in required_fields(stage.plugin, stage.params):
             add(field, f"gates[{i}] '{stage.plugin.name}'")
-    for i, reg_stage in enumerate(compiled.regularisers):
+    for i, reg_stage in enumerate(compiled.regularizers):
         for field in required_fields(reg_stage.plugin, reg_stage.params):
-            add(field, f"regularisers[{i}] '{reg_stage.plugin.name}'")
+            add(field, f"regularizers[{i}] '{reg_stage.plugin.name}'")
     for field in compiled.reduction.plugin.requires:
         add(field, f"reduction '{compiled.reduction.plugin.name}'")
     return {field: tuple(stages) for field, stages in needs.items()}

@@ -1,7 +1,7 @@
-"""The loss pipeline: advantage → gates → reduction, plus the regularisers.
+"""The loss pipeline: advantage → gates → reduction, plus the regularizers.
 
 The loss of a micro-batch is ``−reduce(objective) + Σ_k coef_k · reduce_k(term_k)``: the gates' objective (with the
-correction weights) reduced by the recipe's reduction, and each regulariser's per-token term reduced by its own
+correction weights) reduced by the recipe's reduction, and each regularizer's per-token term reduced by its own
 reduction (the recipe's by default) — never multiplied by the correction weights, as in TRL and verl, where the KL
 and entropy terms are added after the importance weights multiplied the policy term.
 
@@ -44,14 +44,14 @@ from .plugin import (
     Population,
     PopulationScope,
     ReductionPlugin,
-    RegulariserParams,
-    RegulariserPlugin,
+    RegularizerParams,
+    RegularizerPlugin,
 )
-from .stages import CompiledRecipe, RegulariserStage, Stage, describe_value, evaluate_declared, run_stage
+from .stages import CompiledRecipe, RegularizerStage, Stage, describe_value, evaluate_declared, run_stage
 from .validation import (
     check_advantage_output,
     check_gate_output,
-    check_regulariser_output,
+    check_regularizer_output,
     group_violations,
     missing_fields,
     raise_violations,
@@ -67,7 +67,7 @@ __all__ = [
     "CompiledRecipe",
     "MetricLevel",
     "ReductionSpec",
-    "RegulariserStage",
+    "RegularizerStage",
     "Stage",
     "Validate",
     "as_recipe",
@@ -96,7 +96,7 @@ def _stage(reg: Registry, kind: Literal["gate"], spec: PluginSpec, where: str) -
 @overload
 def _stage(reg: Registry, kind: Literal["reduction"], spec: PluginSpec, where: str) -> Stage[ReductionPlugin]: ...
 @overload
-def _stage(reg: Registry, kind: Literal["regulariser"], spec: PluginSpec, where: str) -> Stage[RegulariserPlugin]: ...
+def _stage(reg: Registry, kind: Literal["regularizer"], spec: PluginSpec, where: str) -> Stage[RegularizerPlugin]: ...
 
 
 def _stage(reg: Registry, kind: str, spec: PluginSpec, where: str) -> Stage[Any]:
@@ -122,32 +122,32 @@ def compile_recipe(recipe: Recipe) -> CompiledRecipe:
         has_validators=bool(pm.hook.lossplug_validate_batch.get_hookimpls()),
         has_metric_hooks=bool(pm.hook.lossplug_extra_metrics.get_hookimpls()),
         generation=reg.generation,
-        regularisers=_regulariser_stages(reg, recipe, reduction, cached),
+        regularizers=_regularizer_stages(reg, recipe, reduction, cached),
     )
     recipe.keep_compiled(compiled)
     return compiled
 
 
-def _regulariser_stages(
+def _regularizer_stages(
     reg: Registry, recipe: Recipe, reduction: Stage[ReductionPlugin], previous: CompiledRecipe | None
-) -> tuple[RegulariserStage, ...]:
-    """The recipe's regulariser stages. A controller is state of the training run: when the registry was rebuilt
+) -> tuple[RegularizerStage, ...]:
+    """The recipe's regularizer stages. A controller is state of the training run: when the registry was rebuilt
     (a recompile of the same recipe object) the previous compile's controllers are carried over, not re-created."""
-    names = [spec.name for spec in recipe.regularisers]
+    names = [spec.name for spec in recipe.regularizers]
     stages = []
-    for i, spec in enumerate(recipe.regularisers):
-        where = f"recipe.regularisers[{i}]"
-        plain = _stage(reg, "regulariser", spec, where)
-        params = cast(RegulariserParams, plain.params)
+    for i, spec in enumerate(recipe.regularizers):
+        where = f"recipe.regularizers[{i}]"
+        plain = _stage(reg, "regularizer", spec, where)
+        params = cast(RegularizerParams, plain.params)
         own = compile_reduction(params.reduction, f"{where}.reduction") if params.reduction is not None else reduction
-        kept = previous.regularisers[i] if previous is not None and len(previous.regularisers) > i else None
+        kept = previous.regularizers[i] if previous is not None and len(previous.regularizers) > i else None
         controller = (
             kept.controller
             if kept is not None and kept.plugin.name == spec.name and kept.params == plain.params
             else plain.plugin.make_controller(params)
         )
         metric_name = spec.name if names.count(spec.name) == 1 else f"{spec.name}.{i}"
-        stages.append(RegulariserStage(plain.plugin, plain.params, where, own, controller, metric_name))
+        stages.append(RegularizerStage(plain.plugin, plain.params, where, own, controller, metric_name))
     return tuple(stages)
 
 
@@ -237,7 +237,7 @@ def policy_loss(
     observe: bool = True,
 ) -> LossResult:
     """The recipe's policy loss for one micro-batch: ``−reduce(objective) + Σ coef · reduce(term)`` over the
-    recipe's regularisers.
+    recipe's regularizers.
 
     Without a ``normalizer`` the micro-batch is the whole population. With one, the returned loss is this
     micro-batch's share of the full-step reduction: summed over every micro-batch and rank it equals the full-batch
@@ -256,11 +256,11 @@ def policy_loss(
     ``weight`` (``[B, T]`` or ``[B]``, ≥ 0): a coefficient computed by the trainer itself (e.g. verl's
     ``rollout_is_weights``), multiplied into the objective after the gates exactly like a correction gate's weight;
     it is detached — no gradient flows through it. Like the correction gates' weights, it multiplies the policy
-    objective only, never a regulariser's term.
+    objective only, never a regularizer's term.
 
-    Regularisers: each stage adds ``coef · reduce(term)`` (``coef`` is its controller's coefficient when it has
+    Regularizers: each stage adds ``coef · reduce(term)`` (``coef`` is its controller's coefficient when it has
     one); its metrics go under ``reg/<name>/``: ``value`` (the reduced term, this micro-batch's share like the loss),
-    ``coef`` and what the regulariser declares. ``observe``: feed the stages' controllers this micro-batch's
+    ``coef`` and what the regularizer declares. ``observe``: feed the stages' controllers this micro-batch's
     observation (the default; an adapter passes False outside training, e.g. in evaluation, so that evaluation
     cannot move a coefficient). The controllers are stepped by the trainer at optimizer-step boundaries
     (:mod:`lossplug.control`).
@@ -298,8 +298,8 @@ def policy_loss(
     policy_term = loss
 
     reg_metrics: dict[str, Tensor] = {}
-    for reg_stage in compiled.regularisers:
-        term, reduced, coef = _regularise(reg_stage, inp, population, normalizer, validate, level, observe, reg_metrics)
+    for reg_stage in compiled.regularizers:
+        term, reduced, coef = _regularize(reg_stage, inp, population, normalizer, validate, level, observe, reg_metrics)
         loss = loss + coef * reduced
         del term
 
@@ -307,7 +307,7 @@ def policy_loss(
     if level != "off":
         with torch.no_grad():
             metric_tensors = basic_metrics(inp, reports, loss)
-            if compiled.regularisers:
+            if compiled.regularizers:
                 metric_tensors["policy/loss"] = policy_term.detach()
                 metric_tensors.update(reg_metrics)
             if level == "full":
@@ -320,7 +320,7 @@ def policy_loss(
 def _check_policy_inputs(
     batch: PolicyBatch, compiled: CompiledRecipe, normalizer: Normalizer | None, weight: Tensor | None
 ) -> None:
-    """``policy_loss``'s checks under ``validate="full"``: the argument types, the fields the gates and regularisers
+    """``policy_loss``'s checks under ``validate="full"``: the argument types, the fields the gates and regularizers
     need, the trainer's weight, the batch's contract and the plugins' validators, the Normalizer's coverage."""
     if not isinstance(batch, PolicyBatch):
         raise LossplugError(f"policy_loss: batch must be a lossplug.PolicyBatch, got {type(batch).__name__}")
@@ -331,7 +331,7 @@ def _check_policy_inputs(
     violations = missing_fields(batch, ("advantage",), "policy_loss (compute it with lossplug.compute_advantages)")
     for stage in compiled.gates:
         violations += missing_fields(batch, stage.plugin.required_fields(stage.params), stage_label(stage))
-    for reg_stage in compiled.regularisers:
+    for reg_stage in compiled.regularizers:
         violations += missing_fields(batch, reg_stage.plugin.required_fields(reg_stage.params), stage_label(reg_stage))
     reduction = compiled.reduction.plugin
     violations += missing_fields(batch, reduction.requires, f"recipe.reduction ({reduction.name})")
@@ -357,8 +357,8 @@ def _hook_metrics(batch: PolicyBatch, objective: Tensor, recipe: Recipe) -> dict
     return metrics
 
 
-def _regularise(
-    stage: RegulariserStage,
+def _regularize(
+    stage: RegularizerStage,
     inp: GateInput,
     population: Population,
     normalizer: Normalizer | None,
@@ -367,14 +367,14 @@ def _regularise(
     observe: bool,
     metrics: dict[str, Tensor],
 ) -> tuple[Tensor, Tensor, float]:
-    """Run one regulariser stage: its term ``[B, T]`` zero off the actions, the term reduced (a micro-batch share of
+    """Run one regularizer stage: its term ``[B, T]`` zero off the actions, the term reduced (a micro-batch share of
     the step, like the policy term) and the coefficient in force; its metrics (at ``level``) go into ``metrics``."""
     out = run_stage(stage, validate, inp)
     if validate == "full":
-        check_regulariser_output(stage, out, inp.batch)
+        check_regularizer_output(stage, out, inp.batch)
     term = zero_off(out.term.to(inp.compute_dtype), inp.mask, inp._bits)
-    params = cast(RegulariserParams, stage.params)
-    # micro_batch when the regulariser says so or its reduction does (a reduction given with population: micro_batch)
+    params = cast(RegularizerParams, stage.params)
+    # micro_batch when the regularizer says so or its reduction does (a reduction given with population: micro_batch)
     local: PopulationScope = "micro_batch" if "micro_batch" in (params.population, _scope(stage.reduction)) else "step"
     reduced = _reduce(stage.reduction, validate, term, inp.mask, inp.lengths, population, normalizer, local)
     coef = stage.coefficient

@@ -447,17 +447,17 @@ def reduction(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Regularisers
+# Regularizers
 
 
-class RegulariserParams(Params):
-    """The parameters every regulariser has. A regulariser's own parameter model subclasses this one; it may change
+class RegularizerParams(Params):
+    """The parameters every regularizer has. A regularizer's own parameter model subclasses this one; it may change
     the defaults (e.g. fix its own ``reduction``/``population`` convention)."""
 
     coef: float = Field(
         1.0,
         allow_inf_nan=False,
-        description="coefficient: the loss gains coef · reduce(term) (for an adaptive regulariser, its initial value)",
+        description="coefficient: the loss gains coef · reduce(term) (for an adaptive regularizer, its initial value)",
     )
     reduction: str | dict[str, Any] | None = Field(
         None,
@@ -474,8 +474,8 @@ class RegulariserParams(Params):
 
 
 @dataclass(frozen=True)
-class RegulariserOutput:
-    """What a regulariser returns.
+class RegularizerOutput:
+    """What a regularizer returns.
 
     * ``term`` ``[B, T]``: the per-token value **added to the loss** (a KL estimate ≥ 0; an entropy bonus returns
       ``−H`` so that a positive ``coef`` rewards entropy), carrying the gradient. The pipeline zeroes it off the
@@ -491,7 +491,7 @@ class RegulariserOutput:
     observation: Tensor | None = None
 
 
-# the controller protocols: what a regulariser's ``controller`` factory returns (documented in lossplug.control, which
+# the controller protocols: what a regularizer's ``controller`` factory returns (documented in lossplug.control, which
 # re-exports them and holds the controllers themselves)
 
 AllReduce = Callable[["torch.Tensor"], "torch.Tensor"]
@@ -530,53 +530,53 @@ class StepController(Controller, Protocol):
         ...
 
 
-#: ``fn(inp, p)`` → a :class:`RegulariserOutput`, or the ``[B, T]`` term alone
-RegulariserFn = Callable[[GateInput, Any], "RegulariserOutput | Tensor"]
+#: ``fn(inp, p)`` → a :class:`RegularizerOutput`, or the ``[B, T]`` term alone
+RegularizerFn = Callable[[GateInput, Any], "RegularizerOutput | Tensor"]
 #: ``controller(p)`` → the stage's controller for these parameters, or None when the coefficient is static
 ControllerFactory = Callable[[Any], "StepController | None"]
 
 
 @dataclass(frozen=True)
-class RegulariserPlugin(_RequiresMixin):
+class RegularizerPlugin(_RequiresMixin):
     name: str
-    fn: RegulariserFn
-    params: type[RegulariserParams]
+    fn: RegularizerFn
+    params: type[RegularizerParams]
     requires: Requires
     controller: ControllerFactory | None
     doc: str
-    kind: Literal["regulariser"] = "regulariser"
+    kind: Literal["regularizer"] = "regularizer"
     role: None = None
 
-    def __call__(self, inp: GateInput, p: Params) -> RegulariserOutput:
+    def __call__(self, inp: GateInput, p: Params) -> RegularizerOutput:
         out = self.fn(inp, p)
-        return RegulariserOutput(term=out) if isinstance(out, Tensor) else out
+        return RegularizerOutput(term=out) if isinstance(out, Tensor) else out
 
     def make_controller(self, p: Params) -> StepController | None:
         """The stage's controller for parameters ``p`` (None: a static coefficient)."""
         return None if self.controller is None else self.controller(p)
 
 
-def regulariser(
+def regularizer(
     name: str,
     *,
-    params: type[RegulariserParams] = RegulariserParams,
+    params: type[RegularizerParams] = RegularizerParams,
     requires: Requires = (),
     controller: ControllerFactory | None = None,
     doc: str | None = None,
-) -> Callable[[RegulariserFn], RegulariserPlugin]:
-    """Declare a regulariser: a per-token term added to the loss with a coefficient, ``loss += coef · reduce(term)``.
+) -> Callable[[RegularizerFn], RegularizerPlugin]:
+    """Declare a regularizer: a per-token term added to the loss with a coefficient, ``loss += coef · reduce(term)``.
 
-    ``params`` must subclass :class:`RegulariserParams` (``coef``, ``reduction``, ``population``); ``requires``
+    ``params`` must subclass :class:`RegularizerParams` (``coef``, ``reduction``, ``population``); ``requires``
     names the optional batch fields it reads (or is a function of the parameters returning them); ``controller``
     is a function of the parameters returning the stage's :class:`~lossplug.control.StepController` (an adaptive
     coefficient), or None for a static one.
     """
-    if not (isinstance(params, type) and issubclass(params, RegulariserParams)):
+    if not (isinstance(params, type) and issubclass(params, RegularizerParams)):
         raise LossplugError(
-            f"regulariser '{name}': params must subclass lossplug.RegulariserParams (coef, reduction, population), "
+            f"regularizer '{name}': params must subclass lossplug.RegularizerParams (coef, reduction, population), "
             f"got {params!r}"
         )
-    return lambda fn: RegulariserPlugin(name, fn, params, _requires(requires), controller, _doc(fn, doc))
+    return lambda fn: RegularizerPlugin(name, fn, params, _requires(requires), controller, _doc(fn, doc))
 
 
-AnyPlugin = AdvantagePlugin | GatePlugin | ReductionPlugin | RegulariserPlugin
+AnyPlugin = AdvantagePlugin | GatePlugin | ReductionPlugin | RegularizerPlugin

@@ -33,8 +33,8 @@ from lossplug.contracts import LossplugError, PluginError, RecipeError
 from lossplug.contracts.errors import did_you_mean
 
 from . import hookspecs
-from .kinds import KINDS
-from .plugin import AdvantagePlugin, AnyPlugin, GatePlugin, ReductionPlugin, RegulariserPlugin
+from .kinds import KINDS, RENAMED_HOOKS
+from .plugin import AdvantagePlugin, AnyPlugin, GatePlugin, ReductionPlugin, RegularizerPlugin
 from .requires import required_fields
 
 ENTRY_POINT_GROUP = "lossplug"
@@ -129,7 +129,7 @@ class Registry:
     @overload
     def lookup(self, kind: Literal["reduction"], name: str, where: str = "") -> ReductionPlugin: ...
     @overload
-    def lookup(self, kind: Literal["regulariser"], name: str, where: str = "") -> RegulariserPlugin: ...
+    def lookup(self, kind: Literal["regularizer"], name: str, where: str = "") -> RegularizerPlugin: ...
     @overload
     def lookup(self, kind: str, name: str, where: str = "") -> AnyPlugin: ...
 
@@ -268,13 +268,14 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
     def origin_of(plugin_name: str) -> str:
         return origins.get(plugin_name, plugin_name)
 
-    for entry in KINDS.values():
+    hooks = [(entry.hook, entry.name) for entry in KINDS.values()] + list(RENAMED_HOOKS.items())
+    for hook, kind_name in hooks:
         call_hook(
-            entry.hook,
+            hook,
             pm=pm,
             origin_of=origin_of,
             on_error=contain,
-            arguments_for=lambda origin, kind=entry.name: {  # type: ignore[misc]
+            arguments_for=lambda origin, kind=kind_name: {  # type: ignore[misc]
                 "register": lambda plugin: registry.add(kind, plugin, origin)
             },
         )

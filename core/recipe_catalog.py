@@ -2,7 +2,7 @@
 
 ``lossplug.contracts`` holds a recipe's structure and the :class:`~lossplug.contracts.recipe.Catalog` protocol; the
 checks that need the plugins live here — does the named plugin exist, do its parameters pass its pydantic model, is
-a gate in the role its position asks for, does a regulariser's own reduction exist, what does a preset say.
+a gate in the role its position asks for, does a regularizer's own reduction exist, what does a preset say.
 :data:`CATALOG` is the default catalogue of ``lossplug.contracts``: contracts asks ``lossplug.default_recipe_catalog()``
 for it the first time a recipe is checked, so this module and the registry are loaded then, not at import.
 """
@@ -53,8 +53,8 @@ class RegistryCatalog:
             raise RecipeError(f"{where} ({spec.name}): {_ROLE_RULES[role]}, but '{spec.name}' is a {plugin.role} gate")
         # the record names every parameter, defaults included, so a run can be reproduced from it alone
         dumped = params.model_dump()
-        if kind == "regulariser" and dumped.get("reduction") is not None:
-            # a regulariser's own reduction is checked like the recipe's, and recorded with its defaults filled in
+        if kind == "regularizer" and dumped.get("reduction") is not None:
+            # a regularizer's own reduction is checked like the recipe's, and recorded with its defaults filled in
             own = f"{where}.reduction"
             reduction = self.check_stage("reduction", PluginSpec.parse(dumped["reduction"], own), own)
             dumped["reduction"] = reduction.to_dict()

@@ -23,15 +23,15 @@ from .plugin import (
     Lazy,
     Params,
     ReductionPlugin,
-    RegulariserParams,
-    RegulariserPlugin,
+    RegularizerParams,
+    RegularizerPlugin,
     StepController,
     evaluate,
 )
 
 Tensor = torch.Tensor
 #: the plugin class of a stage: a CompiledRecipe's advantage stage holds an AdvantagePlugin, and so on
-_P = TypeVar("_P", bound=AdvantagePlugin | GatePlugin | ReductionPlugin | RegulariserPlugin, covariant=True)
+_P = TypeVar("_P", bound=AdvantagePlugin | GatePlugin | ReductionPlugin | RegularizerPlugin, covariant=True)
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,10 @@ class Stage(Generic[_P]):
 
 
 @dataclass(frozen=True)
-class RegulariserStage(Stage[RegulariserPlugin]):
-    """A regulariser stage: its plugin and parameters, the reduction of its term (its own, else the recipe's), its
+class RegularizerStage(Stage[RegularizerPlugin]):
+    """A regularizer stage: its plugin and parameters, the reduction of its term (its own, else the recipe's), its
     live controller (None: the coefficient is ``params.coef``) and the name its metrics go under (``reg/<name>/``;
-    ``<name>.<i>`` when the recipe has the same regulariser twice)."""
+    ``<name>.<i>`` when the recipe has the same regularizer twice)."""
 
     reduction: Stage[ReductionPlugin]
     controller: StepController | None
@@ -56,7 +56,7 @@ class RegulariserStage(Stage[RegulariserPlugin]):
         """The coefficient in force: the controller's, else the recipe's ``coef``."""
         if self.controller is not None:
             return self.controller.coefficient
-        return cast(RegulariserParams, self.params).coef
+        return cast(RegularizerParams, self.params).coef
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class CompiledRecipe:
     has_validators: bool
     has_metric_hooks: bool
     generation: int
-    regularisers: tuple[RegulariserStage, ...] = ()
+    regularizers: tuple[RegularizerStage, ...] = ()
 
     @property
     def gates(self) -> tuple[Stage[GatePlugin], ...]:
@@ -112,7 +112,7 @@ def run_stage(stage: Stage[Any], validate: str, *args: Any) -> Any:
         raise plugin_failed(stage, err, validate) from err
 
 
-def evaluate_declared(stage: Stage[GatePlugin | RegulariserPlugin], what: str, value: Lazy, validate: str) -> Tensor:
+def evaluate_declared(stage: Stage[GatePlugin | RegularizerPlugin], what: str, value: Lazy, validate: str) -> Tensor:
     try:
         return evaluate(value)
     except PASS_THROUGH:

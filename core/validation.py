@@ -24,8 +24,8 @@ from lossplug.contracts.errors import LossplugError, PluginError, describe_posit
 
 from . import plugin_registry as _registry
 from .ops import Groups
-from .plugin import AdvantagePlugin, GateOutput, GatePlugin, RegulariserOutput, RegulariserPlugin
-from .stages import CompiledRecipe, RegulariserStage, Stage, describe_value
+from .plugin import AdvantagePlugin, GateOutput, GatePlugin, RegularizerOutput, RegularizerPlugin
+from .stages import CompiledRecipe, RegularizerStage, Stage, describe_value
 
 Tensor = torch.Tensor
 
@@ -43,7 +43,7 @@ def missing_fields(batch: PolicyBatch | PackedTransitions, fields: Iterable[str]
     return out
 
 
-def stage_label(stage: Stage[AdvantagePlugin | GatePlugin | RegulariserPlugin]) -> str:
+def stage_label(stage: Stage[AdvantagePlugin | GatePlugin | RegularizerPlugin]) -> str:
     """'recipe.gates[0] (ppo_clip)', with the parameters that differ from the defaults when those decide what the
     plugin needs (``requires`` given as a function of the parameters)."""
     plugin = stage.plugin
@@ -120,19 +120,19 @@ def check_advantage_output(
         raise LossplugError(f"{where} are not finite at {describe_positions(bad)}")
 
 
-def check_regulariser_output(stage: RegulariserStage, out: object, batch: PolicyBatch) -> None:
-    """A regulariser's output before it is used: a :class:`RegulariserOutput` whose term is ``[B, T]`` like logp and
+def check_regularizer_output(stage: RegularizerStage, out: object, batch: PolicyBatch) -> None:
+    """A regularizer's output before it is used: a :class:`RegularizerOutput` whose term is ``[B, T]`` like logp and
     finite on the actions, metrics declared as mappings, a detached observation tensor."""
-    where = f"{stage.where} ({stage.plugin.name}, from {_registry.registry().origin('regulariser', stage.plugin.name)})"
-    if not isinstance(out, RegulariserOutput):
+    where = f"{stage.where} ({stage.plugin.name}, from {_registry.registry().origin('regularizer', stage.plugin.name)})"
+    if not isinstance(out, RegularizerOutput):
         raise PluginError(
-            f"{where} must return a lossplug.RegulariserOutput or a [B, T] tensor, got {type(out).__name__}"
+            f"{where} must return a lossplug.RegularizerOutput or a [B, T] tensor, got {type(out).__name__}"
         )
     shape = list(batch.logp.shape)
     term = out.term
     if not isinstance(term, Tensor) or list(term.shape) != shape:
         what = f"shape {list(term.shape)}" if isinstance(term, Tensor) else repr(term)
-        raise PluginError(f"{where}: a regulariser's term must be a tensor of shape {shape} like logp, got {what}")
+        raise PluginError(f"{where}: a regularizer's term must be a tensor of shape {shape} like logp, got {what}")
     bad = ~torch.isfinite(term.detach()) & batch.action_mask
     if bool(bad.any()):
         raise PluginError(f"{where}: its term is not finite on action positions at {describe_positions(bad)}")
@@ -140,12 +140,12 @@ def check_regulariser_output(stage: RegulariserStage, out: object, batch: Policy
         value = getattr(out, name)
         if not isinstance(value, Mapping):
             raise PluginError(
-                f"{where}: RegulariserOutput.{name} must be a mapping of metric name → 0-d tensor (or a "
+                f"{where}: RegularizerOutput.{name} must be a mapping of metric name → 0-d tensor (or a "
                 f"function returning one), got {describe_value(value)}"
             )
     if out.observation is not None and not isinstance(out.observation, Tensor):
         raise PluginError(
-            f"{where}: RegulariserOutput.observation must be a tensor or None, got {describe_value(out.observation)}"
+            f"{where}: RegularizerOutput.observation must be a tensor or None, got {describe_value(out.observation)}"
         )
 
 

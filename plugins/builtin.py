@@ -153,13 +153,13 @@ def lossplug_register_presets(register: RegisterPreset) -> None:
 
 
 @lossplug.hookimpl
-def lossplug_register_regularisers(register: Callable[[lossplug.RegulariserPlugin], None]) -> None:
-    from lossplug.plugins.regularisers import entropy, kl, nll
+def lossplug_register_regularizers(register: Callable[[lossplug.RegularizerPlugin], None]) -> None:
+    from lossplug.plugins.regularizers import entropy, kl, nll
 
     register(kl.kl)
     register(entropy.entropy)
     register(nll.nll)
     # found missing by the field inventory (docs/field.md): NeMo-RL's KL with its score-function weight
-    from lossplug.plugins.regularisers import kl_on_policy
+    from lossplug.plugins.regularizers import kl_on_policy
 
     register(kl_on_policy.kl_on_policy)

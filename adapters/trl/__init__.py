@@ -15,9 +15,9 @@ Both give the same object: a ``GRPOTrainer`` (subclass) whose
 * **advantage** comes from the recipe's advantage plugin, computed in ``_generate_and_score_completions`` on the
   rewards TRL gathered over all processes — where every prompt group is still complete — and then sliced to this
   process's rows, exactly where TRL computes its own (a recipe without an advantage stage keeps TRL's);
-* **loss** (``_compute_loss``) is the recipe's gates, reduction and regularisers (KL, entropy). Where the recipe has
-  no KL regulariser TRL's ``beta`` term is added by the adapter (reduced with :func:`lossplug.reduce`, the policy
-  term's denominators); where it has no entropy regulariser TRL's static ``entropy_coef`` bonus is. TRL's own
+* **loss** (``_compute_loss``) is the recipe's gates, reduction and regularizers (KL, entropy). Where the recipe has
+  no KL regularizer TRL's ``beta`` term is added by the adapter (reduced with :func:`lossplug.reduce`, the policy
+  term's denominators); where it has no entropy regularizer TRL's static ``entropy_coef`` bonus is. TRL's own
   weights on the policy term (vLLM importance sampling, off-policy mask, entropy mask) are never applied by the
   adapter: the recipe carries them as gates.
 
@@ -81,7 +81,7 @@ in eval). Two populations (``population=``):
   has the same number of rows, so response-based reductions agree).
 
 The ``Normalizer`` also counts the micro-batches: ``steps_per_generation × num_processes`` (``num_processes`` in
-eval). A regulariser with ``population: micro_batch`` (TRL's entropy bonus, a token mean over each micro-batch, divided
+eval). A regularizer with ``population: micro_batch`` (TRL's entropy bonus, a token mean over each micro-batch, divided
 by the accumulation steps) weighs ``1 / micro_batches`` of its micro-batch's own mean — exactly TRL's, even when
 ``mask_truncated_completions`` left rows out of the batch.
 
@@ -119,9 +119,9 @@ grpo/bnpo/dr_grpo/dapo/luspo                 gate ``ppo_clip(eps_low=epsilon, ep
                                              token modes are vespo's ``engine_correction`` instead
 ``sum_then_normalize`` + ``scale_rewards``   advantage ``grpo(scale=scale_rewards, std=sample, eps=1e-4)``
 ``normalize_then_sum`` + ``reward_weights``  advantage ``normalize_then_sum(weights=reward_weights)``
-``beta`` + ``use_bias_correction_kl``        regulariser ``kl(coef=beta, estimator=k3, clamp=False,
+``beta`` + ``use_bias_correction_kl``        regularizer ``kl(coef=beta, estimator=k3, clamp=False,
                                              ratio_weight=token | sequence | none)``
-``entropy_coef``, ``use_adaptive_entropy``,  regulariser ``entropy(coef, reduction=token, population=micro_batch
+``entropy_coef``, ``use_adaptive_entropy``,  regularizer ``entropy(coef, reduction=token, population=micro_batch
 ``entropy_coef_min/max/delta``,              [, adaptive, coef_min, coef_max, coef_delta, target])``; with
 ``entropy_target``                           ``top_entropy_quantile < 1`` the static bonus stays the adapter's
 ===========================================  ========================================================================
@@ -134,9 +134,9 @@ rewards, where TRL's is ``(r − mean)/(0 + 1e-4)``: rounding noise of the mean,
 TRL's options that weight the policy term are the recipe's, never the adapter's: when TRL's option is set the
 recipe must carry the same gate with the same settings (``trl_equivalent`` puts it there), else the trainer is
 refused — the adapter never multiplies TRL's ``importance_sampling_ratio``, so it cannot be applied twice, and a
-recipe without it cannot drop it silently. KL and entropy are counted once: a KL regulariser replaces TRL's
+recipe without it cannot drop it silently. KL and entropy are counted once: a KL regularizer replaces TRL's
 ``beta`` term (``beta`` must then equal the recipe's KL coefficient — it only switches TRL's reference log-probs on,
-which TRL computes only when ``beta != 0``); an entropy regulariser replaces TRL's bonus and must then have TRL's
+which TRL computes only when ``beta != 0``); an entropy regularizer replaces TRL's bonus and must then have TRL's
 settings (or TRL's ``entropy_coef=0``, ``use_adaptive_entropy=False``). Neither is ever multiplied by a correction
 (TRL adds its KL after the vLLM correction multiplied the policy term). An adaptive coefficient steps at every
 optimizer step on the window's entropies over all processes (TRL's rule, TRL's order: the bonus of a window uses the
@@ -161,14 +161,14 @@ Only what is genuinely outside the loss, or a recipe that would change TRL's mea
 * a trainer class that overrides ``_compute_loss`` itself (lossplug would replace it);
 * a TRL option that weights the loss (vLLM importance sampling, ``off_policy_mask_threshold``,
   ``top_entropy_quantile``, ``use_adaptive_entropy``) without the recipe stage that is it, or with other settings;
-  a KL regulariser with ``beta = 0`` (no reference log-probs) or another ``beta``; an entropy regulariser beside
+  a KL regularizer with ``beta = 0`` (no reference log-probs) or another ``beta``; an entropy regularizer beside
   TRL's bonus of other settings;
 * a recipe whose plugins read fields TRL does not provide (``value``, ``trajectory_id``, ``terminated``…, ``ref_logp``
   without ``beta``, ``behavior_logp`` without vLLM or a ``rollout_func``);
 * behaviour log-probs of a different convention than the training log-probs (``Provenance.check``) when the
   recipe reads them;
 * in :func:`trl_equivalent`: ``use_adaptive_entropy`` with ``top_entropy_quantile < 1`` (TRL's
-  controller observes the high-entropy tokens only, which the entropy regulariser cannot select).
+  controller observes the high-entropy tokens only, which the entropy regularizer cannot select).
 
 Kept from TRL unchanged: the MoE auxiliary loss, eval mode, the ``kl`` metric (from the recipe's KL when it has one),
 the ``entropy`` metric, ``entropy_coef``. lossplug's own metrics are logged as

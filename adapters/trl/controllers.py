@@ -1,4 +1,4 @@
-"""The recipe's step controllers (adaptive regulariser coefficients) in a TRL run: stepped at each optimizer step
+"""The recipe's step controllers (adaptive regularizer coefficients) in a TRL run: stepped at each optimizer step
 (:func:`step_controllers`), written into every checkpoint folder and restored on resume, as TRL does with its own
 ``entropy_ctrl_state.json``."""
 
@@ -32,10 +32,10 @@ def step_controllers(trainer: GRPOTrainer, st: AdapterState, mode: str) -> None:
     ctrls = controllers(st.recipe)
     accelerator = trainer.accelerator
     all_reduce = (lambda t: accelerator.reduce(t, reduction="sum")) if accelerator.num_processes > 1 else None
-    for stage in lossplug.compile_recipe(st.recipe).regularisers:
+    for stage in lossplug.compile_recipe(st.recipe).regularizers:
         where = stage.where.removeprefix("recipe.")
         ctrl = ctrls.get(where)
-        params: Any = stage.params  # (a regulariser's own model: every one has a coefficient)
+        params: Any = stage.params  # (a regularizer's own model: every one has a coefficient)
         coefficient = float(ctrl.step(all_reduce)) if ctrl is not None else float(params.coef)
         if stage.plugin.name == "entropy":
             trainer._metrics[mode]["entropy_coef"].append(coefficient)

@@ -19,7 +19,7 @@ __all__ = [
     "engine_correction_gate",
     "off_policy_mask_gate",
     "trl_equivalent",
-    "trl_regularisers",
+    "trl_regularizers",
 ]
 
 #: the adapter's populations (see :mod:`lossplug.adapters.trl`): the whole generation batch, or each micro-batch
@@ -177,14 +177,14 @@ def trl_equivalent(args: GRPOConfig, *, sampling_logprobs: bool | None = None) -
         "gates": gates,
         "reduction": reduction,
     }
-    regularisers = trl_regularisers(args)
-    if regularisers:
-        spec["regularisers"] = regularisers
+    regularizers = trl_regularizers(args)
+    if regularizers:
+        spec["regularizers"] = regularizers
     return Recipe.load(spec), population
 
 
-def trl_regularisers(args: GRPOConfig) -> list[dict[str, Any]]:
-    """TRL's KL (``beta``) and entropy bonus (``entropy_coef`` / ``use_adaptive_entropy``) as regulariser stages."""
+def trl_regularizers(args: GRPOConfig) -> list[dict[str, Any]]:
+    """TRL's KL (``beta``) and entropy bonus (``entropy_coef`` / ``use_adaptive_entropy``) as regularizer stages."""
     out: list[dict[str, Any]] = []
     if args.beta != 0.0:
         # TRL's k3, times the update ratio coef_1 (with its gradient) when use_bias_correction_kl: the sequence
@@ -199,12 +199,12 @@ def trl_regularisers(args: GRPOConfig) -> list[dict[str, Any]]:
         if args.use_adaptive_entropy:
             raise LossplugError(
                 "trl_equivalent: use_adaptive_entropy with top_entropy_quantile < 1: TRL's adaptive bonus and its "
-                "controller act on the high-entropy tokens only, which lossplug's entropy regulariser cannot "
+                "controller act on the high-entropy tokens only, which lossplug's entropy regularizer cannot "
                 "select; set top_entropy_quantile=1.0 or use a static entropy_coef"
             )
     elif args.entropy_coef != 0.0 or args.use_adaptive_entropy:
         # TRL's bonus: a token mean over this micro-batch's (entropy-masked) action tokens, scaled only for gradient
-        # accumulation, whatever the loss_type — the regulariser's own reduction and population
+        # accumulation, whatever the loss_type — the regularizer's own reduction and population
         entropy: dict[str, Any] = {
             "name": "entropy",
             "coef": args.entropy_coef,

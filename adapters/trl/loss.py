@@ -58,7 +58,7 @@ class StepScaling:
 
 
 def compute_loss(trainer: GRPOTrainer, model: Any, inputs: Any) -> Tensor:
-    """TRL's ``_compute_loss``: the recipe's gates, reduction and regularisers, plus TRL's KL / entropy bonus where
+    """TRL's ``_compute_loss``: the recipe's gates, reduction and regularizers, plus TRL's KL / entropy bonus where
     the recipe has none of its own and the MoE auxiliary loss; TRL's metrics with TRL's names."""
     st = adapter_state(trainer)
     mode = "train" if trainer.model.training else "eval"  # type: ignore[union-attr]  # (TRL: Optional)
@@ -99,7 +99,7 @@ def compute_loss(trainer: GRPOTrainer, model: Any, inputs: Any) -> Tensor:
             kl_term = lossplug.reduce(rows.take(per_token_kl), rows.take(action), st.recipe, scaling.normalizer)
             loss = loss + trainer.beta * kl_term * scaling.scale
             metrics["kl"] = kl_term.detach() * scaling.steps * scaling.processes  # reduced like the loss (not × beta)
-    if trl_entropy:  # TRL's static entropy bonus, the recipe having no entropy regulariser
+    if trl_entropy:  # TRL's static entropy bonus, the recipe having no entropy regularizer
         loss = _with_trl_entropy_bonus(trainer, st, mode, loss, entropies, mask, scaling.accumulation)
     if trainer.aux_loss_enabled and aux_loss is not None:
         loss = loss + trainer.router_aux_loss_coef * aux_loss / scaling.accumulation

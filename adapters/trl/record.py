@@ -50,7 +50,7 @@ KEPT_SETTINGS = (
     "temperature",
     "use_vllm",
 )
-#: TRL's KL and entropy settings: replaced when the recipe has the regulariser, kept otherwise (TRL's term applies)
+#: TRL's KL and entropy settings: replaced when the recipe has the regularizer, kept otherwise (TRL's term applies)
 KL_SETTINGS = ("beta", "use_bias_correction_kl")
 ENTROPY_SETTINGS = (
     "entropy_coef",

@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
-from lossplug.adapters.trl.equivalent import engine_correction_gate, off_policy_mask_gate, trl_regularisers
+from lossplug.adapters.trl.equivalent import engine_correction_gate, off_policy_mask_gate, trl_regularizers
 from lossplug.adapters.trl.state import batch_stages, grpo_config, named_stages
 from lossplug.contracts import LossplugError, Provenance
 from lossplug.needs import required_fields
@@ -81,7 +81,7 @@ def same_params(stage: Any, wanted: dict[str, Any]) -> bool:
         return False
     got = stage.params.model_dump()
 
-    def norm(key: str, value: Any) -> Any:  # a regulariser's reduction, as compiled: a mapping
+    def norm(key: str, value: Any) -> Any:  # a regularizer's reduction, as compiled: a mapping
         return {"name": value} if key == "reduction" and isinstance(value, str) else value
 
     return all(norm(k, got.get(k)) == norm(k, want.get(k)) for k in named)
@@ -177,42 +177,42 @@ def _kl_and_entropy(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]
     """KL and entropy: one term each, never counted twice."""
     args = grpo_config(trainer)
     out: list[str] = []
-    trl_terms = {r["name"]: r for r in trl_regularisers(args)}
-    kl_stages = named_stages(compiled.regularisers, "kl")
+    trl_terms = {r["name"]: r for r in trl_regularizers(args)}
+    kl_stages = named_stages(compiled.regularizers, "kl")
     if kl_stages:
         coef = sum(float(s.params.coef) for s in kl_stages)
         if trainer.beta == 0.0:
             out.append(
-                f"the recipe has a KL regulariser, but beta=0: TRL computes reference log-probs only when beta != 0. "
+                f"the recipe has a KL regularizer, but beta=0: TRL computes reference log-probs only when beta != 0. "
                 f"Set beta={coef} (the recipe's KL coefficient): the recipe's KL then replaces TRL's"
             )
         elif abs(coef - trainer.beta) > 1e-12 * max(abs(coef), abs(trainer.beta)):
             out.append(
-                f"the recipe has a KL regulariser (coef {coef}) and TRL's beta={trainer.beta} is another: the KL would "
+                f"the recipe has a KL regularizer (coef {coef}) and TRL's beta={trainer.beta} is another: the KL would "
                 f"be set twice. Set beta={coef} (it then only switches TRL's reference log-probs on; the recipe's KL "
                 "replaces TRL's) or drop the recipe's KL stage"
             )
-    entropy_stages = named_stages(compiled.regularisers, "entropy")
+    entropy_stages = named_stages(compiled.regularizers, "entropy")
     trl_entropy = trl_terms.get("entropy")
     if entropy_stages and (args.entropy_coef != 0.0 or args.use_adaptive_entropy):
         if trl_entropy is None or len(entropy_stages) > 1 or not same_params(entropy_stages[0], trl_entropy):
             same = f" or make the stage {stage_spec(trl_entropy)}" if trl_entropy is not None else ""
             out.append(
-                f"the recipe has an entropy regulariser and TRL's entropy bonus is on as well (entropy_coef="
+                f"the recipe has an entropy regularizer and TRL's entropy bonus is on as well (entropy_coef="
                 f"{args.entropy_coef}, use_adaptive_entropy={args.use_adaptive_entropy}, top_entropy_quantile="
                 f"{args.top_entropy_quantile}) with other settings: it would be counted twice. Set entropy_coef=0 "
                 f"and use_adaptive_entropy=False (the recipe's replaces TRL's){same}"
             )
     elif args.use_adaptive_entropy:
         out.append(
-            f"use_adaptive_entropy=True: the adaptive coefficient is a recipe regulariser in lossplug; add "
-            f"regularisers: [..., {stage_spec(cast(dict[str, Any], trl_entropy))}] (what trl_equivalent maps it to)"
+            f"use_adaptive_entropy=True: the adaptive coefficient is a recipe regularizer in lossplug; add "
+            f"regularizers: [..., {stage_spec(cast(dict[str, Any], trl_entropy))}] (what trl_equivalent maps it to)"
         )
     return out
 
 
 def _fields(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]:
-    """The fields the recipe's gates and regularisers read that TRL's batch does not have."""
+    """The fields the recipe's gates and regularizers read that TRL's batch does not have."""
     provided = set(PROVIDED)
     if trainer.beta != 0.0:
         provided.add("ref_logp")

@@ -44,11 +44,11 @@ class AdapterState:
     population: Population
     provenance: Provenance
     kl_sequence_level: bool
-    #: the batch fields the recipe's gates and regularisers read (entropies are computed only when one does)
+    #: the batch fields the recipe's gates and regularizers read (entropies are computed only when one does)
     needs: frozenset[str] = frozenset()
-    #: the recipe has a KL regulariser: it replaces TRL's beta term (else the adapter adds TRL's own)
+    #: the recipe has a KL regularizer: it replaces TRL's beta term (else the adapter adds TRL's own)
     recipe_kl: bool = False
-    #: the recipe has an entropy regulariser: it replaces TRL's bonus (else the adapter adds TRL's static one)
+    #: the recipe has an entropy regularizer: it replaces TRL's bonus (else the adapter adds TRL's static one)
     recipe_entropy: bool = False
     #: the recipe's top_entropy quantile: TRL's static bonus then acts on the high-entropy tokens only
     top_entropy_quantile: float | None = None
@@ -89,5 +89,5 @@ def named_stages(stages: tuple[Any, ...], name: str) -> list[Any]:
 
 
 def batch_stages(compiled: CompiledRecipe) -> tuple[Any, ...]:
-    """The stages that read the micro-batch: the gates, then the regularisers."""
-    return (*compiled.gates, *compiled.regularisers)
+    """The stages that read the micro-batch: the gates, then the regularizers."""
+    return (*compiled.gates, *compiled.regularizers)

@@ -237,8 +237,8 @@ def _setup(
         metrics=level,
         kl_sequence_level=compiled.update.plugin.level == "sequence",
         needs=frozenset(f for stage in batch_stages(compiled) for f in required_fields(stage.plugin, stage.params)),
-        recipe_kl=bool(named_stages(compiled.regularisers, "kl")),
-        recipe_entropy=bool(named_stages(compiled.regularisers, "entropy")),
+        recipe_kl=bool(named_stages(compiled.regularizers, "kl")),
+        recipe_entropy=bool(named_stages(compiled.regularizers, "entropy")),
         top_entropy_quantile=top_entropy[0].params.quantile if top_entropy else None,
         trl_class=next(c for c in type(trainer).__mro__ if not issubclass(c, _Mixin)).__name__,
     )

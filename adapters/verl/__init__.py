@@ -38,17 +38,17 @@ contribute nothing to the loss, as in verl.
 Modules, by concern: :mod:`~lossplug.adapters.verl.registration` (the registries, their check),
 :mod:`~lossplug.adapters.verl.config` (recipes from verl's config, :class:`LossplugPolicyLossConfig`),
 :mod:`~lossplug.adapters.verl.policy_loss` (the policy-loss seam; the micro-batch becomes a ``PolicyBatch`` in
-:func:`~lossplug.adapters.verl.policy_loss.policy_batch`), :mod:`~lossplug.adapters.verl.regularisers` and
+:func:`~lossplug.adapters.verl.policy_loss.policy_batch`), :mod:`~lossplug.adapters.verl.regularizers` and
 :mod:`~lossplug.adapters.verl.rollout` (what verl adds around a policy loss, counted once),
 :mod:`~lossplug.adapters.verl.policy_metrics` (verl's metric keys), :mod:`~lossplug.adapters.verl.advantage` (the
 advantage seam; its batch: :func:`~lossplug.adapters.verl.advantage.advantage_batch`),
 :mod:`~lossplug.adapters.verl.equivalent` (verl's config → recipe: :func:`verl_equivalent`, verl-free) and
 :mod:`~lossplug.adapters.verl.trl_beside`.
 
-Regularisers. verl's ``ppo_loss`` adds the entropy bonus and the KL loss around any policy loss, from the actor's
+Regularizers. verl's ``ppo_loss`` adds the entropy bonus and the KL loss around any policy loss, from the actor's
 ``entropy_coeff`` / ``use_kl_loss`` settings, and hands a policy loss neither entropies nor reference log-probs. A
-recipe's regularisers must therefore be exactly those terms (as :func:`verl_equivalent` writes them); the adapter then
-computes only the policy term, so each is counted once, and refuses any other regulariser naming the settings.
+recipe's regularizers must therefore be exactly those terms (as :func:`verl_equivalent` writes them); the adapter then
+computes only the policy term, so each is counted once, and refuses any other regularizer naming the settings.
 
 Metrics. verl's own keys with verl's definitions — ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
 ``actor/ppo_kl`` — beside lossplug's under ``actor/lossplug/``.

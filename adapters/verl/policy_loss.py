@@ -1,5 +1,5 @@
 """The policy-loss seam: verl's policy loss ``lossplug`` (:func:`compute_policy_loss_lossplug`), in named steps — the
-recipe's policy term (what verl's ``ppo_loss`` adds around it removed: :mod:`.regularisers`, :mod:`.rollout`), the
+recipe's policy term (what verl's ``ppo_loss`` adds around it removed: :mod:`.regularizers`, :mod:`.rollout`), the
 micro-batch as a :class:`~lossplug.PolicyBatch` (:func:`policy_batch`), the population of the optimizer step from
 verl's ``global_batch_info`` (:func:`verl_normalizer`), and verl's metrics (:mod:`.policy_metrics`)."""
 
@@ -16,7 +16,7 @@ from lossplug.adapters.verl.config import POLICY_RECIPE_KEY, load_recipe
 from lossplug.adapters.verl.equivalent import LOSS_AGG_REDUCTIONS
 from lossplug.adapters.verl.policy_metrics import verl_loss_metrics
 from lossplug.adapters.verl.registration import MARK, MODULE, NAME, check_once
-from lossplug.adapters.verl.regularisers import policy_term
+from lossplug.adapters.verl.regularizers import policy_term
 from lossplug.adapters.verl.rollout import without_verls_correction
 from lossplug.contracts import LossplugError, Normalizer, PolicyBatch, Recipe
 from lossplug.contracts.normalizer import whole_count

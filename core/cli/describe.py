@@ -18,7 +18,7 @@ from lossplug.needs import FIELD_SHAPES, batch_fields, recipe_needs, required_fi
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
 
-    from lossplug.pipeline import RegulariserStage, Stage
+    from lossplug.pipeline import RegularizerStage, Stage
     from lossplug.plugin import AnyPlugin
     from lossplug.plugin_registry import Registry
 
@@ -116,15 +116,15 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
         stages.append(("advantage", compiled.advantage))
     stages += [(f"gates[{i}]", s) for i, s in enumerate(compiled.gates)]
     stages.append(("reduction", compiled.reduction))
-    stages += [(f"regularisers[{i}]", s) for i, s in enumerate(compiled.regularisers)]
+    stages += [(f"regularizers[{i}]", s) for i, s in enumerate(compiled.regularizers)]
     stage_rows = []
     for where, stage in stages:
         p = stage.plugin
         role = f"{p.role} · {p.level}" if p.kind == "gate" else ""  # (only gates have a role)
         if p.kind == "advantage":
             role = "layouts: " + ", ".join(p.layouts)
-        if p.kind == "regulariser":
-            reg_stage = cast("RegulariserStage", stage)
+        if p.kind == "regularizer":
+            reg_stage = cast("RegularizerStage", stage)
             role = f"+ coef · {reg_stage.reduction.plugin.name}(term)" + (
                 ", adaptive coefficient" if reg_stage.controller is not None else ""
             )
@@ -165,7 +165,7 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
 #: function or convention it reproduces (reductions, engine corrections). The paragraph ends at the next blank line.
 CITATION_LABELS = ("Paper:", "Reference:")
 
-_KIND_TITLES = {"advantage": "Advantages", "gate": "Gates", "reduction": "Reductions", "regulariser": "Regularisers"}
+_KIND_TITLES = {"advantage": "Advantages", "gate": "Gates", "reduction": "Reductions", "regularizer": "Regularizers"}
 _ROLES = re.compile(r":(?:class|func|meth|mod|data|attr|obj):`~?([^`]+)`")
 
 
@@ -285,7 +285,7 @@ def _plugin_markdown(kind: str, name: str, plugin: AnyPlugin, source: str, detai
 def catalogue_markdown(
     reg: Registry | None = None, *, builtin_only: bool = True, title: str = "Plugin catalogue"
 ) -> str:
-    """The plugin catalogue as one Markdown page: for every (built-in) advantage, gate, reduction and regulariser its
+    """The plugin catalogue as one Markdown page: for every (built-in) advantage, gate, reduction and regularizer its
     kind, role and level, formula, parameter table (type, default, constraint, description), the batch fields it
     needs, its citations and its module's documentation; then the presets with their sources."""
     from lossplug.plugin_registry import BUILTIN_SOURCE, registry
@@ -296,7 +296,7 @@ def catalogue_markdown(
         "",
         "Generated from the plugin registry when the documentation is built (`lossplug.cli.describe."
         "catalogue_markdown`): every built-in plugin as `lossplug show NAME` describes it. Gates return per-token "
-        "**objectives** (to maximise); the loss is `−reduce(objective)`; a regulariser's per-token term is added "
+        "**objectives** (to maximise); the loss is `−reduce(objective)`; a regularizer's per-token term is added "
         "to it as `coef · reduce(term)`.",
         "",
     ]

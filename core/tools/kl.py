@@ -47,7 +47,7 @@ Controllers (the coefficient β of the penalty ``−β·KL``):
 
 All three expose ``.value`` and ``.update(current_kl, n_steps)`` like verl's, so either can be handed to verl's
 ``apply_kl_penalty``; and they are :class:`lossplug.control.Controller` s — ``coefficient``, ``state_dict()`` /
-``load_state_dict()`` — the state mechanism the adaptive regularisers share (save and restore them with a checkpoint
+``load_state_dict()`` — the state mechanism the adaptive regularizers share (save and restore them with a checkpoint
 the same way, see :mod:`lossplug.control`).
 """
 

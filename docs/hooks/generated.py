@@ -142,7 +142,7 @@ def trl_equivalent_table() -> str:
         ("`entropy_coef=0.01`", {"entropy_coef": 0.01}),
         ("`use_adaptive_entropy`", {"use_adaptive_entropy": True}),
     ]
-    rows = ["| `GRPOConfig` | advantage | gates | regularisers | reduction | population |", "|---|---|---|---|---|---|"]
+    rows = ["| `GRPOConfig` | advantage | gates | regularizers | reduction | population |", "|---|---|---|---|---|---|"]
 
     def stage(s):
         params = ", ".join(f"{k}={v}" for k, v in s.items() if k != "name" and v is not None)
@@ -151,10 +151,10 @@ def trl_equivalent_table() -> str:
     for label, overrides in cases:
         recipe, population = trl_equivalent(types.SimpleNamespace(**{**defaults, **overrides}))
         data = recipe.to_dict()
-        regularisers = "; ".join(stage(r) for r in data.get("regularisers", [])) or "—"
+        regularizers = "; ".join(stage(r) for r in data.get("regularizers", [])) or "—"
         rows.append(
             f"| {label} | {stage(data['advantage'])} | {'; '.join(stage(g) for g in data['gates'])} | "
-            f"{regularisers} | {stage(data['reduction'])} | `{population}` |"
+            f"{regularizers} | {stage(data['reduction'])} | `{population}` |"
         )
     return "\n".join(rows)
 

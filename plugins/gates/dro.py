@@ -14,7 +14,7 @@ default here).
 Detach/gradient contract: ``old_logp`` and the advantage are constants; gradient flows through ``logp`` only (in both
 terms).
 
-Paper: Richemond et al., 2024, *Offline Regularised Reinforcement Learning for Large Language Models Alignment*
+Paper: Richemond et al., 2024, *Offline Regularized Reinforcement Learning for Large Language Models Alignment*
 (Direct Reward Optimisation), arXiv:2405.19107.
 
 Reference: verl ``compute_policy_loss_dro`` (``loss_mode=dro``, ``policy_loss.dro_beta``).

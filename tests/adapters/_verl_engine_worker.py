@@ -61,7 +61,7 @@ BASE = [
     "actor_rollout_ref.actor.shuffle=False",
 ]
 VANILLA = ["actor_rollout_ref.actor.clip_ratio_high=0.28", "actor_rollout_ref.actor.clip_ratio_c=3.0"]
-REGULARISED = [
+REGULARIZED = [
     "actor_rollout_ref.actor.entropy_coeff=0.01",
     "actor_rollout_ref.actor.use_kl_loss=True",
     "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
@@ -88,13 +88,13 @@ ENGINES: dict[str, list[str]] = {
 #: every case: (engine, overrides of the actor's loss settings)
 CASES: dict[str, tuple[str, list[str]]] = {
     "vanilla": ("default", VANILLA),  # clip-higher and dual-clip
-    "vanilla_entropy_kl": ("default", VANILLA + REGULARISED),
+    "vanilla_entropy_kl": ("default", VANILLA + REGULARIZED),
     "seq_mean_token_mean": ("default", ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]),
     "ppo_epochs_2": ("default", ["actor_rollout_ref.actor.ppo_epochs=2"]),
-    "dynamic_bsz": ("dynamic_bsz", VANILLA + REGULARISED),
-    "remove_padding": ("remove_padding", VANILLA + REGULARISED),
-    "bf16": ("bf16", VANILLA + REGULARISED),
-    "adamw": ("adamw", VANILLA + REGULARISED),
+    "dynamic_bsz": ("dynamic_bsz", VANILLA + REGULARIZED),
+    "remove_padding": ("remove_padding", VANILLA + REGULARIZED),
+    "bf16": ("bf16", VANILLA + REGULARIZED),
+    "adamw": ("adamw", VANILLA + REGULARIZED),
 }
 #: verl loss modes beyond vanilla, compared once their recipes exist (verl_equivalent raises until then)
 LOSS_MODES = ("gspo", "sapo", "cispo", "gpg", "geo_mean", "clip_cov", "kl_cov", "dro", "dppo_tv", "dppo_kl")
@@ -125,11 +125,11 @@ CASES["loss_mode_bypass_ppo_clip"] = (
 )
 #: verl's driver-side rollout correction (TIS weights in the batch, handed to the loss as rollout_is_weights): the
 #: recipe is the actor's alone, the adapter applies the weights as verl's losses do
-CASES["rollout_is_weights"] = ("default", VANILLA + REGULARISED)
+CASES["rollout_is_weights"] = ("default", VANILLA + REGULARIZED)
 #: the same weights, and the literal recipe of verl_equivalent(actor, algorithm) — its tis and offpolicy_metrics gates
 #: included — with algorithm.rollout_correction forwarded to the actor (policy_loss.rollout_correction): the adapter
 #: finds the gates equal to that config's, drops them and applies verl's weights once
-CASES["rollout_is_weights_literal_recipe"] = ("default", VANILLA + REGULARISED)
+CASES["rollout_is_weights_literal_recipe"] = ("default", VANILLA + REGULARIZED)
 FORWARDED_CORRECTION = {"rollout_is_weights_literal_recipe": {"rollout_is": "token", "rollout_is_threshold": 2.0}}
 WITH_ROLLOUT_IS_WEIGHTS = {"rollout_is_weights", "rollout_is_weights_literal_recipe"}
 

@@ -1,4 +1,4 @@
-"""The field's advantages (maxrl, gigpo, opd) and the nll regulariser inside the trainers, through public import paths
+"""The field's advantages (maxrl, gigpo, opd) and the nll regularizer inside the trainers, through public import paths
 only: a real TRL ``GRPOTrainer`` on the tiny model, and verl's advantage seam (``lossplug.adapters.verl.
 compute_advantage`` on a ``DataProto``, and verl's own ``compute_advantage`` with the registered estimator) and policy
 loss.
@@ -85,7 +85,7 @@ def test_nll_is_the_loss_of_a_trl_grpo_trainer_when_the_advantage_vanishes(trl_t
         "advantage": "grpo",
         "gates": ["reinforce"],
         "reduction": "token",
-        "regularisers": [{"name": "nll", "coef": coef, "threshold": threshold}],
+        "regularizers": [{"name": "nll", "coef": coef, "threshold": threshold}],
     }
     trainer = trl_tiny.tiny_grpo_trainer(recipe, tmp_path / "out", reward_funcs=[constant_reward])
     inputs = one_micro_batch(trainer)
@@ -192,13 +192,13 @@ def test_verls_compute_advantage_cannot_supply_the_fields_of_opd_and_gigpo_and_s
     assert all(f"{field}: required by recipe.advantage ({advantage})" in str(err.value) for field in fields)
 
 
-def test_the_nll_regulariser_under_verls_policy_loss_is_refused_with_the_reason(verl_proto):
+def test_the_nll_regularizer_under_verls_policy_loss_is_refused_with_the_reason(verl_proto):
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
     from verl.workers.config import ActorConfig
 
     from lossplug.adapters.verl import LossplugPolicyLossConfig
 
-    recipe = {"gates": ["ppo_clip"], "reduction": "token", "regularisers": [{"name": "nll", "responses": "all"}]}
+    recipe = {"gates": ["ppo_clip"], "reduction": "token", "regularizers": [{"name": "nll", "responses": "all"}]}
     config = ActorConfig(
         strategy="fsdp",
         rollout_n=4,
@@ -208,7 +208,7 @@ def test_the_nll_regulariser_under_verls_policy_loss_is_refused_with_the_reason(
     )
     B, T = 2, 3
     logp = -torch.rand(B, T, dtype=F64)
-    with pytest.raises(LossplugError, match=r"regularisers \[\{'name': 'nll'.*No verl setting adds these terms"):
+    with pytest.raises(LossplugError, match=r"regularizers \[\{'name': 'nll'.*No verl setting adds these terms"):
         get_policy_loss_fn("lossplug")(
             old_log_prob=logp,
             log_prob=logp.clone().requires_grad_(),

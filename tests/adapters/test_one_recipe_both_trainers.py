@@ -1,8 +1,8 @@
 """One recipe, both trainers: the same recipe YAML and the same tensors through TRL's and verl's loss seams.
 
 The recipe (:data:`RECIPE_YAML`) has every stage kind: an advantage (``grpo``), an update gate (``ppo_clip`` with
-clip-higher and dual clip), a correction (``tis`` against the rollout engine), a KL regulariser (``low_var_kl``,
-which both trainers can compute) and an entropy regulariser, reduced per ``token``. One float64 batch of 8 responses
+clip-higher and dual clip), a correction (``tis`` against the rollout engine), a KL regularizer (``low_var_kl``,
+which both trainers can compute) and an entropy regularizer, reduced per ``token``. One float64 batch of 8 responses
 (2 prompt groups of 4) with observation tokens inside the responses (not actions) and finite garbage off the actions
 goes through
 
@@ -14,7 +14,7 @@ goes through
   convention is that each returned loss is already scaled for accumulation, so their sum is the step's loss.
 * **verl** — verl's own actor loss ``verl.workers.utils.losses.ppo_loss`` with ``loss_mode=lossplug`` and **the same
   recipe file**, ``entropy_coeff`` / ``use_kl_loss`` / ``kl_loss_type`` / ``kl_loss_coef`` set to the recipe's
-  regularisers (the adapter checks they agree and counts each once), the correction as verl's rollout correction
+  regularizers (the adapter checks they agree and counts each once), the correction as verl's rollout correction
   (``rollout_is=token``, ``rollout_is_threshold=cap``: weights from verl's own ``rollout_corr_helper``) forwarded to the
   actor as ``policy_loss.rollout_correction`` (the adapter checks it maps to the recipe's ``tis`` and applies verl's
   weights in its place, once), ``loss_agg_mode=token-mean``;
@@ -74,7 +74,7 @@ gates:
   - {name: ppo_clip, eps_low: 0.2, eps_high: 0.28, dual_clip_c: 3.0}   # clip-higher + dual clip
   - {name: tis, cap: 2.0}                                     # truncated IS against the rollout engine
 reduction: token
-regularisers:
+regularizers:
   - {name: kl, coef: 0.04, estimator: low_var_kl}             # + 0.04 · KL to the reference
   - {name: entropy, coef: 0.01}                               # − 0.01 · entropy
 """
@@ -412,8 +412,8 @@ def test_every_stage_changes_the_loss(tensors: Any) -> None:
     base = lossplug.Recipe.load(RECIPE_YAML).to_dict()
     variants = {
         "no tis": {**base, "gates": base["gates"][:1]},
-        "no kl": {**base, "regularisers": [r for r in base["regularisers"] if r["name"] != "kl"]},
-        "no entropy": {**base, "regularisers": [r for r in base["regularisers"] if r["name"] != "entropy"]},
+        "no kl": {**base, "regularizers": [r for r in base["regularizers"] if r["name"] != "kl"]},
+        "no entropy": {**base, "regularizers": [r for r in base["regularizers"] if r["name"] != "entropy"]},
     }
     logp, entropy = leaves(x)
     batch = lossplug.PolicyBatch(
@@ -445,7 +445,7 @@ def test_verl_settings_are_the_recipe(recipe_file: Path) -> None:
     theirs["gates"] = [g for g in theirs["gates"] if g["name"] != "offpolicy_metrics"]
     for key in ("advantage", "gates", "reduction"):
         assert theirs[key] == recipe[key], key
-    assert sorted(theirs["regularisers"], key=str) == sorted(recipe["regularisers"], key=str)
+    assert sorted(theirs["regularizers"], key=str) == sorted(recipe["regularizers"], key=str)
 
 
 def test_under_verls_ppo_loss_the_correction_is_verls_rollout_correction_and_the_terms_verls_settings(
@@ -453,7 +453,7 @@ def test_under_verls_ppo_loss_the_correction_is_verls_rollout_correction_and_the
 ) -> None:
     """verl passes a policy loss rollout_is_weights, never rollout_log_probs: the recipe's tis runs as verl's rollout
     correction only when algorithm.rollout_correction is forwarded and maps to it; otherwise refused, naming the
-    override lines. verl's entropy/KL settings must be the recipe's regularisers (each counted once)."""
+    override lines. verl's entropy/KL settings must be the recipe's regularizers (each counted once)."""
     x = tensors
     advantages = direct_advantages(x).unsqueeze(-1).expand(B, T)
     recipe = str(recipe_file)

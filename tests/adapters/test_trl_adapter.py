@@ -188,9 +188,9 @@ def test_trl_equivalent_maps_the_other_settings(tmp_module):
     )
     assert recipe.advantage.name == "normalize_then_sum"
     assert tuple(recipe.advantage.params["weights"]) == (1.0, 0.5)
-    # regularisers: beta (k3, × the update ratio per token / per sequence), the entropy bonus (TRL's reduction)
+    # regularizers: beta (k3, × the update ratio per token / per sequence), the entropy bonus (TRL's reduction)
     recipe, _ = trl_equivalent(config(tmp_module, beta=0.04))
-    kl = recipe.regularisers[0]
+    kl = recipe.regularizers[0]
     assert kl.name == "kl"
     assert {k: kl.params[k] for k in ("coef", "estimator", "ratio_weight", "clamp")} == {
         "coef": 0.04,
@@ -199,16 +199,16 @@ def test_trl_equivalent_maps_the_other_settings(tmp_module):
         "clamp": False,  # TRL's plain exp(δ) − δ − 1
     }
     recipe, _ = trl_equivalent(config(tmp_module, beta=0.04, importance_sampling_level="sequence"))
-    assert recipe.regularisers[0].params["ratio_weight"] == "sequence"
+    assert recipe.regularizers[0].params["ratio_weight"] == "sequence"
     recipe, _ = trl_equivalent(config(tmp_module, beta=0.04, use_bias_correction_kl=False))
-    assert recipe.regularisers[0].params["ratio_weight"] == "none"
+    assert recipe.regularizers[0].params["ratio_weight"] == "none"
     recipe, _ = trl_equivalent(config(tmp_module, entropy_coef=0.01))
-    entropy = recipe.regularisers[0]
+    entropy = recipe.regularizers[0]
     assert (entropy.name, entropy.params["coef"], entropy.params["population"]) == ("entropy", 0.01, "micro_batch")
     recipe, _ = trl_equivalent(
         config(tmp_module, use_adaptive_entropy=True, entropy_coef=0.1, entropy_target=0.3, entropy_coef_delta=0.01)
     )
-    params = recipe.regularisers[0].params
+    params = recipe.regularizers[0].params
     assert (params["adaptive"], params["target"], params["coef_delta"], params["coef_min"], params["coef_max"]) == (
         True,
         0.3,
@@ -218,7 +218,7 @@ def test_trl_equivalent_maps_the_other_settings(tmp_module):
     )
     # the static bonus with top_entropy_quantile < 1 acts on the high-entropy tokens: the adapter keeps TRL's own
     recipe, _ = trl_equivalent(config(tmp_module, entropy_coef=0.01, top_entropy_quantile=0.5))
-    assert not recipe.regularisers
+    assert not recipe.regularizers
 
 
 def test_trl_equivalent_refuses_what_has_no_equivalent(tmp_module):
@@ -283,7 +283,7 @@ def test_a_bad_recipe_fails_before_the_model_is_touched(plain):
         ("use_vllm", True, r"importance-sampling correction is a recipe gate.*icepop_seq.*correction=False"),
         ("off_policy_mask_threshold", 0.5, r"off-policy sequence mask is a recipe gate.*off_policy_mask"),
         ("top_entropy_quantile", 0.2, r"high-entropy token mask is a recipe gate.*top_entropy, quantile: 0.2"),
-        ("use_adaptive_entropy", True, r"adaptive coefficient is a recipe regulariser.*adaptive: True"),
+        ("use_adaptive_entropy", True, r"adaptive coefficient is a recipe regularizer.*adaptive: True"),
     ],
 )
 def test_refuses_trl_options_the_recipe_does_not_carry(plain, setting, value, message):
@@ -314,17 +314,17 @@ def test_kl_and_entropy_are_never_counted_twice(plain, tmp_path):
         processing_class=tok,
     )
     kl = {"name": "kl", "coef": 0.1, "estimator": "k2"}
-    with pytest.raises(LossplugError, match=r"KL regulariser \(coef 0.1\) and TRL's beta=0.04.*twice"):
-        attach(trainer, {"preset": "dapo", "regularisers": [kl]})
-    with pytest.raises(LossplugError, match="entropy regulariser and TRL's entropy bonus.*counted twice"):
-        attach(trainer, {"preset": "dapo", "regularisers": [{"name": "entropy", "coef": 0.5}]})
+    with pytest.raises(LossplugError, match=r"KL regularizer \(coef 0.1\) and TRL's beta=0.04.*twice"):
+        attach(trainer, {"preset": "dapo", "regularizers": [kl]})
+    with pytest.raises(LossplugError, match="entropy regularizer and TRL's entropy bonus.*counted twice"):
+        attach(trainer, {"preset": "dapo", "regularizers": [{"name": "entropy", "coef": 0.5}]})
     # the recipe's own KL replaces TRL's when beta names its coefficient (beta only switches the reference on)
-    attach(trainer, {"preset": "dapo", "regularisers": [{**kl, "coef": 0.04}]})
+    attach(trainer, {"preset": "dapo", "regularizers": [{**kl, "coef": 0.04}]})
     assert trainer._lossplug.recipe_kl and not trainer._lossplug.recipe_entropy
     # without beta TRL computes no reference log-probs
     trainer.beta = 0.0
     with pytest.raises(LossplugError, match="beta=0: TRL computes reference log-probs only when beta != 0"):
-        attach(trainer, {"preset": "dapo", "regularisers": [kl]})
+        attach(trainer, {"preset": "dapo", "regularizers": [kl]})
 
 
 @pytest.mark.parametrize(

@@ -202,7 +202,7 @@ def test_the_comparison_exercises_clipping_and_kl(setup):
             lo + hi for lo, hi in zip(m["lossplug/ppo_clip/clip_frac_low"], m["lossplug/ppo_clip/clip_frac_high"])
         ]
         assert max(clipped) > 0
-        assert min(m["kl"]) > 0 and min(m["lossplug/reg/kl/value"]) > 0  # the recipe's KL regulariser
+        assert min(m["kl"]) > 0 and min(m["lossplug/reg/kl/value"]) > 0  # the recipe's KL regularizer
         assert max(m["lossplug/ratio/update/max"]) > 1.05
 
 

@@ -87,7 +87,7 @@ CASES: dict[str, tuple[dict, str, tuple | None]] = {
     # KL and entropy
     "kl_without_bias_correction": ({**BASE, "use_bias_correction_kl": False, "beta": 0.5}, "tiny", None),
     "kl_bias_corrected": ({**BASE, "beta": 0.5}, "tiny", None),
-    # (rollouts without emptied rows: see test_micro_batch_regulariser_with_emptied_rows)
+    # (rollouts without emptied rows: see test_micro_batch_regularizer_with_emptied_rows)
     "entropy_static": ({**BASE, "entropy_coef": 0.5}, "scored", None),
     "entropy_static_top_entropy": ({**BASE, "entropy_coef": 0.5, "top_entropy_quantile": 0.4}, "tiny", None),
     "entropy_adaptive": (ADAPTIVE, "scored", None),
@@ -253,10 +253,10 @@ def test_adaptive_entropy_state_is_saved_with_checkpoints_and_restored(model_dir
     assert state == pytest.approx(first, rel=1e-6)
 
 
-def test_micro_batch_regulariser_with_emptied_rows(model_dir, tmp_path):
+def test_micro_batch_regularizer_with_emptied_rows(model_dir, tmp_path):
     """The adapter leaves rows without an action token (mask_truncated_completions) out of the batch; TRL's entropy
     bonus still weighs each micro-batch's token mean 1 / accumulation: the Normalizer's micro-batch count keeps the
-    regulariser's weight exact."""
+    regularizer's weight exact."""
     settings = {**BASE, "entropy_coef": 0.5}
     native = run(model_dir, tmp_path / "native", settings, "tiny", None, ours=False)
     ours = run(model_dir, tmp_path / "ours", settings, "tiny", None, ours=True)

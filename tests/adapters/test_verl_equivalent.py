@@ -1,12 +1,12 @@
 """``verl_equivalent(actor_config, algorithm_config)``: the recipe that computes what verl computes.
 
 * The mapping itself: each ``loss_agg_mode`` → reduction (``loss_scale_factor`` → the ``fixed`` budget), entropy and
-  KL → regularisers, the config forms verl hands over (``DictConfig``, ``ActorConfig``, plain dict), omitted sides,
+  KL → regularizers, the config forms verl hands over (``DictConfig``, ``ActorConfig``, plain dict), omitted sides,
   and a refusal naming the setting for everything without an exact equivalent.
 * Oracles (float64, loss and gradient): every verl loss mode the recipe modules map, under every ``loss_agg_mode``,
   at dp_size 1 and 2 with verl's ``global_batch_info`` — verl's registered function against the recipe through the
   adapter; and the whole actor loss ``ppo_loss`` builds (policy term − entropy_coeff·agg(H) + kl_loss_coef·agg(KL))
-  against ``lossplug.policy_loss`` with the recipe's regularisers, as a TRL or plain-PyTorch user runs it.
+  against ``lossplug.policy_loss`` with the recipe's regularizers, as a TRL or plain-PyTorch user runs it.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_loss_agg_mode_becomes_the_reduction(mode: str) -> None:
     assert recipe.reduction.name == LOSS_AGG_REDUCTIONS[mode]
     if mode == "seq-mean-token-sum-norm":
         assert recipe.reduction.params["budget"] == 512.0
-    assert recipe.advantage is None and recipe.regularisers == ()
+    assert recipe.advantage is None and recipe.regularizers == ()
 
 
 def test_seq_mean_token_sum_norm_without_a_scale_factor_is_refused() -> None:
@@ -68,10 +68,10 @@ def test_vanilla_defaults_are_verls() -> None:
     assert recipe.reduction.name == "token"
 
 
-def test_entropy_and_kl_become_regularisers() -> None:
+def test_entropy_and_kl_become_regularizers() -> None:
     actor = {"entropy_coeff": 0.01, "use_kl_loss": True, "kl_loss_type": "k3+", "kl_loss_coef": 0.05}
     recipe = verl_equivalent(actor)
-    specs = {s.name: s.params for s in recipe.regularisers}
+    specs = {s.name: s.params for s in recipe.regularizers}
     assert specs["entropy"]["coef"] == 0.01
     assert (specs["kl"]["coef"], specs["kl"]["estimator"]) == (0.05, "k3+")
     assert specs["entropy"]["reduction"] is None and specs["kl"]["reduction"] is None  # the recipe's own: token
@@ -232,7 +232,7 @@ def test_every_verl_loss_mode_through_the_adapter(loss_mode: str, agg: str, dp: 
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The whole actor loss, regularisers included, outside verl
+# The whole actor loss, regularizers included, outside verl
 
 
 @pytest.mark.parametrize("kl_type", ["low_var_kl", "k1", "k2", "k3+", "abs"])
@@ -241,10 +241,10 @@ def test_every_verl_loss_mode_through_the_adapter(loss_mode: str, agg: str, dp: 
 def test_the_whole_actor_loss_with_entropy_and_kl(kl_type: str, agg: str, dp: int) -> None:
     """What verl's ``workers/utils/losses.py:ppo_loss`` computes per micro-batch — vanilla's term, minus
     entropy_coeff·agg_loss(entropy), plus kl_loss_coef·agg_loss(kl_penalty(logp, ref, kl_loss_type)) — against
-    ``lossplug.policy_loss`` with the recipe of ``verl_equivalent`` (regularisers included)."""
+    ``lossplug.policy_loss`` with the recipe of ``verl_equivalent`` (regularizers included)."""
     config = actor("vanilla", agg, entropy_coeff=0.01, use_kl_loss=True, kl_loss_type=kl_type, kl_loss_coef=0.05)
     recipe = verl_equivalent(config)
-    assert {s.name for s in recipe.regularisers} == {"entropy", "kl"}
+    assert {s.name for s in recipe.regularizers} == {"entropy", "kl"}
     inputs = make_inputs(3)
     info = global_info(inputs, dp, None)
     config.global_batch_info.update(info)
@@ -386,7 +386,7 @@ def test_a_correction_recipe_runs_under_verl_with_the_rollout_correction_forward
         loss(LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe.to_dict()))
 
 
-def test_regularisers_verl_does_not_add_are_refused_under_verl() -> None:
+def test_regularizers_verl_does_not_add_are_refused_under_verl() -> None:
     """verl hands a policy loss neither entropy nor ref_log_prob: a recipe KL term that verl's ppo_loss will not
     add (use_kl_loss false) is refused, naming the settings — never silently dropped or counted twice."""
     recipe = verl_equivalent({"use_kl_loss": True, "kl_loss_coef": 0.05})
@@ -414,7 +414,7 @@ def test_regularisers_verl_does_not_add_are_refused_under_verl() -> None:
         call(ours)
     # a term no verl setting adds (TRL's bias-corrected KL): said so, no lines that would not help
     weighted = lossplug.Recipe.load(
-        {**recipe.to_dict(), "regularisers": [{"name": "kl", "coef": 0.05, "ratio_weight": "token"}]}
+        {**recipe.to_dict(), "regularizers": [{"name": "kl", "coef": 0.05, "ratio_weight": "token"}]}
     )
     policy = LossplugPolicyLossConfig(loss_mode="lossplug", recipe=weighted.to_dict())
     with pytest.raises(LossplugError, match=r"No verl setting adds these terms"):

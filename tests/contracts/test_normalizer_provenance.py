@@ -44,8 +44,8 @@ def test_normalizer_micro_batches_is_optional_validated_and_passed_through():
     assert Normalizer.model_validate_json(norm.model_dump_json()) == norm
 
 
-def test_micro_batch_regulariser_weighs_one_over_the_step_micro_batches():
-    """A ``population: micro_batch`` regulariser: with ``micro_batches`` each micro-batch's own mean weighs 1 / their
+def test_micro_batch_regularizer_weighs_one_over_the_step_micro_batches():
+    """A ``population: micro_batch`` regularizer: with ``micro_batches`` each micro-batch's own mean weighs 1 / their
     number, also when a micro-batch lost rows (the trainer's mean of per-micro-batch means); without it, rows /
     sequences."""
     import lossplug
@@ -53,7 +53,7 @@ def test_micro_batch_regulariser_weighs_one_over_the_step_micro_batches():
     recipe = {
         "gates": ["ppo_clip"],
         "reduction": "token",
-        "regularisers": [{"name": "entropy", "coef": 1.0, "reduction": "token", "population": "micro_batch"}],
+        "regularizers": [{"name": "entropy", "coef": 1.0, "reduction": "token", "population": "micro_batch"}],
     }
     gen = torch.Generator().manual_seed(0)
 

@@ -293,45 +293,45 @@ def test_importing_contracts_alone_installs_the_registry_lazily():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The regularisers stage
+# The regularizers stage
 
-REGULARISED = """
+REGULARIZED = """
 gates: [ppo_clip]
 reduction: token
-regularisers:
+regularizers:
   - {name: kl, coef: 0.05, estimator: k3+}
   - {name: entropy, coef: 0.01, reduction: {name: fixed, budget: 64}}
 """
 
 
-def test_regularisers_parse_fill_defaults_and_round_trip():
-    recipe = Recipe.from_yaml(REGULARISED)
-    kl, entropy = recipe.regularisers
+def test_regularizers_parse_fill_defaults_and_round_trip():
+    recipe = Recipe.from_yaml(REGULARIZED)
+    kl, entropy = recipe.regularizers
     assert kl.name == "kl" and kl.params["estimator"] == "k3+" and kl.params["ratio_weight"] == "none"
     assert kl.params["reduction"] is None and kl.params["population"] == "step"
     assert entropy.params["reduction"] == {"name": "fixed", "budget": 64.0}  # its own reduction, checked and filled
     assert Recipe.from_yaml(recipe.to_yaml()) == recipe and Recipe.from_json(recipe.to_json()) == recipe
-    assert recipe.to_dict()["regularisers"][0] == {"name": "kl", **kl.params}
+    assert recipe.to_dict()["regularizers"][0] == {"name": "kl", **kl.params}
     assert recipe != Recipe.load({"gates": ["ppo_clip"], "reduction": "token"})
 
 
-def test_regularisers_are_optional_and_one_may_be_given_alone():
+def test_regularizers_are_optional_and_one_may_be_given_alone():
     plain = Recipe.load({"gates": ["ppo_clip"], "reduction": "token"})
-    assert plain.regularisers == () and "regularisers" not in plain.to_dict()  # records of older recipes unchanged
-    assert Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularisers": None}) == plain
-    one = Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularisers": "kl"})
-    assert [r.name for r in one.regularisers] == ["kl"]
-    assert Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularisers": {"name": "kl"}}) == one
-    assert Recipe.preset("dapo", regularisers=["entropy"]).regularisers[0].name == "entropy"
+    assert plain.regularizers == () and "regularizers" not in plain.to_dict()  # records of older recipes unchanged
+    assert Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularizers": None}) == plain
+    one = Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularizers": "kl"})
+    assert [r.name for r in one.regularizers] == ["kl"]
+    assert Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularizers": {"name": "kl"}}) == one
+    assert Recipe.preset("dapo", regularizers=["entropy"]).regularizers[0].name == "entropy"
 
 
-def test_regulariser_errors_are_reported_with_every_other_stage():
+def test_regularizer_errors_are_reported_with_every_other_stage():
     with pytest.raises(RecipeError) as info:
         Recipe.model_validate(
             {
                 "gates": ["ppo_clip"],
                 "reduction": "tokens",
-                "regularisers": [
+                "regularizers": [
                     {"name": "kll"},
                     {"name": "kl", "estimator": "k4"},
                     {"name": "entropy", "reduction": "tokn"},
@@ -342,17 +342,17 @@ def test_regulariser_errors_are_reported_with_every_other_stage():
         info.value,
         (
             "recipe.reduction: unknown reduction plugin 'tokens'",
-            "recipe.regularisers[0]: unknown regulariser plugin 'kll' (did you mean 'kl'?)",
-            "recipe.regularisers[1] (kl): parameter 'estimator'",
-            "recipe.regularisers[2].reduction: unknown reduction plugin 'tokn' (did you mean 'token'?)",
+            "recipe.regularizers[0]: unknown regularizer plugin 'kll' (did you mean 'kl'?)",
+            "recipe.regularizers[1] (kl): parameter 'estimator'",
+            "recipe.regularizers[2].reduction: unknown reduction plugin 'tokn' (did you mean 'token'?)",
         ),
     )
 
 
-def test_regulariser_structure_errors():
-    with pytest.raises(RecipeError, match="recipe.regularisers: must be a list of regularisers"):
-        Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularisers": 3})
-    with pytest.raises(RecipeError, match="unknown key 'regularizers' \\(did you mean 'regularisers'\\?\\)"):
+def test_regularizer_structure_errors():
+    with pytest.raises(RecipeError, match="recipe.regularizers: must be a list of regularizers"):
+        Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularizers": 3})
+    with pytest.raises(RecipeError, match="unknown key 'regularizers' \\(did you mean 'regularizers'\\?\\)"):
         Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularizers": ["kl"]})
-    with pytest.raises(RecipeError, match="recipe.regularisers\\[0\\]: unknown regulariser plugin 'ppo_clip'"):
-        Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularisers": ["ppo_clip"]})
+    with pytest.raises(RecipeError, match="recipe.regularizers\\[0\\]: unknown regularizer plugin 'ppo_clip'"):
+        Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularizers": ["ppo_clip"]})

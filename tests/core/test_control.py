@@ -93,28 +93,28 @@ def test_every_controller_shares_the_protocol():
 RECIPE = {
     "gates": ["reinforce"],
     "reduction": "token",
-    "regularisers": [{"name": "kl", "coef": 0.1}, {"name": "entropy", "coef": 0.01, "adaptive": True}],
+    "regularizers": [{"name": "kl", "coef": 0.1}, {"name": "entropy", "coef": 0.01, "adaptive": True}],
 }
 
 
 def test_a_recipe_owns_live_controllers_that_survive_a_registry_rebuild():
     recipe = lossplug.Recipe.load(RECIPE)
     live = lossplug.controllers(recipe)
-    assert list(live) == ["regularisers[1]"] and isinstance(live["regularisers[1]"], AdaptiveEntropyController)
-    live["regularisers[1]"].update(0.1)
+    assert list(live) == ["regularizers[1]"] and isinstance(live["regularizers[1]"], AdaptiveEntropyController)
+    live["regularizers[1]"].update(0.1)
     lossplug.plugin_registry.reset()  # e.g. a plugin registered mid-run: the recipe is recompiled
-    assert lossplug.controllers(recipe)["regularisers[1]"] is live["regularisers[1]"]
-    assert lossplug.controllers(lossplug.Recipe.load(RECIPE))["regularisers[1]"] is not live["regularisers[1]"]
+    assert lossplug.controllers(recipe)["regularizers[1]"] is live["regularizers[1]"]
+    assert lossplug.controllers(lossplug.Recipe.load(RECIPE))["regularizers[1]"] is not live["regularizers[1]"]
     assert lossplug.controllers({"gates": ["reinforce"], "reduction": "token"}) == {}
 
 
 def test_controller_state_saves_and_loads_by_stage():
     recipe = lossplug.Recipe.load(RECIPE)
-    lossplug.controllers(recipe)["regularisers[1]"].update(0.1)
+    lossplug.controllers(recipe)["regularizers[1]"].update(0.1)
     saved = json.loads(json.dumps(lossplug.controller_state(recipe)))
-    assert saved == {"regularisers[1]": {"entropy_coef": 0.015, "last_world_entropy": 0.1}}
+    assert saved == {"regularizers[1]": {"entropy_coef": 0.015, "last_world_entropy": 0.1}}
     fresh = lossplug.Recipe.load(RECIPE)
     lossplug.load_controller_state(fresh, saved)
     assert lossplug.controller_state(fresh) == saved
-    with pytest.raises(lossplug.LossplugError, match=r"controller state for \['regularisers\[0\]'\]"):
-        lossplug.load_controller_state(fresh, {"regularisers[0]": saved["regularisers[1]"]})
+    with pytest.raises(lossplug.LossplugError, match=r"controller state for \['regularizers\[0\]'\]"):
+        lossplug.load_controller_state(fresh, {"regularizers[0]": saved["regularizers[1]"]})

@@ -137,15 +137,15 @@ def registered_reductions(before):
         finite_loss_with_gradient({"gates": ["ppo_clip"], "reduction": row["name"]})
 
 
-def registered_regularisers(before):
-    new = added(before, "regulariser")
-    assert new, "the example registered no regulariser"
+def registered_regularizers(before):
+    new = added(before, "regularizer")
+    assert new, "the example registered no regularizer"
     for row in new:
-        recipe = {**PLAIN, "regularisers": [{"name": row["name"], "coef": 0.5}]}
+        recipe = {**PLAIN, "regularizers": [{"name": row["name"], "coef": 0.5}]}
         finite_loss_with_gradient(recipe)
-        plain, regularised = (lossplug.policy_loss(batch(), r) for r in (PLAIN, recipe))
-        assert float(plain.loss.detach()) != float(regularised.loss.detach()), "the regulariser changed nothing"
-        assert f"reg/{row['name']}/value" in regularised.metrics
+        plain, regularized = (lossplug.policy_loss(batch(), r) for r in (PLAIN, recipe))
+        assert float(plain.loss.detach()) != float(regularized.loss.detach()), "the regularizer changed nothing"
+        assert f"reg/{row['name']}/value" in regularized.metrics
 
 
 def registered_presets(before):
@@ -178,7 +178,7 @@ EFFECTS: dict[str, Callable[[Before], None]] = {
     "lossplug_register_advantages": registered_advantages,
     "lossplug_register_gates": registered_gates,
     "lossplug_register_reductions": registered_reductions,
-    "lossplug_register_regularisers": registered_regularisers,
+    "lossplug_register_regularizers": registered_regularizers,
     "lossplug_register_presets": registered_presets,
     "lossplug_validate_batch": validator_refuses_a_bad_batch,
     "lossplug_extra_metrics": metrics_appear,

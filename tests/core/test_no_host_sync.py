@@ -129,9 +129,9 @@ def test_gate_parameters_make_no_host_sync(spec, metrics):
         assert all(v.device.type == DEVICE for v in result.metric_tensors.values())
 
 
-#: every built-in regulariser with parameter sets that take each code path (estimators, ratio weights, adaptive
+#: every built-in regularizer with parameter sets that take each code path (estimators, ratio weights, adaptive
 #: controller, own reduction, micro-batch population)
-REGULARISER_SPECS = [
+REGULARIZER_SPECS = [
     *({"name": "kl", "estimator": e} for e in ("k1", "abs", "k2", "k3", "k3+")),
     {"name": "kl", "estimator": "k3", "clamp": False, "ratio_weight": "token"},
     {"name": "kl", "estimator": "low_var_kl", "ratio_weight": "sequence", "reduction": "response"},
@@ -146,9 +146,9 @@ REGULARISER_SPECS = [
 
 
 @pytest.mark.parametrize("metrics", ["off", "basic", "full"])
-@pytest.mark.parametrize("spec", REGULARISER_SPECS, ids=lambda s: "-".join(str(v) for v in s.values()))
-def test_regularisers_make_no_host_sync(spec, metrics):
-    rec = lossplug.Recipe.model_validate({"gates": ["ppo_clip"], "reduction": "token", "regularisers": [spec]})
+@pytest.mark.parametrize("spec", REGULARIZER_SPECS, ids=lambda s: "-".join(str(v) for v in s.values()))
+def test_regularizers_make_no_host_sync(spec, metrics):
+    rec = lossplug.Recipe.model_validate({"gates": ["ppo_clip"], "reduction": "token", "regularizers": [spec]})
     for normalizer in (None, lossplug.Normalizer(action_tokens=20, sequences=B, budget=16.0)):
         batch, logp = meta_batch(True)
         result = lossplug.policy_loss(batch, rec, normalizer, validate="off", metrics=metrics)
@@ -159,8 +159,8 @@ def test_regularisers_make_no_host_sync(spec, metrics):
         assert controller._window is not None and controller._window.device.type == DEVICE
 
 
-def test_every_builtin_regulariser_is_covered():
-    assert set(builtin("regulariser")) <= {s["name"] for s in REGULARISER_SPECS}
+def test_every_builtin_regularizer_is_covered():
+    assert set(builtin("regularizer")) <= {s["name"] for s in REGULARIZER_SPECS}
 
 
 def test_trainer_weights_make_no_host_sync():

@@ -211,7 +211,7 @@ def test_the_kit_sees_which_micro_batch_populations_stay_additive():
     assert not check_plugin("token", kind="reduction", params=local, checks=["microbatch_split"]).ok
 
 
-def test_a_regulariser_reduces_over_the_micro_batch_when_its_reduction_says_so():
+def test_a_regularizer_reduces_over_the_micro_batch_when_its_reduction_says_so():
     logp = torch.tensor([[-0.5, -1.0, -0.2], [-0.3, -0.7, -0.9]], dtype=torch.float64)
     ref = logp - 0.25
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
@@ -223,7 +223,7 @@ def test_a_regulariser_reduces_over_the_micro_batch_when_its_reduction_says_so()
         {"name": "kl", "coef": 1.0, "estimator": "k1", "reduction": "token", "population": "micro_batch"},
         {"name": "kl", "coef": 1.0, "estimator": "k1", "reduction": "token"},
     ):
-        recipe = Recipe.load({"gates": "reinforce", "reduction": "token", "regularisers": [reg]})
+        recipe = Recipe.load({"gates": "reinforce", "reduction": "token", "regularizers": [reg]})
         values[len(values)] = policy_loss(batch, recipe, norm).loss.item()
     assert values[0] == pytest.approx(0.25 / 4) and values[1] == pytest.approx(0.25 / 4)
     assert values[2] == pytest.approx(0.25 * 5 / 50)

@@ -298,9 +298,9 @@ def lossplug_register_gates(register):
 @pytest.mark.parametrize(
     "recipe,message",
     [
-        ({"gates": ["kl"], "reduction": "token"}, r"'kl' is a regulariser plugin: it belongs under regularisers"),
+        ({"gates": ["kl"], "reduction": "token"}, r"'kl' is a regularizer plugin: it belongs under regularizers"),
         (
-            {"gates": ["ppo_clip"], "regularisers": ["tis"], "reduction": "token"},
+            {"gates": ["ppo_clip"], "regularizers": ["tis"], "reduction": "token"},
             r"'tis' is a gate plugin: it belongs under gates",
         ),
         ({"gates": ["ppo_clip"], "reduction": "grpo"}, r"'grpo' is an advantage plugin: it belongs under advantage"),

@@ -28,7 +28,7 @@ def section(markdown: str, name: str) -> str:
 
 
 def test_there_are_builtins_of_every_kind():
-    assert {kind for kind, _, _ in builtins()} == {"advantage", "gate", "reduction", "regulariser"}
+    assert {kind for kind, _, _ in builtins()} == {"advantage", "gate", "reduction", "regularizer"}
 
 
 def test_every_builtin_has_a_formula_parameter_descriptions_and_a_citation():

@@ -17,7 +17,7 @@ import lossplug
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "field.md"
 FRAMEWORKS = ("SkyRL", "AReaL", "prime-rl", "ROLL", "NeMo-RL", "slime", "rLLM", "OpenRLHF")
-STAGES = ("advantage", "gates", "reduction", "regularisers")
+STAGES = ("advantage", "gates", "reduction", "regularizers")
 TRAINER = "needs the trainer's cooperation: "
 GAP = "no plugin yet: "
 STATUS = re.compile(r"^(covered|trainer|gap|new: `(?P<plugin>[a-z0-9_]+)`)$")
@@ -120,8 +120,8 @@ def plugin_names(recipe: lossplug.Recipe, stages: tuple[str, ...] = STAGES) -> s
     names: set[str] = set()
     if "gates" in stages:
         names |= {gate.name for gate in recipe.gates}
-    if "regularisers" in stages:
-        names |= {reg.name for reg in recipe.regularisers}
+    if "regularizers" in stages:
+        names |= {reg.name for reg in recipe.regularizers}
     if "reduction" in stages and recipe.reduction:
         names.add(recipe.reduction.name)
     if "advantage" in stages and recipe.advantage:

@@ -19,7 +19,7 @@ conventions:
   ``(global_batch_info, normaliser, dp_size)`` they used, and the test checks in its own process that
   ``lossplug.adapters.verl.verl_normalizer`` returns exactly those.
 
-Every (convention, reduction) runs twice: the policy loss alone, and with regularisers — a KL to a reference
+Every (convention, reduction) runs twice: the policy loss alone, and with regularizers — a KL to a reference
 (``low_var_kl``) and an entropy bonus whose gradient flows through the policy's entropy — each term reduced over the
 step's population like the policy term (``population: step``), so they too must be exact under data parallelism and
 accumulation.
@@ -56,7 +56,7 @@ T, D, V = 6, 5, 11
 DT = torch.float64
 
 
-REGULARISERS = [
+REGULARIZERS = [
     {"name": "kl", "coef": 0.3, "estimator": "low_var_kl"},
     {"name": "entropy", "coef": 0.05},
 ]
@@ -103,17 +103,17 @@ def micro_batches() -> list[list[dict]]:
     return out
 
 
-def recipe(reduction: str, *, budget: bool, regularised: bool = False) -> Recipe:
+def recipe(reduction: str, *, budget: bool, regularized: bool = False) -> Recipe:
     red = {"name": "fixed", "budget": BUDGET} if reduction == "fixed" and budget else reduction
     spec = {"gates": [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.28}], "reduction": red}
-    if regularised:
-        spec["regularisers"] = REGULARISERS
+    if regularized:
+        spec["regularizers"] = REGULARIZERS
     return Recipe.model_validate(spec)
 
 
-def batch(model, mb: dict, regularised: bool = False) -> PolicyBatch:
+def batch(model, mb: dict, regularized: bool = False) -> PolicyBatch:
     logp, entropy = model(mb["x"], mb["tokens"])
-    extra = dict(ref_logp=mb["ref"], entropy=entropy) if regularised else {}
+    extra = dict(ref_logp=mb["ref"], entropy=entropy) if regularized else {}
     return PolicyBatch(logp=logp, old_logp=mb["old"], action_mask=mb["mask"], advantage=mb["adv"], **extra)
 
 
@@ -121,13 +121,13 @@ def grads(model) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
-def reference(data, reduction: str, regularised: bool = False) -> torch.Tensor:
+def reference(data, reduction: str, regularized: bool = False) -> torch.Tensor:
     """Single process, the whole step as one batch, no normaliser: the definition of the reduction."""
     model = TinyPolicy()
     mbs = [mb for mine in data for mb in mine]
     full = {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0]}
-    rec = recipe(reduction, budget=True, regularised=regularised)
-    lossplug.policy_loss(batch(model, full, regularised), rec).loss.backward()
+    rec = recipe(reduction, budget=True, regularized=regularized)
+    lossplug.policy_loss(batch(model, full, regularized), rec).loss.backward()
     return grads(model)
 
 
@@ -155,12 +155,12 @@ def verl_normalizer(info: dict, mask: torch.Tensor) -> tuple[Normalizer, int]:
 
 
 def train_step(
-    convention: str, reduction: str, mine: list[dict], world: int, regularised: bool = False
+    convention: str, reduction: str, mine: list[dict], world: int, regularized: bool = False
 ) -> torch.Tensor:
     model = TinyPolicy()
     ddp = DDP(model)
     # 'fixed' takes its budget from the normaliser, as in both trainers
-    rec = recipe(reduction, budget=False, regularised=regularised)
+    rec = recipe(reduction, budget=False, regularized=regularized)
     local = Normalizer.for_masks([mb["mask"] for mb in mine], budget=BUDGET)
     if convention == "trl":
         normalizer = Normalizer.all_reduce(local)
@@ -180,11 +180,11 @@ def train_step(
         with sync:
             if convention == "verl":
                 normalizer, scale = verl_normalizer(info, mb["mask"])
-            b = batch(ddp, mb, regularised)
+            b = batch(ddp, mb, regularized)
             loss = (
                 lossplug.policy_loss(
                     b,
-                    rec if normalizer is not None else recipe(reduction, budget=True, regularised=regularised),
+                    rec if normalizer is not None else recipe(reduction, budget=True, regularized=regularized),
                     normalizer,
                 ).loss
                 * scale
@@ -205,22 +205,22 @@ def main() -> None:
     data = micro_batches()
     mine = data[args.rank]
     result: dict = {"errors": {}, "cross_rank": {}, "naive_token_error": None}
-    for regularised in (False, True):
+    for regularized in (False, True):
         for convention in ("trl", "verl"):
             for reduction in REDUCTIONS:
-                g = train_step(convention, reduction, mine, args.world, regularised)
+                g = train_step(convention, reduction, mine, args.world, regularized)
                 gathered = [torch.empty_like(g) for _ in range(args.world)]
                 dist.all_gather(gathered, g)
                 if args.rank == 0:
-                    ref = reference(data, reduction, regularised)
-                    key = f"{convention}/{reduction}" + ("+regularisers" if regularised else "")
+                    ref = reference(data, reduction, regularized)
+                    key = f"{convention}/{reduction}" + ("+regularizers" if regularized else "")
                     result["errors"][key] = float((g - ref).abs().max())
                     result["cross_rank"][key] = float(max((x - g).abs().max() for x in gathered))
-                    ref_key = reduction + ("+regularisers" if regularised else "")
+                    ref_key = reduction + ("+regularizers" if regularized else "")
                     result.setdefault("ref_norm", {})[ref_key] = float(ref.norm())
-                    if regularised:  # the regularisers must move the gradient, or the variant tests nothing
+                    if regularized:  # the regularizers must move the gradient, or the variant tests nothing
                         plain = reference(data, reduction)
-                        result.setdefault("regulariser_share", {})[reduction] = float((ref - plain).norm())
+                        result.setdefault("regularizer_share", {})[reduction] = float((ref - plain).norm())
     g = train_step("naive", "token", mine, args.world)
     if args.rank == 0:
         result["naive_token_error"] = float((g - reference(data, "token")).abs().max())

@@ -170,27 +170,27 @@ def _list_adv(batch, p):
     return [0.0] * batch.batch_size
 
 
-@lossplug.regulariser("lpx_raising_regulariser")
-def _raising_regulariser(inp, p):
-    """A regulariser with a bug."""
-    raise ZeroDivisionError("division by zero in my regulariser")
+@lossplug.regularizer("lpx_raising_regularizer")
+def _raising_regularizer(inp, p):
+    """A regularizer with a bug."""
+    raise ZeroDivisionError("division by zero in my regularizer")
 
 
-@lossplug.regulariser("lpx_shapeless_regulariser")
-def _shapeless_regulariser(inp, p):
-    """A regulariser that returns a per-response term where a per-token one is due."""
+@lossplug.regularizer("lpx_shapeless_regularizer")
+def _shapeless_regularizer(inp, p):
+    """A regularizer that returns a per-response term where a per-token one is due."""
     return inp.logp.sum(-1)
 
 
-@lossplug.regulariser("lpx_list_regulariser")
-def _list_regulariser(inp, p):
-    """A regulariser that returns a list."""
+@lossplug.regularizer("lpx_list_regularizer")
+def _list_regularizer(inp, p):
+    """A regularizer that returns a list."""
     return [0.0]
 
 
-@lossplug.regulariser("lpx_nan_regulariser")
-def _nan_regulariser(inp, p):
-    """A regulariser whose term is NaN on the actions."""
+@lossplug.regularizer("lpx_nan_regularizer")
+def _nan_regularizer(inp, p):
+    """A regularizer whose term is NaN on the actions."""
     return inp.logp * NAN
 
 
@@ -223,9 +223,9 @@ class _Registers:
                 register(p)
 
     @lossplug.hookimpl
-    def lossplug_register_regularisers(self, register):
+    def lossplug_register_regularizers(self, register):
         for p in self.plugins:
-            if p.kind == "regulariser":
+            if p.kind == "regularizer":
                 register(p)
 
 
@@ -573,7 +573,7 @@ CASES: list[Case] = [
         ("value", "recipe.advantage (gae)", "has none"),
         BatchValidationError,
     ),
-    # -- the optional fields of the newer plugins (entropy-aware gates, regularisers, verl/TRL estimators) ---------
+    # -- the optional fields of the newer plugins (entropy-aware gates, regularizers, verl/TRL estimators) ---------
     C(
         "top_entropy without entropies",
         lambda: policy_loss(batch(), recipe(gates=["ppo_clip", "top_entropy"])),
@@ -582,14 +582,14 @@ CASES: list[Case] = [
     ),
     C(
         "an entropy bonus without entropies",
-        lambda: policy_loss(batch(), recipe(regularisers=[{"name": "entropy", "coef": 0.01}])),
-        ("entropy", "recipe.regularisers[0] (entropy)", "has none"),
+        lambda: policy_loss(batch(), recipe(regularizers=[{"name": "entropy", "coef": 0.01}])),
+        ("entropy", "recipe.regularizers[0] (entropy)", "has none"),
         BatchValidationError,
     ),
     C(
-        "a KL regulariser without reference log-probs",
-        lambda: policy_loss(batch(), recipe(regularisers=[{"name": "kl", "coef": 0.1}])),
-        ("ref_logp", "recipe.regularisers[0] (kl", "has none"),
+        "a KL regularizer without reference log-probs",
+        lambda: policy_loss(batch(), recipe(regularizers=[{"name": "kl", "coef": 0.1}])),
+        ("ref_logp", "recipe.regularizers[0] (kl", "has none"),
         BatchValidationError,
     ),
     C(
@@ -672,43 +672,43 @@ CASES: list[Case] = [
         ("reward_baseline", "must be finite", "row [1]"),
         BatchValidationError,
     ),
-    # -- regulariser stages -------------------------------------------------------------------------------------------
+    # -- regularizer stages -------------------------------------------------------------------------------------------
     C(
-        "an unknown regulariser",
-        lambda: Recipe.model_validate(recipe(regularisers=[{"name": "kll"}])),
-        ("recipe.regularisers[0]", "unknown regulariser plugin 'kll'", "did you mean 'kl'"),
+        "an unknown regularizer",
+        lambda: Recipe.model_validate(recipe(regularizers=[{"name": "kll"}])),
+        ("recipe.regularizers[0]", "unknown regularizer plugin 'kll'", "did you mean 'kl'"),
         RecipeError,
     ),
     C(
-        "a gate in the regulariser stage",
-        lambda: Recipe.model_validate(recipe(regularisers=["tis"])),
-        ("recipe.regularisers[0]", "unknown regulariser plugin 'tis'", "available: entropy, kl"),
+        "a gate in the regularizer stage",
+        lambda: Recipe.model_validate(recipe(regularizers=["tis"])),
+        ("recipe.regularizers[0]", "unknown regularizer plugin 'tis'", "available: entropy, kl"),
         RecipeError,
     ),
     C(
         "an unknown KL estimator",
-        lambda: Recipe.model_validate(recipe(regularisers=[{"name": "kl", "estimator": "k4"}])),
-        ("recipe.regularisers[0] (kl)", "parameter 'estimator'", "'low_var_kl'", "'k4'"),
+        lambda: Recipe.model_validate(recipe(regularizers=[{"name": "kl", "estimator": "k4"}])),
+        ("recipe.regularizers[0] (kl)", "parameter 'estimator'", "'low_var_kl'", "'k4'"),
         RecipeError,
     ),
     C(
-        "a NaN regulariser coefficient",
-        lambda: Recipe.model_validate(recipe(regularisers=[{"name": "kl", "coef": NAN}])),
-        ("recipe.regularisers[0] (kl)", "parameter 'coef'", "finite"),
+        "a NaN regularizer coefficient",
+        lambda: Recipe.model_validate(recipe(regularizers=[{"name": "kl", "coef": NAN}])),
+        ("recipe.regularizers[0] (kl)", "parameter 'coef'", "finite"),
         RecipeError,
     ),
     C(
-        "a regulariser's unknown reduction",
-        lambda: Recipe.model_validate(recipe(regularisers=[{"name": "kl", "reduction": "tokn"}])),
-        ("recipe.regularisers[0].reduction", "unknown reduction plugin 'tokn'", "did you mean 'token'"),
+        "a regularizer's unknown reduction",
+        lambda: Recipe.model_validate(recipe(regularizers=[{"name": "kl", "reduction": "tokn"}])),
+        ("recipe.regularizers[0].reduction", "unknown reduction plugin 'tokn'", "did you mean 'token'"),
         RecipeError,
     ),
     C(
         "adaptive entropy bounds crossed",
         lambda: Recipe.model_validate(
-            recipe(regularisers=[{"name": "entropy", "adaptive": True, "coef_min": 2, "coef_max": 1}])
+            recipe(regularizers=[{"name": "entropy", "adaptive": True, "coef_min": 2, "coef_max": 1}])
         ),
-        ("recipe.regularisers[0] (entropy)", "coef_min (2.0) must be <= coef_max (1.0)"),
+        ("recipe.regularizers[0] (entropy)", "coef_min (2.0) must be <= coef_max (1.0)"),
         RecipeError,
     ),
     C(
@@ -1017,54 +1017,54 @@ CASES: list[Case] = [
         PluginError,
     ),
     C(
-        "a regulariser that raises",
+        "a regularizer that raises",
         with_plugin(
-            _Registers(_raising_regulariser),
+            _Registers(_raising_regularizer),
             "buggy-reg",
-            lambda: policy_loss(batch(), recipe(regularisers=[{"name": "lpx_raising_regulariser", "coef": 0.1}])),
+            lambda: policy_loss(batch(), recipe(regularizers=[{"name": "lpx_raising_regularizer", "coef": 0.1}])),
         ),
         (
-            "recipe.regularisers[0] (lpx_raising_regulariser",
+            "recipe.regularizers[0] (lpx_raising_regularizer",
             "in-process plugin 'buggy-reg'",
             "raised ZeroDivisionError",
-            "division by zero in my regulariser",
+            "division by zero in my regularizer",
         ),
         PluginError,
     ),
     C(
-        "a regulariser with a per-response term",
+        "a regularizer with a per-response term",
         with_plugin(
-            _Registers(_shapeless_regulariser),
+            _Registers(_shapeless_regularizer),
             "buggy-reg",
-            lambda: policy_loss(batch(), recipe(regularisers=["lpx_shapeless_regulariser"])),
+            lambda: policy_loss(batch(), recipe(regularizers=["lpx_shapeless_regularizer"])),
         ),
-        ("recipe.regularisers[0] (lpx_shapeless_regulariser", "term", "shape [2, 3]", "got shape [2]"),
+        ("recipe.regularizers[0] (lpx_shapeless_regularizer", "term", "shape [2, 3]", "got shape [2]"),
         PluginError,
     ),
     C(
-        "a regulariser that returns a list",
+        "a regularizer that returns a list",
         with_plugin(
-            _Registers(_list_regulariser),
+            _Registers(_list_regularizer),
             "buggy-reg",
-            lambda: policy_loss(batch(), recipe(regularisers=["lpx_list_regulariser"])),
+            lambda: policy_loss(batch(), recipe(regularizers=["lpx_list_regularizer"])),
         ),
-        ("recipe.regularisers[0] (lpx_list_regulariser", "RegulariserOutput or a [B, T] tensor", "got list"),
+        ("recipe.regularizers[0] (lpx_list_regularizer", "RegularizerOutput or a [B, T] tensor", "got list"),
         PluginError,
     ),
     C(
-        "a regulariser whose term is NaN on the actions",
+        "a regularizer whose term is NaN on the actions",
         with_plugin(
-            _Registers(_nan_regulariser),
+            _Registers(_nan_regularizer),
             "buggy-reg",
-            lambda: policy_loss(batch(), recipe(regularisers=["lpx_nan_regulariser"])),
+            lambda: policy_loss(batch(), recipe(regularizers=["lpx_nan_regularizer"])),
         ),
-        ("recipe.regularisers[0] (lpx_nan_regulariser", "not finite on action positions", "(row 0, pos 0)"),
+        ("recipe.regularizers[0] (lpx_nan_regularizer", "not finite on action positions", "(row 0, pos 0)"),
         PluginError,
     ),
     C(
-        "regulariser parameters that are not RegulariserParams",
-        lambda: lossplug.regulariser("lpx_plain_params", params=lossplug.Params),
-        ("regulariser 'lpx_plain_params'", "must subclass lossplug.RegulariserParams"),
+        "regularizer parameters that are not RegularizerParams",
+        lambda: lossplug.regularizer("lpx_plain_params", params=lossplug.Params),
+        ("regularizer 'lpx_plain_params'", "must subclass lossplug.RegularizerParams"),
     ),
     C(
         "a reduction that raises",
@@ -1439,7 +1439,7 @@ FUZZ_RECIPES = [
         {
             "gates": ["ppo_clip", {"name": "top_entropy", "quantile": 0.2}],
             "reduction": "token",
-            "regularisers": [{"name": "kl", "coef": 0.1, "estimator": "k3"}, {"name": "entropy", "coef": 0.01}],
+            "regularizers": [{"name": "kl", "coef": 0.1, "estimator": "k3"}, {"name": "entropy", "coef": 0.01}],
         }
     ),
     Recipe.model_validate({"advantage": "gdpo", "gates": ["ppo_clip"], "reduction": "token"}),
@@ -1519,7 +1519,7 @@ def test_the_validate_command_names_the_newer_plugins_missing_and_bad_fields(tmp
         "advantage: gdpo\n"
         "gates: [ppo_clip, {name: top_entropy, quantile: 0.2}]\n"
         "reduction: token\n"
-        "regularisers: [{name: entropy, coef: 0.01}]\n"
+        "regularizers: [{name: entropy, coef: 0.01}]\n"
     )
     base = {
         "logp": torch.full((4, T), -1.0),
@@ -1540,7 +1540,7 @@ def test_the_validate_command_names_the_newer_plugins_missing_and_bad_fields(tmp
     }
     runner = CliRunner()
     for name, tensors, code, fragments in (
-        ("missing", base, 1, ("entropy", "top_entropy", "regularisers[0]", "reward_components", "gdpo")),
+        ("missing", base, 1, ("entropy", "top_entropy", "regularizers[0]", "reward_components", "gdpo")),
         ("complete", complete, 0, ()),
         ("bad", bad, 1, ("sum_pi_squared", "must be in [0, 1]", "row 2, pos 1")),
     ):

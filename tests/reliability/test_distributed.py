@@ -1,6 +1,6 @@
 """Distributed exactness: 2 processes (gloo, CPU) × gradient accumulation 2 give, for every reduction, the gradient of
 the single-process full-batch loss — under TRL's convention and under verl's (see ``_dist_worker.py``), for the policy
-loss alone and with a KL and an entropy regulariser (``population: step``).
+loss alone and with a KL and an entropy regularizer (``population: step``).
 
 This is the bug every peer framework has shipped ("token mean" becoming a mean of per-micro-batch means under data
 parallelism and accumulation). A negative control checks that the naive per-micro-batch normalisation is caught.
@@ -78,15 +78,15 @@ def run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("regularised", [False, True], ids=["policy", "regularisers"])
+@pytest.mark.parametrize("regularized", [False, True], ids=["policy", "regularizers"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("convention", ["trl", "verl"])
-def test_two_ranks_with_accumulation_match_the_full_batch_gradient(run, convention, reduction, regularised):
-    suffix = "+regularisers" if regularised else ""
+def test_two_ranks_with_accumulation_match_the_full_batch_gradient(run, convention, reduction, regularized):
+    suffix = "+regularizers" if regularized else ""
     key = f"{convention}/{reduction}{suffix}"
     assert run["ref_norm"][reduction + suffix] > 1e-3  # a meaningful gradient
-    if regularised:  # the regularisers change the gradient: the variant checks their terms, not the policy's again
-        assert run["regulariser_share"][reduction] > 1e-3
+    if regularized:  # the regularizers change the gradient: the variant checks their terms, not the policy's again
+        assert run["regularizer_share"][reduction] > 1e-3
     assert run["errors"][key] <= TOLERANCE, f"{key}: max |Δgrad| = {run['errors'][key]:.3g}"
     assert run["cross_rank"][key] == 0.0, f"{key}: the ranks disagree after DDP averaging"
 
@@ -109,7 +109,7 @@ def test_the_verl_adapter_builds_exactly_the_normalisers_proven_exact(run):
     calls = run["verl_calls"]
     assert (
         len(calls) == len(REDUCTIONS) * 2 * 2
-    )  # every micro-batch of rank 0, every reduction, with and without regularisers
+    )  # every micro-batch of rank 0, every reduction, with and without regularizers
     for call in calls:
         normalizer, dp_size = verl_normalizer(call["info"], torch.tensor(call["mask"]))
         assert normalizer.model_dump() == call["normalizer"]

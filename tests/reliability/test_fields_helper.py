@@ -34,8 +34,8 @@ def _recipes() -> list[Any]:
                 }
             elif kind == "advantage":
                 spec = {"advantage": name, "gates": ["reinforce"], "reduction": "token"}
-            elif kind == "regulariser":
-                spec = {"gates": ["reinforce"], "reduction": "token", "regularisers": [{"name": name, "coef": 0.1}]}
+            elif kind == "regularizer":
+                spec = {"gates": ["reinforce"], "reduction": "token", "regularizers": [{"name": name, "coef": 0.1}]}
             else:
                 continue
             out.append(pytest.param(spec, id=f"{kind}:{name}"))

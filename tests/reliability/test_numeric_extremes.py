@@ -1,5 +1,5 @@
 """Numeric extremes: no inf or NaN in the loss or the gradient, for every registered gate × every reduction, every
-regulariser × every reduction and every advantage estimator; ratios in log space; bitwise determinism on CPU.
+regularizer × every reduction and every advantage estimator; ratios in log space; bitwise determinism on CPU.
 
 The plugin lists are read from the registry at collection time, so plugins added later are covered automatically.
 Each batch is completed with the optional fields the recipe under test declares (``_fields.complete_fields``:
@@ -34,7 +34,7 @@ _REG = lossplug.registry()
 UPDATE_GATES = sorted(n for n, g in _REG.plugins["gate"].items() if g.role == "update")
 REDUCTIONS = sorted(_REG.plugins["reduction"])
 ADVANTAGES = sorted(_REG.plugins["advantage"])
-REGULARISERS = sorted(_REG.plugins["regulariser"])
+REGULARIZERS = sorted(_REG.plugins["regularizer"])
 BUDGET = 8
 
 #: corrections whose defaults leave them inert, also run with parameters that make them act
@@ -60,12 +60,12 @@ def stage_id(stage: str | dict[str, Any] | None) -> str:
     return f"{stage['name']}({params})" if params else str(stage["name"])
 
 
-def regulariser_stages() -> list[dict[str, Any]]:
-    """Every registered regulariser with a non-zero coefficient (a zero one — the entropy bonus's default — would
+def regularizer_stages() -> list[dict[str, Any]]:
+    """Every registered regularizer with a non-zero coefficient (a zero one — the entropy bonus's default — would
     test nothing): its defaults, then every choice of each of its choice / on-off parameters, one at a time."""
     stages: list[dict[str, Any]] = []
-    for name in REGULARISERS:
-        model = _REG.plugins["regulariser"][name].params
+    for name in REGULARIZERS:
+        model = _REG.plugins["regularizer"][name].params
         stages.append({"name": name, "coef": 0.1})
         for field_name, info in model.model_fields.items():
             if typing.get_origin(info.annotation) is typing.Literal:
@@ -78,34 +78,34 @@ def regulariser_stages() -> list[dict[str, Any]]:
     return stages
 
 
-#: regulariser parameters that make a stage act where its generated variants leave it inert
-ACTIVE_REGULARISER_PARAMS: dict[str, list[dict[str, Any]]] = {
+#: regularizer parameters that make a stage act where its generated variants leave it inert
+ACTIVE_REGULARIZER_PARAMS: dict[str, list[dict[str, Any]]] = {
     # the adaptive bonus applies only once a step measured the entropy at or below target: a target above every
     # synthesised entropy (12 nats), after one warm-up step (_run_with_grads), makes it apply
     "entropy": [{"adaptive": True, "target": 100.0, "coef_delta": 0.05}],
 }
 
-REGULARISER_STAGES = regulariser_stages() + [
+REGULARIZER_STAGES = regularizer_stages() + [
     {"name": n, "coef": 0.1, **params}
-    for n in sorted(ACTIVE_REGULARISER_PARAMS)
-    if n in REGULARISERS
-    for params in ACTIVE_REGULARISER_PARAMS[n]
+    for n in sorted(ACTIVE_REGULARIZER_PARAMS)
+    if n in REGULARIZERS
+    for params in ACTIVE_REGULARIZER_PARAMS[n]
 ]
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 def make_recipe(
-    gates: list[Any], reduction: str, advantage: str | None = None, regularisers: list[dict[str, Any]] | None = None
+    gates: list[Any], reduction: str, advantage: str | None = None, regularizers: list[dict[str, Any]] | None = None
 ) -> Recipe:
     red = {"name": reduction, "budget": BUDGET} if reduction == "fixed" else reduction
     spec: dict[str, Any] = {"advantage": advantage, "gates": gates, "reduction": red}
-    if regularisers:
-        spec["regularisers"] = regularisers
+    if regularizers:
+        spec["regularizers"] = regularizers
     try:
         return Recipe.model_validate(spec)
     except RecipeError as err:  # every built-in must run with its defaults: the sweep exercises them generically
-        pytest.fail(f"{gates}/{regularisers}/{reduction}/{advantage} does not build from its defaults: {err}")
+        pytest.fail(f"{gates}/{regularizers}/{reduction}/{advantage} does not build from its defaults: {err}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -157,23 +157,23 @@ def scenarios(dtype: torch.dtype):
         yield "log-ratio ±100, NaN on padding", dict(log_ratio=100.0, adv=1.0, single_token=False, poison_padding=True)
 
 
-def _run_case(gates, reduction, dtype, regularisers=None, **kw):
-    result, grads = _run_with_grads(gates, reduction, dtype, regularisers, **kw)
+def _run_case(gates, reduction, dtype, regularizers=None, **kw):
+    result, grads = _run_with_grads(gates, reduction, dtype, regularizers, **kw)
     return result, grads["logp"]
 
 
-def _run_with_grads(gates, reduction, dtype, regularisers=None, **kw):
-    """The loss, and the gradient of every input that carries one: ``logp``, and ``entropy`` where a regulariser
+def _run_with_grads(gates, reduction, dtype, regularizers=None, **kw):
+    """The loss, and the gradient of every input that carries one: ``logp``, and ``entropy`` where a regularizer
     reads it (an entropy bonus's gradient flows through the batch's entropy). In float16, where overflow lurks,
     every metric is computed (``metrics="full"``); elsewhere the adapters' ``"basic"`` set, to keep the suite quick."""
-    recipe = make_recipe(gates, reduction, regularisers=regularisers)
+    recipe = make_recipe(gates, reduction, regularizers=regularizers)
     f = complete_fields(extreme_fields(dtype=dtype, **kw), recipe)
     adaptive = controllers(recipe)
     if adaptive:  # one warm-up optimizer step on the same batch, so an adaptive coefficient is in force
         lossplug.policy_loss(PolicyBatch(**{k: v.detach() for k, v in f.items()}), recipe, metrics=False)
         for controller in adaptive.values():
             controller.step()
-    if regularisers and f.get("entropy") is not None:
+    if regularizers and f.get("entropy") is not None:
         f["entropy"] = f["entropy"].detach().requires_grad_()
     result = lossplug.policy_loss(PolicyBatch(**f), recipe, metrics="full" if dtype == torch.float16 else "basic")
     result.loss.backward()
@@ -204,15 +204,15 @@ def test_no_inf_or_nan_in_loss_or_gradient(gate, reduction):
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("regulariser", REGULARISER_STAGES, ids=stage_id)
-def test_no_inf_or_nan_in_regularised_loss_or_gradient(regulariser, reduction):
-    # the regulariser next to the plainest update gate, at every extreme: the log-ratio to the reference is ±100
+@pytest.mark.parametrize("regularizer", REGULARIZER_STAGES, ids=stage_id)
+def test_no_inf_or_nan_in_regularized_loss_or_gradient(regularizer, reduction):
+    # the regularizer next to the plainest update gate, at every extreme: the log-ratio to the reference is ±100
     # where the update log-ratio is, and the entropies span 0 to 12 nats
     failures = []
     for dtype in DTYPES:
         for name, kw in scenarios(dtype):
-            result, grads = _run_with_grads(["reinforce"], reduction, dtype, [regulariser], **kw)
-            where = f"{stage_id(regulariser)} · {reduction} · {dtype} · {name}"
+            result, grads = _run_with_grads(["reinforce"], reduction, dtype, [regularizer], **kw)
+            where = f"{stage_id(regularizer)} · {reduction} · {dtype} · {name}"
             if not torch.isfinite(result.loss).all():
                 failures.append(f"{where}: loss {result.loss.item()}")
             for field_name, grad in grads.items():
@@ -262,9 +262,9 @@ def test_ratios_are_computed_in_log_space(gate, correction):
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("regulariser", REGULARISER_STAGES, ids=stage_id)
-def test_regularisers_read_log_ratios_in_log_space(regulariser):
-    recipe = make_recipe(["reinforce"], "token", regularisers=[regulariser])
+@pytest.mark.parametrize("regularizer", REGULARIZER_STAGES, ids=stage_id)
+def test_regularizers_read_log_ratios_in_log_space(regularizer):
+    recipe = make_recipe(["reinforce"], "token", regularizers=[regularizer])
     grads = []
     for shift in (0.0, -1000.0):
         f = extreme_fields(log_ratio=0.15, adv=1.0, single_token=False, dtype=torch.float64)
@@ -422,12 +422,12 @@ def test_the_by_design_tables_name_registered_plugins():
     # a renamed or removed plugin must not leave a stale exemption behind
     assert set(NOT_EXACTLY_ZERO_BY_DESIGN) <= set(ZERO_SIGNAL_ADVANTAGES)
     assert set(ACTIVE_CORRECTION_PARAMS) <= set(_REG.plugins["gate"])
-    assert set(ACTIVE_REGULARISER_PARAMS) <= set(REGULARISERS)
+    assert set(ACTIVE_REGULARIZER_PARAMS) <= set(REGULARIZERS)
 
 
 def test_the_adaptive_entropy_bonus_is_in_force_in_the_extreme_runs():
     # the warm-up step must leave a non-zero coefficient, or the adaptive stage's extreme runs test nothing
-    stage = next(s for s in REGULARISER_STAGES if s.get("adaptive") and "target" in s)
+    stage = next(s for s in REGULARIZER_STAGES if s.get("adaptive") and "target" in s)
     result, grads = _run_with_grads(
         ["reinforce"], "token", torch.float32, [stage], log_ratio=0.3, adv=1.0, single_token=False
     )
@@ -466,15 +466,15 @@ def test_loss_and_gradient_are_bitwise_deterministic(reduction):
             assert torch.equal(r1.loss, r2.loss), gates
             assert torch.equal(g1, g2), gates
             assert r1.metrics == r2.metrics, gates
-    for regulariser in REGULARISER_STAGES:
+    for regularizer in REGULARIZER_STAGES:
         runs = [
             _run_with_grads(
-                ["ppo_clip"], reduction, torch.float32, [regulariser], log_ratio=0.3, adv=1.3, single_token=False
+                ["ppo_clip"], reduction, torch.float32, [regularizer], log_ratio=0.3, adv=1.3, single_token=False
             )
             for _ in range(2)
         ]
         (r1, g1), (r2, g2) = runs
-        where = stage_id(regulariser)
+        where = stage_id(regularizer)
         assert torch.equal(r1.loss, r2.loss), where
         assert g1.keys() == g2.keys() and all(torch.equal(g1[k], g2[k]) for k in g1), where
         assert r1.metrics == r2.metrics, where

@@ -39,33 +39,33 @@ def lossplug_register_gates(register):
     register(g)
 """
 
-REGULARISER = """
+REGULARIZER = """
 import lossplug
 
 
-@lossplug.regulariser("{name}")
+@lossplug.regularizer("{name}")
 def r(inp, p):
     \"\"\"(logp − old_logp)².\"\"\"
     return (inp.logp - inp.old_logp).square()
 
 
 @lossplug.hookimpl
-def lossplug_register_regularisers(register):
+def lossplug_register_regularizers(register):
     register(r)
 """
 
-RAISING_REGULARISER = """
+RAISING_REGULARIZER = """
 import lossplug
 
 
-@lossplug.regulariser("{name}")
+@lossplug.regularizer("{name}")
 def r(inp, p):
-    \"\"\"A regulariser with a bug.\"\"\"
+    \"\"\"A regularizer with a bug.\"\"\"
     raise RuntimeError("reference model not loaded")
 
 
 @lossplug.hookimpl
-def lossplug_register_regularisers(register):
+def lossplug_register_regularizers(register):
     register(r)
 """
 
@@ -175,31 +175,31 @@ def test_a_broken_distribution_does_not_take_down_a_working_one(site):
     assert any("lpy-broken" in str(b) for b in lossplug.registry().broken)
 
 
-def regularised(name: str) -> dict:
-    return {"gates": ["ppo_clip"], "reduction": "token", "regularisers": [{"name": name, "coef": 0.1}]}
+def regularized(name: str) -> dict:
+    return {"gates": ["ppo_clip"], "reduction": "token", "regularizers": [{"name": name, "coef": 0.1}]}
 
 
-def test_a_third_party_regulariser_that_raises_is_named_and_the_allow_list_leaves_it_out(site, monkeypatch):
-    # the fourth plugin kind is isolated like the others: a regulariser's bug names its distribution, and leaving
-    # that distribution out keeps a working regulariser distribution and the built-in regularisers running
-    site.add("lpy-bad-reg", "lpy_bad_reg", RAISING_REGULARISER.format(name="lpy_bad_reg"))
-    site.add("lpy-reg", "lpy_reg", REGULARISER.format(name="lpy_reg"))
+def test_a_third_party_regularizer_that_raises_is_named_and_the_allow_list_leaves_it_out(site, monkeypatch):
+    # the fourth plugin kind is isolated like the others: a regularizer's bug names its distribution, and leaving
+    # that distribution out keeps a working regularizer distribution and the built-in regularizers running
+    site.add("lpy-bad-reg", "lpy_bad_reg", RAISING_REGULARIZER.format(name="lpy_bad_reg"))
+    site.add("lpy-reg", "lpy_reg", REGULARIZER.format(name="lpy_reg"))
     rebuild()
-    assert {"lpy_bad_reg", "lpy_reg"} <= set(lossplug.registry().plugins["regulariser"])
+    assert {"lpy_bad_reg", "lpy_reg"} <= set(lossplug.registry().plugins["regularizer"])
     with pytest.raises(
         PluginError,
-        match=r"recipe\.regularisers\[0\] \(lpy_bad_reg, from entry point 'lpy_bad_reg = lpy_bad_reg' of "
+        match=r"recipe\.regularizers\[0\] \(lpy_bad_reg, from entry point 'lpy_bad_reg = lpy_bad_reg' of "
         r"distribution 'lpy-bad-reg 0\.1'\) raised RuntimeError: reference model not loaded",
     ):
-        lossplug.policy_loss(batch(), regularised("lpy_bad_reg"))
-    assert torch.isfinite(lossplug.policy_loss(batch(), regularised("lpy_reg")).loss)
+        lossplug.policy_loss(batch(), regularized("lpy_bad_reg"))
+    assert torch.isfinite(lossplug.policy_loss(batch(), regularized("lpy_reg")).loss)
     rebuild(monkeypatch, LOSSPLUG_PLUGINS="lpy-reg")
-    assert "lpy_bad_reg" not in lossplug.registry().plugins["regulariser"]
-    assert torch.isfinite(lossplug.policy_loss(batch(), regularised("lpy_reg")).loss)
+    assert "lpy_bad_reg" not in lossplug.registry().plugins["regularizer"]
+    assert torch.isfinite(lossplug.policy_loss(batch(), regularized("lpy_reg")).loss)
     ref = dict(batch().fields(), ref_logp=torch.full((2, 3), -1.2))
-    assert torch.isfinite(lossplug.policy_loss(PolicyBatch(**ref), regularised("kl")).loss)  # built-ins unaffected
-    with pytest.raises(RecipeError, match="unknown regulariser plugin 'lpy_bad_reg'"):
-        Recipe.model_validate(regularised("lpy_bad_reg"))
+    assert torch.isfinite(lossplug.policy_loss(PolicyBatch(**ref), regularized("kl")).loss)  # built-ins unaffected
+    with pytest.raises(RecipeError, match="unknown regularizer plugin 'lpy_bad_reg'"):
+        Recipe.model_validate(regularized("lpy_bad_reg"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

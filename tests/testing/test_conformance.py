@@ -82,8 +82,8 @@ def test_non_default_parameters_conform_too(name, params):
         ("entropy", {"coef": 0.01, "reduction": "token", "population": "micro_batch"}),  # TRL's bonus
     ],
 )
-def test_non_default_regulariser_parameters_conform_too(name, params):
-    assert_conforms(name, kind="regulariser", params=params)
+def test_non_default_regularizer_parameters_conform_too(name, params):
+    assert_conforms(name, kind="regularizer", params=params)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -199,28 +199,28 @@ def adjacent_groups(batch, p):
     return p.scale * (r - r.mean(-1, keepdim=True)).reshape(-1)
 
 
-@lossplug.regulariser("ref_gradient", requires=("ref_logp",))
+@lossplug.regularizer("ref_gradient", requires=("ref_logp",))
 def ref_gradient(inp, p):
     """(logp − ref)² from the raw batch: the gradient reaches ref_logp."""
-    return lossplug.RegulariserOutput(term=(inp.logp - inp.batch.ref_logp) ** 2)
+    return lossplug.RegularizerOutput(term=(inp.logp - inp.batch.ref_logp) ** 2)
 
 
-@lossplug.regulariser("per_response_term")
+@lossplug.regularizer("per_response_term")
 def per_response_term(inp, p):
     """One value per response, [B] instead of [B, T]."""
-    return lossplug.RegulariserOutput(term=inp.logp.sum(-1))
+    return lossplug.RegularizerOutput(term=inp.logp.sum(-1))
 
 
-@lossplug.regulariser("squared_coef")
+@lossplug.regularizer("squared_coef")
 def squared_coef(inp, p):
     """Applies its coefficient itself (coef · logp), so the loss gains coef² · reduce(logp)."""
-    return lossplug.RegulariserOutput(term=p.coef * inp.logp)
+    return lossplug.RegularizerOutput(term=p.coef * inp.logp)
 
 
-@lossplug.regulariser("graph_observation")
+@lossplug.regularizer("graph_observation")
 def graph_observation(inp, p):
     """−logp, observing Σ logp without detaching it."""
-    return lossplug.RegulariserOutput(term=-inp.logp, observation=inp.logp.sum().reshape(1))
+    return lossplug.RegularizerOutput(term=-inp.logp, observation=inp.logp.sum().reshape(1))
 
 
 BROKEN = [

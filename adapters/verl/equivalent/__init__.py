@@ -5,7 +5,7 @@
 * :mod:`.rollout_correction` — ``algorithm.rollout_correction`` → correction gates.
 
 This module composes them, adds what verl's ``ppo_loss`` adds around the policy loss (``loss_agg_mode`` → the
-reduction, ``entropy_coeff`` and ``use_kl_loss`` → regularisers) and returns one validated :class:`~lossplug.Recipe`.
+reduction, ``entropy_coeff`` and ``use_kl_loss`` → regularizers) and returns one validated :class:`~lossplug.Recipe`.
 
 Every function takes plain mappings (an ``OmegaConf`` node converted with ``to_container``, a dataclass converted
 field by field) and raises :class:`~lossplug.LossplugError` naming the setting for anything without an exact
@@ -27,7 +27,7 @@ __all__ = [
     "LOSS_AGG_REDUCTIONS",
     "as_plain",
     "verl_equivalent",
-    "verl_regularisers",
+    "verl_regularizers",
 ]
 
 #: verl 0.9.1's defaults for the actor settings the loss reads (``actor.yaml``): what an omitted key means to verl
@@ -65,7 +65,7 @@ LOSS_AGG_REDUCTIONS: dict[str, str] = {
     "seq-mean-token-sum-norm": "fixed",
 }
 
-#: verl's ``kl_loss_type`` values (``core_algos.kl_penalty``): the ``kl`` regulariser's ``estimator`` takes the same
+#: verl's ``kl_loss_type`` values (``core_algos.kl_penalty``): the ``kl`` regularizer's ``estimator`` takes the same
 #: names with the same meaning (``+``: straight-through, the value of the mode and the gradient of k2)
 KL_ESTIMATORS: tuple[str, ...] = (
     "kl",
@@ -151,8 +151,8 @@ def _reduction(actor: Mapping[str, Any]) -> dict[str, Any]:
     return {"name": "fixed", "budget": float(budget)}
 
 
-def verl_regularisers(actor: Mapping[str, Any], reduction: str | None = None) -> list[dict[str, Any]]:
-    """What verl's ``ppo_loss`` adds around the policy loss, as regulariser specs: ``− entropy_coeff · agg(H)``
+def verl_regularizers(actor: Mapping[str, Any], reduction: str | None = None) -> list[dict[str, Any]]:
+    """What verl's ``ppo_loss`` adds around the policy loss, as regularizer specs: ``− entropy_coeff · agg(H)``
     (``entropy``) and ``+ kl_loss_coef · agg(kl_penalty(logp, ref, kl_loss_type))`` (``kl``), both aggregated with
     ``loss_agg_mode`` — ``reduction`` names that reduction when it is not the recipe's own."""
     out: list[dict[str, Any]] = []
@@ -178,7 +178,7 @@ def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None, *, w
     ``actor_config``: verl's ``actor_rollout_ref.actor`` (``DictConfig``, ``ActorConfig`` or a mapping; missing keys
     take verl's defaults, :data:`ACTOR_DEFAULTS`) → the update gate of ``policy_loss.loss_mode`` with every parameter
     it reads, the reduction of ``loss_agg_mode`` (``loss_scale_factor`` → the ``fixed`` budget) unless the mode
-    reduces on its own, and the regularisers ``entropy`` (``entropy_coeff``) and ``kl`` (``use_kl_loss``,
+    reduces on its own, and the regularizers ``entropy`` (``entropy_coeff``) and ``kl`` (``use_kl_loss``,
     ``kl_loss_coef``, ``kl_loss_type``) that verl's ``ppo_loss`` adds around the policy loss.
 
     ``algorithm_config``: verl's ``algorithm`` → the advantage stage of ``adv_estimator`` (with
@@ -214,10 +214,10 @@ def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None, *, w
             f"verl_equivalent: actor.policy_loss.loss_mode={full_actor['policy_loss']['loss_mode']!r} gave no gate"
         )
     gates = list(stages.gates)
-    regularisers = verl_regularisers(full_actor)
+    regularizers = verl_regularizers(full_actor)
     # loss_agg_mode reduces the policy term unless the loss mode reduces its own; verl reduces entropy and KL with
-    # it always — a mode that ignores it and no regulariser leave it unread (and unchecked)
-    agg = _reduction(full_actor) if stages.reduction is None or regularisers else None
+    # it always — a mode that ignores it and no regularizer leave it unread (and unchecked)
+    agg = _reduction(full_actor) if stages.reduction is None or regularizers else None
     reduction = stages.reduction if stages.reduction is not None else agg
     if reduction is None:  # pragma: no cover - agg is computed whenever the mode has no reduction of its own
         raise LossplugError("verl_equivalent: no reduction")
@@ -226,9 +226,9 @@ def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None, *, w
             raise LossplugError(
                 f"verl_equivalent: loss_mode={full_actor['policy_loss']['loss_mode']!r} reduces its own term, and "
                 f"verl reduces entropy_coeff / use_kl_loss with loss_agg_mode='seq-mean-token-sum-norm'; a "
-                f"regulariser's own reduction carries no budget: use another loss_agg_mode"
+                f"regularizer's own reduction carries no budget: use another loss_agg_mode"
             )
-        regularisers = verl_regularisers(full_actor, agg["name"])
+        regularizers = verl_regularizers(full_actor, agg["name"])
 
     recipe: dict[str, Any] = {"name": f"verl-{full_actor['policy_loss']['loss_mode']}"}
     if algorithm is not None:
@@ -259,6 +259,6 @@ def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None, *, w
             recipe["name"] += f"+{algorithm['adv_estimator']}"
     recipe["gates"] = gates
     recipe["reduction"] = reduction
-    if regularisers:
-        recipe["regularisers"] = regularisers
+    if regularizers:
+        recipe["regularizers"] = regularizers
     return Recipe.load(recipe)

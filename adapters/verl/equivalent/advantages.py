@@ -95,7 +95,7 @@ def _kl_in_reward(algorithm: Mapping[str, Any], name: str) -> float | None:
         raise LossplugError(
             f"algorithm.use_kl_in_reward=True with adv_estimator={name}: no lossplug equivalent — verl subtracts "
             f"β·KL(old ‖ ref) from the token rewards before the estimator; lossplug folds that KL-shaped reward into "
-            f"gae only (kl_coef). Use actor.use_kl_loss (a kl regulariser) instead"
+            f"gae only (kl_coef). Use actor.use_kl_loss (a kl regularizer) instead"
         )
     penalty = str(_get(algorithm, "kl_penalty", "kl"))
     if penalty not in ("kl", "k1"):

@@ -6,7 +6,7 @@
   masked positions);
 * :mod:`.loss_checks` — the checks run through :func:`lossplug.policy_loss` (zero advantage, detached inputs, metric
   levels, extreme log-ratios, micro-batch splits);
-* :mod:`.advantages`, :mod:`.gates`, :mod:`.reductions`, :mod:`.regularisers` — each kind's own checks;
+* :mod:`.advantages`, :mod:`.gates`, :mod:`.reductions`, :mod:`.regularizers` — each kind's own checks;
 * :mod:`.runner` — :data:`CHECKS` (every check, in the order they run) and :func:`check_plugin` and friends.
 
 The modules import one way (``_common`` ← the kinds ← ``every_kind`` / ``loss_checks`` ← ``runner``) and share only

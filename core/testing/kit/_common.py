@@ -143,8 +143,8 @@ class Subject:
             return Recipe.model_validate({"gates": gates, "reduction": reduction})
         if self.kind == "reduction":
             return Recipe.model_validate({"gates": [ref], "reduction": self.spec})
-        if self.kind == "regulariser":
-            return Recipe.model_validate({"gates": [ref], "reduction": reduction, "regularisers": [self.spec]})
+        if self.kind == "regularizer":
+            return Recipe.model_validate({"gates": [ref], "reduction": reduction, "regularizers": [self.spec]})
         return Recipe.model_validate({"advantage": self.spec, "gates": [ref], "reduction": "token"})
 
     def param_model(self) -> Params:

@@ -34,14 +34,14 @@ from ._common import (
 from .advantages import advantage_output_contract
 from .gates import gate_output_contract
 from .reductions import reduction_output_contract
-from .regularisers import regulariser_output_contract
+from .regularizers import regularizer_output_contract
 
 #: each kind's output contract
 OUTPUT_CONTRACTS: dict[str, Callable[[Subject], None]] = {
     "advantage": advantage_output_contract,
     "gate": gate_output_contract,
     "reduction": reduction_output_contract,
-    "regulariser": regulariser_output_contract,
+    "regularizer": regularizer_output_contract,
 }
 
 
@@ -108,15 +108,15 @@ def output_contract(s: Subject) -> None:
 
 @check(
     "requires_declared",
-    ("gate", "advantage", "regulariser"),
+    ("gate", "advantage", "regularizer"),
     "the plugin runs on a batch holding only the fields it declares in requires=",
 )
 def requires_declared(s: Subject) -> None:
     full = advantage_fields(s) if s.kind == "advantage" else check_fields()
     keep = {"logp", "action_mask", *s.requires}
-    if s.kind in ("gate", "regulariser"):
+    if s.kind in ("gate", "regularizer"):
         keep.add("advantage")
-        if s.role == "correction" or s.kind == "regulariser":
+        if s.role == "correction" or s.kind == "regularizer":
             ref = lossplug.registry().plugins["gate"][reference_update_gate()]
             keep |= set(required_fields(ref))
     elif s.plugin.min_group_size > 0:
@@ -125,7 +125,7 @@ def requires_declared(s: Subject) -> None:
     if s.kind == "advantage" and "padded" not in s.plugin.layouts:
         raise CheckSkipped("applies to padded-layout advantages (a packed batch has no optional fields)")
     try:
-        if s.kind in ("gate", "regulariser"):
+        if s.kind in ("gate", "regularizer"):
             run_loss(s, minimal)
         else:
             advantage_of(s, PolicyBatch(**minimal))

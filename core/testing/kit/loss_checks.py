@@ -1,4 +1,4 @@
-"""The checks run through :func:`lossplug.policy_loss` for gates, reductions and regularisers: zero advantage,
+"""The checks run through :func:`lossplug.policy_loss` for gates, reductions and regularizers: zero advantage,
 detached inputs, metric levels, extreme log-ratios and micro-batch splits."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ._common import (
     where_rows,
 )
 from .gates import gate_detached
-from .regularisers import regulariser_detached
+from .regularizers import regularizer_detached
 
 
 @check("zero_advantage", ("gate", "reduction"), "zero advantage gives exactly zero gradient")
@@ -41,13 +41,13 @@ def zero_advantage(s: Subject) -> None:
 
 @check(
     "detached",
-    ("gate", "regulariser"),
-    "gradient flows only through logp (a regulariser's also through entropy): corrections' weights, metrics, "
+    ("gate", "regularizer"),
+    "gradient flows only through logp (a regularizer's also through entropy): corrections' weights, metrics, "
     "`active` and observations carry none, and nothing reaches old_logp, behavior_logp, ref_logp or the advantage",
 )
 def detached(s: Subject) -> None:
-    if s.kind == "regulariser":
-        return regulariser_detached(s)
+    if s.kind == "regularizer":
+        return regularizer_detached(s)
     return gate_detached(s)
 
 
@@ -65,7 +65,7 @@ EXTREME_ROWS = (  # (logp, old_logp, behavior_logp): update and engine log-ratio
 
 @check(
     "metric_levels",
-    ("gate", "regulariser"),
+    ("gate", "regularizer"),
     "metrics 'off', 'basic' and 'full' give the same loss and gradient; 'basic' reports a subset of 'full' with "
     "the same values",
 )
@@ -115,7 +115,7 @@ def metric_levels(s: Subject) -> None:
 
 @check(
     "extreme_ratios",
-    ("gate", "regulariser"),
+    ("gate", "regularizer"),
     "log-ratios of ±50 to ±1000 (update and engine) give a finite loss, gradient and metrics in fp32 and bf16",
 )
 def extreme_ratios(s: Subject) -> None:
@@ -129,7 +129,7 @@ def extreme_ratios(s: Subject) -> None:
     adv = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0).to(torch.float64)
     for dtype in (torch.float32, torch.bfloat16):
         f = dict(logp=logp, old_logp=old, behavior_logp=beh, ref_logp=old.flip(0), advantage=adv, action_mask=mask)
-        f["reward"] = adv  # regularisers that select responses by reward (nll) read it
+        f["reward"] = adv  # regularizers that select responses by reward (nll) read it
         f["entropy"] = torch.linspace(0, 12, rows * T, dtype=torch.float64).reshape(rows, T)  # 0 to ≈ log(vocab)
         f = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in f.items()}
         f["group_id"] = torch.arange(rows) // 2
@@ -163,11 +163,11 @@ def _splits(B: int) -> list[list[list[int]]]:
 
 @check(
     "microbatch_split",
-    ("gate", "reduction", "regulariser"),
+    ("gate", "reduction", "regularizer"),
     "under a Normalizer, the losses and gradients of any split into micro-batches add up to the full batch's",
 )
 def microbatch_split(s: Subject) -> None:
-    if s.kind == "regulariser" and getattr(s.param_model(), "population", "step") != "step":
+    if s.kind == "regularizer" and getattr(s.param_model(), "population", "step") != "step":
         raise CheckSkipped("population='micro_batch' reduces over each micro-batch alone, by design")
     f = check_fields(B=6)
     norm = normalizer_for(f)

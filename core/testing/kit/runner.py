@@ -14,7 +14,7 @@ from lossplug.contracts import LossplugError
 from lossplug.kinds import KINDS as KIND_TABLE
 from lossplug.plugin import AnyPlugin
 
-from . import advantages, every_kind, gates, loss_checks, reductions, regularisers
+from . import advantages, every_kind, gates, loss_checks, reductions, regularizers
 from ._common import (
     KINDS,
     Check,
@@ -44,7 +44,7 @@ CHECKS: dict[str, Check] = {
         loss_checks.microbatch_split,
         reductions.positive_weights,
         advantages.row_permutation,
-        regularisers.coefficient_linear,
+        regularizers.coefficient_linear,
     )
 }
 

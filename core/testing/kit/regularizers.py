@@ -1,7 +1,7 @@
-"""The conformance checks of regularisers (listed in :data:`lossplug.testing.kit.CHECKS`).
+"""The conformance checks of regularizers (listed in :data:`lossplug.testing.kit.CHECKS`).
 
-A regulariser is exercised through the real :func:`lossplug.policy_loss` with the reference update gate
-(``reinforce``) and the regulariser as the recipe's only regulariser stage; the checks that inspect its raw output
+A regularizer is exercised through the real :func:`lossplug.policy_loss` with the reference update gate
+(``reinforce``) and the regularizer as the recipe's only regularizer stage; the checks that inspect its raw output
 call it directly on the pipeline's own :class:`~lossplug.GateInput`. The kind's generic checks (docstring,
 parameters, masked poison and layout, metric levels, extreme log-ratios, micro-batch splits, requires) live in
 :mod:`lossplug.testing.kit.every_kind` and :mod:`lossplug.testing.kit.loss_checks`; the ones below are the kind's own.
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from lossplug.contracts import PolicyBatch
-from lossplug.plugin import RegulariserOutput, RegulariserParams
+from lossplug.plugin import RegularizerOutput, RegularizerParams
 
 from ._common import (
     CheckFailed,
@@ -29,22 +29,22 @@ from ._common import (
     run_loss,
 )
 
-#: the fields a regulariser may differentiate: the log-probs and the entropy (computed from the same logits)
+#: the fields a regularizer may differentiate: the log-probs and the entropy (computed from the same logits)
 DIFFERENTIABLE = ("logp", "entropy")
 
 
-def _output(s: Subject, fields: Mapping[str, Tensor], grad: tuple[str, ...] = DIFFERENTIABLE) -> RegulariserOutput:
+def _output(s: Subject, fields: Mapping[str, Tensor], grad: tuple[str, ...] = DIFFERENTIABLE) -> RegularizerOutput:
     inp, _ = gate_input(fields, grad=grad)
-    out: RegulariserOutput = s.plugin(inp, s.param_model())
+    out: RegularizerOutput = s.plugin(inp, s.param_model())
     return out
 
 
-def regulariser_output_contract(s: Subject) -> None:
-    """A RegulariserOutput whose term is a float ``[B, T]`` tensor, declared metrics 0-d tensors, the observation a
-    tensor or None; parameters subclassing RegulariserParams."""
-    if not issubclass(s.plugin.params, RegulariserParams):
+def regularizer_output_contract(s: Subject) -> None:
+    """A RegularizerOutput whose term is a float ``[B, T]`` tensor, declared metrics 0-d tensors, the observation a
+    tensor or None; parameters subclassing RegularizerParams."""
+    if not issubclass(s.plugin.params, RegularizerParams):
         raise CheckFailed(
-            f"params {s.plugin.params.__name__} must subclass lossplug.RegulariserParams (coef, reduction, population)"
+            f"params {s.plugin.params.__name__} must subclass lossplug.RegularizerParams (coef, reduction, population)"
         )
     unknown = set(s.requires) - set(PolicyBatch.FIELD_NAMES)
     if unknown:
@@ -52,8 +52,8 @@ def regulariser_output_contract(s: Subject) -> None:
     f = check_fields()
     out = _output(s, f)
     B, T = f["logp"].shape
-    if not isinstance(out, RegulariserOutput):
-        raise CheckFailed(f"a regulariser must return lossplug.RegulariserOutput or a tensor, got {type(out).__name__}")
+    if not isinstance(out, RegularizerOutput):
+        raise CheckFailed(f"a regularizer must return lossplug.RegularizerOutput or a tensor, got {type(out).__name__}")
     problems = []
     if not isinstance(out.term, Tensor) or tuple(out.term.shape) != (B, T) or not out.term.is_floating_point():
         what = f"{out.term.dtype} {list(out.term.shape)}" if isinstance(out.term, Tensor) else type(out.term).__name__
@@ -63,7 +63,7 @@ def regulariser_output_contract(s: Subject) -> None:
     for part in ("metrics", "details"):
         value = getattr(out, part)
         if not isinstance(value, Mapping):
-            problems.append(f"RegulariserOutput.{part} must be a mapping, got {type(value).__name__}")
+            problems.append(f"RegularizerOutput.{part} must be a mapping, got {type(value).__name__}")
             continue
         with torch.no_grad():
             for key, metric in value.items():
@@ -76,7 +76,7 @@ def regulariser_output_contract(s: Subject) -> None:
         raise CheckFailed("; ".join(problems))
 
 
-def regulariser_detached(s: Subject) -> None:
+def regularizer_detached(s: Subject) -> None:
     """Gradient only through logp and entropy: none reaches old_logp, behavior_logp, ref_logp or the advantage; the
     declared metrics and the observation carry none."""
     f = check_fields()
@@ -101,14 +101,14 @@ def regulariser_detached(s: Subject) -> None:
     if leaks:
         names = ", ".join(f"{k} (Σ|grad| = {v:.3g})" for k, v in leaks.items())
         raise CheckFailed(
-            f"gradient reached {names}: a regulariser differentiates logp (and entropy) only; treat the reference, "
+            f"gradient reached {names}: a regularizer differentiates logp (and entropy) only; treat the reference, "
             "old and behaviour log-probs and the advantage as constants"
         )
 
 
 @check(
     "coefficient_linear",
-    ("regulariser",),
+    ("regularizer",),
     "the loss is the policy loss plus coef · reduce(term): linear in coef, and reg/<name>/value is reduce(term)",
 )
 def coefficient_linear(s: Subject) -> None:

@@ -10,7 +10,7 @@ added to the loss as ``coef · reduce(term)`` — imitation of the policy's own 
 * ``all`` — every response: plain cross-entropy / SFT on the samples (SkyRL's ``cross_entropy`` policy loss, a sum:
   ``reduction: token_sum``).
 
-``denominator``: ``reduction`` — the term is reduced like any regulariser (e.g. ``token``: divided by every action
+``denominator``: ``reduction`` — the term is reduced like any regularizer (e.g. ``token``: divided by every action
 token of the step's population, selected or not); ``selected`` — VAPO's normalisation, the mean over the selected
 responses' tokens only: the term is multiplied by ``tokens / selected tokens`` of the micro-batch, which with
 ``reduction: token, population: micro_batch`` gives exactly ``Σ_{selected} −logp / #selected tokens`` per micro-batch
@@ -36,7 +36,7 @@ import lossplug
 Tensor = torch.Tensor
 
 
-class NLLParams(lossplug.RegulariserParams):
+class NLLParams(lossplug.RegularizerParams):
     coef: float = Field(
         0.1,
         allow_inf_nan=False,
@@ -74,8 +74,8 @@ def selected_rows(inp: lossplug.GateInput, p: NLLParams) -> Tensor | None:
     return advantage > p.threshold
 
 
-@lossplug.regulariser("nll", params=NLLParams, requires=_requires)
-def nll(inp: lossplug.GateInput, p: NLLParams) -> lossplug.RegulariserOutput:
+@lossplug.regularizer("nll", params=NLLParams, requires=_requires)
+def nll(inp: lossplug.GateInput, p: NLLParams) -> lossplug.RegularizerOutput:
     """``μ · reduce(−logp)`` over the action tokens of the selected responses (VAPO's positive-example LM loss).
 
     Paper: Yue et al., 2025, *VAPO*, arXiv:2504.05118.
@@ -95,4 +95,4 @@ def nll(inp: lossplug.GateInput, p: NLLParams) -> lossplug.RegulariserOutput:
     metrics = {"token_mean": lambda: inp.masked_mean(term.detach())}
     if selected_fraction is not None:
         metrics["selected_fraction"] = selected_fraction
-    return lossplug.RegulariserOutput(term=term, metrics=metrics)
+    return lossplug.RegularizerOutput(term=term, metrics=metrics)

@@ -1,4 +1,4 @@
-"""The ``kl`` regulariser against the trainers' own code, in float64, loss and gradient (≤ 1e-8 relative):
+"""The ``kl`` regularizer against the trainers' own code, in float64, loss and gradient (≤ 1e-8 relative):
 
 * every estimator against verl 0.9.1's ``core_algos.kl_penalty`` aggregated by its ``agg_loss`` (verl's
   ``use_kl_loss`` path: ``kl_loss = agg_loss(kl_penalty(log_prob, ref_log_prob, kl_loss_type)) · kl_loss_coef``),
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import lossplug
 from lossplug import BatchValidationError, PolicyBatch, Recipe
 from lossplug.needs import recipe_needs
-from lossplug.plugins.regularisers.kl import estimate
+from lossplug.plugins.regularizers.kl import estimate
 
 ESTIMATORS = ["k1", "k2", "k3", "kl", "abs", "mse", "low_var_kl", "k1+", "k3+", "kl+", "abs+", "low_var_kl+", "k2+"]
 #: lossplug reduction → verl loss_agg_mode (seq-mean-token-mean adds 1e-8 to its denominators: not compared here)
@@ -52,7 +52,7 @@ def assert_close(actual, expected):
 
 
 def lossplug_loss(recipe, logp, mask, *, normalizer=None, **fields):
-    """policy_loss with advantage 0 (the update gate contributes exactly 0 and no gradient): the regulariser alone."""
+    """policy_loss with advantage 0 (the update gate contributes exactly 0 and no gradient): the regularizer alone."""
     leaf = logp.clone().requires_grad_()
     batch = PolicyBatch(logp=leaf, action_mask=mask, advantage=torch.zeros(logp.shape[0], dtype=logp.dtype), **fields)
     result = lossplug.policy_loss(batch, recipe, normalizer)
@@ -62,7 +62,7 @@ def lossplug_loss(recipe, logp, mask, *, normalizer=None, **fields):
 
 def kl_recipe(reduction="token", **params):
     # reinforce (J = A·logp) with A = 0: the policy term is exactly 0, without gradient
-    return Recipe.load({"gates": ["reinforce"], "reduction": reduction, "regularisers": [{"name": "kl", **params}]})
+    return Recipe.load({"gates": ["reinforce"], "reduction": reduction, "regularizers": [{"name": "kl", **params}]})
 
 
 @pytest.mark.parametrize("reduction", sorted(VERL_AGG))
@@ -158,7 +158,7 @@ def test_with_a_policy_term_the_loss_is_trls_whole_loss(fake_grpo):
         {
             "gates": [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2}],
             "reduction": "token",
-            "regularisers": [{"name": "kl", "coef": 0.1, "estimator": "k3", "clamp": False, "ratio_weight": "token"}],
+            "regularizers": [{"name": "kl", "coef": 0.1, "estimator": "k3", "clamp": False, "ratio_weight": "token"}],
         }
     )
     leaf2 = logp.clone().requires_grad_()
@@ -189,20 +189,20 @@ def test_the_ratio_weight_carries_gradient_and_the_term_none_to_the_constants():
 def test_requires_ref_logp_and_old_logp_with_a_ratio_weight():
     logp, ref, old, mask = tensors(6)
     adv = torch.zeros(5, dtype=torch.float64)
-    with pytest.raises(BatchValidationError, match=r"ref_logp: required by recipe.regularisers\[0\] \(kl\)"):
+    with pytest.raises(BatchValidationError, match=r"ref_logp: required by recipe.regularizers\[0\] \(kl\)"):
         lossplug.policy_loss(PolicyBatch(logp=logp, action_mask=mask, advantage=adv), kl_recipe())
     with pytest.raises(
-        BatchValidationError, match=r"old_logp: required by recipe.regularisers\[0\] \(kl with ratio_weight='token'\)"
+        BatchValidationError, match=r"old_logp: required by recipe.regularizers\[0\] \(kl with ratio_weight='token'\)"
     ):
         lossplug.policy_loss(
             PolicyBatch(logp=logp, action_mask=mask, advantage=adv, ref_logp=ref), kl_recipe(ratio_weight="token")
         )
     needs = recipe_needs(kl_recipe(ratio_weight="sequence"))
-    assert needs["ref_logp"] == ("regularisers[0] 'kl'",) and needs["old_logp"] == ("regularisers[0] 'kl'",)
+    assert needs["ref_logp"] == ("regularizers[0] 'kl'",) and needs["old_logp"] == ("regularizers[0] 'kl'",)
 
 
 def test_parameters_are_checked():
-    with pytest.raises(lossplug.RecipeError, match=r"recipe.regularisers\[0\] \(kl\): parameter 'estimator'"):
+    with pytest.raises(lossplug.RecipeError, match=r"recipe.regularizers\[0\] \(kl\): parameter 'estimator'"):
         kl_recipe(estimator="k4")
     with pytest.raises(lossplug.RecipeError, match="ratio_weight"):
         kl_recipe(ratio_weight="tokens")

@@ -59,7 +59,7 @@ Estimator = Literal[
 MAX_LOG_RATIO = 20.0
 
 
-class KLParams(lossplug.RegulariserParams):
+class KLParams(lossplug.RegularizerParams):
     coef: float = Field(
         0.001,
         allow_inf_nan=False,
@@ -115,8 +115,8 @@ def estimate(logp: Tensor, ref: Tensor, estimator: str, clamp: bool = True) -> T
     return backward - backward.detach() + forward.detach()
 
 
-@lossplug.regulariser("kl", params=KLParams, requires=_requires)
-def kl(inp: lossplug.GateInput, p: KLParams) -> lossplug.RegulariserOutput:
+@lossplug.regularizer("kl", params=KLParams, requires=_requires)
+def kl(inp: lossplug.GateInput, p: KLParams) -> lossplug.RegularizerOutput:
     """``β · reduce(w · kl_est(logp, ref_logp))``: the KL to the reference, any verl estimator, ``w`` the ratio.
 
     ``kl_est`` is one of verl's ``kl_penalty`` estimators; ``w`` is 1 or the update ratio (TRL's bias-corrected KL).
@@ -131,4 +131,4 @@ def kl(inp: lossplug.GateInput, p: KLParams) -> lossplug.RegulariserOutput:
         if p.ratio_weight == "sequence":
             log_ratio = (log_ratio.sum(-1) / inp.lengths.clamp(min=1).to(log_ratio.dtype)).unsqueeze(-1)
         term = term * log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
-    return lossplug.RegulariserOutput(term=term, metrics={"token_mean": lambda: inp.masked_mean(term.detach())})
+    return lossplug.RegularizerOutput(term=term, metrics={"token_mean": lambda: inp.masked_mean(term.detach())})

@@ -1,4 +1,4 @@
-"""The ``nll`` regulariser, float64, loss AND gradient: against SkyRL 0.3.0's own ``cross_entropy_loss`` (from its
+"""The ``nll`` regularizer, float64, loss AND gradient: against SkyRL 0.3.0's own ``cross_entropy_loss`` (from its
 wheel, ``tests/_origins.py``; ``responses: all``, ``reduction: token_sum``), and against VAPO's positive-example LM loss
 transcribed here (``μ · Σ_{correct responses} −log π / #their tokens``) and the plain per-token forms; hypothesis
 properties: no positive response adds nothing, the term is linear in μ, padding is never read.
@@ -35,7 +35,7 @@ def tensors(seed=0):
 
 def nll_recipe(reduction="token", **params):
     # reinforce (J = A·logp) with A = 0: the policy term is exactly 0, without gradient
-    return Recipe.load({"gates": ["reinforce"], "reduction": reduction, "regularisers": [{"name": "nll", **params}]})
+    return Recipe.load({"gates": ["reinforce"], "reduction": reduction, "regularizers": [{"name": "nll", **params}]})
 
 
 def lossplug_loss(recipe, logp, mask, *, advantage=None, poison=False, **fields):
@@ -119,7 +119,7 @@ def test_positive_advantage_selects_by_the_response_mean_of_a_token_advantage():
     token_adv = torch.randn(B, T, generator=g, dtype=F64)
     mean = torch.where(mask, token_adv, 0).sum(-1) / mask.sum(-1)
     expected, expected_grad = vapo(logp, mask, mean > 0, 1.0, int(mask.sum()))
-    # the reinforce term of a non-zero advantage is subtracted: what remains is the regulariser's
+    # the reinforce term of a non-zero advantage is subtracted: what remains is the regularizer's
     _, policy_grad = lossplug_loss(
         nll_recipe(coef=0.0, responses="positive_advantage"), logp, mask, advantage=token_adv
     )

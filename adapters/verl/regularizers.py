@@ -1,6 +1,6 @@
 """The entropy and KL terms under verl: verl's ``ppo_loss`` adds them itself around any policy loss (from the
 actor's ``entropy_coeff`` / ``use_kl_loss`` settings) and hands a policy loss neither entropies nor reference
-log-probs. A recipe's regularisers must therefore be exactly those terms; the policy loss then computes only the
+log-probs. A recipe's regularizers must therefore be exactly those terms; the policy loss then computes only the
 policy term (:func:`policy_term`), so each is counted once."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 from lossplug.adapters.common import warn_once
 from lossplug.adapters.verl.config import POLICY_RECIPE_KEY
-from lossplug.adapters.verl.equivalent import LOSS_AGG_REDUCTIONS, verl_regularisers
+from lossplug.adapters.verl.equivalent import LOSS_AGG_REDUCTIONS, verl_regularizers
 from lossplug.contracts import LossplugError, Recipe
 
 __all__ = ["policy_term", "verl_settings_for"]
@@ -32,10 +32,10 @@ def _reduction_name(reduction: Any, default: str) -> str:
 
 
 def policy_term(recipe: Recipe, config: Any, loss_agg_mode: str) -> Recipe:
-    """The recipe without its regularisers, once they are found to be exactly the terms verl's ``ppo_loss`` adds
+    """The recipe without its regularizers, once they are found to be exactly the terms verl's ``ppo_loss`` adds
     itself around the policy loss (``entropy_coeff``; ``use_kl_loss``, ``kl_loss_type``, ``kl_loss_coef``; reduced
     with ``loss_agg_mode`` over the step) — so each is counted once. verl hands a policy loss neither the entropy nor
-    the reference log-probs, so a regulariser verl does not add cannot be computed here: it is refused, naming the
+    the reference log-probs, so a regularizer verl does not add cannot be computed here: it is refused, naming the
     settings. Resolved once per recipe and settings."""
     entropy_coeff = float(_config_value(config, "entropy_coeff", 0.0))
     use_kl = bool(_config_value(config, "use_kl_loss", False))
@@ -47,18 +47,18 @@ def policy_term(recipe: Recipe, config: Any, loss_agg_mode: str) -> Recipe:
         return cached[1]
     settings = {"entropy_coeff": entropy_coeff, "use_kl_loss": use_kl, "kl_loss_type": kl_type, "kl_loss_coef": kl_coef}
     agg = LOSS_AGG_REDUCTIONS.get(loss_agg_mode, loss_agg_mode)
-    verl_adds = verl_regularisers(settings, agg)
+    verl_adds = verl_regularizers(settings, agg)
     described = (
         f"actor.entropy_coeff={entropy_coeff}, use_kl_loss={use_kl}, kl_loss_type={kl_type}, kl_loss_coef={kl_coef}, "
         f"loss_agg_mode={loss_agg_mode}"
     )
-    if recipe.regularisers:
+    if recipe.regularizers:
         _check_they_are_verls(recipe, verl_adds, agg, described)
-        term = Recipe.load({k: v for k, v in recipe.to_dict().items() if k != "regularisers"})
+        term = Recipe.load({k: v for k, v in recipe.to_dict().items() if k != "regularizers"})
     else:
         if verl_adds:
             warn_once(
-                f"regularisers:{key[1:]}",
+                f"regularizers:{key[1:]}",
                 (
                     f"lossplug: verl's ppo_loss adds {', '.join(r['name'] for r in verl_adds)} ({described}) to the "
                     f"policy loss of {POLICY_RECIPE_KEY}, which does not list them: its record does not describe the "
@@ -71,12 +71,12 @@ def policy_term(recipe: Recipe, config: Any, loss_agg_mode: str) -> Recipe:
 
 
 def _check_they_are_verls(recipe: Recipe, verl_adds: list[dict[str, Any]], agg: str, described: str) -> None:
-    """Refuse the recipe's regularisers unless they are ``verl_adds`` (what verl's settings add), with the override
+    """Refuse the recipe's regularizers unless they are ``verl_adds`` (what verl's settings add), with the override
     lines that would make them so when some verl settings do."""
     base = {"gates": [g.to_dict() for g in recipe.gates], "reduction": recipe.reduction.to_dict()}
 
     def as_stages(specs: list[dict[str, Any]]) -> tuple[Any, ...]:
-        return Recipe.load({**base, "regularisers": specs}).regularisers if specs else ()
+        return Recipe.load({**base, "regularizers": specs}).regularizers if specs else ()
 
     def comparable(specs: tuple[Any, ...]) -> list[tuple[str, list[tuple[str, Any]]]]:
         out = []
@@ -86,24 +86,24 @@ def _check_they_are_verls(recipe: Recipe, verl_adds: list[dict[str, Any]], agg: 
             out.append((spec.name, sorted(params.items(), key=lambda kv: kv[0])))
         return sorted(out, key=repr)
 
-    if comparable(recipe.regularisers) == comparable(as_stages(verl_adds)):
+    if comparable(recipe.regularizers) == comparable(as_stages(verl_adds)):
         return
-    ours = [s.to_dict() for s in recipe.regularisers]
+    ours = [s.to_dict() for s in recipe.regularizers]
     # the exact override lines, when some verl settings do add these terms
     wanted = verl_settings_for(recipe)
-    fits = wanted is not None and comparable(recipe.regularisers) == comparable(
-        as_stages(verl_regularisers(wanted, agg))
+    fits = wanted is not None and comparable(recipe.regularizers) == comparable(
+        as_stages(verl_regularizers(wanted, agg))
     )
     if wanted is not None and fits:
         fix = "Set: " + " ".join(f"actor_rollout_ref.actor.{k}={v}" for k, v in wanted.items())
     else:
         fix = (
             "No verl setting adds these terms (verl adds one static entropy bonus and one KL of its "
-            "kl_penalty modes, reduced with loss_agg_mode): change the recipe's regularisers, or run it where "
+            "kl_penalty modes, reduced with loss_agg_mode): change the recipe's regularizers, or run it where "
             "lossplug computes the whole loss (TRL, plain PyTorch)"
         )
     raise LossplugError(
-        f"{POLICY_RECIPE_KEY}: the recipe's regularisers {ours} are not what verl's ppo_loss adds around the "
+        f"{POLICY_RECIPE_KEY}: the recipe's regularizers {ours} are not what verl's ppo_loss adds around the "
         f"policy loss for {described} ({verl_adds or 'nothing'}); verl passes a policy loss neither the "
         f"entropy nor ref_log_prob, so under verl the entropy and KL terms come from those actor settings. "
         f"{fix}"
@@ -112,10 +112,10 @@ def _check_they_are_verls(recipe: Recipe, verl_adds: list[dict[str, Any]], agg: 
 
 def verl_settings_for(recipe: Recipe) -> dict[str, Any] | None:
     """The actor settings under which verl's ``ppo_loss`` adds the recipe's entropy / KL stages — None when they
-    are not of that shape (several of a kind, an adaptive coefficient, another regulariser)."""
-    entropy = [r for r in recipe.regularisers if r.name == "entropy"]
-    kl = [r for r in recipe.regularisers if r.name == "kl"]
-    if len(entropy) + len(kl) != len(recipe.regularisers) or len(entropy) > 1 or len(kl) > 1:
+    are not of that shape (several of a kind, an adaptive coefficient, another regularizer)."""
+    entropy = [r for r in recipe.regularizers if r.name == "entropy"]
+    kl = [r for r in recipe.regularizers if r.name == "kl"]
+    if len(entropy) + len(kl) != len(recipe.regularizers) or len(entropy) > 1 or len(kl) > 1:
         return None
     if any(r.params.get("adaptive") for r in entropy):
         return None

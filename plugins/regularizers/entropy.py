@@ -33,7 +33,7 @@ from lossplug.control import AdaptiveEntropyController
 Tensor = torch.Tensor
 
 
-class EntropyParams(lossplug.RegulariserParams):
+class EntropyParams(lossplug.RegularizerParams):
     coef: float = Field(
         0.0,
         allow_inf_nan=False,
@@ -67,8 +67,8 @@ def _controller(p: EntropyParams) -> AdaptiveEntropyController | None:
     )
 
 
-@lossplug.regulariser("entropy", params=EntropyParams, requires=("entropy",), controller=_controller)
-def entropy(inp: lossplug.GateInput, p: EntropyParams) -> lossplug.RegulariserOutput:
+@lossplug.regularizer("entropy", params=EntropyParams, requires=("entropy",), controller=_controller)
+def entropy(inp: lossplug.GateInput, p: EntropyParams) -> lossplug.RegularizerOutput:
     """``−coef · reduce(H)``: an entropy bonus, static or with TRL's adaptive coefficient.
 
     Reference: TRL ``GRPOTrainer`` (entropy_coef, use_adaptive_entropy); verl ``ppo_loss`` (entropy_coeff).
@@ -77,6 +77,6 @@ def entropy(inp: lossplug.GateInput, p: EntropyParams) -> lossplug.RegulariserOu
     observation = (
         torch.stack([h.detach().sum(), inp.lengths.sum().to(h.dtype)]) if p.adaptive else None
     )  # the window sums of the adaptive controller: Σ H over the actions, action tokens
-    return lossplug.RegulariserOutput(
+    return lossplug.RegularizerOutput(
         term=-h, metrics={"entropy": lambda: inp.masked_mean(h.detach())}, observation=observation
     )

@@ -36,7 +36,7 @@ import lossplug
 Tensor = torch.Tensor
 
 
-class KLOnPolicyParams(lossplug.RegulariserParams):
+class KLOnPolicyParams(lossplug.RegularizerParams):
     coef: float = Field(
         0.01, allow_inf_nan=False, description="the KL coefficient (NeMo-RL's reference_policy_kl_penalty, 0.01)"
     )
@@ -54,8 +54,8 @@ def _requires(p: KLOnPolicyParams) -> tuple[str, ...]:
     return ("ref_logp", "behavior_logp") if p.weight == "behavior" else ("ref_logp",)
 
 
-@lossplug.regulariser("kl_on_policy", params=KLOnPolicyParams, requires=_requires)
-def kl_on_policy(inp: lossplug.GateInput, p: KLOnPolicyParams) -> lossplug.RegulariserOutput:
+@lossplug.regularizer("kl_on_policy", params=KLOnPolicyParams, requires=_requires)
+def kl_on_policy(inp: lossplug.GateInput, p: KLOnPolicyParams) -> lossplug.RegularizerOutput:
     """``β · reduce(clamp(w · k(ref − logp)))``, w = exp(logp − sg(logp)) (or − behavior_logp): the KL with its
     score-function gradient ``∇k + k·∇logp``."""
     logp, ref = inp.logp, cast(Tensor, inp.ref_logp)  # ref_logp: declared in requires=
@@ -80,4 +80,4 @@ def kl_on_policy(inp: lossplug.GateInput, p: KLOnPolicyParams) -> lossplug.Regul
     term = weight * estimate
     if p.output_clamp is not None:
         term = term.clamp(-p.output_clamp, p.output_clamp)
-    return lossplug.RegulariserOutput(term=term, metrics={"token_mean": lambda: inp.masked_mean(term.detach())})
+    return lossplug.RegularizerOutput(term=term, metrics={"token_mean": lambda: inp.masked_mean(term.detach())})

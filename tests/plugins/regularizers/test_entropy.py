@@ -1,4 +1,4 @@
-"""The ``entropy`` regulariser against the trainers' own code, in float64, loss and gradient (≤ 1e-8 relative):
+"""The ``entropy`` regularizer against the trainers' own code, in float64, loss and gradient (≤ 1e-8 relative):
 
 * the static bonus against verl 0.9.1's ``ppo_loss`` term ``−entropy_coeff · agg_loss(entropy, response_mask,
   loss_agg_mode, **global_batch_info)`` (the recipe's reduction over the step's population), micro-batch by
@@ -55,7 +55,7 @@ def test_static_bonus_is_verls_entropy_term(reduction):
     core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
     coef = 0.003
     recipe = Recipe.load(
-        {"gates": ["reinforce"], "reduction": reduction, "regularisers": [{"name": "entropy", "coef": coef}]}
+        {"gates": ["reinforce"], "reduction": reduction, "regularizers": [{"name": "entropy", "coef": coef}]}
     )
     parts = micro_batches(3)
     norm = Normalizer.for_masks([m for _, _, m, _ in parts])
@@ -81,7 +81,7 @@ def trl_recipe(**entropy):
         {
             "gates": [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2}],
             "reduction": "token",
-            "regularisers": [{"name": "entropy", "reduction": "token", "population": "micro_batch", **entropy}],
+            "regularizers": [{"name": "entropy", "reduction": "token", "population": "micro_batch", **entropy}],
         }
     )
 
@@ -129,7 +129,7 @@ def test_adaptive_coefficient_follows_trl_step_by_step_across_a_checkpoint(fake_
         if step == 3:  # checkpoint and resume: a new trainer and a new recipe object, state from the files
             saved = json.loads(json.dumps(lossplug.controller_state(recipe)))
             trl_saved = {"entropy_coef": trainer.entropy_coef, "last_world_entropy": trainer._last_world_entropy}
-            assert saved == {"regularisers[0]": trl_saved}  # the same content as TRL's entropy_ctrl_state.json
+            assert saved == {"regularizers[0]": trl_saved}  # the same content as TRL's entropy_ctrl_state.json
             trainer = fake_grpo(loss_type="dapo", gradient_accumulation_steps=2, **trl_args)
             trainer.entropy_coef, trainer._last_world_entropy = (
                 trl_saved["entropy_coef"],
@@ -176,7 +176,7 @@ def test_evaluation_does_not_move_the_coefficient():
 def test_the_bonus_rewards_entropy_and_reports_it():
     logp, entropy, mask, adv = micro_batches(1)[0]
     recipe = Recipe.load(
-        {"gates": ["reinforce"], "reduction": "token", "regularisers": [{"name": "entropy", "coef": 0.5}]}
+        {"gates": ["reinforce"], "reduction": "token", "regularizers": [{"name": "entropy", "coef": 0.5}]}
     )
     result, _, g_ent = run(recipe, logp, entropy, mask, torch.zeros_like(adv))
     mean = torch.where(mask, entropy, 0).sum() / mask.sum()
@@ -189,9 +189,9 @@ def test_the_bonus_rewards_entropy_and_reports_it():
 
 def test_needs_entropy_and_checks_its_bounds():
     logp, entropy, mask, adv = micro_batches(1)[0]
-    recipe = Recipe.load({"gates": ["reinforce"], "reduction": "token", "regularisers": "entropy"})
+    recipe = Recipe.load({"gates": ["reinforce"], "reduction": "token", "regularizers": "entropy"})
     with pytest.raises(
-        lossplug.BatchValidationError, match=r"entropy: required by recipe.regularisers\[0\] \(entropy\)"
+        lossplug.BatchValidationError, match=r"entropy: required by recipe.regularizers\[0\] \(entropy\)"
     ):
         lossplug.policy_loss(PolicyBatch(logp=logp, action_mask=mask, advantage=adv), recipe)
     with pytest.raises(lossplug.RecipeError, match=r"coef_min \(0.5\) must be <= coef_max \(0.1\)"):

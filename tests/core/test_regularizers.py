@@ -1,4 +1,4 @@
-"""The regulariser stage of the pipeline: loss = −reduce(objective) + Σ coef · reduce(term), each term reduced with
+"""The regularizer stage of the pipeline: loss = −reduce(objective) + Σ coef · reduce(term), each term reduced with
 the recipe's reduction (or its own) over the step's population, never multiplied by correction weights; metrics;
 bad plugin output; the decorator; explain / needs / list."""
 
@@ -41,18 +41,18 @@ GATES = ["ppo_clip", "icepop"]  # an update gate and a correction: the correctio
 def test_loss_is_policy_term_plus_each_coefficient_times_its_reduced_term():
     f = fields()
     plain = Recipe.load({"gates": GATES, "reduction": "response"})
-    regularised = Recipe.load(
+    regularized = Recipe.load(
         {
             "gates": GATES,
             "reduction": "response",
-            "regularisers": [
+            "regularizers": [
                 {"name": "kl", "coef": 0.3, "estimator": "k1"},
                 {"name": "entropy", "coef": 0.02, "reduction": "token"},
             ],
         }
     )
     base, _ = loss_of(plain, f)
-    result, _ = loss_of(regularised, f)
+    result, _ = loss_of(regularized, f)
     kl = reduce(f["logp"] - f["ref_logp"], f["action_mask"], plain)  # the recipe's reduction, no correction weight
     bonus = reduce(-f["entropy"], f["action_mask"], reduction="token")  # its own reduction
     torch.testing.assert_close(result.loss, base.loss + 0.3 * kl + 0.02 * bonus, rtol=1e-12, atol=1e-14)
@@ -66,7 +66,7 @@ def test_loss_is_policy_term_plus_each_coefficient_times_its_reduced_term():
 def test_neither_correction_weights_nor_the_trainers_weight_multiply_a_term():
     f = fields()
     spec = [{"name": "kl", "coef": 1.0}]
-    only_kl = {"gates": ["reinforce"], "reduction": "token", "regularisers": spec}
+    only_kl = {"gates": ["reinforce"], "reduction": "token", "regularizers": spec}
     zero = {**f, "advantage": torch.zeros_like(f["advantage"])}  # policy term 0: the loss is the KL alone
     a, ga = loss_of(Recipe.load(only_kl), zero)
     b, gb = loss_of(Recipe.load({**only_kl, "gates": ["reinforce", "icepop"]}), zero)
@@ -84,7 +84,7 @@ def test_micro_batch_losses_add_up_to_the_full_batch(reduction):
         {
             "gates": ["ppo_clip"],
             "reduction": red,
-            "regularisers": [{"name": "kl", "coef": 0.2, "estimator": "k3+"}, {"name": "entropy", "coef": 0.05}],
+            "regularizers": [{"name": "kl", "coef": 0.2, "estimator": "k3+"}, {"name": "entropy", "coef": 0.05}],
         }
     )
     norm = Normalizer.for_masks([f["action_mask"]], budget=8)
@@ -104,7 +104,7 @@ def test_micro_batch_population_is_the_mean_of_micro_batch_means():
         {
             "gates": ["reinforce"],
             "reduction": "response",
-            "regularisers": [{"name": "entropy", "coef": 1.0, "reduction": "token", "population": "micro_batch"}],
+            "regularizers": [{"name": "entropy", "coef": 1.0, "reduction": "token", "population": "micro_batch"}],
         }
     )
     zero = {**f, "advantage": torch.zeros_like(f["advantage"])}
@@ -120,13 +120,13 @@ def test_micro_batch_population_is_the_mean_of_micro_batch_means():
     )
 
 
-def test_the_same_regulariser_twice_reports_both():
+def test_the_same_regularizer_twice_reports_both():
     f = fields()
     recipe = Recipe.load(
         {
             "gates": ["ppo_clip"],
             "reduction": "token",
-            "regularisers": [{"name": "kl", "estimator": "k1"}, {"name": "kl", "estimator": "k2"}],
+            "regularizers": [{"name": "kl", "estimator": "k1"}, {"name": "kl", "estimator": "k2"}],
         }
     )
     metrics = loss_of(recipe, f)[0].metrics
@@ -135,30 +135,30 @@ def test_the_same_regulariser_twice_reports_both():
 
 def test_metric_levels():
     f = fields()
-    recipe = Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularisers": ["kl"]})
+    recipe = Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularizers": ["kl"]})
     off, basic, full = (loss_of(recipe, f, metrics=m)[0] for m in ("off", "basic", "full"))
     assert off.metrics == {} and off.loss == basic.loss == full.loss
     assert {"reg/kl/value", "reg/kl/coef", "reg/kl/token_mean", "policy/loss"} <= set(basic.metrics)
     assert set(basic.metrics) <= set(full.metrics)
     plain = loss_of(Recipe.load({"gates": ["ppo_clip"], "reduction": "token"}), f)[0]
-    assert not any(k.startswith(("reg/", "policy/")) for k in plain.metrics)  # unchanged without regularisers
+    assert not any(k.startswith(("reg/", "policy/")) for k in plain.metrics)  # unchanged without regularizers
 
 
-class _P(lossplug.RegulariserParams):
+class _P(lossplug.RegularizerParams):
     coef: float = Field(1.0, description="c")
 
 
 @pytest.fixture
-def register_regularisers():
+def register_regularizers():
     registered = []
 
     def register(*plugins):
         module = type("M", (), {})()
-        module.lossplug_register_regularisers = lossplug.hookimpl(
+        module.lossplug_register_regularizers = lossplug.hookimpl(
             lambda register: [register(p) for p in plugins] and None
         )
-        module.lossplug_register_regularisers.__name__ = "lossplug_register_regularisers"
-        lossplug.register_plugin(module, name=f"test-regularisers-{len(registered)}")
+        module.lossplug_register_regularizers.__name__ = "lossplug_register_regularizers"
+        lossplug.register_plugin(module, name=f"test-regularizers-{len(registered)}")
         registered.append(module)
 
     yield register
@@ -166,51 +166,51 @@ def register_regularisers():
         lossplug.unregister_plugin(module)
 
 
-def test_bad_output_is_a_plugin_error_naming_the_stage(register_regularisers):
-    @lossplug.regulariser("wrong_shape", params=_P)
+def test_bad_output_is_a_plugin_error_naming_the_stage(register_regularizers):
+    @lossplug.regularizer("wrong_shape", params=_P)
     def wrong_shape(inp, p):
         """[B] instead of [B, T]."""
         return inp.logp.sum(-1)
 
-    @lossplug.regulariser("not_finite", params=_P)
+    @lossplug.regularizer("not_finite", params=_P)
     def not_finite(inp, p):
         """inf on every action."""
         return torch.where(inp.mask, float("inf"), 0.0) + 0 * inp.logp
 
-    @lossplug.regulariser("not_an_output", params=_P)
+    @lossplug.regularizer("not_an_output", params=_P)
     def not_an_output(inp, p):
         """A dict."""
         return {"term": inp.logp}
 
-    register_regularisers(wrong_shape, not_finite, not_an_output)
+    register_regularizers(wrong_shape, not_finite, not_an_output)
     f = fields()
     for name, message in (
         (
             "wrong_shape",
-            r"recipe.regularisers\[0\] \(wrong_shape, .*\): a regulariser's term must be a tensor of shape \[6, 8\]",
+            r"recipe.regularizers\[0\] \(wrong_shape, .*\): a regularizer's term must be a tensor of shape \[6, 8\]",
         ),
         ("not_finite", r"not_finite.*its term is not finite on action positions"),
-        ("not_an_output", r"must return a lossplug.RegulariserOutput or a \[B, T\] tensor, got dict"),
+        ("not_an_output", r"must return a lossplug.RegularizerOutput or a \[B, T\] tensor, got dict"),
     ):
-        recipe = Recipe.load({"gates": ["reinforce"], "reduction": "token", "regularisers": [name]})
+        recipe = Recipe.load({"gates": ["reinforce"], "reduction": "token", "regularizers": [name]})
         with pytest.raises(lossplug.PluginError, match=message):
             policy_loss(PolicyBatch(**f), recipe)
 
 
-def test_the_decorator_wants_regulariser_params():
-    with pytest.raises(lossplug.LossplugError, match="params must subclass lossplug.RegulariserParams"):
-        lossplug.regulariser("plain_params", params=lossplug.NoParams)
+def test_the_decorator_wants_regularizer_params():
+    with pytest.raises(lossplug.LossplugError, match="params must subclass lossplug.RegularizerParams"):
+        lossplug.regularizer("plain_params", params=lossplug.NoParams)
 
 
-def test_a_tensor_return_is_the_term(register_regularisers):
-    @lossplug.regulariser("neg_logp", params=_P)
+def test_a_tensor_return_is_the_term(register_regularizers):
+    @lossplug.regularizer("neg_logp", params=_P)
     def neg_logp(inp, p):
         """−logp."""
         return -inp.logp
 
-    register_regularisers(neg_logp)
+    register_regularizers(neg_logp)
     f = {**fields(), "advantage": torch.zeros(6, dtype=torch.float64)}
-    recipe = Recipe.load({"gates": ["reinforce"], "reduction": "token_sum", "regularisers": ["neg_logp"]})
+    recipe = Recipe.load({"gates": ["reinforce"], "reduction": "token_sum", "regularizers": ["neg_logp"]})
     result, grad = loss_of(recipe, f)
     torch.testing.assert_close(result.loss, -torch.where(f["action_mask"], f["logp"], 0).sum())
     torch.testing.assert_close(grad, -f["action_mask"].to(torch.float64))
@@ -224,15 +224,15 @@ def test_explain_needs_list_and_show():
         {
             "gates": ["ppo_clip"],
             "reduction": "token",
-            "regularisers": [{"name": "kl", "ratio_weight": "token"}, {"name": "entropy", "adaptive": True}],
+            "regularizers": [{"name": "kl", "ratio_weight": "token"}, {"name": "entropy", "adaptive": True}],
         }
     )
     needs = recipe_needs(recipe)
-    assert needs["ref_logp"] == ("regularisers[0] 'kl'",) and needs["entropy"] == ("regularisers[1] 'entropy'",)
+    assert needs["ref_logp"] == ("regularizers[0] 'kl'",) and needs["entropy"] == ("regularizers[1] 'entropy'",)
     stages = {row["stage"]: row for row in explain_recipe(recipe)["stages"]}
-    assert stages["regularisers[0]"]["role"] == "+ coef · token(term)"
-    assert stages["regularisers[1]"]["role"] == "+ coef · token(term), adaptive coefficient"
+    assert stages["regularizers[0]"]["role"] == "+ coef · token(term)"
+    assert stages["regularizers[1]"]["role"] == "+ coef · token(term), adaptive coefficient"
     rows = {(r["kind"], r["name"]): r for r in lossplug.list_plugins()}
-    assert rows[("regulariser", "kl")]["requires"] == ["ref_logp"]
-    info = plugin_info("regulariser", "entropy", lossplug.registry().plugins["regulariser"]["entropy"], "x")
+    assert rows[("regularizer", "kl")]["requires"] == ["ref_logp"]
+    info = plugin_info("regularizer", "entropy", lossplug.registry().plugins["regularizer"]["entropy"], "x")
     assert info["needs"] == ["logp", "action_mask", "entropy"]

@@ -1,4 +1,4 @@
-"""The ``kl`` regulariser's ``anchor``: the estimate against old_logp or behavior_logp instead of the reference —
+"""The ``kl`` regularizer's ``anchor``: the estimate against old_logp or behavior_logp instead of the reference —
 prime-rl's default ``kl_tau · (log π_θ/π_inference)²`` and Kimi k1.5's ``τ/2 · (log π_θ/π_old)²``, float64, loss and
 gradient against their transcribed formulas."""
 
@@ -42,7 +42,7 @@ def prime_rl_kl_term(f: dict[str, torch.Tensor], kl_tau: float) -> tuple[torch.T
 def test_prime_rls_default_kl_is_the_behaviour_anchored_k2(seed, B, T, kl_tau):
     f = fields(B, T, seed, advantage=False)  # A = 0: the policy term is 0, the loss is the KL term alone
     kl = {"name": "kl", "anchor": "behavior_logp", "estimator": "k2", "coef": 2 * kl_tau, "reduction": "token"}
-    result, grad = loss_and_grad({"gates": ["reinforce"], "reduction": "token", "regularisers": [kl]}, **f)
+    result, grad = loss_and_grad({"gates": ["reinforce"], "reduction": "token", "regularizers": [kl]}, **f)
     expected, expected_grad = prime_rl_kl_term(f, kl_tau)
     torch.testing.assert_close(result.loss, expected, rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-15)
@@ -53,7 +53,7 @@ def test_kimi15_is_reinforce_with_the_old_anchored_k2(seed, B, T, tau):
     f = fields(B, T, seed)
     kimi, kimi_grad = loss_and_grad({"gates": [{"name": "kimi15", "tau": tau}], "reduction": "token"}, **f)
     kl = {"name": "kl", "anchor": "old_logp", "estimator": "k2", "coef": tau}
-    composed, composed_grad = loss_and_grad({"gates": ["reinforce"], "reduction": "token", "regularisers": [kl]}, **f)
+    composed, composed_grad = loss_and_grad({"gates": ["reinforce"], "reduction": "token", "regularizers": [kl]}, **f)
     torch.testing.assert_close(composed.loss, kimi.loss, rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(composed_grad, kimi_grad, rtol=1e-12, atol=1e-15)
 
@@ -61,13 +61,13 @@ def test_kimi15_is_reinforce_with_the_old_anchored_k2(seed, B, T, tau):
 def test_an_anchor_is_required_in_place_of_the_reference():
     f = fields(2, 4, 0)
     kl = {"name": "kl", "anchor": "behavior_logp", "estimator": "k2"}
-    loss_and_grad({"gates": ["reinforce"], "reduction": "token", "regularisers": [kl]}, **f)  # no ref_logp needed
+    loss_and_grad({"gates": ["reinforce"], "reduction": "token", "regularizers": [kl]}, **f)  # no ref_logp needed
     without = {k: v for k, v in f.items() if k != "behavior_logp"}
-    with pytest.raises(BatchValidationError, match=r"behavior_logp: required by recipe.regularisers\[0\] \(kl"):
-        loss_and_grad({"gates": ["reinforce"], "reduction": "token", "regularisers": [kl]}, **without)
+    with pytest.raises(BatchValidationError, match=r"behavior_logp: required by recipe.regularizers\[0\] \(kl"):
+        loss_and_grad({"gates": ["reinforce"], "reduction": "token", "regularizers": [kl]}, **without)
     with pytest.raises(lossplug.LossplugError, match="anchor"):
         lossplug.Recipe.load(
-            {"gates": ["reinforce"], "reduction": "token", "regularisers": [{"name": "kl", "anchor": "teacher_logp"}]}
+            {"gates": ["reinforce"], "reduction": "token", "regularizers": [{"name": "kl", "anchor": "teacher_logp"}]}
         )
 
 
@@ -80,4 +80,4 @@ def test_an_anchor_is_required_in_place_of_the_reference():
     ],
 )
 def test_anchored_estimates_conform(params):
-    assert_conforms("kl", kind="regulariser", params=params)
+    assert_conforms("kl", kind="regularizer", params=params)

@@ -36,7 +36,7 @@ def fields(B: int, T: int, seed: int, spread: float = 28.0) -> dict:
 
 def run(params: dict, f: dict, reduction: str):
     reg = {"name": "kl_on_policy", "coef": COEF, **params}
-    return loss_and_grad({"gates": ["reinforce"], "reduction": reduction, "regularisers": [reg]}, **f)
+    return loss_and_grad({"gates": ["reinforce"], "reduction": reduction, "regularizers": [reg]}, **f)
 
 
 def nemo_calculate_kl(logprobs, logprobs_reference, kl_type, weights, input_clamp=20.0, output_clamp=10.0):
@@ -81,7 +81,7 @@ def test_value_is_the_plain_estimate_and_the_gradient_adds_the_score_term(estima
         {
             "gates": ["reinforce"],
             "reduction": "token_sum",
-            "regularisers": [{"name": "kl", "coef": COEF, "estimator": estimator}],
+            "regularizers": [{"name": "kl", "coef": COEF, "estimator": estimator}],
         },
         **f,
     )
@@ -95,5 +95,5 @@ def test_parameters_are_checked():
     for bad in ({"estimator": "abs"}, {"weight": "ref"}, {"input_clamp": 0.0}):
         with pytest.raises(lossplug.RecipeError, match="kl_on_policy"):
             lossplug.Recipe.model_validate(
-                {"gates": ["reinforce"], "reduction": "token", "regularisers": [{"name": "kl_on_policy", **bad}]}
+                {"gates": ["reinforce"], "reduction": "token", "regularizers": [{"name": "kl_on_policy", **bad}]}
             )

@@ -1,1 +1,0 @@
-"""Built-in regularisers: per-token terms added to the policy loss with a coefficient (KL, entropy)."""
