@@ -9,7 +9,7 @@ import torch
 from pydantic import Field
 
 import lossplug
-from lossplug import Normalizer, PolicyBatch, Recipe, policy_loss, reduce
+from lossplug import Normalizer, PolicyBatch, Recipe, RecipeError, policy_loss, reduce
 
 
 def fields(B=6, T=8, seed=0):
@@ -236,3 +236,50 @@ def test_explain_needs_list_and_show():
     assert rows[("regularizer", "kl")]["requires"] == ["ref_logp"]
     info = plugin_info("regularizer", "entropy", lossplug.registry().plugins["regularizer"]["entropy"], "x")
     assert info["needs"] == ["logp", "action_mask", "entropy"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# lossplug 0.1.0's spelling (regulariser) keeps working
+
+
+def test_the_earlier_spelling_still_loads_recipes_names_and_hooks():
+    import lossplug
+
+    assert lossplug.RegulariserOutput is lossplug.RegularizerOutput
+    assert lossplug.RegulariserParams is lossplug.RegularizerParams
+    assert lossplug.RegulariserPlugin is lossplug.RegularizerPlugin
+    assert lossplug.regulariser is lossplug.regularizer
+    assert not any("Regularis" in name or "regularis" in name for name in lossplug.__all__)
+
+    old = Recipe.model_validate(
+        {"gates": ["ppo_clip"], "reduction": "token", "regularisers": [{"name": "kl", "coef": 0.1}]}
+    )
+    new = Recipe.model_validate(
+        {"gates": ["ppo_clip"], "reduction": "token", "regularizers": [{"name": "kl", "coef": 0.1}]}
+    )
+    assert old == new and "regularizers" in old.to_dict() and "regularisers" not in old.to_dict()
+    with pytest.raises(RecipeError, match="old spelling of 'regularizers'"):
+        Recipe.model_validate({"gates": ["ppo_clip"], "reduction": "token", "regularisers": [], "regularizers": []})
+
+
+def test_a_plugin_implementing_the_earlier_hook_name_is_still_registered():
+    import lossplug
+
+    @lossplug.regularizer("legacy_square")
+    def legacy_square(inp, p):
+        """legacy_square: logp²."""
+        return inp.logp**2
+
+    class Legacy:
+        @lossplug.hookimpl
+        def lossplug_register_regularisers(self, register):
+            register(legacy_square)
+
+    plugin = Legacy()
+    with pytest.warns(DeprecationWarning, match="lossplug_register_regularizers"):
+        lossplug.register_plugin(plugin, "legacy-plugin")
+        registered = lossplug.registry().plugins["regularizer"]
+    try:
+        assert registered["legacy_square"] is legacy_square
+    finally:
+        lossplug.unregister_plugin(plugin)
