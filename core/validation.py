@@ -120,6 +120,18 @@ def check_advantage_output(
         raise LossplugError(f"{where} are not finite at {describe_positions(bad)}")
 
 
+def _check_metric_mappings(where: str, out: GateOutput | RegularizerOutput, output_type: str) -> None:
+    """A gate's or regularizer's ``metrics`` and ``details`` are mappings; ``output_type`` names the class in the
+    error."""
+    for name in ("metrics", "details"):
+        value = getattr(out, name)
+        if not isinstance(value, Mapping):
+            raise PluginError(
+                f"{where}: {output_type}.{name} must be a mapping of metric name → 0-d tensor (or a "
+                f"function returning one), got {describe_value(value)}"
+            )
+
+
 def check_regularizer_output(stage: RegularizerStage, out: object, batch: PolicyBatch) -> None:
     """A regularizer's output before it is used: a :class:`RegularizerOutput` whose term is ``[B, T]`` like logp and
     finite on the actions, metrics declared as mappings, a detached observation tensor."""
@@ -136,13 +148,7 @@ def check_regularizer_output(stage: RegularizerStage, out: object, batch: Policy
     bad = ~torch.isfinite(term.detach()) & batch.action_mask
     if bool(bad.any()):
         raise PluginError(f"{where}: its term is not finite on action positions at {describe_positions(bad)}")
-    for name in ("metrics", "details"):
-        value = getattr(out, name)
-        if not isinstance(value, Mapping):
-            raise PluginError(
-                f"{where}: RegularizerOutput.{name} must be a mapping of metric name → 0-d tensor (or a "
-                f"function returning one), got {describe_value(value)}"
-            )
+    _check_metric_mappings(where, out, "RegularizerOutput")
     if out.observation is not None and not isinstance(out.observation, Tensor):
         raise PluginError(
             f"{where}: RegularizerOutput.observation must be a tensor or None, got {describe_value(out.observation)}"
@@ -176,13 +182,7 @@ def check_gate_output(stage: Stage[GatePlugin], out: object, batch: PolicyBatch)
                 f"{where}: a correction's weight must be detached (.detach()): gradient flows through "
                 "logp only, via the update gate"
             )
-    for name in ("metrics", "details"):
-        value = getattr(out, name)
-        if not isinstance(value, Mapping):
-            raise PluginError(
-                f"{where}: GateOutput.{name} must be a mapping of metric name → 0-d tensor (or a "
-                f"function returning one), got {describe_value(value)}"
-            )
+    _check_metric_mappings(where, out, "GateOutput")
     if out.active is not None and not (isinstance(out.active, Tensor) or callable(out.active)):
         raise PluginError(
             f"{where}: GateOutput.active must be a bool tensor, a function returning one, or None, got "
