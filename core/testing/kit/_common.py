@@ -20,7 +20,7 @@ import torch
 import lossplug
 from lossplug.contracts import Normalizer, PackedTransitions, PolicyBatch, Recipe
 from lossplug.kinds import KINDS as _KIND_TABLE
-from lossplug.plugin import GateInput, GateOutput, Params, evaluate
+from lossplug.plugin import GateInput, GateOutput, Params, RegularizerOutput, evaluate
 from lossplug.requires import required_fields
 
 from .. import batches
@@ -276,6 +276,14 @@ def declared_metrics(out: GateOutput) -> tuple[dict[str, Any], Any]:
     with torch.no_grad():
         values = {key: evaluate(v) for part in (out.metrics, out.details) for key, v in part.items()}
         return values, None if out.active is None else evaluate(out.active)
+
+
+def metrics_with_gradient(out: GateOutput | RegularizerOutput) -> list[str]:
+    """The declared metrics (``metrics`` and ``details``) given as tensors that carry gradient, sorted: a metric given
+    as a tensor was computed when the plugin ran (a function is evaluated under no_grad)."""
+    return sorted(
+        k for part in (out.metrics, out.details) for k, v in part.items() if isinstance(v, Tensor) and v.requires_grad
+    )
 
 
 def where_rows(bad: Tensor) -> str:

@@ -18,6 +18,7 @@ from ._common import (
     declared_metrics,
     first_diff,
     gate_input,
+    metrics_with_gradient,
     normalizer_for,
     run_loss,
 )
@@ -98,10 +99,7 @@ def gate_detached(s: Subject) -> None:
         )
     if isinstance(out.active, Tensor) and out.active.requires_grad:
         raise CheckFailed("`active` carries gradient; it must be a bool mask")
-    # a metric given as a tensor was computed when the gate ran (a function is evaluated under no_grad)
-    live = sorted(
-        k for part in (out.metrics, out.details) for k, v in part.items() if isinstance(v, Tensor) and v.requires_grad
-    )
+    live = metrics_with_gradient(out)
     if live:
         raise CheckFailed(
             f"metric(s) {', '.join(live)} carry gradient: declare them as functions (evaluated under "

@@ -25,6 +25,7 @@ from ._common import (
     check_fields,
     first_diff,
     gate_input,
+    metrics_with_gradient,
     normalizer_for,
     run_loss,
 )
@@ -82,9 +83,7 @@ def regularizer_detached(s: Subject) -> None:
     f = check_fields()
     everything = ("logp", "entropy", "old_logp", "behavior_logp", "ref_logp", "advantage")
     out = _output(s, f, grad=everything)
-    live = sorted(
-        k for part in (out.metrics, out.details) for k, v in part.items() if isinstance(v, Tensor) and v.requires_grad
-    )
+    live = metrics_with_gradient(out)
     if live:
         raise CheckFailed(
             f"metric(s) {', '.join(live)} carry gradient: declare them as functions (evaluated under no_grad) or "
