@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 
 import lossplug
 
+from ._grouped import grouped_rewards
+
 F64 = torch.float64
 ATOL, RTOL = 1e-10, 1e-10
 SIZES = [(4, 4, 4, 4), (2, 5, 3, 8, 1, 6), (3, 1, 7), (2, 2)]
@@ -32,14 +34,8 @@ def recipe(**params):
 
 
 def batch_for(gen, sizes, T=6, binary=True):
-    group = torch.cat([torch.full((n,), g) for g, n in enumerate(sizes)])
-    group = group[torch.randperm(group.numel(), generator=gen)]
-    B = group.numel()
-    lengths = torch.randint(1, T + 1, (B,), generator=gen)
-    mask = torch.arange(T) < lengths[:, None]
-    score = (torch.rand(B, generator=gen) < 0.4).to(F64) if binary else torch.rand(B, generator=gen, dtype=F64) * 3
-    score[group == 0] = 1.0  # an all-equal group
-    logp = -(0.1 + torch.rand(B, T, generator=gen, dtype=F64))
+    group, _, mask, score = grouped_rewards(gen, sizes, T, binary)
+    logp = -(0.1 + torch.rand(group.numel(), T, generator=gen, dtype=F64))
     return lossplug.PolicyBatch(logp=logp, action_mask=mask, reward=score, group_id=group)
 
 

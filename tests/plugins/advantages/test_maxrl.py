@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import lossplug
 
 from ..gates._field_origins import skyrl_ppo_utils
+from ._grouped import grouped_rewards
 
 F64 = torch.float64
 #: measured: SkyRL vs lossplug ≤ 2.3e-16 abs; the transcription ≤ 4.5e-16 abs
@@ -29,16 +30,8 @@ def recipe(**params):
 
 
 def batch_for(gen, sizes, T=6, binary=True):
-    group = torch.cat([torch.full((n,), g) for g, n in enumerate(sizes)])
-    group = group[torch.randperm(group.numel(), generator=gen)]
+    group, lengths, mask, score = grouped_rewards(gen, sizes, T, binary)
     B = group.numel()
-    lengths = torch.randint(1, T + 1, (B,), generator=gen)
-    mask = torch.arange(T) < lengths[:, None]
-    if binary:
-        score = (torch.rand(B, generator=gen) < 0.4).to(F64)
-    else:
-        score = torch.rand(B, generator=gen, dtype=F64) * 3
-    score[group == 0] = 1.0  # an all-equal group
     token_rewards = torch.zeros(B, T, dtype=F64)
     token_rewards[torch.arange(B), lengths - 1] = score
     batch = lossplug.PolicyBatch(logp=-torch.ones(B, T, dtype=F64), action_mask=mask, reward=score, group_id=group)
