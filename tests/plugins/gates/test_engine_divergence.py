@@ -20,7 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lossplug
-from lossplug.testing.batches import loss_and_grad, policy_fields
+from lossplug.testing.batches import loss_and_grad
+
+from ._engine_ratio import correction_weight
+from ._engine_ratio import engine_fields as fields
 
 SHAPES = [(1, 1), (3, 7), (6, 10), (8, 33)]
 CASES = [
@@ -30,12 +33,6 @@ CASES = [
     {"divergence": "tv", "level": "sequence", "delta": 0.1},
 ]
 CLIP = 0.2
-
-
-def fields(B: int, T: int, seed: int, scale: float = 0.8) -> dict:
-    f = policy_fields(B, T, seed=seed, log_ratio_scale=scale, token_advantage=True)
-    f["action_mask"][:, 0] = True  # every response has an action
-    return {k: f[k] for k in ("logp", "old_logp", "behavior_logp", "advantage", "action_mask")}
 
 
 def run(params: dict, f: dict):
@@ -126,9 +123,7 @@ def test_against_openrlhf(policy_loss_cls, params, B, T):
 
 
 def weight_of(params: dict, f: dict) -> torch.Tensor:
-    inp = lossplug.GateInput.from_batch(lossplug.PolicyBatch(**f))
-    plugin = lossplug.registry().plugins["gate"]["engine_divergence_mask"]
-    return plugin.fn(inp, plugin.params(**params)).weight
+    return correction_weight("engine_divergence_mask", params, f)
 
 
 @settings(max_examples=40, deadline=None)

@@ -20,17 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lossplug
-from lossplug.testing.batches import loss_and_grad, policy_fields
+from lossplug.testing.batches import loss_and_grad
+
+from ._engine_ratio import correction_weight
+from ._engine_ratio import engine_fields as fields
 
 SHAPES = [(1, 2), (3, 7), (6, 10), (8, 33)]
 CASES = [{"low": 0.5, "high": 2.0}, {"low": 0.7, "high": None}, {"low": None, "high": 1.5}, {}]
 CLIP = 0.2
-
-
-def fields(B: int, T: int, seed: int, scale: float = 0.8) -> dict:
-    f = policy_fields(B, T, seed=seed, log_ratio_scale=scale, token_advantage=True)
-    f["action_mask"][:, 0] = True
-    return {k: f[k] for k in ("logp", "old_logp", "behavior_logp", "advantage", "action_mask")}
 
 
 def run(params: dict, f: dict):
@@ -106,9 +103,7 @@ def test_against_skyrl(skyrl_outlier_mask, params, B, T):
 
 
 def weight_of(params: dict, f: dict) -> torch.Tensor:
-    inp = lossplug.GateInput.from_batch(lossplug.PolicyBatch(**f))
-    plugin = lossplug.registry().plugins["gate"]["outlier_sequence_mask"]
-    return plugin.fn(inp, plugin.params(**params)).weight
+    return correction_weight("outlier_sequence_mask", params, f)
 
 
 @settings(max_examples=40, deadline=None)
