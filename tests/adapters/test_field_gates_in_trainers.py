@@ -16,6 +16,8 @@ import torch
 
 from lossplug.testing import tiny
 
+from ._field_trainers import verl_actor_config, verl_policy_loss
+
 #: one recipe per family; TRL trains each for two steps with two iterations per generation (old_logp ≠ logp)
 FAMILIES = {
     "topr": {"advantage": "grpo", "gates": [{"name": "topr", "split_on": "reward"}], "reduction": "token"},
@@ -131,23 +133,11 @@ VERL_RECIPES = {**FAMILIES, "topr": {"gates": [{"name": "topr"}], "reduction": "
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_each_family_in_verls_policy_loss_matches_its_formula(family):
     pytest.importorskip("verl")
-    from verl.trainer.ppo.core_algos import get_policy_loss_fn
-    from verl.workers.config import ActorConfig
-
-    from lossplug.adapters.verl import LossplugPolicyLossConfig
-
     recipe = {k: v for k, v in VERL_RECIPES[family].items() if k != "advantage"}
-    config = ActorConfig(
-        strategy="fsdp",
-        rollout_n=4,
-        ppo_micro_batch_size_per_gpu=MICRO,
-        loss_agg_mode="token-mean",
-        policy_loss=LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe),
-    )
+    config = verl_actor_config(recipe, MICRO)
     inputs = verl_inputs(seed=len(family))
     n = int(inputs["response_mask"].sum())
     config.global_batch_info.update({"dp_size": DP, "batch_num_tokens": n, "global_batch_size": B})
-    loss_fn = get_policy_loss_fn("lossplug")
     worst = {"loss_abs": 0.0, "grad_abs": 0.0}
     total, expected_total = 0.0, 0.0
     for start in range(0, B, MICRO):  # dp_size ranks × micro-batches, each padded to its own longest response
@@ -155,15 +145,7 @@ def test_each_family_in_verls_policy_loss_matches_its_formula(family):
         width = int(inputs["lengths"][rows].max())
         mb = {k: v[rows, :width] for k, v in inputs.items() if k != "lengths"}
         log_prob = mb["log_prob"].clone().requires_grad_()
-        loss, metrics = loss_fn(
-            old_log_prob=mb["old_log_prob"],
-            log_prob=log_prob,
-            advantages=mb["advantages"],
-            response_mask=mb["response_mask"],
-            loss_agg_mode="token-mean",
-            config=config,
-            rollout_log_probs=mb["rollout_log_probs"],
-        )
+        loss, metrics = verl_policy_loss(config, mb, log_prob)
         loss.backward()
         reference_logp = mb["log_prob"].clone().requires_grad_()
         mask = mb["response_mask"]

@@ -14,6 +14,8 @@ import torch
 
 import lossplug
 
+from ._field_trainers import verl_actor_config, verl_policy_loss
+
 # -- TRL ---------------------------------------------------------------------------------------------------------------
 
 #: family → (recipe, the gate's metrics that must reach TRL's log)
@@ -136,38 +138,18 @@ VERL_GATES = [
 @pytest.mark.parametrize("gates", VERL_GATES, ids=lambda g: "+".join(s["name"] for s in g))
 def test_verls_policy_loss_seam_gives_each_formula_over_the_step(gates):
     pytest.importorskip("verl")
-    from verl.trainer.ppo.core_algos import get_policy_loss_fn
-    from verl.workers.config import ActorConfig
-
-    from lossplug.adapters.verl import LossplugPolicyLossConfig
-
     x = verl_inputs(seed=len(gates[-1]["name"]))
     mask = x["response_mask"]
-    config = ActorConfig(
-        strategy="fsdp",
-        rollout_n=4,
-        ppo_micro_batch_size_per_gpu=MICRO,
-        loss_agg_mode="token-mean",
-        policy_loss=LossplugPolicyLossConfig(loss_mode="lossplug", recipe={"gates": gates, "reduction": "token"}),
-    )
+    config = verl_actor_config({"gates": gates, "reduction": "token"}, MICRO)
     config.global_batch_info.update(
         {"dp_size": DP, "batch_num_tokens": int(mask.sum()), "global_batch_size": B, "loss_scale_factor": None}
     )
-    loss_fn = get_policy_loss_fn("lossplug")
     total, grad = torch.zeros((), dtype=torch.float64), torch.zeros_like(x["log_prob"])
     for start in range(0, B, MICRO):  # dp_size ranks × micro-batches, each padded to its own longest response
         rows, width = slice(start, start + MICRO), int(x["lengths"][start : start + MICRO].max())
         mb = {k: v[rows, :width] for k, v in x.items() if k != "lengths"}
         log_prob = mb["log_prob"].clone().requires_grad_()
-        loss, metrics = loss_fn(
-            old_log_prob=mb["old_log_prob"],
-            log_prob=log_prob,
-            advantages=mb["advantages"],
-            response_mask=mb["response_mask"],
-            loss_agg_mode="token-mean",
-            config=config,
-            rollout_log_probs=mb["rollout_log_probs"],
-        )
+        loss, metrics = verl_policy_loss(config, mb, log_prob)
         loss.backward()
         total = total + loss.detach() / DP  # verl multiplies each share by dp_size and averages the ranks' gradients
         grad[rows, :width] = log_prob.grad / DP
@@ -189,28 +171,7 @@ def test_verls_policy_loss_seam_gives_each_formula_over_the_step(gates):
 def test_prompt_mean_is_refused_by_name_where_the_seam_has_no_prompt_groups():
     # verl hands a policy loss no uid: a reduction over prompts cannot run there, and says which field it lacks
     pytest.importorskip("verl")
-    from verl.trainer.ppo.core_algos import get_policy_loss_fn
-    from verl.workers.config import ActorConfig
-
-    from lossplug.adapters.verl import LossplugPolicyLossConfig
-
     x = verl_inputs(seed=0)
-    config = ActorConfig(
-        strategy="fsdp",
-        rollout_n=4,
-        ppo_micro_batch_size_per_gpu=MICRO,
-        loss_agg_mode="token-mean",
-        policy_loss=LossplugPolicyLossConfig(
-            loss_mode="lossplug", recipe={"gates": ["importance_sampling"], "reduction": "prompt_mean"}
-        ),
-    )
+    config = verl_actor_config({"gates": ["importance_sampling"], "reduction": "prompt_mean"}, MICRO)
     with pytest.raises(lossplug.BatchValidationError, match=r"group_id.*prompt_mean|prompt_mean.*group_id"):
-        get_policy_loss_fn("lossplug")(
-            old_log_prob=x["old_log_prob"],
-            log_prob=x["log_prob"],
-            advantages=x["advantages"],
-            response_mask=x["response_mask"],
-            loss_agg_mode="token-mean",
-            config=config,
-            rollout_log_probs=x["rollout_log_probs"],
-        )
+        verl_policy_loss(config, x)
