@@ -93,11 +93,9 @@ def trl_normalizer(parts):
     return Normalizer(action_tokens=int(sum(m.sum() for m in masks)), sequences=sum(m.shape[0] for m in masks))
 
 
-def test_static_bonus_is_trls(fake_grpo):
-    parts = micro_batches(2)
-    trainer = fake_grpo(loss_type="dapo", entropy_coef=0.02, gradient_accumulation_steps=2)
-    recipe = trl_recipe(coef=0.02)
-    norm = trl_normalizer(parts)
+def assert_micro_batches_match_trl(trainer, recipe, parts, norm):
+    """Each micro-batch's loss and its gradients (logp and entropy) against TRL's ``compute_loss`` on the same one;
+    the last of two micro-batches syncs gradients."""
     for i, (logp, entropy, mask, adv) in enumerate(parts):
         result, g_logp, g_ent = run(recipe, logp, entropy, mask, adv, norm)
         leaf, ent = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
@@ -108,6 +106,14 @@ def test_static_bonus_is_trls(fake_grpo):
         assert_close(result.loss, expected)
         assert_close(g_logp, e_logp)
         assert_close(g_ent, e_ent)
+
+
+def test_static_bonus_is_trls(fake_grpo):
+    parts = micro_batches(2)
+    trainer = fake_grpo(loss_type="dapo", entropy_coef=0.02, gradient_accumulation_steps=2)
+    recipe = trl_recipe(coef=0.02)
+    norm = trl_normalizer(parts)
+    assert_micro_batches_match_trl(trainer, recipe, parts, norm)
 
 
 def test_adaptive_coefficient_follows_trl_step_by_step_across_a_checkpoint(fake_grpo):
@@ -141,16 +147,7 @@ def test_adaptive_coefficient_follows_trl_step_by_step_across_a_checkpoint(fake_
         norm = trl_normalizer(parts)
         (controller,) = lossplug.controllers(recipe).values()
         applied.append(controller.coefficient)
-        for i, (logp, entropy, mask, adv) in enumerate(parts):
-            result, g_logp, g_ent = run(recipe, logp, entropy, mask, adv, norm)
-            leaf, ent = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
-            expected = trainer.compute_loss(
-                leaf, ent, mask, adv, old_logp=logp, sync_gradients=i == 1, num_items_in_batch=norm.action_tokens
-            )
-            e_logp, e_ent = torch.autograd.grad(expected, (leaf, ent))
-            assert_close(result.loss, expected)
-            assert_close(g_logp, e_logp)
-            assert_close(g_ent, e_ent)
+        assert_micro_batches_match_trl(trainer, recipe, parts, norm)
         controller.step()  # the optimizer-step boundary (one process: no all-reduce)
         assert controller.entropy_coef == pytest.approx(trainer.entropy_coef, rel=1e-12, abs=1e-15)
         assert controller.last_world_entropy == pytest.approx(trainer._last_world_entropy, rel=1e-12)
