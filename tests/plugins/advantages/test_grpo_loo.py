@@ -141,8 +141,10 @@ def test_order_and_positive_rescaling_change_nothing(sizes, seed, factor):
         reward=batch.reward[perm],
         group_id=batch.group_id[perm],
     )
+    # the sums run in another order: rounding, amplified where a leave-one-out std is small, scales with |A|
+    scale = max(1.0, float(adv.abs().max()))
     torch.testing.assert_close(
-        lossplug.compute_advantages(shuffled, recipe(eps=0.0)), adv[perm], atol=1e-12, rtol=1e-12
+        lossplug.compute_advantages(shuffled, recipe(eps=0.0)), adv[perm], atol=1e-12 * scale, rtol=1e-9
     )
     scaled = lossplug.compute_advantages(batch.replace(reward=batch.reward * factor), recipe(eps=0.0))
     torch.testing.assert_close(scaled, adv, atol=1e-9, rtol=1e-9)
