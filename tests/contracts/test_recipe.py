@@ -352,7 +352,7 @@ def test_regularizer_errors_are_reported_with_every_other_stage():
 def test_regularizer_structure_errors():
     with pytest.raises(RecipeError, match="recipe.regularizers: must be a list of regularizers"):
         Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularizers": 3})
-    with pytest.raises(RecipeError, match="unknown key 'regularizers' \\(did you mean 'regularizers'\\?\\)"):
-        Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularizers": ["kl"]})
+    with pytest.raises(RecipeError, match="unknown key 'regularizer' \\(did you mean 'regularizers'\\?\\)"):
+        Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularizer": ["kl"]})
     with pytest.raises(RecipeError, match="recipe.regularizers\\[0\\]: unknown regularizer plugin 'ppo_clip'"):
         Recipe.load({"gates": ["ppo_clip"], "reduction": "token", "regularizers": ["ppo_clip"]})
