@@ -147,7 +147,8 @@ def test_order_and_positive_rescaling_change_nothing(sizes, seed, factor):
         lossplug.compute_advantages(shuffled, recipe(eps=0.0)), adv[perm], atol=1e-12 * scale, rtol=1e-9
     )
     scaled = lossplug.compute_advantages(batch.replace(reward=batch.reward * factor), recipe(eps=0.0))
-    torch.testing.assert_close(scaled, adv, atol=1e-9, rtol=1e-9)
+    # (hypothesis found |A| ≈ 4200 — a leave-one-out std near 0 — where rescaling moves A by 7e-9 relative)
+    torch.testing.assert_close(scaled, adv, atol=1e-9 * scale, rtol=1e-7)
 
 
 def test_parameters_are_checked():
