@@ -133,13 +133,9 @@ def _parse_assignments(items: list[str] | None, what: str) -> dict[str, Any]:
 
 
 def _registry() -> Registry:
-    import warnings
+    from lossplug.cli.catalogue import quiet_registry
 
-    from lossplug.plugin_registry import LossplugPluginWarning, registry
-
-    with warnings.catch_warnings():  # broken plugins are shown by the commands themselves, in red
-        warnings.simplefilter("ignore", LossplugPluginWarning)
-        return registry()
+    return quiet_registry()
 
 
 def _params_line(params: dict[str, Any]) -> str:

@@ -26,7 +26,10 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lossplug.plugin_registry import Registry
 
 SNAPSHOT = Path(__file__).with_name("catalogue.json")
 
@@ -70,20 +73,26 @@ def third_party_may_load() -> bool:
     return any(True for _ in md.entry_points(group=ENTRY_POINT_GROUP))
 
 
-def live() -> dict[str, Any]:
-    """The catalogue from the registry (imports every plugin, hence torch), as JSON data."""
+def quiet_registry() -> Registry:
+    """The plugin registry, built without raising broken plugins as Python warnings: the commands show them, in red."""
     import warnings
 
+    from lossplug.plugin_registry import LossplugPluginWarning, registry
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LossplugPluginWarning)
+        return registry()
+
+
+def live() -> dict[str, Any]:
+    """The catalogue from the registry (imports every plugin, hence torch), as JSON data."""
     import lossplug
     from lossplug.contracts import Recipe
     from lossplug.kinds import KINDS
-    from lossplug.plugin_registry import LossplugPluginWarning, registry
 
     from .describe import distribution, explain_recipe, parameters, plugin_info
 
-    with warnings.catch_warnings():  # broken plugins are shown by the commands themselves, in red
-        warnings.simplefilter("ignore", LossplugPluginWarning)
-        reg = registry()
+    reg = quiet_registry()
     rows = lossplug.list_plugins()
     for row in rows:
         row["distribution"] = distribution(row["source"])
