@@ -17,7 +17,7 @@ import time
 from .common import summarize
 
 
-def _trainer(kind: str, steps: int, out_dir: str, size: dict):
+def _trainer(kind: str, steps: int, out_dir: str, size: dict, config: dict | None = None):
     from lossplug.testing import tiny
 
     tiny.offline()
@@ -46,6 +46,7 @@ def _trainer(kind: str, steps: int, out_dir: str, size: dict):
         max_completion_length=size["completion"],
         logging_steps=1,
         disable_tqdm=True,
+        **(config or {}),  # e.g. use_cpu=False (bench/gpu.py)
     )
     common = dict(
         model=model,
@@ -65,7 +66,9 @@ def _trainer(kind: str, steps: int, out_dir: str, size: dict):
     return trainer, times
 
 
-def bench_trl_e2e(steps: int, rounds: int, warmup: int = 1, size: dict | None = None) -> dict:
+def bench_trl_e2e(
+    steps: int, rounds: int, warmup: int = 1, size: dict | None = None, config: dict | None = None
+) -> dict:
     size = size or {"hidden": 64, "layers": 2, "batch": 8, "generations": 4, "completion": 16, "prompts": 32}
     step_times: dict[str, list[float]] = {"native": [], "lossplug": []}
     losses: dict[str, list[float]] = {}
@@ -73,7 +76,7 @@ def bench_trl_e2e(steps: int, rounds: int, warmup: int = 1, size: dict | None = 
     for r in range(rounds):
         for kind in ("native", "lossplug") if r % 2 == 0 else ("lossplug", "native"):
             with tempfile.TemporaryDirectory() as out:
-                trainer, times = _trainer(kind, steps, out, size)
+                trainer, times = _trainer(kind, steps, out, size, config)
                 loss_type = trainer.args.loss_type
                 trainer.train()
                 step_times[kind].extend(times[warmup:])
