@@ -29,7 +29,8 @@ Modules, by concern: :mod:`~lossplug.adapters.trl.equivalent` (``GRPOConfig`` �
 :mod:`~lossplug.adapters.trl.refusals` (version gate, what is refused), :mod:`~lossplug.adapters.trl.advantages`
 (the advantage seam), :mod:`~lossplug.adapters.trl.loss` (the loss seam: ``_compute_loss``; the micro-batch becomes a
 ``PolicyBatch`` in :func:`~lossplug.adapters.trl.loss.policy_batch`), :mod:`~lossplug.adapters.trl.controllers`
-(adaptive coefficients and their checkpoints), :mod:`~lossplug.adapters.trl.record` (provenance and run record),
+(adaptive coefficients and their checkpoints), :mod:`~lossplug.adapters.trl.dashboard` (TRL's own metric keys),
+:mod:`~lossplug.adapters.trl.record` (provenance and run record),
 :mod:`~lossplug.adapters.trl.trainer` (the trainer class and :func:`attach`).
 
 What travels with the rows
@@ -170,8 +171,36 @@ Only what is genuinely outside the loss, or a recipe that would change TRL's mea
 * in :func:`trl_equivalent`: ``use_adaptive_entropy`` with ``top_entropy_quantile < 1`` (TRL's
   controller observes the high-entropy tokens only, which the entropy regularizer cannot select).
 
-Kept from TRL unchanged: the MoE auxiliary loss, eval mode, the ``kl`` metric (from the recipe's KL when it has one),
-the ``entropy`` metric, ``entropy_coef``. lossplug's own metrics are logged as
+Kept from TRL unchanged: the MoE auxiliary loss, eval mode, ``entropy_coef``, ``policy_loss``, ``aux_loss``.
+
+TRL's dashboard
+---------------
+Every key TRL's ``_compute_loss`` logs is logged under its own name, with TRL's definition, wherever the recipe's
+stage is the one the key describes — so a lossplug run and a TRL run of the same loss show the same curves
+(:mod:`~lossplug.adapters.trl.dashboard`; ``tests/adapters/test_trl_dashboard.py`` compares every key of TRL's
+``log_history`` for each loss type):
+
+==============================================  ====================================================================
+TRL key                                         logged when
+==============================================  ====================================================================
+``entropy``                                     always
+``kl``                                          ``beta != 0``: TRL's own term, or the recipe's ``kl`` regularizer
+                                                anchored at ``ref_logp``
+``clip_ratio/low_mean``, ``/high_mean``,        update gate ``ppo_clip`` (TRL's token level) or ``gspo`` (sequence
+``/region_mean``, ``/low_min``, ``/high_max``   level): its ``eps_low`` / ``eps_high``, the ratio capped at its
+                                                ``dual_clip_c`` / ``delta`` first, as TRL caps it at ``delta``
+``cispo_clip_ratio``                            update gate ``cispo`` / ``cispo_seq``: its upper bound
+``vespo/phi_seq_mean``                          update gate ``vespo``
+==============================================  ====================================================================
+
+Any other update gate (``sapo``, which TRL logs no key for either; a third-party gate, which has no TRL definition)
+adds no gate key. Each value is TRL's per micro-batch — sums and counts over the action tokens (one per response at
+sequence level, every row counted) added over the processes, extremes over every process's responses — averaged by
+TRL's ``log``; all of a micro-batch's keys are read in one gather and one device→host transfer (TRL: one ``.item()``
+per key). With ``metrics="off"`` (no lossplug metrics) only ``entropy`` and the ``kl`` of TRL's own term are kept:
+the gate keys and the recipe's KL (read from its regularizer's ``token_mean``) are not computed.
+
+lossplug's own metrics are logged as
 ``lossplug/<name>`` in ``self._metrics[mode]`` (averaged over processes), so they appear in TRL's logs;
 ``metrics="basic"`` (the default) keeps them to what costs about as much as TRL's own clip-ratio metrics,
 ``metrics="full"`` adds ratio quantiles and effective-sample fractions. With behaviour log-probs (vLLM)

@@ -13,6 +13,7 @@ import torch
 import lossplug
 from lossplug.adapters.common import ActionRows, zero_loss
 from lossplug.adapters.trl.controllers import step_controllers
+from lossplug.adapters.trl.dashboard import dashboard_plan, trl_dashboard
 from lossplug.adapters.trl.metrics import log_metrics
 from lossplug.adapters.trl.state import AdapterState, adapter_state, grpo_config
 from lossplug.contracts import Normalizer, PolicyBatch
@@ -104,7 +105,19 @@ def compute_loss(trainer: GRPOTrainer, model: Any, inputs: Any) -> Tensor:
     if trainer.aux_loss_enabled and aux_loss is not None:
         loss = loss + trainer.router_aux_loss_coef * aux_loss / scaling.accumulation
         trainer._metrics[mode]["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux_loss).mean().item())
-    _log_trl_metrics(trainer, st, mode, mask, per_token_kl, entropies, metrics)
+    _log_trl_metrics(
+        trainer,
+        st,
+        mode,
+        metrics,
+        mask=mask,
+        logps=logps,
+        old=old,
+        inputs=inputs,
+        per_token_kl=per_token_kl,
+        entropies=entropies,
+        rows=rows,
+    )
     return loss
 
 
@@ -230,28 +243,32 @@ def _log_trl_metrics(
     trainer: GRPOTrainer,
     st: AdapterState,
     mode: str,
+    metrics: dict[str, Tensor],
+    *,
     mask: Tensor,
+    logps: Tensor,
+    old: Tensor,
+    inputs: Any,
     per_token_kl: Tensor | None,
     entropies: Tensor | None,
-    metrics: dict[str, Tensor],
+    rows: ActionRows,
 ) -> None:
-    """TRL's ``kl`` and ``entropy`` metrics (same names and definitions) and lossplug's own."""
-
-    def global_masked_mean(x: Tensor) -> float:
-        accelerator = trainer.accelerator
-        totals = accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
-        mean: float = (totals[0] / totals[1].clamp(min=1.0)).item()
-        return mean
-
-    with torch.no_grad():
-        if per_token_kl is not None:
-            trainer._metrics[mode]["kl"].append(global_masked_mean(per_token_kl.detach()))
-        if entropies is not None:
-            trainer._metrics[mode]["entropy"].append(global_masked_mean(entropies.detach()))
-    recipe_kl = trainer._metrics[mode]["lossplug/reg/kl/token_mean"] if st.recipe_kl else None
-    logged = len(recipe_kl) if recipe_kl is not None else 0
+    """TRL's own dashboard keys — ``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
+    ``vespo/phi_seq_mean``, with TRL's definitions where the recipe's stage is the one the key describes
+    (:mod:`~lossplug.adapters.trl.dashboard`) — and lossplug's own under ``lossplug/``."""
+    values = trl_dashboard(
+        trainer.accelerator,
+        dashboard_plan(st.compiled),
+        mask=mask,
+        logps=logps,
+        old=old,
+        advantages=inputs["advantages"],
+        entropies=entropies,
+        per_token_kl=per_token_kl,
+        metrics=metrics,
+        rows=rows,
+        recipe_keys=st.metrics != "off",
+    )
+    for key, value in values.items():
+        trainer._metrics[mode][key].append(value)
     log_metrics(trainer, mode, metrics)
-    if recipe_kl is not None and len(recipe_kl) > logged:
-        # TRL's "kl" metric (the token mean of the KL term), from the recipe's KL: averaged over the processes
-        # like every lossplug metric (TRL reduces sums and counts instead)
-        trainer._metrics[mode]["kl"].append(recipe_kl[-1])

@@ -1,4 +1,5 @@
-"""lossplug's metrics in TRL's logs: ``lossplug/<name>`` in ``trainer._metrics[mode]``, averaged over processes."""
+"""lossplug's metrics in TRL's logs: ``lossplug/<name>`` in ``trainer._metrics[mode]``, averaged over processes (TRL's
+own keys, reduced as TRL reduces them, are :mod:`lossplug.adapters.trl.dashboard`'s)."""
 
 from __future__ import annotations
 
