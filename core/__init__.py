@@ -50,6 +50,7 @@ _EXPORTS = {
         "controllers",
         "load_controller_state",
     ),
+    "lossplug.peers": ("Peers",),
     "lossplug.pipeline": ("compile_recipe", "compute_advantages", "estimate_advantages", "policy_loss", "reduce"),
     "lossplug.plugin": (
         "AdvantagePlugin",
@@ -184,6 +185,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are
     from .control import (
         load_controller_state as load_controller_state,
     )
+    from .peers import Peers as Peers
     from .pipeline import (
         compile_recipe as compile_recipe,
     )

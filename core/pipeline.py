@@ -37,6 +37,7 @@ from lossplug.contracts.recipe import PluginSpec, installed_catalog
 from . import plugin_registry as _registry
 from .loss_metrics import basic_metrics, full_metrics, gate_report
 from .ops import zero_off
+from .peers import Peers
 from .plugin import (
     AdvantagePlugin,
     GateInput,
@@ -76,6 +77,7 @@ __all__ = [
     "compute_advantages",
     "estimate_advantages",
     "metric_level",
+    "join_peers",
     "policy_loss",
     "population_of",
     "reduce",
@@ -235,6 +237,7 @@ def policy_loss(
     metrics: bool | MetricLevel = "basic",
     weight: Tensor | None = None,
     observe: bool = True,
+    peers: Peers | None = None,
 ) -> LossResult:
     """The recipe's policy loss for one micro-batch: ``−reduce(objective) + Σ coef · reduce(term)`` over the
     recipe's regularizers.
@@ -264,6 +267,10 @@ def policy_loss(
     observation (the default; an adapter passes False outside training, e.g. in evaluation, so that evaluation
     cannot move a coefficient). The controllers are stepped by the trainer at optimizer-step boundaries
     (:mod:`lossplug.control`).
+
+    ``peers`` (:class:`lossplug.peers.Peers`): the ranks whose concurrent micro-batches a gate's batch-level
+    statistic is pooled over, as the trainer pools it (TRL's entropy quantile over every process); default: this
+    micro-batch alone. An adapter passes it; every peer must then call ``policy_loss`` with the same recipe.
     """
     compiled = compile_recipe(as_recipe(recipe))
     level = metric_level(metrics)
@@ -272,7 +279,9 @@ def policy_loss(
     elif validate != "off":
         raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
 
-    inp = GateInput.from_batch(batch)
+    if peers is not None and not isinstance(peers, Peers):
+        raise LossplugError(f"policy_loss: peers must be a lossplug.peers.Peers (or None), got {type(peers).__name__}")
+    inp = GateInput.from_batch(batch, peers)
     update = compiled.update
     out = run_stage(update, validate, inp)
     if validate == "full":
@@ -315,6 +324,43 @@ def policy_loss(
             if compiled.has_metric_hooks:
                 metric_tensors.update(_hook_metrics(batch, objective, compiled.recipe))
     return LossResult.model_construct(loss=loss, metric_tensors=metric_tensors)
+
+
+#: the per-token float fields a gate may read, and the per-response integer ones (for :func:`join_peers`' nothing)
+_TOKEN_FIELDS = ("old_logp", "behavior_logp", "ref_logp", "entropy", "teacher_logp", "sum_pi_squared")
+_RESPONSE_IDS = ("group_id", "trajectory_id", "anchor_id", "behavior_version", "policy_version")
+
+
+def join_peers(recipe: Recipe | str, peers: Peers, like: Tensor) -> None:
+    """Take part in the peers' collectives for a micro-batch with no action token.
+
+    An adapter that skips :func:`policy_loss` for such a micro-batch (a batch without a response cannot be built)
+    calls this instead when its ``peers`` span several ranks: every gate of the recipe declared ``pools=True`` runs
+    on one fully masked position — contributing no value to a gathered statistic, zero to a pooled sum — so that
+    the ranks that do have tokens are not left waiting in a collective. Nothing is returned and nothing is learnt.
+    ``like``: a tensor of the micro-batch (its device and floating dtype are used)."""
+    if not isinstance(peers, Peers):
+        raise LossplugError(f"join_peers: peers must be a lossplug.peers.Peers, got {type(peers).__name__}")
+    if peers.local:
+        return
+    compiled = compile_recipe(as_recipe(recipe))
+    stages = [stage for stage in (compiled.update, *compiled.corrections) if stage.plugin.pools]
+    if not stages:
+        return
+    dtype = like.dtype if like.is_floating_point() else torch.float32
+    nothing = torch.zeros((1, 1), dtype=dtype, device=like.device)
+    ids = torch.zeros((1,), dtype=torch.long, device=like.device)
+    batch = PolicyBatch.unchecked(
+        logp=nothing,
+        action_mask=torch.zeros((1, 1), dtype=torch.bool, device=like.device),
+        advantage=nothing[:, 0],
+        **dict.fromkeys(_TOKEN_FIELDS, nothing),
+        **dict.fromkeys(_RESPONSE_IDS, ids),
+    )
+    inp = GateInput.from_batch(batch, peers)
+    with torch.no_grad():
+        for stage in stages:
+            run_stage(stage, "off", inp)
 
 
 def _check_policy_inputs(

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 from lossplug.contracts import AdvantageResult, LossplugError, PackedTransitions, PolicyBatch
 
 from .ops import action_bits, count_actions, zero_off, zero_off_uses_bits
+from .peers import LOCAL, Peers
 
 Tensor = torch.Tensor
 
@@ -84,15 +85,18 @@ class GateInput:
       broadcasts against ``[B, T]``;
     * :meth:`update_log_ratio` ``log π_θ/π_old`` and :meth:`engine_log_ratio` ``log π_old/π_behaviour``: computed
       once per micro-batch and shared by every gate and the pipeline's metrics;
-    * :meth:`token_fraction` / :meth:`response_fraction`: cut fractions for metrics.
+    * :meth:`token_fraction` / :meth:`response_fraction`: cut fractions for metrics;
+    * ``peers``: the ranks a batch-level statistic (a quantile, a mean) is pooled over, as the trainer pools it
+      (:class:`lossplug.peers.Peers`; this micro-batch alone unless the adapter passes ``policy_loss(peers=...)``).
 
     Fields are cleaned under the grad mode in force when the input was built, so that ``logp``'s cleaned copy
     carries the graph even if a gate first reads it inside a ``torch.no_grad()`` block.
     """
 
-    def __init__(self, batch: PolicyBatch):
+    def __init__(self, batch: PolicyBatch, peers: Peers = LOCAL):
         mask = batch.action_mask
         self.batch = batch
+        self.peers = peers
         self.mask = mask
         self.lengths = torch.count_nonzero(mask, -1)
         self.compute_dtype = torch.float32 if batch.logp.dtype in (torch.float16, torch.bfloat16) else batch.logp.dtype
@@ -106,9 +110,10 @@ class GateInput:
         self._log_ratios: dict[tuple[str, str], Tensor] = {}
 
     @classmethod
-    def from_batch(cls, batch: PolicyBatch) -> GateInput:
-        """The gate input of a micro-batch: the one way the pipeline, the conformance kit and tests build it."""
-        return cls(batch)
+    def from_batch(cls, batch: PolicyBatch, peers: Peers | None = None) -> GateInput:
+        """The gate input of a micro-batch: the one way the pipeline, the conformance kit and tests build it.
+        ``peers``: where its batch-level statistics are pooled (default: the micro-batch alone)."""
+        return cls(batch, LOCAL if peers is None else peers)
 
     # -- cleaned per-token fields -------------------------------------------------------------------------------------
 
@@ -300,6 +305,9 @@ class GatePlugin(_RequiresMixin):
     level: Literal["token", "sequence"]
     doc: str
     kind: Literal["gate"] = "gate"
+    #: whether it may pool a statistic over ``inp.peers`` (calls their collectives): then a rank whose micro-batch
+    #: has no action token still runs it, on nothing, so that its peers' collectives complete
+    pools: bool = False
 
     def __call__(self, inp: GateInput, p: Params) -> GateOutput:
         return self.fn(inp, p)
@@ -313,10 +321,14 @@ def gate(
     role: Literal["update", "correction"] = "update",
     level: Literal["token", "sequence"] = "token",
     doc: str | None = None,
+    pools: bool = False,
 ) -> Callable[[GateFn], GatePlugin]:
     """Declare a gate. ``requires`` names the optional :class:`PolicyBatch` fields it reads (e.g. ``old_logp``), or
-    is a function of the parameters returning them."""
-    return lambda fn: GatePlugin(name, fn, params, _requires(requires), role, level, _doc(fn, doc))
+    is a function of the parameters returning them. ``pools``: it takes a batch-level statistic over ``inp.peers``
+    (:meth:`~lossplug.peers.Peers.gather` / :meth:`~lossplug.peers.Peers.sum`); every rank must then run it, and
+    an adapter runs it on nothing for a micro-batch without action tokens (:func:`lossplug.pipeline.join_peers`).
+    It must call the peers' collectives unconditionally, with empty values when nothing is selected."""
+    return lambda fn: GatePlugin(name, fn, params, _requires(requires), role, level, _doc(fn, doc), pools=pools)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -111,7 +111,8 @@ grpo/bnpo/dr_grpo/dapo/luspo                 gate ``ppo_clip(eps_low=epsilon, ep
 ``loss_type`` vespo                          gate ``vespo(k_pos, lambda_pos, k_neg, lambda_neg)`` (``vespo_*``)
 ``off_policy_mask_threshold``                correction ``off_policy_mask(threshold, sampling_logp=behavior_logp``
                                              with vLLM / a ``rollout_func``, else ``old_logp``)
-``top_entropy_quantile < 1``                 correction ``top_entropy(quantile)``
+``top_entropy_quantile < 1``                 correction ``top_entropy(quantile)``; its quantile pooled over every
+                                             process (``peers``), as TRL gathers the entropies
 ``use_vllm`` +                               ``token_truncate`` → ``tis(cap=clip_max, floor=clip_min)``;
 ``vllm_importance_sampling_correction``      ``sequence_truncate`` → ``tis_seq(…)``; ``token_mask`` →
 (``_mode``, ``_clip_min``, ``_clip_max``)    ``icepop(low=clip_min, high=clip_max)``; ``sequence_mask`` →
@@ -147,8 +148,7 @@ coefficient from the end of the previous one), and is written into every checkpo
 Differences that remain, documented: with ``off_policy_mask_threshold`` and behaviour log-probs, a token the engine
 could not score (NaN) counts ``old − logp`` towards the response's KL where TRL counts 0 (the batch has one behaviour
 log-prob per token, and the engine ratio's convention, ``behavior = old``, wins; equal whenever ``old = logp``);
-``top_entropy`` takes the quantile over one process's micro-batch where TRL gathers all processes' (equal on one
-process; a warning otherwise); ``normalize_then_sum`` needs every reward function to score every row (TRL's NaN-aware means are not
+``normalize_then_sum`` needs every reward function to score every row (TRL's NaN-aware means are not
 reproduced: a ``None`` from one function is a validation error).
 
 Refused (with a message, at construction / ``attach``), never silently changed

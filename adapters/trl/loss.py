@@ -17,11 +17,13 @@ from lossplug.adapters.trl.dashboard import dashboard_plan, trl_dashboard
 from lossplug.adapters.trl.metrics import log_metrics
 from lossplug.adapters.trl.state import AdapterState, adapter_state, grpo_config
 from lossplug.contracts import Normalizer, PolicyBatch
+from lossplug.peers import LOCAL, Peers
+from lossplug.pipeline import join_peers
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer
 
-__all__ = ["FORWARD_KEYS", "StepScaling", "compute_loss", "policy_batch", "step_scaling"]
+__all__ = ["FORWARD_KEYS", "StepScaling", "compute_loss", "policy_batch", "step_scaling", "trl_peers"]
 
 Tensor = torch.Tensor
 
@@ -75,8 +77,10 @@ def compute_loss(trainer: GRPOTrainer, model: Any, inputs: Any) -> Tensor:
     scaling = step_scaling(trainer, st, mode, action, inputs)
     rows = ActionRows(action)
     metrics: dict[str, Tensor] = {}
-    if rows.none:  # nothing to learn from in this micro-batch
+    peers = trl_peers(trainer)
+    if rows.none:  # nothing to learn from in this micro-batch (but the other processes' statistics wait for it)
         loss = zero_loss(logps, action)
+        join_peers(st.recipe, peers, logps)
     else:
         batch = policy_batch(trainer, st, inputs, logps, entropies, old, action, rows, metrics)
         result = lossplug.policy_loss(
@@ -86,6 +90,7 @@ def compute_loss(trainer: GRPOTrainer, model: Any, inputs: Any) -> Tensor:
             validate=st.validate,
             metrics=st.metrics,
             observe=mode == "train",  # evaluation never moves an adaptive coefficient (TRL: train mode only)
+            peers=peers,
         )
         loss = result.loss * scaling.scale
         metrics.update(result.metric_tensors)
@@ -119,6 +124,20 @@ def compute_loss(trainer: GRPOTrainer, model: Any, inputs: Any) -> Tensor:
         rows=rows,
     )
     return loss
+
+
+def trl_peers(trainer: GRPOTrainer) -> Peers:
+    """Every process of the run: TRL pools a micro-batch's batch-level statistics over all of them
+    (``get_high_entropy_mask`` gathers each process's action entropies before its quantile), with accelerate's own
+    collectives."""
+    accelerator = trainer.accelerator
+    if accelerator.num_processes == 1:
+        return LOCAL
+    return Peers(
+        size=accelerator.num_processes,
+        all_gather=accelerator.gather,
+        all_sum=lambda tensor: accelerator.reduce(tensor, reduction="sum"),
+    )
 
 
 def _forward(trainer: GRPOTrainer, model: Any, inputs: Any) -> tuple[Tensor, Tensor, Tensor | None]:

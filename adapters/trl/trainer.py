@@ -4,7 +4,6 @@ trainer), both running a lossplug recipe through the overrides of one mixin. Thi
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -221,13 +220,6 @@ def _setup(
             + "\n  - ".join(problems)
         )
     top_entropy = named_stages(compiled.gates, "top_entropy")
-    if top_entropy and trainer.accelerator.num_processes > 1:
-        warnings.warn(
-            "lossplug: the top_entropy gate takes the entropy quantile over each process's micro-batch; TRL's "
-            "top_entropy_quantile gathers the action entropies of all processes first — the thresholds differ "
-            f"across the {trainer.accelerator.num_processes} processes (equal on one process)",
-            stacklevel=3,
-        )
     trainer._lossplug = AdapterState(
         recipe=recipe_obj,
         compiled=compiled,

@@ -20,7 +20,8 @@ from lossplug.adapters.verl.regularizers import policy_term
 from lossplug.adapters.verl.rollout import without_verls_correction
 from lossplug.contracts import LossplugError, Normalizer, PolicyBatch, Recipe
 from lossplug.contracts.normalizer import whole_count
-from lossplug.pipeline import CompiledRecipe, Validate, metric_level
+from lossplug.peers import Peers
+from lossplug.pipeline import CompiledRecipe, Validate, join_peers, metric_level
 
 __all__ = ["LOSS_AGG_MODES", "compute_policy_loss_lossplug", "policy_batch", "verl_normalizer"]
 
@@ -59,13 +60,18 @@ def compute_policy_loss_lossplug(
     compiled = lossplug.compile_recipe(recipe)
 
     rows = ActionRows(response_mask)
-    if rows.none:  # nothing to learn from in this micro-batch; keep the graph connected
+    # verl pools its batch-level statistics (distributed_masked_mean) over the default process group
+    peers = Peers.torch_distributed()
+    if rows.none:  # nothing to learn from in this micro-batch; keep the graph connected, join the peers' statistics
+        join_peers(recipe, peers, log_prob)
         return zero_loss(log_prob, response_mask), {}
     batch = policy_batch(rows, old_log_prob, log_prob, advantages, response_mask, rollout_log_probs)
     info = getattr(config, "global_batch_info", None) if config is not None else None
     normalizer, multiplier = _step_population(compiled, info, batch.action_mask, rows)
     weight = rows.take(rollout_is_weights)
-    result = lossplug.policy_loss(batch, recipe, normalizer, validate=validate, metrics=level, weight=weight)
+    result = lossplug.policy_loss(
+        batch, recipe, normalizer, validate=validate, metrics=level, weight=weight, peers=peers
+    )
     loss = result.loss * multiplier
     metrics: dict[str, Any] = {}
     if level != "off":  # verl wants floats: one device→host transfer for all of them

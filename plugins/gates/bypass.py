@@ -13,8 +13,9 @@ multiply the update gate's objective:
   ``w_i = exp(Σ_t log ρ_t)`` (the log or its
   sum clamped to ±20 before exp), then truncated ``min(w, cap)`` (TIS) or, with ``low`` set, rejected outside
   ``[low, cap]`` (IcePop: ``w`` if ``low ≤ w ≤ cap`` else 0). ``batch_normalize`` divides by the weights' mean over
-  the micro-batch (token level: over its action tokens; sequence level: over its responses) — across all ranks when
-  ``torch.distributed`` is initialised, like verl's ``distributed_masked_mean`` — unless that mean is ≤ 1e-8.
+  the micro-batch (token level: over its action tokens; sequence level: over its responses) — pooled over the gate
+  input's ``peers`` (the verl adapter passes every rank, as verl's ``distributed_masked_mean`` sums over the default
+  process group) — unless that mean is ≤ 1e-8.
 * ``bypass_rs`` — rejection: a token is kept (weight 1) when every rule passes, else dropped (weight 0). A rule
   bounds a divergence statistic of ``log ρ`` (clamped to ±20): ``k1 = −log ρ``, ``k2 = ½(log ρ)²``,
   ``k3 = ρ − 1 − log ρ``, per token (``token_k*``) or per response as the sum, mean or max over its action tokens
@@ -61,7 +62,9 @@ class BypassISParams(lossplug.Params):
         None, gt=0, description="IcePop's lower bound: weights outside [low, cap] are 0; null: TIS (truncate at cap)"
     )
     batch_normalize: bool = Field(
-        False, description="divide the weights by their mean over the micro-batch (all ranks when distributed)"
+        False,
+        description="divide the weights by their mean over the micro-batch (pooled over the peer ranks: verl's "
+        "whole data-parallel group)",
     )
 
     @model_validator(mode="after")
@@ -71,14 +74,10 @@ class BypassISParams(lossplug.Params):
         return self
 
 
-def _global_mean(total: Tensor, count: Tensor) -> Tensor:
-    """``total / count`` over every rank when ``torch.distributed`` is initialised (verl's distributed_masked_mean)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        total, count = total.clone(), count.clone()
-        torch.distributed.all_reduce(total)
-        torch.distributed.all_reduce(count)
-        return total / count
-    return total / count.clamp(min=1)
+def _pooled_mean(inp: lossplug.GateInput, total: Tensor, count: Tensor) -> Tensor:
+    """``total / count`` summed over the gate input's peers (verl's ``distributed_masked_mean`` over its ranks)."""
+    pooled = inp.peers.sum(torch.stack([total, count]))
+    return pooled[0] / pooled[1].clamp(min=1)
 
 
 def _importance(inp: lossplug.GateInput, p: BypassISParams, raw: Tensor) -> lossplug.GateOutput:
@@ -90,12 +89,12 @@ def _importance(inp: lossplug.GateInput, p: BypassISParams, raw: Tensor) -> loss
     if p.batch_normalize:
         dtype = weight.dtype
         if weight.ndim == 2:
-            mean = _global_mean(torch.where(inp.mask, weight, 0).sum(), inp.lengths.sum().to(dtype))
+            mean = _pooled_mean(inp, torch.where(inp.mask, weight, 0).sum(), inp.lengths.sum().to(dtype))
         else:
             # verl averages each response's token weights first (the same value n_i times, over n_i)
             valid = inp.lengths > 0
             per_response = torch.where(inp.mask, weight.unsqueeze(-1), 0).sum(-1) / inp.lengths.clamp(min=1)
-            mean = _global_mean(torch.where(valid, per_response, 0).sum(), valid.sum().to(dtype))
+            mean = _pooled_mean(inp, torch.where(valid, per_response, 0).sum(), valid.sum().to(dtype))
         weight = torch.where(mean > 1e-8, weight / mean, weight)
     weight = weight.detach()
     valid_rows = inp.lengths > 0
@@ -117,7 +116,7 @@ def _importance(inp: lossplug.GateInput, p: BypassISParams, raw: Tensor) -> loss
     )
 
 
-@lossplug.gate("bypass_is", params=BypassISParams, requires=("old_logp",), role="correction", level="token")
+@lossplug.gate("bypass_is", params=BypassISParams, requires=("old_logp",), role="correction", level="token", pools=True)
 def bypass_is(inp: lossplug.GateInput, p: BypassISParams) -> lossplug.GateOutput:
     """Bypass-mode token IS: detached min(ρ_t, cap) (or IcePop's ρ_t·[low ≤ ρ_t ≤ cap]), ρ_t = π_θ/π_rollout."""
     with torch.no_grad():
@@ -125,7 +124,9 @@ def bypass_is(inp: lossplug.GateInput, p: BypassISParams) -> lossplug.GateOutput
         return _importance(inp, p, raw)
 
 
-@lossplug.gate("bypass_is_seq", params=BypassISParams, requires=("old_logp",), role="correction", level="sequence")
+@lossplug.gate(
+    "bypass_is_seq", params=BypassISParams, requires=("old_logp",), role="correction", level="sequence", pools=True
+)
 def bypass_is_seq(inp: lossplug.GateInput, p: BypassISParams) -> lossplug.GateOutput:
     """Bypass-mode sequence IS: detached min(ρ_i, cap) (or IcePop), ρ_i = exp(Σ_t log π_θ/π_rollout) per response."""
     with torch.no_grad():

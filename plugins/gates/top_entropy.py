@@ -13,13 +13,14 @@ the update gate's objective exactly as TRL multiplies its per-token loss by ``en
 denominators still count every action token (TRL's too). The entropies are read without gradient.
 
 The threshold is a statistic of the micro-batch, not of each response: splitting a batch into micro-batches changes
-it (as in TRL). TRL gathers the action entropies of all processes before taking the quantile; this gate sees one
-micro-batch of one process, so under data parallelism each rank uses its own threshold — equal to TRL's on a single
-process, and otherwise a per-rank approximation of TRL's global one.
+it (as in TRL). Under data parallelism the action entropies are pooled over the gate input's ``peers`` — the TRL
+adapter passes every process, as TRL's ``get_high_entropy_mask`` gathers them before its quantile, so the threshold
+is TRL's on any number of processes; without peers, the micro-batch's own.
 
-No host synchronisation: on an accelerator the action entropies are sorted with every other position pushed to the
+No host synchronisation on one rank: on an accelerator the action entropies are sorted with every other position pushed to the
 end (+inf) and the two order statistics are gathered at ranks computed on the device from the action-token count;
-on the CPU they are selected (``lossplug.ops.quantiles_of``, bit for bit ``torch.quantile``).
+on the CPU they are selected (``lossplug.ops.quantiles_of``, bit for bit ``torch.quantile``). Pooled over several
+ranks, the peers' entropies are gathered (one synchronisation, as TRL's ``pad_across_processes``) and selected.
 
 Paper: Wang et al., 2025, *Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective Reinforcement Learning
 for LLM Reasoning*, arXiv:2506.01939.
@@ -76,9 +77,22 @@ def sorted_quantile(values: Tensor, mask: Tensor, q: float) -> Tensor:
     return torch.lerp(ordered.gather(0, below), ordered.gather(0, above), weights)[0]
 
 
-@lossplug.gate("top_entropy", params=TopEntropyParams, requires=("entropy",), role="correction", level="token")
+def pooled_quantile(values: Tensor, q: float) -> Tensor:
+    """``torch.quantile(values, q)`` of the gathered 1-D float32 ``values`` (its length is known on the host after
+    the gather); NaN when empty — no value is ``≥`` it, as TRL keeps no token when no process has one."""
+    if values.numel() == 0:
+        return torch.full((), float("nan"), device=values.device)
+    if values.device.type == "cpu":
+        return quantiles_of(values, (q,))[0]
+    return torch.quantile(values, q)
+
+
+@lossplug.gate(
+    "top_entropy", params=TopEntropyParams, requires=("entropy",), role="correction", level="token", pools=True
+)
 def top_entropy(inp: lossplug.GateInput, p: TopEntropyParams) -> lossplug.GateOutput:
-    """Detached weight 1 on the action tokens whose entropy is ≥ the micro-batch's (1 − quantile)-quantile, else 0.
+    """Detached weight 1 on the action tokens whose entropy is ≥ the (1 − quantile)-quantile of the micro-batch's
+    (pooled over ``inp.peers``), else 0.
 
     Paper: Wang et al., 2025, *Beyond the 80/20 Rule*, arXiv:2506.01939.
 
@@ -86,7 +100,12 @@ def top_entropy(inp: lossplug.GateInput, p: TopEntropyParams) -> lossplug.GateOu
     """
     with torch.no_grad():
         entropy = cast(torch.Tensor, inp.entropy).detach()  # set: required
-        threshold = masked_quantile(entropy, inp.mask, 1 - p.quantile)
+        if inp.peers.local:
+            threshold = masked_quantile(entropy, inp.mask, 1 - p.quantile)
+        else:  # every rank's action entropies, as the trainer pools them (TRL: all processes)
+            threshold = pooled_quantile(
+                inp.peers.gather(torch.masked_select(entropy, inp.mask).float()), 1 - p.quantile
+            )
         # compared in float32, the quantile's dtype: the minimum is then always ≥ the 0-quantile (ρ = 1 keeps every
         # token). TRL compares in the entropies' dtype — the same for float32 or bf16 entropies; float64 ones would
         # be compared against their float32 rounding

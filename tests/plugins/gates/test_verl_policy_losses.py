@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -511,9 +512,10 @@ def test_bypass_cases_reject_and_truncate_something():
 # bypass_mode's batch-normalised IS weights across data-parallel ranks: verl's distributed_masked_mean
 
 DISTRIBUTED_SCRIPT = textwrap.dedent("""
-    import json, os, sys, unittest.mock, torch
+    import json, os, sys, torch
     import torch.distributed as dist
     import lossplug
+    from lossplug.adapters.verl import LossplugPolicyLossConfig
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.trainer.ppo import core_algos
     from verl.workers.config import ActorConfig, PolicyLossConfig
@@ -545,16 +547,33 @@ DISTRIBUTED_SCRIPT = textwrap.dedent("""
         ours_logp = logp[half].clone().requires_grad_()
         batch = lossplug.PolicyBatch(logp=ours_logp, old_logp=old[half], advantage=adv[half], action_mask=mask[half])
         recipe = {"gates": ["reinforce", {"name": gate, "cap": 1.5, "batch_normalize": True}], "reduction": "token"}
-        loss = lossplug.policy_loss(batch, recipe, lossplug.Normalizer(action_tokens=tokens, sequences=rows)).loss * 2
+        population = lossplug.Normalizer(action_tokens=tokens, sequences=rows)
+        peers = lossplug.Peers.torch_distributed()
+        loss = lossplug.policy_loss(batch, recipe, population, peers=peers).loss * 2
         loss.backward()
-        # negative control: the same recipe normalised over this rank alone differs from verl
-        with unittest.mock.patch.object(dist, "is_initialized", lambda: False):
-            local = lossplug.policy_loss(batch, recipe, lossplug.Normalizer(action_tokens=tokens, sequences=rows))
+        # through verl's own seam: the adapter pools over verl's process group itself
+        seam_config = ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=4,
+                                  policy_loss=LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe))
+        seam_config.global_batch_info.update(dp_size=2, batch_num_tokens=tokens, global_batch_size=rows)
+        seam, _ = core_algos.get_policy_loss_fn("lossplug")(
+            old_log_prob=old[half], log_prob=logp[half].clone(), advantages=adv[half], response_mask=mask[half],
+            loss_agg_mode="token-mean", config=seam_config)
+        # negative control: the same recipe pooled over this rank alone (no peers) differs from verl
+        local = lossplug.policy_loss(batch, recipe, population)
         result[level] = [
             abs(float(loss - ref)) / abs(float(ref)),
             float((ours_logp.grad - verl_logp.grad).abs().max() / verl_logp.grad.abs().max()),
+            abs(float(seam.detach() - ref)) / abs(float(ref)),
             abs(float(local.loss.detach() * 2 - ref)) / abs(float(ref)),
         ]
+    # a rank whose micro-batch has no action token still joins its peer's pooled mean (else the peer would hang)
+    empty = mask[half].clone()
+    if rank == 1:
+        empty[:] = False
+    seam, _ = core_algos.get_policy_loss_fn("lossplug")(
+        old_log_prob=old[half], log_prob=logp[half].clone(), advantages=adv[half], response_mask=empty,
+        loss_agg_mode="token-mean", config=seam_config)
+    result["empty_peer"] = float(seam.detach())
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
@@ -580,6 +599,8 @@ def test_bypass_batch_normalisation_is_global_across_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for r in (0, 1):
         diffs = json.loads((tmp_path / f"rank{r}.json").read_text())
+        empty_peer = diffs.pop("empty_peer")
         assert set(diffs) == {"token", "sequence"}
-        assert max(max(d[:2]) for d in diffs.values()) <= TOL, diffs
-        assert min(d[2] for d in diffs.values()) > 1e-6, diffs  # a rank-local mean would not do
+        assert max(max(d[:3]) for d in diffs.values()) <= TOL, diffs
+        assert min(d[3] for d in diffs.values()) > 1e-6, diffs  # a rank-local mean would not do
+        assert (empty_peer == 0.0) if r == 1 else math.isfinite(empty_peer)
