@@ -46,7 +46,8 @@ def _trainer(kind: str, steps: int, out_dir: str, size: dict, config: dict | Non
         max_completion_length=size["completion"],
         logging_steps=1,
         disable_tqdm=True,
-        **(config or {}),  # e.g. use_cpu=False (bench/gpu.py)
+        # on-policy at tiny's former learning rate (its default is num_iterations=2, 3e-3): every step generates
+        **{"num_iterations": 1, "learning_rate": 1e-3, **(config or {})},  # config: e.g. use_cpu=False (bench/gpu.py)
     )
     common = dict(
         model=model,

@@ -4,7 +4,9 @@ inside a real TRL trainer offline, on a CPU, in seconds.
 Nothing is downloaded: the tokenizer is a word-level ``PreTrainedTokenizerFast`` over a fixed vocabulary
 (:data:`VOCAB`), the model a randomly initialised 2-layer ``Qwen2ForCausalLM``. What it does not test is whether a
 real model learns; what it does test is that a gate runs inside TRL's loop — every micro-batch, with TRL's masks,
-gradient accumulation and logging — and that its metrics reach TRL's logs.
+gradient accumulation and logging — and that its metrics reach TRL's logs. The trainer is off-policy by default
+(``num_iterations=2``): the second optimizer step re-uses the first one's rollouts, so its ratios move away from 1 and
+a clip or a correction acts.
 
 A plugin author's test (needs ``lossplug[trl]``)::
 
@@ -35,6 +37,7 @@ A plugin author's test (needs ``lossplug[trl]``)::
             lossplug.unregister_plugin(plugin)
         logs = [row for row in trainer.state.log_history if "loss" in row]
         assert len(logs) == 2 and all("lossplug/soft_cut/soft_cut_frac" in row for row in logs)
+        assert logs[1]["lossplug/soft_cut/soft_cut_frac"] > 0  # step 2 re-uses step 1's rollouts: ratios moved
 
 The pieces, for tests that need more control:
 
@@ -42,7 +45,8 @@ The pieces, for tests that need more control:
   :func:`tiny_model_and_tokenizer` — TRL reloads the reference model from that folder when ``beta != 0``);
 * :func:`tiny_dataset`, a ``datasets.Dataset`` of short prompts; :func:`length_reward` and :func:`digit_reward`,
   cheap reward functions whose values vary within every group;
-* :func:`tiny_grpo_config`, a CPU-safe ``GRPOConfig`` (float32, no gradient checkpointing, no reporting, no saving);
+* :func:`tiny_grpo_config`, a CPU-safe ``GRPOConfig`` (float32, no gradient checkpointing, no reporting, no saving,
+  off-policy from the second optimizer step);
 * :class:`TinyRollout`, a deterministic ``rollout_func`` that hands TRL what vLLM or a custom rollout would —
   behaviour log-probs (some unscored), an ``env_mask`` of tool tokens, terminated and truncated completions —
   without either;
@@ -211,12 +215,29 @@ def digit_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
     return out
 
 
+#: the generation-schedule fields of ``GRPOConfig``: a caller who sets one of them chooses the schedule, and
+#: :func:`tiny_grpo_config` adds no ``num_iterations`` of its own
+_SCHEDULE_FIELDS = ("num_iterations", "steps_per_generation", "generation_batch_size")
+
+
 def tiny_grpo_config(output_dir: str | Path, **overrides: Any) -> GRPOConfig:
     """A ``GRPOConfig`` that runs on CPU in seconds: 4 completions of at most 8 tokens per prompt, micro-batches of
-    4, float32, no gradient checkpointing, no reporting, no checkpoints. ``overrides`` win."""
+    4, float32, no gradient checkpointing, no reporting, no checkpoints. ``overrides`` win.
+
+    Off-policy by default, so that a clip or a correction is exercised: ``num_iterations=2`` (GRPO's μ) makes TRL
+    generate once per two optimizer steps and compute ``old_per_token_logps`` before the first; the second step
+    re-uses the batch after an update, and its ratios ``exp(logp − old_logp)`` move (0.80–1.45 for ``dapo`` at the
+    default ``learning_rate`` 3e-3: PPO's ε = 0.2 / 0.28 clips some tokens). TRL 1.16 computes old log-probs
+    only when ``gradient_accumulation_steps`` is not a multiple of ``steps_per_generation × num_iterations``
+    (``steps_per_generation`` defaults to ``gradient_accumulation_steps``); otherwise ``old_logp`` is
+    ``logp.detach()`` and every ratio is exactly 1. With ``num_iterations=2`` that holds for any accumulation, and
+    the optimizer step is still one generation batch, so the number of micro-batches per step is unchanged.
+    A caller that sets ``num_iterations``, ``steps_per_generation`` or ``generation_batch_size`` chooses the
+    schedule (``num_iterations`` is then TRL's default, 1); ``num_iterations=1`` is the on-policy setting."""
     offline()
     from trl import GRPOConfig
 
+    schedule: dict[str, Any] = {} if any(f in overrides for f in _SCHEDULE_FIELDS) else {"num_iterations": 2}
     kwargs: dict[str, Any] = dict(
         output_dir=str(output_dir),
         bf16=False,
@@ -230,9 +251,10 @@ def tiny_grpo_config(output_dir: str | Path, **overrides: Any) -> GRPOConfig:
         max_completion_length=8,
         logging_steps=1,
         max_steps=2,
-        learning_rate=1e-3,
+        learning_rate=3e-3,
         seed=0,
         dataloader_num_workers=0,
+        **schedule,
     )
     kwargs.update(overrides)
     return GRPOConfig(**kwargs)
@@ -254,8 +276,8 @@ def tiny_grpo_trainer(
     """A ``LossplugGRPOTrainer`` running ``recipe`` (a preset name, mapping, YAML/JSON path or
     :class:`lossplug.Recipe`) on the tiny model, tokenizer and dataset; call ``.train()`` on it.
 
-    ``config_overrides`` go to :func:`tiny_grpo_config` (``max_steps=2`` by default; ``gradient_accumulation_steps``,
-    ``num_iterations``, ``beta`` …). ``reward_funcs`` default to ``[length_reward]``, ``dataset`` to
+    ``config_overrides`` go to :func:`tiny_grpo_config` (``max_steps=2`` and ``num_iterations=2`` by default: the
+    second step is off-policy; ``gradient_accumulation_steps``, ``num_iterations=1`` for on-policy, ``beta`` …). ``reward_funcs`` default to ``[length_reward]``, ``dataset`` to
     :func:`tiny_dataset`, ``tokenizer`` to :func:`tiny_tokenizer` and ``model`` to :func:`tiny_model` of that
     tokenizer. ``metrics`` and ``validate`` are the adapter's options (``metrics="full"`` also logs ratio quantiles
     and effective-sample fractions); ``trainer_kwargs`` go to the trainer itself (``rollout_func=TinyRollout(tok)``,

@@ -394,7 +394,7 @@ def rollout_trainer(tmp_module):
     """A LossplugGRPOTrainer fed by a rollout_func (behaviour log-probs, tool tokens, truncated rows masked out),
     with one generation batch prepared."""
     tok = tiny.tiny_tokenizer()
-    args = config(tmp_module, gradient_accumulation_steps=2, mask_truncated_completions=True)
+    args = config(tmp_module, gradient_accumulation_steps=2, num_iterations=1, mask_truncated_completions=True)
     trainer = LossplugGRPOTrainer(
         model=tiny.tiny_model(tok),
         reward_funcs=[tiny.length_reward],

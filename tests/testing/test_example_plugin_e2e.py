@@ -154,7 +154,8 @@ TRL_CHILD = textwrap.dedent("""
         "module_file": getattr(module, "__file__", None),
         "gate_code_file": gate_fn.__code__.co_filename,
         "global_step": trainer.state.global_step,
-        "expected_micro_batches": MAX_STEPS * ACCUMULATION * args.num_iterations,
+        "expected_micro_batches": MAX_STEPS * ACCUMULATION,  # a step is GA micro-batches, whatever num_iterations
+        "num_iterations": args.num_iterations,
         "micro": micro, "gate_calls": gate_calls,
         "saturated_frac_per_log": [e.get("lossplug/tanh_clip/saturated_frac") for e in logs],
         "loss_per_log": [e.get("loss") for e in logs],
@@ -171,7 +172,8 @@ def test_a_trl_grpo_run_calls_the_installed_gate_on_every_micro_batch(installed,
     assert out["global_step"] == 2
 
     expected = out["expected_micro_batches"]
-    assert expected == 4  # 2 optimizer steps × 2 accumulated micro-batches × 1 iteration
+    assert expected == 4  # 2 optimizer steps × 2 accumulated micro-batches
+    assert out["num_iterations"] == 2  # tiny's default: the second step re-uses the first one's rollouts
     assert len(out["micro"]) == expected, out["micro"]
     # once per micro-batch, inside that micro-batch's _compute_loss, on every row and action token TRL handed it
     assert len(out["gate_calls"]) == expected, out["gate_calls"]
@@ -183,6 +185,7 @@ def test_a_trl_grpo_run_calls_the_installed_gate_on_every_micro_batch(installed,
     # and TRL's logs carry the plugin's metric at every step, with a finite loss
     assert len(out["saturated_frac_per_log"]) == 2
     assert all(v is not None and 0.0 <= v <= 1.0 for v in out["saturated_frac_per_log"]), out
+    assert out["saturated_frac_per_log"][1] > 0, out  # off-policy at the second step: the gate saturated a token
     assert all(v is not None and abs(v) < float("inf") for v in out["loss_per_log"]), out
 
 
