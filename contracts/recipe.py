@@ -30,6 +30,7 @@ its stage.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -327,7 +328,12 @@ class Recipe(BaseModel):
             return cls.model_validate(source)
         if isinstance(source, Path) or (isinstance(source, str) and source.endswith((".yaml", ".yml", ".json"))):
             return cls.from_file(source)
-        if isinstance(source, str) and "\n" not in source and ":" not in source:
+        # a preset's name, bare or qualified by its distribution (my-presets:dapo: YAML would read it as a string)
+        if (
+            isinstance(source, str)
+            and "\n" not in source
+            and (":" not in source or re.fullmatch(r"[\w.-]+:[\w.-]+", source))
+        ):
             return cls.preset(source)
         if isinstance(source, str):
             return cls.from_yaml(source)

@@ -10,7 +10,11 @@ Failures are loud but contained, so one broken third-party package cannot take d
 * an entry point that fails to import, has a bad hook, or raises inside a hook is reported with a
   :class:`LossplugPluginWarning` naming the entry point and its distribution, listed by ``lossplug list``, and named
   again in the error of any lookup that misses;
-* a name registered twice makes that name unusable: looking it up raises :class:`PluginError` naming both sources.
+* a name registered by more than one distribution (:mod:`lossplug.plugin_names`): a built-in keeps its name and
+  the newcomer is reachable as ``<distribution>:<name>``; between third-party distributions the bare name is
+  ambiguous (an error naming every qualified name) and each qualified name works; each clash is said once, with a
+  :class:`PluginNameClashWarning`. One distribution registering a name twice makes that name unusable: looking it
+  up raises :class:`PluginError` naming both sources.
 
 Every hook call goes through :func:`call_hook`, which calls the implementations one at a time so that a failure is
 blamed on the plugin that caused it (:func:`hook_origin` says where that plugin came from).
@@ -33,8 +37,10 @@ from lossplug.contracts import LossplugError, PluginError, RecipeError
 from lossplug.contracts.errors import did_you_mean
 
 from . import hookspecs
+from . import plugin_names as names
 from .kinds import KINDS, RENAMED_HOOKS
 from .plugin import AdvantagePlugin, AnyPlugin, GatePlugin, ReductionPlugin, RegularizerPlugin
+from .plugin_names import BUILTIN_PROVIDER, Claim, NameClash
 from .requires import required_fields
 
 ENTRY_POINT_GROUP = "lossplug"
@@ -48,6 +54,11 @@ IMPORT_FAILED = "failed to import"
 
 class LossplugPluginWarning(UserWarning):
     """A third-party plugin could not be loaded or registered; recipes that do not use it still run."""
+
+
+class PluginNameClashWarning(LossplugPluginWarning):
+    """A plugin or preset name is registered by more than one distribution (:mod:`lossplug.plugin_names`): the
+    built-in keeps it, the others are reachable by their qualified names. Said once per registry build."""
 
 
 @dataclass(frozen=True)
@@ -83,43 +94,100 @@ class HookError(PluginError):
 
 @dataclass
 class Registry:
-    """Every registered plugin by kind and name, with where each came from."""
+    """Every registered plugin by kind and name, with where each came from.
+
+    ``plugins[kind]`` and ``presets`` are keyed by the name a recipe uses: the plugin's own name, or its qualified
+    name ``<provider>:<name>`` when it lost a name clash (:mod:`lossplug.plugin_names`); ``aliases`` maps every
+    qualified name to that key. Names are collected while the hooks run and decided together by :meth:`settle`,
+    so the order in which pluggy calls the hooks never decides which plugin keeps a name."""
 
     plugins: dict[str, dict[str, AnyPlugin]] = field(default_factory=lambda: {k: {} for k in KINDS})
     origins: dict[tuple[str, str], str] = field(default_factory=dict)
     presets: dict[str, Preset] = field(default_factory=dict)
+    #: (kind, key) → the origins of one provider that registered the name more than once: unusable
     duplicates: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    #: (kind, bare name) → the qualified names of the third-party providers that all registered it
+    ambiguous: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    #: (kind, qualified name) → the key it is registered under
+    aliases: dict[tuple[str, str], str] = field(default_factory=dict)
+    clashes: list[NameClash] = field(default_factory=list)
     broken: list[BrokenPlugin] = field(default_factory=list)
     #: pluggy plugin name → where that plugin came from (entry point and distribution, in-process name, built-in)
     hook_origins: dict[str, str] = field(default_factory=dict)
     generation: int = 0
+    _claims: dict[str, list[Claim]] = field(default_factory=dict, repr=False)
+    _qualified: dict[tuple[str, str], str] = field(default_factory=dict, repr=False)
 
     # -- building ---------------------------------------------------------------------------------------------------
-    def add(self, kind: str, plugin: Any, origin: str) -> None:
+    def add(self, kind: str, plugin: Any, origin: str, provider: str | None = None) -> None:
+        """Record a registration; ``provider`` (default: the origin) is what qualifies its name in a clash."""
         cls = KINDS[kind].plugin_class
         if not isinstance(plugin, cls):
             raise PluginError(
                 f"{origin}: {KINDS[kind].hook} registered {plugin!r}, which is not a {cls.__name__} "
                 f"(decorate the function with @lossplug.{kind}(...))"
             )
-        key = (kind, plugin.name)
-        if key in self.duplicates:
-            self.duplicates[key].append(origin)
-        elif key in self.origins:
-            self.duplicates[key] = [self.origins.pop(key), origin]
-            del self.plugins[kind][plugin.name]
-        else:
-            self.plugins[kind][plugin.name] = plugin
-            self.origins[key] = origin
+        self._claim(kind, plugin.name, plugin, origin, provider)
 
-    def add_preset(self, name: str, recipe: Mapping[str, Any], source: str, origin: str) -> None:
-        key = ("preset", name)
-        if key in self.duplicates:
-            self.duplicates[key].append(origin)
-        elif name in self.presets:
-            self.duplicates[key] = [self.presets.pop(name).origin, origin]
-        else:
-            self.presets[name] = Preset(name, dict(recipe), source, origin)
+    def add_preset(
+        self, name: str, recipe: Mapping[str, Any], source: str, origin: str, provider: str | None = None
+    ) -> None:
+        self._claim("preset", name, Preset(name, dict(recipe), source, origin), origin, provider)
+
+    def _claim(self, kind: str, name: Any, value: Any, origin: str, provider: str | None) -> None:
+        if not isinstance(name, str) or not name or names.SEPARATOR in name:
+            raise PluginError(
+                f"{origin}: {kind} name {name!r} must be a non-empty string without "
+                f"'{names.SEPARATOR}' (it separates a distribution from a name: my-gates:my_gate)"
+            )
+        self._claims.setdefault(kind, []).append(Claim(name, value, origin, provider or origin))
+
+    def settle(self) -> None:
+        """Decide every recorded name (:func:`lossplug.plugin_names.settle`) into the tables above."""
+        for kind in [*KINDS, "preset"]:
+            settled = names.settle(kind, self._claims.pop(kind, []))
+            for key, claim in settled.keys.items():
+                if kind == "preset":
+                    self.presets[key] = claim.value
+                else:
+                    self.plugins[kind][key] = claim.value
+                    self.origins[(kind, key)] = claim.origin
+            self.duplicates.update({(kind, key): where for key, where in settled.duplicates.items()})
+            self.ambiguous.update({(kind, name): qualified for name, qualified in settled.ambiguous.items()})
+            self.aliases.update({(kind, qualified): key for qualified, key in settled.aliases.items()})
+            self._qualified.update({(kind, key): qualified for qualified, key in settled.aliases.items()})
+            self.clashes += settled.clashes
+
+    # -- names ------------------------------------------------------------------------------------------------------
+    def key(self, kind: str, name: str) -> str:
+        """The key a bare or qualified name is registered under (a qualified name's provider in any spelling)."""
+        name = names.canonical(name)
+        return self.aliases.get((kind, name), name)
+
+    def knows(self, kind: str, name: str) -> bool:
+        """Whether a lookup of the name would find something (a plugin, or a duplicate or ambiguous name to report)."""
+        key = self.key(kind, name)
+        table: Mapping[str, Any] = self.presets if kind == "preset" else self.plugins[kind]
+        return key in table or (kind, key) in self.duplicates or (kind, key) in self.ambiguous
+
+    def qualified_name(self, kind: str, key: str) -> str:
+        """``<provider>:<name>`` of a registered key (``lossplug:ppo_clip``); the key itself when it has none."""
+        return self._qualified.get((kind, key), key)
+
+    def _refuse_taken(self, kind: str, key: str, shown: str, prefix: str = "") -> None:
+        """Raise the PluginError of a name that cannot be used: a genuine duplicate, or ambiguous."""
+        if (kind, key) in self.duplicates:
+            raise PluginError(
+                f"{prefix}{kind} '{shown}' is registered more than once, by "
+                f"{' and by '.join(self.duplicates[(kind, key)])}; uninstall or disable one"
+            )
+        if (kind, key) in self.ambiguous:
+            clash = next(c for c in self.clashes if (c.kind, c.name) == (kind, key))
+            by = " and by ".join(f"{origin} (as '{q}')" for q, origin in clash.others)
+            options = " or ".join(f"'{q}'" for q in self.ambiguous[(kind, key)])
+            raise PluginError(
+                f"{prefix}{kind} '{shown}' is registered more than once, by {by}; name the one you mean: {options}"
+            )
 
     # -- lookups: the recipe catalogue (lossplug.recipe_catalog) and compiled recipes ------------------------------
     @overload
@@ -135,16 +203,15 @@ class Registry:
 
     def lookup(self, kind: str, name: str, where: str = "") -> AnyPlugin:
         prefix = f"{where}: " if where else ""
-        if (kind, name) in self.duplicates:
-            raise PluginError(
-                f"{prefix}{kind} '{name}' is registered more than once, by "
-                f"{' and by '.join(self.duplicates[(kind, name)])}; uninstall or disable one"
-            )
-        found = self.plugins[kind].get(name)
+        key = self.key(kind, name)
+        self._refuse_taken(kind, key, name, prefix)
+        found = self.plugins[kind].get(key)
         if found is None:
             known = sorted(self.plugins[kind])
             msg = f"{prefix}unknown {kind} plugin '{name}'"
-            elsewhere = [other for other in self.plugins if other != kind and name in self.plugins[other]]
+            elsewhere = [
+                other for other in self.plugins if other != kind and self.key(other, name) in self.plugins[other]
+            ]
             if elsewhere:  # the right plugin in the wrong stage: say where it belongs
                 other = elsewhere[0]
                 stage = KINDS[other].recipe_key
@@ -159,17 +226,15 @@ class Registry:
         return found
 
     def preset(self, name: str) -> Mapping[str, Any]:
-        if ("preset", name) in self.duplicates:
-            raise PluginError(
-                f"preset '{name}' is registered more than once, by {' and by '.join(self.duplicates[('preset', name)])}"
-            )
-        if name not in self.presets:
+        key = self.key("preset", name)
+        self._refuse_taken("preset", key, name)
+        if key not in self.presets:
             known = sorted(self.presets)
             raise RecipeError(f"unknown preset '{name}'{did_you_mean(name, known)}; presets: {', '.join(known)}")
-        return {"name": name, **self.presets[name].recipe}
+        return {"name": key, **self.presets[key].recipe}
 
     def origin(self, kind: str, name: str) -> str:
-        return self.origins.get((kind, name), "?")
+        return self.origins.get((kind, self.key(kind, name)), "?")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -219,6 +284,37 @@ def _register(pm: pluggy.PluginManager, obj: object, name: str, origin: str, reg
     return True
 
 
+def _load_entry_points(pm: pluggy.PluginManager, registry: Registry, providers: dict[str, str]) -> None:
+    """Register the allowed ``lossplug`` entry points; each one's origin → its distribution's canonical name."""
+    origins = registry.hook_origins
+    allow_text = os.environ.get(ALLOW_ENV)
+    allow = {s.strip() for s in allow_text.split(",") if s.strip()} if allow_text is not None else None
+    matched: set[str] = set()
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        if not _allowed(ep, allow):
+            continue
+        dist = getattr(ep, "dist", None)
+        matched.update({ep.name, dist.name if dist is not None else ep.name})
+        origin = _describe(ep)
+        try:
+            obj = ep.load()
+        except (Exception, SystemExit) as err:  # any import-time failure of third-party code, sys.exit() too
+            registry.broken.append(BrokenPlugin(origin, f"{IMPORT_FAILED}: {type(err).__name__}: {err}"))
+            continue
+        if pm.is_registered(obj):
+            continue  # the same module exposed under two entry-point names
+        if _register(pm, obj, f"{ENTRY_POINT_PREFIX}{ep.name}", origin, registry):
+            origins[f"{ENTRY_POINT_PREFIX}{ep.name}"] = origin
+            providers[origin] = names.canonical_provider(dist.name if dist is not None else ep.name)
+    for name in sorted((allow or set()) - matched):
+        warnings.warn(
+            f"{ALLOW_ENV} names '{name}', but no installed distribution or entry point in the "
+            f"'{ENTRY_POINT_GROUP}' group has that name",
+            LossplugPluginWarning,
+            stacklevel=4,
+        )
+
+
 def _build() -> tuple[pluggy.PluginManager, Registry]:
     from lossplug.plugins import builtin
 
@@ -226,39 +322,18 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
     pm.add_hookspecs(hookspecs)
     registry = Registry()
     origins = registry.hook_origins
+    #: origin → the provider that qualifies its names in a clash (lossplug.plugin_names)
+    providers: dict[str, str] = {BUILTIN_SOURCE: BUILTIN_PROVIDER}
 
     pm.register(builtin, name=BUILTIN_NAME)
     origins[BUILTIN_NAME] = BUILTIN_SOURCE
     for obj, name in _in_process:
         if _register(pm, obj, name, f"in-process plugin '{name}'", registry):
             origins[name] = f"in-process plugin '{name}'"
+            providers[origins[name]] = names.canonical_provider(name)
 
     if os.environ.get(DISABLE_ENV, "").strip().lower() not in ("1", "true", "yes"):
-        allow_text = os.environ.get(ALLOW_ENV)
-        allow = {s.strip() for s in allow_text.split(",") if s.strip()} if allow_text is not None else None
-        matched: set[str] = set()
-        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
-            if not _allowed(ep, allow):
-                continue
-            dist = getattr(ep, "dist", None)
-            matched.update({ep.name, dist.name if dist is not None else ep.name})
-            origin = _describe(ep)
-            try:
-                obj = ep.load()
-            except (Exception, SystemExit) as err:  # any import-time failure of third-party code, sys.exit() too
-                registry.broken.append(BrokenPlugin(origin, f"{IMPORT_FAILED}: {type(err).__name__}: {err}"))
-                continue
-            if pm.is_registered(obj):
-                continue  # the same module exposed under two entry-point names
-            if _register(pm, obj, f"{ENTRY_POINT_PREFIX}{ep.name}", origin, registry):
-                origins[f"{ENTRY_POINT_PREFIX}{ep.name}"] = origin
-        for name in sorted((allow or set()) - matched):
-            warnings.warn(
-                f"{ALLOW_ENV} names '{name}', but no installed distribution or entry point in the "
-                f"'{ENTRY_POINT_GROUP}' group has that name",
-                LossplugPluginWarning,
-                stacklevel=3,
-            )
+        _load_entry_points(pm, registry, providers)
 
     def contain(failure: HookError) -> None:
         if failure.origin == BUILTIN_SOURCE:  # a bug in lossplug itself must not be filed as a broken plugin
@@ -276,7 +351,7 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
             origin_of=origin_of,
             on_error=contain,
             arguments_for=lambda origin, kind=kind_name: {  # type: ignore[misc]
-                "register": lambda plugin: registry.add(kind, plugin, origin)
+                "register": lambda plugin: registry.add(kind, plugin, origin, providers.get(origin))
             },
         )
     call_hook(
@@ -285,9 +360,12 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
         origin_of=origin_of,
         on_error=contain,
         arguments_for=lambda origin: {
-            "register": lambda name, recipe, source="": registry.add_preset(name, recipe, source, origin)
+            "register": lambda name, recipe, source="": registry.add_preset(
+                name, recipe, source, origin, providers.get(origin)
+            )
         },
     )
+    registry.settle()
 
     for b in registry.broken:
         warnings.warn(f"lossplug plugin not loaded — {b}", LossplugPluginWarning, stacklevel=3)
@@ -298,6 +376,8 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
             LossplugPluginWarning,
             stacklevel=3,
         )
+    for clash in registry.clashes:
+        warnings.warn(clash.message(), PluginNameClashWarning, stacklevel=3)
     return pm, registry
 
 
@@ -441,6 +521,7 @@ def list_plugins() -> list[dict[str, Any]]:
                 {
                     "kind": kind,
                     "name": name,
+                    "qualified": reg.qualified_name(kind, name),
                     "source": reg.origin(kind, name),
                     "params": params,
                     "summary": plugin.doc.splitlines()[0] if plugin.doc else "",
@@ -454,6 +535,7 @@ def list_plugins() -> list[dict[str, Any]]:
             {
                 "kind": "preset",
                 "name": name,
+                "qualified": reg.qualified_name("preset", name),
                 "source": preset.origin,
                 "params": {},
                 "summary": preset.source,

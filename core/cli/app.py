@@ -155,11 +155,12 @@ def list_cmd(
     from lossplug.cli.catalogue import current
 
     catalogue = current()
-    broken, duplicates = catalogue["broken"], catalogue["duplicates"]
+    broken, duplicates, clashes = catalogue["broken"], catalogue["duplicates"], catalogue.get("clashes", [])
     kinds = _kinds(catalogue, kind)
     rows = [r for r in catalogue["rows"] if r["kind"] in kinds]
     if as_json:
-        typer.echo(json.dumps({"plugins": rows, "broken": broken, "duplicates": duplicates}, indent=2, default=str))
+        out = {"plugins": rows, "broken": broken, "duplicates": duplicates, "clashes": clashes}
+        typer.echo(json.dumps(out, indent=2, default=str))
         return
 
     from rich.table import Table
@@ -188,6 +189,10 @@ def list_cmd(
             grid.add_row(_text(r["name"]), detail)
         console.print(grid)
         console.print()
+    if clashes:
+        console.print(_text("names registered by more than one distribution", "bold yellow"))
+        for c in clashes:
+            console.print(_text(f"  ! {c['message']}", "yellow"), soft_wrap=True)
     if broken or duplicates:
         console.print(_text("plugins that cannot be used", "bold red"))
         for b in broken:
@@ -256,22 +261,27 @@ def show_cmd(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (with the JSON schema)."),
 ) -> None:
     """A plugin's formula (docstring), its parameter schema, and the batch fields it needs."""
-    from lossplug.cli.catalogue import current
+    from lossplug.cli.catalogue import ambiguity, current, resolve
 
     catalogue = current()
     plugins, presets = catalogue["plugins"], catalogue["presets"]
     kinds = _kinds(catalogue, kind)
-    found = [plugins[f"{k}:{name}"] for k in kinds if f"{k}:{name}" in plugins]
-    is_preset = name in presets and "preset" in kinds
+    keys = {k: resolve(catalogue, k, name) for k in kinds}  # a qualified name (my-gates:ppo_clip) in any spelling
+    found = [plugins[f"{k}:{keys[k]}"] for k in kinds if f"{k}:{keys[k]}" in plugins]
+    preset = keys.get("preset", name)
+    is_preset = preset in presets
     if not found and not is_preset:
         from lossplug.contracts.errors import did_you_mean  # (lossplug.contracts imports torch: only on this path)
+
+        if (clash := ambiguity(catalogue, kinds, name)) is not None:
+            _fail(clash, 1)
 
         known = sorted({key.split(":", 1)[1] for key in plugins} | set(presets))
         _fail(f"no plugin or preset named '{name}'{did_you_mean(name, known)}; `lossplug list` shows them all", 1)
     if as_json:
         out: dict[str, Any] = {"plugins": [{k: v for k, v in info.items() if k != "parameters"} for info in found]}
         if is_preset:
-            out["preset"] = presets[name]
+            out["preset"] = presets[preset]
         typer.echo(json.dumps(out, indent=2, default=str))
         return
     console = _console()
@@ -280,7 +290,7 @@ def show_cmd(
     if is_preset:
         if found:
             console.print()
-        _print_explain(console, presets[name])
+        _print_explain(console, presets[preset])
 
 
 # ---------------------------------------------------------------------------------------------------------------------

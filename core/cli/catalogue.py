@@ -101,6 +101,7 @@ def live() -> dict[str, Any]:
         for name, plugin in sorted(reg.plugins.get(kind, {}).items()):
             info = plugin_info(kind, name, plugin, reg.origin(kind, name))
             info["parameters"] = parameters(plugin)
+            info["qualified"] = reg.qualified_name(kind, name)
             plugins[f"{kind}:{name}"] = info
     data = {
         "kinds": list(KINDS),
@@ -109,9 +110,31 @@ def live() -> dict[str, Any]:
         "presets": {name: explain_recipe(Recipe.preset(name)) for name in sorted(reg.presets)},
         "broken": [{"origin": b.origin, "error": b.error} for b in reg.broken],
         "duplicates": [{"kind": k, "name": n, "sources": list(v)} for (k, n), v in reg.duplicates.items()],
+        "clashes": [
+            {"kind": c.kind, "name": c.name, "qualified": [q for q, _ in c.others], "message": c.message()}
+            for c in reg.clashes
+        ],
     }
     as_json: dict[str, Any] = json.loads(json.dumps(data, default=str))
     return as_json
+
+
+def resolve(catalogue: dict[str, Any], kind: str, name: str) -> str:
+    """The name under which the catalogue lists a bare or qualified plugin or preset name of this kind
+    (``my_gates:ppo_clip`` → ``my-gates:ppo_clip``; ``lossplug:ppo_clip`` → ``ppo_clip``)."""
+    from lossplug.plugin_names import canonical
+
+    wanted = canonical(name)
+    found = (row["name"] for row in catalogue["rows"] if row["kind"] == kind and row.get("qualified") == wanted)
+    return next(found, wanted)
+
+
+def ambiguity(catalogue: dict[str, Any], kinds: list[str], name: str) -> str | None:
+    """Why a bare name lists nothing though distributions registered it: several did, and none is built in."""
+    clashes = catalogue.get("clashes", [])
+    listed = {(row["kind"], row["name"]) for row in catalogue["rows"]}
+    ambiguous = (c for c in clashes if c["name"] == name and c["kind"] in kinds and (c["kind"], name) not in listed)
+    return next((c["message"] for c in ambiguous), None)
 
 
 def snapshot() -> dict[str, Any] | None:
