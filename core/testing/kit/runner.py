@@ -54,7 +54,7 @@ def _find(plugin: str | AnyPlugin, kind: str | None) -> tuple[str, str, AnyPlugi
     reg = lossplug.registry()
     if isinstance(plugin, str):
         kinds = [kind] if kind else list(KINDS)
-        found = [k for k in kinds if plugin in reg.plugins[k] or (k, plugin) in reg.duplicates]
+        found = [k for k in kinds if reg.knows(k, plugin)]  # bare or qualified (my-gates:my_gate), or unusable
         if not found:
             k = kind or "gate"
             if kind is None:
