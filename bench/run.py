@@ -6,6 +6,7 @@ Measures lossplug and the trainers' own code **in the same run**, prints a table
     python -m bench                      # the full sizes of the issue (several minutes on 2 CPU cores)
     python -m bench --quick              # toy sizes, seconds (what tests/bench/test_bench_smoke.py runs)
     python -m bench --items 1,2 --repeats 15 --threads 2
+    python -m bench --gpu                # the GPU check instead (bench/gpu.py; its own options)
 
 Items: 1 packed GAE vs a sequential loop · 2 padded GAE vs verl · 3 gate + reduction forward/backward vs TRL and verl ·
 4 contract validation vs the loss step · 5 a tiny TRL training run, native vs lossplug.
