@@ -2,12 +2,13 @@
 
 A name is registered by a *provider*: the distribution of the entry point that registered it (its
 ``importlib.metadata`` name), ``lossplug`` for the built-ins, or the name given to
-:func:`lossplug.register_plugin` for a plugin registered in-process (by default the module's ``__name__``). Every
+``lossplug.register_plugin`` for a plugin registered in-process (by default the module's ``__name__``). Every
 registered name is also reachable as ``<provider>:<name>`` (``my-gates:ppo_clip``, ``lossplug:ppo_clip``), where the
 provider is written in its canonical form — the normalised name of the Python packaging specification (PEP 503;
-``packaging.utils.canonicalize_name``): lowercase, every run of ``-``, ``_`` and ``.`` one ``-``. A qualified name is
-canonicalised before it is looked up, so ``My_Gates:ppo_clip`` and ``my-gates:ppo_clip`` are the same name; the part
-after the colon is the plugin's own name, taken as it is.
+``packaging.utils.canonicalize_name``): lowercase, every run of ``-``, ``_`` and ``.`` (and ``:``, which only an
+in-process name can hold) one ``-``. A qualified name is canonicalised before it is looked up, so
+``My_Gates:ppo_clip`` and ``my-gates:ppo_clip`` are the same name; the part after the (first) colon is the plugin's
+own name, taken as it is — which is why a plugin or preset name may not contain a colon.
 
 When one name is registered by more than one provider (:func:`settle`):
 
