@@ -171,7 +171,7 @@ Only what is genuinely outside the loss, or a recipe that would change TRL's mea
 * in :func:`trl_equivalent`: ``use_adaptive_entropy`` with ``top_entropy_quantile < 1`` (TRL's
   controller observes the high-entropy tokens only, which the entropy regularizer cannot select).
 
-Kept from TRL unchanged: the MoE auxiliary loss, eval mode, ``entropy_coef``, ``policy_loss``, ``aux_loss``.
+Kept from TRL unchanged: the MoE auxiliary loss, eval mode, ``entropy_coef``, ``aux_loss``.
 
 TRL's dashboard
 ---------------
@@ -191,14 +191,18 @@ TRL key                                         logged when
                                                 ``dual_clip_c`` / ``delta`` first, as TRL caps it at ``delta``
 ``cispo_clip_ratio``                            update gate ``cispo`` / ``cispo_seq``: its upper bound
 ``vespo/phi_seq_mean``                          update gate ``vespo``
+``policy_loss``                                 TRL's entropy bonus is on (the adapter's, or the recipe's
+                                                ``entropy``): the loss before the bonus, per micro-batch as TRL's
+                                                loss type reports it
 ==============================================  ====================================================================
 
 Any other update gate (``sapo``, which TRL logs no key for either; a third-party gate, which has no TRL definition)
 adds no gate key. Each value is TRL's per micro-batch — sums and counts over the action tokens (one per response at
 sequence level, every row counted) added over the processes, extremes over every process's responses — averaged by
 TRL's ``log``; all of a micro-batch's keys are read in one gather and one device→host transfer (TRL: one ``.item()``
-per key). With ``metrics="off"`` (no lossplug metrics) only ``entropy`` and the ``kl`` of TRL's own term are kept:
-the gate keys and the recipe's KL (read from its regularizer's ``token_mean``) are not computed.
+per key). With ``metrics="off"`` (no lossplug metrics) only ``entropy``, the ``kl`` of TRL's own term and the
+``policy_loss`` of the adapter's own bonus are kept: the gate keys and what is read from the recipe's regularizers
+(its KL's ``token_mean``, its entropy term) are not computed.
 
 lossplug's own metrics are logged as
 ``lossplug/<name>`` in ``self._metrics[mode]`` (averaged over processes), so they appear in TRL's logs;

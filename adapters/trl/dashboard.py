@@ -15,11 +15,18 @@ TRL key                    logged when                             TRL's definit
 ``clip_ratio/high_max``    ``dual_clip_c`` / ``delta`` first       greatest per-response high mean
 ``cispo_clip_ratio``       update gate ``cispo`` / ``cispo_seq``   mean of ``r > ratio cap`` and ``A > 0``
 ``vespo/phi_seq_mean``     update gate ``vespo``                   mean of the responses' weights φ
+``policy_loss``            TRL's entropy bonus is on (the          the loss before the entropy bonus (with the KL
+                           adapter's, or the recipe's ``entropy``)  term), per micro-batch (see below); mean over
+                                                                   the processes
 =========================  ======================================  ===============================================
 
-With ``metrics="off"`` (no lossplug metrics) only ``entropy`` and the ``kl`` of TRL's own term are logged: the gate
-keys are not computed, and the recipe's KL and vespo's φ are read from the stages' metrics (``token_mean``,
-``phi_mean``).
+``policy_loss`` is the micro-batch's own value where TRL's loss type divides it by the gradient-accumulation steps
+(grpo, sapo, bnpo, dr_grpo, luspo: every reduction but the token mean over the generation batch) and its share of the
+window where TRL's does not (dapo, cispo, vespo: the ``token`` reduction over the ``generation`` population).
+
+With ``metrics="off"`` (no lossplug metrics) only ``entropy``, the ``kl`` of TRL's own term and the ``policy_loss``
+of the adapter's own entropy bonus are logged: the gate keys are not computed, and the recipe's KL, its entropy
+term and vespo's φ are read from the stages' metrics (``token_mean``, ``value``, ``phi_mean``).
 
 ``eps_low``, ``eps_high``, the cap and the ratio cap are the recipe gate's own parameters, so a recipe that is
 TRL's loss shows TRL's numbers and a recipe that changed a bound shows its own. Every other update gate (sapo has no
@@ -53,7 +60,7 @@ if TYPE_CHECKING:
     from lossplug.adapters.common import ActionRows
     from lossplug.pipeline import CompiledRecipe
 
-__all__ = ["ClipRule", "DashboardPlan", "clip_rule", "dashboard_plan", "trl_dashboard"]
+__all__ = ["ClipRule", "DashboardPlan", "clip_rule", "dashboard_plan", "trl_dashboard", "trl_policy_loss"]
 
 Tensor = torch.Tensor
 
@@ -100,10 +107,15 @@ class DashboardPlan:
     vespo: bool
     #: the lossplug metric holding the token mean of the recipe's KL to the reference (``reg/<name>/token_mean``)
     recipe_kl_metric: str | None
+    #: the metric names (``reg/<name>``) of the recipe's entropy regularizers: TRL's policy_loss is before them
+    recipe_entropy_metrics: tuple[str, ...] = ()
+    #: TRL's policy_loss is the micro-batch's own value (× the accumulation steps of the returned loss), not its share
+    #: of the window (TRL's dapo, cispo, vespo: the token mean over the generation batch)
+    policy_loss_per_micro_batch: bool = True
 
 
-def dashboard_plan(compiled: CompiledRecipe) -> DashboardPlan:
-    """The keys of TRL's dashboard that ``compiled`` gets."""
+def dashboard_plan(compiled: CompiledRecipe, population: str = "generation") -> DashboardPlan:
+    """The keys of TRL's dashboard that ``compiled`` gets, run with the adapter's ``population``."""
     from lossplug.plugins.gates.vespo import VESPOParams
     from lossplug.plugins.regularizers.kl import KLParams
 
@@ -116,10 +128,20 @@ def dashboard_plan(compiled: CompiledRecipe) -> DashboardPlan:
         ),
         None,
     )
+    reduction = compiled.reduction
+    window_share = (
+        reduction.plugin.name == "token"
+        and population == "generation"
+        and getattr(reduction.params, "population", "step") != "micro_batch"
+    )
     return DashboardPlan(
         clip=clip_rule(compiled),
         vespo=update.plugin.name == "vespo" and isinstance(update.params, VESPOParams),
         recipe_kl_metric=kl_metric,
+        recipe_entropy_metrics=tuple(
+            f"reg/{stage.metric_name}" for stage in compiled.regularizers if stage.plugin.name == "entropy"
+        ),
+        policy_loss_per_micro_batch=not window_share,
     )
 
 
@@ -142,6 +164,11 @@ class _Reductions:
         else:
             self.mean(key, (x * mask).sum(), mask.sum().float())
 
+    def process_mean(self, key: str, value: Tensor) -> None:
+        """TRL's ``gather(value).nanmean()``: the mean over the processes of one value each."""
+        self.keys.append((key, "process_mean", len(self.values)))
+        self.values.append(value)
+
     def extreme(self, key: str, how: Literal["min", "max"], per_response: Tensor) -> None:
         """TRL's ``nanmin`` / ``nanmax`` of the gathered per-response values: the local extreme, NaN-ignoring (±inf
         when every value is NaN: none counts)."""
@@ -162,6 +189,9 @@ class _Reductions:
         for key, how, i in self.keys:
             if how == "mean":
                 out[key] = sum(r[i] for r in rows) / max(sum(r[i + 1] for r in rows), 1.0)
+            elif how == "process_mean":
+                found = [r[i] for r in rows if not math.isnan(r[i])]
+                out[key] = sum(found) / len(found) if found else math.nan
             else:
                 found = [r[i] for r in rows if math.isfinite(r[i])]
                 out[key] = (min(found) if how == "min" else max(found)) if found else math.nan
@@ -180,7 +210,8 @@ def _clip_keys(out: _Reductions, rule: ClipRule, mask: Tensor, logps: Tensor, ol
         return
     if rule.cap is not None:
         ratio = ratio.clamp(max=rule.cap)
-    low = ((ratio < rule.low) & (advantage < 0)).float()
+    low_bound = -math.inf if rule.low is None else rule.low  # (no low side: nothing is low-clipped)
+    low = ((ratio < low_bound) & (advantage < 0)).float()
     high = ((ratio > rule.high) & (advantage > 0)).float()
     out.masked_mean("clip_ratio/low_mean", low, mask)
     out.masked_mean("clip_ratio/high_mean", high, mask)
@@ -191,6 +222,21 @@ def _clip_keys(out: _Reductions, rule: ClipRule, mask: Tensor, logps: Tensor, ol
 
     out.extreme("clip_ratio/low_min", "min", per_response(low))
     out.extreme("clip_ratio/high_max", "max", per_response(high))
+
+
+def trl_policy_loss(
+    plan: DashboardPlan, loss_before_bonus: Tensor, metrics: Mapping[str, Tensor], scale: float, accumulation: int
+) -> Tensor:
+    """TRL's ``policy_loss``: the micro-batch's loss as returned to TRL before TRL's entropy bonus (the KL term
+    included, the aux loss not), less the recipe's own entropy terms (``coef · value`` of each, scaled like the
+    loss; none when no row had an action token), as TRL's loss type reports it: × the accumulation steps where TRL
+    divides its loss by them."""
+    value = loss_before_bonus.detach()
+    for name in plan.recipe_entropy_metrics:
+        term, coef = metrics.get(f"{name}/value"), metrics.get(f"{name}/coef")
+        if term is not None and coef is not None:
+            value = value - coef * term * scale
+    return value * accumulation if plan.policy_loss_per_micro_batch else value
 
 
 def trl_dashboard(
@@ -205,6 +251,9 @@ def trl_dashboard(
     per_token_kl: Tensor | None,
     metrics: Mapping[str, Tensor],
     rows: ActionRows,
+    loss_before_bonus: Tensor | None = None,
+    scale: float = 1.0,
+    accumulation: int = 1,
     recipe_keys: bool = True,
 ) -> dict[str, float]:
     """TRL's dashboard keys for one micro-batch (the table in :mod:`lossplug.adapters.trl.dashboard`), reduced over
@@ -212,7 +261,9 @@ def trl_dashboard(
 
     ``mask``: the micro-batch's action mask (``completion_mask × tool_mask``, every row); ``per_token_kl``: TRL's own
     KL term when the adapter adds it (else the recipe's KL is read from ``metrics``, lossplug's metric tensors of
-    the micro-batch — empty when no row had an action token); ``rows``: the rows that entered the lossplug batch.
+    the micro-batch — empty when no row had an action token); ``rows``: the rows that entered the lossplug batch;
+    ``loss_before_bonus``: the loss returned to TRL before its entropy bonus, when TRL's bonus is on (``None``: no
+    ``policy_loss``), with the adapter's ``scale`` and TRL's ``accumulation`` steps (:func:`trl_policy_loss`).
     ``recipe_keys=False`` (``metrics="off"``) leaves out what is read from the recipe's stages: the clip and vespo
     keys and the recipe's KL (TRL's own KL term and the entropies are the adapter's, and stay).
     """
@@ -236,4 +287,6 @@ def trl_dashboard(
             phi_mean = metrics.get("vespo/phi_mean")
             phi_sum = phi_mean * rows.kept if phi_mean is not None else responses * 0
             out.mean("vespo/phi_seq_mean", phi_sum + (rows.count - rows.kept), responses)
+        if loss_before_bonus is not None and (recipe_keys or not plan.recipe_entropy_metrics):
+            out.process_mean("policy_loss", trl_policy_loss(plan, loss_before_bonus, metrics, scale, accumulation))
     return out.read(accelerator)

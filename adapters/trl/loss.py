@@ -105,6 +105,7 @@ def compute_loss(trainer: GRPOTrainer, model: Any, inputs: Any) -> Tensor:
             kl_term = lossplug.reduce(rows.take(per_token_kl), rows.take(action), st.recipe, scaling.normalizer)
             loss = loss + trainer.beta * kl_term * scaling.scale
             metrics["kl"] = kl_term.detach() * scaling.steps * scaling.processes  # reduced like the loss (not × beta)
+    before_bonus = loss.detach()  # (TRL's policy_loss metric: the loss before its entropy bonus)
     if trl_entropy:  # TRL's static entropy bonus, the recipe having no entropy regularizer
         loss = _with_trl_entropy_bonus(trainer, st, mode, loss, entropies, mask, scaling.accumulation)
     if trainer.aux_loss_enabled and aux_loss is not None:
@@ -122,6 +123,8 @@ def compute_loss(trainer: GRPOTrainer, model: Any, inputs: Any) -> Tensor:
         per_token_kl=per_token_kl,
         entropies=entropies,
         rows=rows,
+        before_bonus=before_bonus if trainer._entropy_bonus_enabled else None,
+        scaling=scaling,
     )
     return loss
 
@@ -245,14 +248,13 @@ def _with_trl_entropy_bonus(
     trainer: GRPOTrainer, st: AdapterState, mode: str, loss: Tensor, entropies: Tensor, mask: Tensor, accumulation: int
 ) -> Tensor:
     """``loss`` minus TRL's static entropy bonus: a token mean over this micro-batch's (entropy-masked) action
-    tokens, scaled only for gradient accumulation; TRL's ``policy_loss`` and ``entropy_coef`` metrics."""
+    tokens, scaled only for gradient accumulation; TRL's ``entropy_coef`` metric (its ``policy_loss`` is logged with
+    TRL's other keys, :mod:`~lossplug.adapters.trl.dashboard`)."""
     effective = mask
     if st.top_entropy_quantile is not None:  # TRL: the bonus acts on the tokens the entropy mask keeps
         effective = mask * trainer.get_high_entropy_mask(entropies, mask, 1 - st.top_entropy_quantile)
     entropy_loss = (entropies * effective).sum() / effective.sum().clamp(min=1.0) / accumulation
-    policy_loss = loss.detach()
     loss = loss - trainer.entropy_coef * entropy_loss
-    trainer._metrics[mode]["policy_loss"].append(trainer.accelerator.gather(policy_loss).nanmean().item())
     if mode == "train" and trainer.accelerator.sync_gradients:
         trainer._metrics[mode]["entropy_coef"].append(trainer.entropy_coef)
     return loss
@@ -271,13 +273,15 @@ def _log_trl_metrics(
     per_token_kl: Tensor | None,
     entropies: Tensor | None,
     rows: ActionRows,
+    before_bonus: Tensor | None,
+    scaling: StepScaling,
 ) -> None:
     """TRL's own dashboard keys — ``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
-    ``vespo/phi_seq_mean``, with TRL's definitions where the recipe's stage is the one the key describes
-    (:mod:`~lossplug.adapters.trl.dashboard`) — and lossplug's own under ``lossplug/``."""
+    ``vespo/phi_seq_mean``, ``policy_loss``, with TRL's definitions where the recipe's stage is the one the key
+    describes (:mod:`~lossplug.adapters.trl.dashboard`) — and lossplug's own under ``lossplug/``."""
     values = trl_dashboard(
         trainer.accelerator,
-        dashboard_plan(st.compiled),
+        dashboard_plan(st.compiled, st.population),
         mask=mask,
         logps=logps,
         old=old,
@@ -286,6 +290,9 @@ def _log_trl_metrics(
         per_token_kl=per_token_kl,
         metrics=metrics,
         rows=rows,
+        loss_before_bonus=before_bonus,
+        scale=scaling.scale,
+        accumulation=scaling.accumulation,
         recipe_keys=st.metrics != "off",
     )
     for key, value in values.items():

@@ -1,13 +1,14 @@
 """TRL's dashboard is kept under lossplug: every key TRL's own ``GRPOTrainer`` logs appears in ``log_history`` with
 TRL's value when ``attach(trainer, *trl_equivalent(args))`` takes over the loss.
 
-For each TRL loss type a real ``GRPOTrainer`` trains two optimizer steps natively and two with lossplug, from the
-same weights and the same rollouts (gradient accumulation 2, ``num_iterations`` 2: the second step re-uses the
-generation batch after an update, so ratios move and TRL's clip ratios are non-zero; ``beta`` > 0, so TRL logs
-``kl``; ``mask_truncated_completions`` empties some rows, which TRL's sequence-level means still count). The
-keys TRL computes from the micro-batch (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
-``vespo/phi_seq_mean``) are lossplug's, with TRL's definitions (:mod:`lossplug.adapters.trl.dashboard`); the rest
-(rewards, lengths, loss, grad norm) come out of TRL unchanged. Wall-clock keys are the only ones left out.
+For each TRL loss type (and with TRL's entropy bonus, which adds ``policy_loss``) a real ``GRPOTrainer`` trains two
+optimizer steps natively and two with lossplug, from the same weights and the same rollouts (gradient accumulation
+2, ``num_iterations`` 2: the second step re-uses the generation batch after an update, so ratios move and TRL's clip
+ratios are non-zero; ``beta`` > 0, so TRL logs ``kl``; ``mask_truncated_completions`` empties some rows, which TRL's
+sequence-level means still count). The keys TRL computes from the micro-batch (``kl``, ``entropy``, ``clip_ratio/*``,
+``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``policy_loss``) are lossplug's, with TRL's definitions
+(:mod:`lossplug.adapters.trl.dashboard`); the rest (rewards, lengths, loss, grad norm) come out of TRL unchanged.
+Wall-clock keys are the only ones left out.
 
 A second test calls TRL's ``_compute_loss`` and lossplug's on the same micro-batches for the settings the training
 runs do not cover (``delta``, sequence-level cispo and sapo, a recipe whose gate TRL has no key for,
@@ -47,12 +48,13 @@ LOSS_KEYS = frozenset(
         "clip_ratio/high_max",
         "cispo_clip_ratio",
         "vespo/phi_seq_mean",
+        "policy_loss",
     }
 )
 CLIP_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 #: loss type → (GRPOConfig settings, the key of TRL's that shows the update gate acted)
-LOSS_TYPES: dict[str, tuple[dict, str | None]] = {
+CASES: dict[str, tuple[dict, str | None]] = {
     "grpo": ({"loss_type": "grpo"}, "clip_ratio/region_mean"),
     "bnpo": ({"loss_type": "bnpo"}, "clip_ratio/region_mean"),
     "dr_grpo": ({"loss_type": "dr_grpo"}, "clip_ratio/region_mean"),
@@ -64,6 +66,18 @@ LOSS_TYPES: dict[str, tuple[dict, str | None]] = {
     "vespo": ({"loss_type": "vespo"}, "vespo/phi_seq_mean"),
     "gspo": (
         {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4},
+        "clip_ratio/region_mean",
+    ),
+    # TRL's entropy bonus adds policy_loss (the loss before the bonus): the recipe's entropy regularizer (static,
+    # adaptive) and the adapter's own bonus (top_entropy_quantile), with a loss type that divides by the
+    # accumulation steps and one that does not
+    "grpo_entropy": ({"loss_type": "grpo", "entropy_coef": 0.5}, "clip_ratio/region_mean"),
+    "bnpo_adaptive_entropy": (
+        {"loss_type": "bnpo", "entropy_coef": 0.5, "use_adaptive_entropy": True, "entropy_target": 10.0},
+        "clip_ratio/region_mean",
+    ),
+    "dapo_entropy_top_entropy": (
+        {"loss_type": "dapo", "epsilon_high": 0.28, "entropy_coef": 0.5, "top_entropy_quantile": 0.5},
         "clip_ratio/region_mean",
     ),
 }
@@ -125,9 +139,9 @@ def same(a: float | None, b: float | None) -> bool:
     return (math.isnan(a) and math.isnan(b)) or abs(a - b) <= TOL
 
 
-@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
+@pytest.mark.parametrize("loss_type", list(CASES))
 def test_every_native_key_is_logged_with_trls_value(model_dir, tmp_path, loss_type):
-    settings, acted = LOSS_TYPES[loss_type]
+    settings, acted = CASES[loss_type]
     native = log_history(model_dir, tmp_path / "native", settings, ours=False)
     ours = log_history(model_dir, tmp_path / "ours", settings, ours=True)
     assert len(native) == len(ours) == 3  # two steps and the summary
@@ -139,7 +153,9 @@ def test_every_native_key_is_logged_with_trls_value(model_dir, tmp_path, loss_ty
         assert any(k.startswith("lossplug/") for k in mine) or step == 3, "lossplug's own metrics are logged beside"
     second = native[1]
     logged = LOSS_KEYS & set(second)
-    expected = {"kl", "entropy"} | ({acted} if acted else set())
+    expected = (
+        {"kl", "entropy"} | ({acted} if acted else set()) | ({"policy_loss"} if "entropy_coef" in settings else set())
+    )
     if acted == "clip_ratio/region_mean":
         expected |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/low_min", "clip_ratio/high_max"}
     assert logged == expected, f"{loss_type}: TRL logged {sorted(logged)}"
