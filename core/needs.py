@@ -8,8 +8,11 @@ parameters when none are given, the fields every policy batch carries anyway, an
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from lossplug.contracts.errors import Violation
 from lossplug.requires import required_fields
 
 #: what each batch field is, for people reading ``recipe explain`` and ``validate`` output
@@ -33,6 +36,46 @@ FIELD_SHAPES = {
 
 #: every PolicyBatch carries these, whatever the recipe
 ALWAYS = ("logp", "action_mask")
+
+#: how to give ``old_logp`` when no update has happened yet, said wherever it is missing
+ON_POLICY_HINT = " (for a single on-policy step pass old_logp=logp.detach())"
+
+
+@dataclass(frozen=True)
+class MissingField(Violation):
+    """A field a batch lacks, with every stage that needs it: :func:`one_line_each` merges those of one field into
+    a single line, so that a field two gates read is one problem, not two."""
+
+    #: the stages that need the field, as the message names them (``recipe.gates[0] (ppo_clip)``)
+    needed_by: tuple[str, ...] = ()
+    #: the rest of the sentence: what lacks it (``this PolicyBatch has none``, ``the file has none``)
+    lack: str = ""
+
+
+def missing_field(field: str, needed_by: Sequence[str], lack: str) -> MissingField:
+    """``field: required by A, B, but <lack>`` — the one wording of a missing field, for the Python API and the CLI."""
+    hint = ON_POLICY_HINT if field == "old_logp" and lack.endswith("has none") else ""
+    rule = f"required by {', '.join(needed_by)}, but {lack}{hint}"
+    return MissingField(field, rule, needed_by=tuple(needed_by), lack=lack)
+
+
+def one_line_each(violations: Iterable[Violation]) -> list[Violation]:
+    """``violations`` with one line per problem, in their order: the missing-field violations of one field (and one
+    reason) merged into one naming every stage that needs it, and repeats of a (field, rule) dropped."""
+    merged: dict[tuple[str, str], Violation] = {}
+    for violation in violations:
+        if isinstance(violation, MissingField):
+            key = (violation.field, "missing: " + violation.lack)
+            earlier = merged.get(key)
+            if isinstance(earlier, MissingField):
+                needed_by = tuple(dict.fromkeys(earlier.needed_by + violation.needed_by))
+                violation = missing_field(violation.field, needed_by, violation.lack)
+        else:
+            key = (violation.field, violation.rule)
+            if key in merged:
+                continue
+        merged[key] = violation
+    return list(merged.values())
 
 
 def batch_fields(plugin: Any, params: Any | None = None) -> tuple[str, ...]:
@@ -77,10 +120,12 @@ def recipe_needs(recipe: Any) -> dict[str, tuple[str, ...]]:
 
     if compiled.advantage is not None:
         adv = compiled.advantage.plugin
-        for field in required_fields(adv, compiled.advantage.params):
-            add(field, f"advantage '{adv.name}'")
-        if adv.min_group_size > 0:
-            add("group_id", f"advantage '{adv.name}' (≥ {adv.min_group_size} rollouts per group)")
+        label = f"advantage '{adv.name}'"
+        # an estimator that sets a group size is named once for group_id, with the size when it is a rule (≥ 2)
+        grouped = f"{label} (≥ {adv.min_group_size} rollouts per group)" if adv.min_group_size > 1 else label
+        fields = required_fields(adv, compiled.advantage.params)
+        for field in (*fields, "group_id") if adv.min_group_size > 0 else fields:
+            add(field, grouped if field == "group_id" else label)
     else:
         add("advantage", "the recipe has no advantage stage, so advantages come with the batch")
     for i, stage in enumerate(compiled.gates):

@@ -23,6 +23,7 @@ from lossplug.contracts import (
 from lossplug.contracts.errors import LossplugError, PluginError, describe_positions
 
 from . import plugin_registry as _registry
+from .needs import missing_field, one_line_each
 from .ops import Groups
 from .plugin import AdvantagePlugin, GateOutput, GatePlugin, RegularizerOutput, RegularizerPlugin
 from .stages import CompiledRecipe, RegularizerStage, Stage, describe_value
@@ -36,10 +37,9 @@ def missing_fields(batch: PolicyBatch | PackedTransitions, fields: Iterable[str]
     out: list[Violation] = []
     for name in fields:
         if name not in contract.FIELD_NAMES:
-            out.append(Violation(name, f"required by {who}, but the {contract.__name__} layout has no such field"))
+            out.append(missing_field(name, (who,), f"the {contract.__name__} layout has no such field"))
         elif getattr(batch, name) is None:
-            hint = " (for a single on-policy step pass old_logp=logp.detach())" if name == "old_logp" else ""
-            out.append(Violation(name, f"required by {who}, but this {contract.__name__} has none{hint}"))
+            out.append(missing_field(name, (who,), f"this {contract.__name__} has none"))
     return out
 
 
@@ -97,8 +97,8 @@ def raise_violations(
         batch.check()
     if compiled.has_validators:
         violations.extend(plugin_validator_violations(batch, compiled.recipe))
-    if violations:
-        raise BatchValidationError(type(batch).__name__, violations)
+    if violations:  # (a field two stages need is one line naming both)
+        raise BatchValidationError(type(batch).__name__, one_line_each(violations))
 
 
 def check_advantage_output(

@@ -289,7 +289,7 @@ def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Recipe | No
     Raises a :class:`PluginError` when a plugin validator fails, naming the plugin.
     """
     from lossplug.contracts import PolicyBatch, Violation
-    from lossplug.needs import recipe_needs, required_fields
+    from lossplug.needs import ALWAYS, missing_field, one_line_each, recipe_needs, required_fields
     from lossplug.pipeline import compile_recipe
     from lossplug.validation import group_violations, plugin_validator_violations
 
@@ -298,14 +298,12 @@ def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Recipe | No
     if recipe is None:
         return result
     compiled = compile_recipe(recipe)
-    name = recipe.name or "the recipe"
     adv = compiled.advantage
     if contract is PolicyBatch:
         for field_name, stages in recipe_needs(recipe).items():
-            if field_name not in tensors:
-                violations.append(
-                    Violation(field_name, f"required by {'; '.join(stages)} ({name}), but the file has none")
-                )
+            # (the contract names a missing logp or action_mask already: every recipe needs them)
+            if field_name not in tensors and field_name not in ALWAYS:
+                violations.append(missing_field(field_name, stages, "the file has none"))
         if batch is not None and adv is not None and batch.group_id is not None:
             violations += group_violations(batch, adv.plugin, "recipe.advantage")
         group_id = tensors.get("group_id")
@@ -320,14 +318,15 @@ def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Recipe | No
             else "the recipe has no advantage stage"
         )
         violations.append(
-            Violation("<batch>", f"packed transitions feed only an advantage stage that accepts them; {what} ({name})")
+            Violation("<batch>", f"packed transitions feed only an advantage stage that accepts them; {what}")
         )
     else:
         violations += [
-            Violation(f, f"required by advantage '{adv.plugin.name}' ({name}), but the file has none")
+            missing_field(f, (f"advantage '{adv.plugin.name}'",), "the file has none")
             for f in required_fields(adv.plugin, adv.params)
             if f not in tensors
         ]
     if batch is not None and not violations and compiled.has_validators:
         violations += plugin_validator_violations(batch, recipe)
+    result.violations = one_line_each(violations)
     return result

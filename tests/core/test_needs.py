@@ -5,7 +5,16 @@ import pytest
 from pydantic import Field
 
 import lossplug
-from lossplug.needs import FIELD_SHAPES, batch_fields, recipe_needs, required_fields
+from lossplug.contracts import Violation
+from lossplug.needs import (
+    FIELD_SHAPES,
+    ON_POLICY_HINT,
+    batch_fields,
+    missing_field,
+    one_line_each,
+    recipe_needs,
+    required_fields,
+)
 
 
 def plugin(kind, name):
@@ -74,6 +83,35 @@ def test_recipe_needs_names_every_stage_that_needs_a_field():
     assert needs["old_logp"] == ("gates[0] 'ppo_clip'", "gates[1] 'icepop'")
     assert "group_id" in recipe_needs({"advantage": "rloo", "gates": ["ppo_clip"], "reduction": "token"})
     assert set(FIELD_SHAPES) >= {f for r in ("dapo", "ppo", "grpo") for f in recipe_needs(r)}
+
+
+def test_an_estimator_with_a_group_size_is_named_once_for_group_id():
+    assert recipe_needs("rloo")["group_id"] == ("advantage 'rloo' (≥ 2 rollouts per group)",)
+    assert recipe_needs("rloo")["reward"] == ("advantage 'rloo'",)
+    assert recipe_needs("dapo")["group_id"] == ("advantage 'grpo'",)  # groups of one are allowed: no size to state
+
+
+def test_missing_fields_merge_into_one_line_per_field():
+    violations = [
+        missing_field("old_logp", ("recipe.gates[0] (ppo_clip)",), "this PolicyBatch has none"),
+        Violation("logp", "must be finite on action positions", "(row 1, pos 2)"),
+        missing_field("behavior_logp", ("recipe.gates[1] (icepop)",), "this PolicyBatch has none"),
+        missing_field("old_logp", ("recipe.gates[1] (icepop)",), "this PolicyBatch has none"),
+        missing_field("old_logp", ("recipe.gates[1] (icepop)",), "this PolicyBatch has none"),
+        Violation("logp", "must be finite on action positions", "(row 1, pos 2)"),
+    ]
+    assert [str(v) for v in one_line_each(violations)] == [
+        "old_logp: required by recipe.gates[0] (ppo_clip), recipe.gates[1] (icepop), but this PolicyBatch has none"
+        + ON_POLICY_HINT,
+        "logp: must be finite on action positions — (row 1, pos 2)",
+        "behavior_logp: required by recipe.gates[1] (icepop), but this PolicyBatch has none",
+    ]
+    # a field missing for two different reasons stays two lines; the hint is only for a field that can be given
+    odd = [missing_field("old_logp", ("a",), "this PolicyBatch has none"), missing_field("old_logp", ("b",), "x")]
+    assert [v.rule for v in one_line_each(odd)] == [
+        "required by a, but this PolicyBatch has none" + ON_POLICY_HINT,
+        "required by b, but x",
+    ]
 
 
 def test_the_registry_listing_uses_the_same_answer():
