@@ -138,10 +138,17 @@ def _package_dirs() -> tuple[str, ...]:
 
 
 def failure_site(exc: BaseException) -> str | None:
-    """``file:line`` of the innermost lossplug frame of the innermost exception that has one: where the sync was."""
+    """``file:line (function)`` of the innermost lossplug frame of the innermost exception that has one: where the
+    sync was. Without one (a sync inside autograd's C++ backward surfaces at the ``backward()`` call), the innermost
+    frame of the innermost exception."""
     dirs = _package_dirs()
-    for e in reversed(_chain(exc)):
+    chain = list(reversed(_chain(exc)))
+    for e in chain:
         frames = [f for f in traceback.extract_tb(e.__traceback__) if str(Path(f.filename).resolve()).startswith(dirs)]
+        if frames:
+            return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} ({frames[-1].name})"
+    for e in chain:
+        frames = traceback.extract_tb(e.__traceback__)
         if frames:
             return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} ({frames[-1].name})"
     return None

@@ -225,3 +225,22 @@ def test_a_side_whose_packages_do_not_import_is_skipped_with_the_reason(monkeypa
     assert "trl_step" not in results
     table = gpu.build_table(results)
     assert "| b | the verl cases | — | skipped | lossplug_no_such_module_verl does not import" in table
+
+
+@lossplug.gate("raises_gpu_test")
+def raises_a_sync(inp, p):
+    """Raises what CUDA raises at a host sync."""
+    raise RuntimeError(gpu_sweep.SYNC_MESSAGE)
+
+
+def test_the_failure_site_is_the_innermost_lossplug_line(register_gates):
+    register_gates(raises_a_sync, name="gpu-site-test")
+    batch = lossplug.PolicyBatch(logp=torch.zeros(2, 3), action_mask=torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(lossplug.PluginError) as raised:
+        lossplug.policy_loss(batch, {"gates": ["raises_gpu_test"], "reduction": "token"}, validate="off")
+    # the gate's own frame is outside lossplug: the innermost lossplug frame is the plugin wrapper that called it
+    assert gpu_sweep.failure_kind(raised.value) == "host_sync"
+    assert gpu_sweep.failure_site(raised.value).startswith("plugin.py:")
+    with pytest.raises(ValueError) as outside:
+        raise ValueError("no lossplug frame")
+    assert gpu_sweep.failure_site(outside.value).startswith("test_gpu.py:")  # then the innermost frame
