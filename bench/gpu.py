@@ -9,8 +9,9 @@ number to ``bench/results-gpu.json`` (``--out``; without CUDA the default is ``b
 so a CPU run never overwrites a GPU result):
 
 * **(a) no host synchronisation, every built-in combination.** Every built-in gate (read from the registry) ×
-  every built-in reduction × every metric level (``off``/``basic``/``full``), each on four batches (sequence and
-  token advantages, with and without a two-micro-batch step :class:`~lossplug.Normalizer`), forward and backward
+  every built-in reduction × every metric level (``off``/``basic``/``full``), each on five batches (sequence and
+  token advantages, with and without a two-micro-batch step :class:`~lossplug.Normalizer`, and bf16 log-probs as
+  trainers on GPUs hand them; ``--quick``: two of them), forward and backward
   under ``torch.cuda.set_sync_debug_mode("error")``: any ``.item()``, ``bool(tensor)``, device-to-host copy or
   data-dependent shape raises. A correction gate runs after ``ppo_clip``. Extra rows: the gate parameter sets that
   take other code paths, and every built-in regularizer. Each combination is first validated (``validate="full"``,
@@ -50,6 +51,7 @@ import argparse
 import importlib
 import json
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -86,7 +88,8 @@ def time_calls(
 ) -> dict[str, dict]:
     """Seconds per call of each candidate, interleaved in a fresh random order every round (seeded), ``setup``
     untimed before each call. On CUDA: a ``torch.cuda.Event`` pair around the call with the queue drained before
-    it; elsewhere ``time.perf_counter``."""
+    it (``wall_median_s``: the host's time from the first event to the end of the work, syncs included);
+    elsewhere ``time.perf_counter``."""
     from .common import summarize
 
     names = list(candidates)
@@ -96,6 +99,7 @@ def time_calls(
             candidates[name]()
     _synchronize(device)
     times: dict[str, list[float]] = {n: [] for n in names}
+    walls: dict[str, list[float]] = {n: [] for n in names}
     order = random.Random(0)
     for _ in range(repeats):
         for name in order.sample(names, len(names)):
@@ -103,16 +107,22 @@ def time_calls(
             _synchronize(device)
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
                 start.record()
                 candidates[name]()
                 end.record()
                 end.synchronize()
+                walls[name].append(time.perf_counter() - t0)
                 times[name].append(start.elapsed_time(end) / 1e3)
             else:
                 t0 = time.perf_counter()
                 candidates[name]()
                 times[name].append(time.perf_counter() - t0)
-    return {n: summarize(ts) for n, ts in times.items()}
+    out = {n: summarize(ts) for n, ts in times.items()}
+    for n, ws in walls.items():
+        if ws:
+            out[n]["wall_median_s"] = statistics.median(ws)
+    return out
 
 
 def peak_bytes_above(fn: Callable[[], object], device: torch.device, setup: Callable[[], None]) -> int:

@@ -170,6 +170,7 @@ class Variant:
     name: str
     token_advantage: bool
     step_normalizer: bool  # a Normalizer for a step of two such micro-batches, else None (the batch is the step)
+    logp_dtype: torch.dtype = torch.float32  # the log-probs' and entropy's dtype (trainers on GPUs hand bf16)
 
 
 VARIANTS = (
@@ -177,6 +178,7 @@ VARIANTS = (
     Variant("[B,T] advantage", True, False),
     Variant("[B] advantage, step normalizer", False, True),
     Variant("[B,T] advantage, step normalizer", True, True),
+    Variant("[B] advantage, bf16 log-probs", False, False, torch.bfloat16),
 )
 
 
@@ -188,6 +190,8 @@ def sweep_batch(B: int, T: int, variant: Variant, device: torch.device) -> tuple
     fields = policy_fields(B, T, dtype=torch.float32, token_advantage=variant.token_advantage)
     g = torch.Generator().manual_seed(1)
     fields["entropy"] = 0.05 + 2.0 * torch.rand(B, T, generator=g)
+    for name in ("logp", "old_logp", "behavior_logp", "ref_logp", "entropy"):
+        fields[name] = fields[name].to(variant.logp_dtype)
     normalizer = None
     if variant.step_normalizer:
         mask, groups = fields["action_mask"], fields["group_id"]
