@@ -102,7 +102,8 @@ TRL setting                                  recipe
 ``loss_type`` dapo / cispo / vespo           reduction ``token``
 ``loss_type`` luspo                          reduction ``sequence_sum``
 grpo/bnpo/dr_grpo/dapo/luspo                 gate ``ppo_clip(eps_low=epsilon, eps_high=epsilon_high)``; ``delta`` →
-                                             ``dual_clip_c`` (``min(clamp(r, max=δ)·A, clip(r)·A)`` is the dual clip)
+                                             ``ppo_clip.delta`` (``min(clamp(r, max=δ)·A, clip(r)·A)``, the dual
+                                             clip at δ only when δ ≥ 1 + epsilon_high)
 … ``importance_sampling_level=sequence``     gate ``gspo`` (same clip range, ``delta`` → ``gspo.delta``)
 ``loss_type`` cispo (token / sequence)       gate ``cispo`` / ``cispo_seq(eps_low=None, ratio_max=epsilon_high,
                                              log_ratio_clamp=None)``

@@ -90,7 +90,7 @@ def clip_rule(compiled: CompiledRecipe) -> ClipRule | None:
 
     name, p = compiled.update.plugin.name, compiled.update.params
     if name == "ppo_clip" and isinstance(p, PPOClipParams):
-        return ClipRule("ppo", False, 1 - p.eps_low, 1 + p.eps_high, p.dual_clip_c)
+        return ClipRule("ppo", False, 1 - p.eps_low, 1 + p.eps_high, p.delta if p.delta is not None else p.dual_clip_c)
     if name == "gspo" and isinstance(p, GSPOParams):
         return ClipRule("ppo", True, 1 - p.eps_low, 1 + p.eps_high, p.delta)
     if name in ("cispo", "cispo_seq") and isinstance(p, CISPOParams):

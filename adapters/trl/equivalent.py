@@ -47,7 +47,7 @@ def _update_gate(args: GRPOConfig) -> dict[str, Any]:
             return gate
         gate = {"name": "ppo_clip", "eps_low": eps_low, "eps_high": eps_high}
         if args.delta is not None:
-            gate["dual_clip_c"] = args.delta  # min(clamp(r, max=δ)·A, clip(r)·A) ≡ dual clip at δ
+            gate["delta"] = args.delta  # min(clamp(r, max=δ)·A, clip(r)·A): the dual clip only when δ ≥ 1 + ε_high
         return gate
     if loss_type == "cispo":
         return {

@@ -111,7 +111,7 @@ def test_trl_equivalent_mapping(tmp_module, loss_type, gate, reduction, populati
             {"loss_type": "grpo", "importance_sampling_level": "sequence", "delta": 1.5},
             [{"name": "gspo", "eps_low": 0.2, "eps_high": 0.2, "log_ratio_clamp": 80.0, "delta": 1.5}],
         ),
-        ({"loss_type": "grpo", "delta": 2.0}, [{"name": "ppo_clip", "dual_clip_c": 2.0}]),
+        ({"loss_type": "grpo", "delta": 2.0}, [{"name": "ppo_clip", "delta": 2.0}]),
         # corrections: TRL multiplies the per-token policy loss by them
         (
             {"off_policy_mask_threshold": 0.3},

@@ -84,12 +84,12 @@ CASES = {
     "grpo_delta": case(
         {**GRPO_SPG4, "delta": 1.02},
         baseline="grpo_steps_per_generation_4",
-        acted=("lossplug/ppo_clip/clip_frac_dual",),
+        acted=("lossplug/ppo_clip/delta_frac",),
     ),
     "grpo_delta_inside_clip_range": case(
         {"loss_type": "grpo", "epsilon_high": 0.28, "delta": 1.1},
         baseline="grpo",
-        acted=("lossplug/ppo_clip/clip_frac_dual",),
+        acted=("lossplug/ppo_clip/delta_frac",),
     ),
     "gspo": case(GSPO, baseline="grpo", acted=("lossplug/gspo/clip_frac",)),
     # gspo's delta: a positive-advantage sequence whose ratio rose past delta but not past 1 + epsilon_high takes

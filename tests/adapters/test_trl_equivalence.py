@@ -38,6 +38,8 @@ LOSS_TYPES = {
     "sapo": {},
     "luspo": {"importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4},
     "grpo+delta": {"epsilon_high": 0.28, "delta": 1.3},
+    # delta inside the clip range: TRL's cap, not a dual clip (it caps A > 0 ratios at δ, keeps A < 0's raw branch)
+    "grpo+delta_inside": {"epsilon_high": 0.28, "delta": 1.1},
     "grpo+gspo": {"importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4},
 }
 

@@ -88,3 +88,36 @@ def test_dual_clip_bounds_negative_advantages():
 def test_dual_clip_parameter_must_exceed_one():
     with pytest.raises(lossplug.RecipeError, match="dual_clip_c"):
         lossplug.Recipe.load({"gates": [{"name": "ppo_clip", "dual_clip_c": 1.0}], "reduction": "token"})
+
+
+@pytest.mark.parametrize("delta", [1.05, 1.1, 1.2, 1.28, 1.5, 3.0])
+def test_delta_is_trls_two_sided_clip_loss_and_gradient(delta):
+    """float64 oracle: TRL GRPOTrainer._compute_loss's ``coef_1 = clamp(coef_1, max=delta)`` then
+    ``−min(coef_1·A, clip(r)·A)`` (INTELLECT-2, arXiv:2505.07291) — for δ inside the clip range too."""
+    g = torch.Generator().manual_seed(int(delta * 100))
+    old = -torch.rand(6, 9, generator=g, dtype=torch.float64) - 1.5
+    logp = old + 0.3 * torch.randn(6, 9, generator=g, dtype=torch.float64)
+    adv = torch.randn(6, generator=g, dtype=torch.float64)
+    gate = {"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.28, "delta": delta}
+    result, grad = run(gate, logp=logp, old_logp=old, advantage=adv)
+
+    theirs = logp.clone().requires_grad_()
+    coef_1 = (theirs - old).exp()
+    coef_2 = coef_1.clamp(1 - 0.2, 1 + 0.28)
+    a = adv.unsqueeze(-1)
+    per_token = -torch.minimum(coef_1.clamp(max=delta) * a, coef_2 * a)
+    reference = per_token.mean()
+    reference.backward()
+    torch.testing.assert_close(result.loss, reference, rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(grad, theirs.grad, rtol=1e-13, atol=1e-15)
+    # the capped branch is the minimum exactly where its gradient is zero
+    capped = ((coef_1 > delta) & (delta * a < coef_2 * a)).double().mean()
+    assert result.metrics["ppo_clip/delta_frac"] == pytest.approx(float(capped))
+    if delta >= 1.28:  # δ ≥ 1 + eps_high: the dual clip at c = δ, bit for bit
+        dual, dual_grad = run({**gate, "delta": None, "dual_clip_c": delta}, logp=logp, old_logp=old, advantage=adv)
+        assert torch.equal(dual.loss, result.loss) and torch.equal(dual_grad, grad)
+
+
+def test_delta_below_one_is_refused():
+    with pytest.raises(lossplug.RecipeError, match="delta"):
+        lossplug.compile_recipe(lossplug.Recipe.model_validate({"gates": [{"name": "ppo_clip", "delta": 0.9}]}))
