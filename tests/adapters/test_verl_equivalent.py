@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +29,7 @@ from lossplug.adapters.verl import LossplugPolicyLossConfig, verl_equivalent, ve
 from lossplug.adapters.verl.equivalent import ACTOR_DEFAULTS, LOSS_AGG_REDUCTIONS
 from lossplug.contracts import LossplugError, PolicyBatch
 
+ROOT = Path(__file__).resolve().parents[2]
 DT = torch.float64
 RTOL = 1e-8
 B, T, MICRO = 8, 12, 2
@@ -459,3 +462,144 @@ def test_geo_mean_with_rollout_weights_is_refused_naming_them() -> None:
         verl_equivalent(actor, {"adv_estimator": "grpo", "rollout_correction": correction})
     # without the weights it maps, and rollout-correction metrics alone are no weighting
     assert verl_equivalent(actor, {"adv_estimator": "grpo"}).gates[0].name == "gmpo"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Unknown keys: a misspelling is an error naming it, where it is and the closest valid key
+
+
+def verl_config(name: str = "_generated_ppo_trainer.yaml") -> Any:
+    """One of verl's own composed trainer configs, loaded as it ships (OmegaConf, interpolations intact)."""
+    import os
+
+    import verl.trainer
+
+    return OmegaConf.load(os.path.join(os.path.dirname(verl.trainer.__file__), "config", name))
+
+
+@pytest.mark.parametrize("form", ["dict", "DictConfig"])
+def test_the_issues_two_misspellings_are_refused_naming_key_place_and_the_closest_key(form: str) -> None:
+    def given(config: dict[str, Any]) -> Any:
+        return config if form == "dict" else OmegaConf.create(config)
+
+    with pytest.raises(LossplugError) as err:
+        verl_equivalent(given({"clip_ratio_low": 0.2, "clip_ratio_hgh": 0.28}))
+    assert "actor_rollout_ref.actor.clip_ratio_hgh (did you mean clip_ratio_high?)" in str(err.value)
+    with pytest.raises(LossplugError) as err:
+        verl_equivalent(algorithm_config=given({"adv_estimatr": "grpo"}))
+    assert "algorithm.adv_estimatr (did you mean adv_estimator?)" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("argument", "section", "misspelt", "meant"),
+    [
+        ("actor", ("policy_loss",), "loss_mod", "loss_mode"),
+        ("actor", ("policy_loss", "rollout_correction"), "rollout_iss", "rollout_is"),
+        ("algorithm", ("kl_ctrl",), "kl_cof", "kl_coef"),
+        ("algorithm", ("rollout_correction",), "rollout_is_treshold", "rollout_is_threshold"),
+    ],
+)
+def test_a_misspelling_in_a_nested_section_of_verls_own_config_is_named_by_its_full_path(
+    argument: str, section: tuple[str, ...], misspelt: str, meant: str
+) -> None:
+    config = verl_config()
+    root = config.actor_rollout_ref.actor if argument == "actor" else config.algorithm
+    node = root
+    for key in section:
+        if node.get(key) is None:
+            node[key] = {}
+        node = node[key]
+    node[misspelt] = 1
+    prefix = "actor_rollout_ref.actor" if argument == "actor" else "algorithm"
+    with pytest.raises(LossplugError) as err:
+        verl_equivalent(config.actor_rollout_ref.actor, config.algorithm)
+    assert f"{'.'.join((prefix, *section, misspelt))} (did you mean {meant}?)" in str(err.value)
+
+
+def test_every_unknown_key_is_listed_once_in_one_error_as_the_docs_show() -> None:
+    with pytest.raises(LossplugError) as err:
+        verl_equivalent({"clip_ratio_hgh": 0.28}, {"adv_estimatr": "grpo"})
+    docs = (ROOT / "docs" / "verl.md").read_text().split("**A key verl's config does not have is an error too**", 1)[1]
+    assert str(err.value) == docs.split("```\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_a_key_close_to_no_valid_one_lists_the_valid_keys() -> None:
+    with pytest.raises(LossplugError) as err:
+        verl_equivalent({"policy_loss": {"zzz": 1}})
+    assert "actor_rollout_ref.actor.policy_loss.zzz (no valid key is close; valid: " in str(err.value)
+    assert "loss_mode" in str(err.value) and "recipe" in str(err.value)  # verl's and lossplug's own fields
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "_generated_ppo_trainer.yaml",
+        "_generated_ppo_megatron_trainer.yaml",
+        "_generated_ppo_torchtitan_trainer.yaml",
+        "_generated_ppo_veomni_trainer.yaml",
+    ],
+)
+def test_verls_own_trainer_configs_pass_as_they_ship(name: str) -> None:
+    config = verl_config(name)
+    recipe = verl_equivalent(config.actor_rollout_ref.actor, config.algorithm)
+    assert [g.name for g in recipe.gates] == ["ppo_clip"] and recipe.advantage is not None
+
+
+def test_keys_verl_accepts_and_lossplug_does_not_read_are_not_errors() -> None:
+    actor = {
+        "_target_": "verl.workers.config.FSDPActorConfig",
+        "strategy": "fsdp",
+        "ppo_mini_batch_size": 64,
+        "optim": {"lr": 1e-6, "anything_below": "is verl's"},  # a section lossplug does not read
+        "ulysses_sequence_parallel_size": 1,  # FSDPActorConfig's
+        "megatron": {},  # McoreActorConfig's
+        "policy_loss": {"loss_mode": "vanilla", "recipe": None, "metrics": "basic"},  # verl's and lossplug's fields
+    }
+    algorithm = {"adv_estimator": "grpo", "filter_groups": None, "lossplug": "dapo", "kl_ctrl": {"horizon": 10000}}
+    assert verl_equivalent(actor, algorithm) == verl_equivalent({}, {"adv_estimator": "grpo"})
+
+
+def test_the_valid_keys_are_verls_dataclass_fields_and_cover_what_lossplug_reads() -> None:
+    import dataclasses
+
+    from verl.trainer.config.algorithm import AlgoConfig, RolloutCorrectionConfig
+
+    from lossplug.adapters.verl.equivalent import keys
+
+    source, valid = keys.valid_keys()
+    assert source == f"verl {version('verl')}'s config dataclasses"
+    assert {f.name for f in dataclasses.fields(AlgoConfig)} | {"lossplug"} == valid["algorithm"]
+    assert {f.name for f in dataclasses.fields(RolloutCorrectionConfig)} == valid["rollout_correction"]
+    assert {f.name for f in dataclasses.fields(LossplugPolicyLossConfig)} <= valid["policy_loss"]
+    for section, read in keys.keys_lossplug_reads().items():  # the fallback never refuses a key verl has
+        assert read <= valid[section], (section, sorted(read - valid[section]))
+
+
+def test_without_verl_the_keys_lossplug_reads_are_the_valid_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from lossplug.adapters.verl.equivalent import keys
+
+    keys._verl_keys.cache_clear()
+    monkeypatch.setitem(sys.modules, "verl.workers.config.actor", None)  # import raises ImportError
+    try:
+        assert keys.valid_keys()[0] == "the keys lossplug reads (verl is not installed)"
+        assert verl_equivalent({"clip_ratio_high": 0.28, "policy_loss": {"recipe": None}}, {"lossplug": "dapo"})
+        with pytest.raises(
+            LossplugError, match=r"(?s)the keys lossplug reads.*clip_ratio_hgh \(did you mean clip_ratio_h"
+        ):
+            verl_equivalent({"clip_ratio_hgh": 0.28})
+    finally:
+        monkeypatch.undo()
+        keys._verl_keys.cache_clear()
+    assert keys.valid_keys()[0].startswith("verl ")
+
+
+def test_correction_gates_on_its_own_names_a_misspelling_and_the_closest_key() -> None:
+    from lossplug.adapters.verl.equivalent.rollout_correction import correction_gates
+
+    with pytest.raises(
+        LossplugError, match=r"algorithm\.rollout_correction\.rollout_iss \(did you mean rollout_is\?\)"
+    ):
+        correction_gates({"rollout_iss": "token"})
+    assert correction_gates({"_target_": "verl.trainer.config.RolloutCorrectionConfig", "rollout_is": "token"})

@@ -2,15 +2,18 @@
 
 * :mod:`.policy_losses` — ``actor.policy_loss.loss_mode`` (and the parameters each mode reads) → the gates;
 * :mod:`.advantages` — ``algorithm.adv_estimator`` (with its options) → the advantage stage;
-* :mod:`.rollout_correction` — ``algorithm.rollout_correction`` → correction gates.
+* :mod:`.rollout_correction` — ``algorithm.rollout_correction`` → correction gates;
+* :mod:`.keys` — the valid keys of each section read (verl's own config dataclasses): an unknown key is refused.
 
 This module composes them, adds what verl's ``ppo_loss`` adds around the policy loss (``loss_agg_mode`` → the
 reduction, ``entropy_coeff`` and ``use_kl_loss`` → regularizers) and returns one validated :class:`~lossplug.Recipe`.
 
 Every function takes plain mappings (an ``OmegaConf`` node converted with ``to_container``, a dataclass converted
 field by field) and raises :class:`~lossplug.LossplugError` naming the setting for anything without an exact
-equivalent — never a silent approximation. Nothing here imports verl: the defaults below are verl 0.9.1's
-(``verl/trainer/config/actor/actor.yaml``), so a partial actor mapping means what it means to verl.
+equivalent — never a silent approximation, and for a key verl's config does not have (a misspelling would otherwise
+read as the default). Nothing here imports verl at import time (:mod:`.keys` reads verl's schema when called): the
+defaults below are verl 0.9.1's (``verl/trainer/config/actor/actor.yaml``), so a partial actor mapping means what it
+means to verl.
 """
 
 from __future__ import annotations
@@ -189,7 +192,10 @@ def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None, *, w
     the batch, as they reach verl's actor). A recipe always has an update gate, so without ``actor_config`` the
     policy part is verl's default actor (``vanilla``: clip 0.2, dual-clip 3.0, ``token-mean``) — what verl
     computes when the actor section is left alone; verl's estimator ``algorithm.lossplug`` reads only the advantage
-    stage. Raises :class:`~lossplug.LossplugError` naming the setting for anything without an exact equivalent.
+    stage. Raises :class:`~lossplug.LossplugError` naming the setting for anything without an exact equivalent, and
+    for every key of the sections it reads that verl's config does not have — e.g.
+    ``actor_rollout_ref.actor.clip_ratio_hgh (did you mean clip_ratio_high?)`` — checked against the installed
+    verl's config dataclasses (:mod:`.keys`); keys verl accepts and lossplug does not read are fine.
 
     ``whole_batch``: every loss call will see one whole rollout batch (no mini- or micro-batches), which makes
     ``rollout_is_batch_normalize`` exact (refused otherwise; see :mod:`.rollout_correction`).
@@ -200,12 +206,13 @@ def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None, *, w
     replaces the recipe's correction gates with verl's weights once it finds them equal; or leave them out
     (``algorithm_config`` without ``rollout_correction``).
     """
-    from . import advantages, policy_losses, rollout_correction
+    from . import advantages, keys, policy_losses, rollout_correction
 
     actor = as_plain(actor_config, "actor_config")
     algorithm = as_plain(algorithm_config, "algorithm_config")
     if actor is None and algorithm is None:
         raise LossplugError("verl_equivalent: give actor_config, algorithm_config or both")
+    keys.check_keys(actor, algorithm)  # a misspelt key would silently read as verl's default
     full_actor = _with_defaults(actor or {})
 
     stages = policy_losses.policy_gates(full_actor)

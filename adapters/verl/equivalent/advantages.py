@@ -74,6 +74,23 @@ VERL_ESTIMATORS: tuple[str, ...] = (
 #: verl's epsilon of the group std (``compute_grpo_outcome_advantage`` and its relatives; not configurable)
 VERL_GROUP_EPS = 1e-6
 
+#: the ``algorithm`` keys :func:`advantage_stage` (and verl_equivalent, for ``rollout_correction``) reads, and those of
+#: ``algorithm.kl_ctrl`` — the valid keys of those sections where verl is not installed (:mod:`.keys`)
+ALGORITHM_KEYS: tuple[str, ...] = (
+    "adv_estimator",
+    "gamma",
+    "lam",
+    "norm_adv_by_std_in_grpo",
+    "use_kl_in_reward",
+    "kl_penalty",
+    "kl_ctrl",
+    "use_pf_ppo",
+    "gdpo_reward_keys",
+    "gdpo_reward_weights",
+    "rollout_correction",
+)
+KL_CTRL_KEYS: tuple[str, ...] = ("type", "kl_coef")
+
 _OPTIMAL_BASELINE_REFUSAL = (
     "algorithm.rollout_correction.rollout_is={rollout_is!r} with adv_estimator={name}: no lossplug equivalent — "
     "verl then weighs the optimal token baseline by rollout_is_weights² (w_t = (1 − 2·π(a_t) + Σπ²)·ρ̄_t²), and a "

@@ -116,9 +116,12 @@ def correction_gates(
         return []
     if not isinstance(rollout_correction, Mapping):
         raise LossplugError(f"{WHERE}: expected a mapping, got {type(rollout_correction).__name__}")
-    unknown = sorted(set(rollout_correction) - set(DEFAULTS))
+    from .keys import unknown_keys, valid_keys
+
+    source, valid = valid_keys()
+    unknown = unknown_keys(rollout_correction, WHERE, valid["rollout_correction"])
     if unknown:
-        raise _error(unknown[0], f"not a verl 0.9.1 rollout-correction setting (known: {', '.join(DEFAULTS)})")
+        raise LossplugError(f"unknown rollout-correction key (checked against {source}): {'; '.join(unknown)}")
     cfg = {**DEFAULTS, **rollout_correction}
     if cfg["loss_type"] not in ("ppo_clip", "reinforce"):
         raise _error("loss_type", f"must be 'ppo_clip' or 'reinforce', got {cfg['loss_type']!r}")
