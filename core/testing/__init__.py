@@ -16,6 +16,9 @@ Run lossplug's invariant suite against any registered plugin (or a plugin object
 * the plugin has a docstring, returns what its kind promises, and runs with only the fields it ``requires``;
 * reductions weigh every action token positively; advantages ignore masked positions and follow row shuffles.
 
+Each check runs after the checks it needs; when one of those fails, it does not run and is reported as skipped,
+blocked by that failure — one mistake, one failing check.
+
 Three ways to run it::
 
     # 1. in your test suite (one test per check):

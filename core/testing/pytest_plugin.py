@@ -7,6 +7,9 @@ It does nothing unless asked:
 * ``@pytest.mark.lossplug_conformance("my_gate", params={...}, skip=[...])`` on a test that takes a
   ``lossplug_check`` argument parametrizes it over the checks; calling ``lossplug_check()`` runs one.
 
+Each item runs one check, after the checks it needs: when one of those fails, the item is skipped as "blocked by
+<check>" (that check's own item fails), so one mistake fails one item.
+
 Nothing from lossplug's plugin machinery is imported or built until one of them is used. Disable the plugin
 entirely with ``-p no:lossplug``.
 """

@@ -9,6 +9,11 @@
 * :mod:`.advantages`, :mod:`.gates`, :mod:`.reductions`, :mod:`.regularizers` — each kind's own checks;
 * :mod:`.runner` — :data:`CHECKS` (every check, in the order they run) and :func:`check_plugin` and friends.
 
+Each check declares the checks it ``needs`` (next to it, in ``@check(..., needs=...)``); the runner runs them first
+and reports a check whose needed check failed as skipped, blocked by that root failure — so one mistake fails one
+check. Every output a plugin returns is checked against its kind's contract before the kit reads it; an exception
+from the kit's own code is reported as a kit error, never raised.
+
 The modules import one way (``_common`` ← the kinds ← ``every_kind`` / ``loss_checks`` ← ``runner``) and share only
 public names. :mod:`lossplug.testing` re-exports what plugin authors use.
 """
@@ -25,12 +30,13 @@ from ._common import (
     CheckSkipped,
     ConformanceError,
     ConformanceReport,
+    KitError,
     Run,
     Subject,
     check,
     reference_update_gate,
 )
-from .runner import CHECKS, assert_conforms, check_plugin, checks_for, run_check
+from .runner import CHECKS, assert_conforms, check_plugin, checks_for, needs_for, run_check
 
 __all__ = [
     "ATOL",
@@ -45,12 +51,14 @@ __all__ = [
     "CheckSkipped",
     "ConformanceError",
     "ConformanceReport",
+    "KitError",
     "Run",
     "Subject",
     "assert_conforms",
     "check",
     "check_plugin",
     "checks_for",
+    "needs_for",
     "reference_update_gate",
     "run_check",
 ]

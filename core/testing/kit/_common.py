@@ -10,6 +10,7 @@ checks that inspect a gate's raw output call it directly on the pipeline's own :
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -39,11 +40,22 @@ RTOL, ATOL = 1e-9, 1e-12  # float64 comparisons
 
 
 class CheckFailed(AssertionError):
-    """Raised inside a check when the invariant does not hold."""
+    """Raised inside a check when the invariant does not hold.
+
+    ``blocking=False`` says that the failure leaves intact what the checks that need this one rely on (e.g. a
+    parameter without a description: the parameters still build), so they run instead of being blocked."""
+
+    def __init__(self, message: str, *, blocking: bool = True):
+        super().__init__(message)
+        self.blocking = blocking
 
 
 class CheckSkipped(Exception):
     """Raised inside a check when it does not apply to this plugin."""
+
+
+class KitError(Exception):
+    """Raised by the kit when its own setup is wrong (not the plugin's output): reported as a kit error."""
 
 
 class ConformanceError(AssertionError):
@@ -56,14 +68,29 @@ class ConformanceError(AssertionError):
 
 @dataclass(frozen=True)
 class CheckResult:
+    """One check's outcome. ``status`` is "passed", "failed" or "skipped"; a check skipped because a check it needs
+    failed names that root failure in ``blocked_by`` (and is neither passed nor failed); a failure whose exception
+    came from the kit's own code, not from the plugin, has ``kit_error`` set."""
+
     check: str
     status: str  # "passed" | "failed" | "skipped"
     message: str = ""
     summary: str = ""
+    #: the failed checks (root causes) that kept this one from running
+    blocked_by: tuple[str, ...] = ()
+    #: the exception came from inside the kit (a bug in lossplug.testing), not from the plugin
+    kit_error: bool = False
+    #: a failure that keeps the checks needing this one from running (see CheckFailed's ``blocking``)
+    blocking: bool = True
 
     @property
     def ok(self) -> bool:
-        return self.status != "failed"
+        """Not failed and not blocked by a failure (a blocked check did not establish its invariant)."""
+        return self.status != "failed" and not self.blocked_by
+
+    @property
+    def blocked(self) -> bool:
+        return bool(self.blocked_by)
 
 
 @dataclass
@@ -85,22 +112,36 @@ class ConformanceReport:
         return [r for r in self.results if r.status == "failed"]
 
     @property
+    def blocked(self) -> list[CheckResult]:
+        return [r for r in self.results if r.blocked]
+
+    @property
     def title(self) -> str:
         params = f" with {self.params}" if self.params else ""
         return f"{self.kind} '{self.name}'{params} ({self.source})"
 
     def __str__(self) -> str:
-        n_fail = len(self.failures)
-        head = (
-            f"{self.title} passes all {len(self.results)} conformance checks"
-            if not n_fail
-            else f"{self.title} failed {n_fail} of {len(self.results)} conformance checks:"
-        )
-        lines = [head]
-        for r in self.results:
-            if r.status == "failed":
-                body = r.message.replace("\n", "\n      ")
-                lines.append(f"  ✗ {r.check} — {r.summary}\n      {body}")
+        n_fail, n_blocked, n = len(self.failures), len(self.blocked), len(self.results)
+        if not n_fail and not n_blocked:
+            return f"{self.title} passes all {n} conformance checks"
+        if n_fail:
+            more = f"; {n_blocked} more did not run, blocked by a failure" if n_blocked else ""
+            lines = [f"{self.title} failed {n_fail} of {n} conformance checks{more}:"]
+        else:
+            lines = [f"{self.title}: {n_blocked} of {n} conformance checks did not run, blocked by a failing check:"]
+        for r in self.failures:
+            body = r.message.replace("\n", "\n      ")
+            lines.append(f"  {'!' if r.kit_error else '✗'} {r.check} — {r.summary}\n      {body}")
+        shown = {r.check for r in self.failures}
+        by_root: dict[tuple[str, ...], list[CheckResult]] = {}
+        for r in self.blocked:
+            by_root.setdefault(r.blocked_by, []).append(r)
+        for roots, blocked in by_root.items():
+            names = ", ".join(r.check for r in blocked)
+            if set(roots) <= shown:  # the root failure is listed above
+                lines.append(f"  – blocked by {', '.join(roots)}: {names}")
+            else:
+                lines.append(f"  – {names}: {blocked[0].message}")
         return "\n".join(lines)
 
     def raise_for_failures(self) -> ConformanceReport:
@@ -163,20 +204,26 @@ class Subject:
 
 @dataclass(frozen=True)
 class Check:
-    """A conformance check: its name, the kinds it applies to, its one-line summary and the function that runs it
-    (returns when the invariant holds, raises :class:`CheckFailed` / :class:`CheckSkipped`)."""
+    """A conformance check: its name, the kinds it applies to, its one-line summary, the function that runs it
+    (returns when the invariant holds, raises :class:`CheckFailed` / :class:`CheckSkipped`) and the checks it
+    ``needs``: the ones whose invariant it takes for granted. When one of those fails, this check does not run and
+    is reported as skipped, blocked by that failure — one root cause, one failing check. A needed check that does
+    not apply to the plugin's kind, or that is skipped, blocks nothing."""
 
     name: str
     kinds: tuple[str, ...]
     summary: str
     fn: Callable[[Subject], None]
+    needs: tuple[str, ...] = ()
 
 
-def check(name: str, kinds: Iterable[str], summary: str) -> Callable[[Callable[[Subject], None]], Check]:
+def check(
+    name: str, kinds: Iterable[str], summary: str, *, needs: Iterable[str] = ()
+) -> Callable[[Callable[[Subject], None]], Check]:
     """Make a check function a :class:`Check` (listed in :data:`lossplug.testing.kit.CHECKS` by the runner)."""
 
     def deco(fn: Callable[[Subject], None]) -> Check:
-        return Check(name, tuple(kinds), summary, fn)
+        return Check(name, tuple(kinds), summary, fn, tuple(needs))
 
     return deco
 
@@ -311,6 +358,20 @@ def format_exception(err: BaseException) -> str:
     tb = traceback.extract_tb(origin.__traceback__)
     where = f" (at {tb[-1].filename}:{tb[-1].lineno}, in {tb[-1].name})" if tb else ""
     return f"{type(err).__name__}: {err}{where}"
+
+
+#: the kit's own source folder: an exception whose innermost frame lies here was raised by the kit's code
+KIT_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def raised_in_kit(err: BaseException) -> bool:
+    """Whether ``err`` came from the kit's own code (a :class:`KitError`, or an exception whose innermost frame is
+    in the kit) rather than from the plugin or from lossplug refusing the plugin's output. Every value a plugin
+    returns is checked against its kind's contract before the kit reads it, so such an exception is a kit bug."""
+    if isinstance(err, KitError):
+        return True
+    tb = traceback.extract_tb(err.__traceback__)
+    return bool(tb) and os.path.dirname(os.path.abspath(tb[-1].filename)) == KIT_DIR
 
 
 def advantage_of(subject: Subject, batch: PolicyBatch | PackedTransitions) -> Tensor:

@@ -40,6 +40,7 @@ def advantage_output_contract(s: Subject) -> None:
     "row_permutation",
     ("advantage",),
     "shuffling the rows (groups scattered differently) shuffles the advantages the same way",
+    needs=("output_contract",),
 )
 def row_permutation(s: Subject) -> None:
     padded_only(s)

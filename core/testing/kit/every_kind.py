@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
 import lossplug
-from lossplug.contracts import BatchValidationError, PolicyBatch, RecipeError
+from lossplug.contracts import LossplugError, PolicyBatch
 from lossplug.plugin import Params
 from lossplug.requires import required_fields
 
@@ -19,6 +19,7 @@ from ._common import (
     CheckFailed,
     CheckSkipped,
     Subject,
+    Tensor,
     advantage_fields,
     advantage_of,
     check,
@@ -61,7 +62,8 @@ def params_schema(s: Subject) -> None:
     if not (isinstance(model, type) and issubclass(model, Params)):
         raise CheckFailed(
             f"params is {model!r}: it must be a subclass of lossplug.Params (a pydantic model that "
-            "rejects unknown parameter names and is immutable)"
+            "rejects unknown parameter names and is immutable)",
+            blocking=not _builds(s),
         )
     if model.model_config.get("extra") != "forbid":
         raise CheckFailed(
@@ -98,10 +100,25 @@ def params_schema(s: Subject) -> None:
     except Exception as err:
         problems.append(f"the parameters under test {s.params} do not validate: {format_exception(err)}")
     if problems:
-        raise CheckFailed("; ".join(problems))
+        # the other checks need only the parameters under test; a documentation problem does not block them
+        raise CheckFailed("; ".join(problems), blocking=not _builds(s))
 
 
-@check("output_contract", KINDS, "the plugin returns what its kind promises (shapes, dtypes, 0-d metrics)")
+def _builds(s: Subject) -> bool:
+    """Whether the parameters under test build (every other check calls the plugin with them)."""
+    try:
+        s.param_model()
+    except Exception:
+        return False
+    return True
+
+
+@check(
+    "output_contract",
+    KINDS,
+    "the plugin returns what its kind promises (shapes, dtypes, 0-d metrics)",
+    needs=("params_schema",),
+)
 def output_contract(s: Subject) -> None:
     OUTPUT_CONTRACTS[s.kind](s)
 
@@ -110,6 +127,7 @@ def output_contract(s: Subject) -> None:
     "requires_declared",
     ("gate", "advantage", "regularizer"),
     "the plugin runs on a batch holding only the fields it declares in requires=",
+    needs=("output_contract", "metric_levels"),
 )
 def requires_declared(s: Subject) -> None:
     full = advantage_fields(s) if s.kind == "advantage" else check_fields()
@@ -124,25 +142,58 @@ def requires_declared(s: Subject) -> None:
     minimal = {k: v for k, v in full.items() if k in keep}
     if s.kind == "advantage" and "padded" not in s.plugin.layouts:
         raise CheckSkipped("applies to padded-layout advantages (a packed batch has no optional fields)")
-    try:
+
+    def run(fields: Mapping[str, Tensor]) -> None:
         if s.kind in ("gate", "regularizer"):
-            run_loss(s, minimal)
+            run_loss(s, fields)
         else:
-            advantage_of(s, PolicyBatch(**minimal))
-    except (BatchValidationError, RecipeError):
-        raise  # the kit's own batch or recipe is wrong: reported as an error, not blamed on the plugin
+            advantage_of(s, PolicyBatch(**fields))
+
+    try:
+        run(minimal)
     except Exception as err:
-        raise CheckFailed(
-            f"with only the fields {sorted(keep)} it raised {format_exception(err)} — declare every optional "
-            f"PolicyBatch field it reads in requires=(...), so that a batch without it fails "
-            f"validation with a clear message instead"
-        ) from None
+        raise CheckFailed(_undeclared(run, minimal, full, err)) from None
+
+
+def _undeclared(
+    run: Callable[[Mapping[str, Tensor]], None], minimal: dict[str, Tensor], full: dict[str, Tensor], err: Exception
+) -> str:
+    """Why the plugin failed on the batch of its declared fields: the optional field(s) it reads without declaring
+    them, found by adding each absent field alone — or, when it fails with every field present too, that the
+    failure is not about ``requires`` at all."""
+    what = f"with only the fields {sorted(minimal)} it raised {format_exception(err)}"
+    try:
+        run(full)
+    except Exception as full_err:
+        return (
+            f"{what}, and with every field present it raises too ({format_exception(full_err)}), so the failure "
+            "is not about undeclared fields"
+        )
+    enough = [name for name in sorted(set(full) - set(minimal)) if _runs(run, {**minimal, name: full[name]})]
+    if enough:
+        return (
+            f"{what}; it runs once {' or '.join(enough)} is added, so it reads {enough[0]} without declaring it: add "
+            f"it to requires=(...), so that a batch without it fails validation with a clear message instead"
+        )
+    return (
+        f"{what}; it runs with every field present, but no single field added makes it run: it reads several optional "
+        "PolicyBatch fields it does not declare — declare each in requires=(...)"
+    )
+
+
+def _runs(run: Callable[[Mapping[str, Tensor]], None], fields: Mapping[str, Tensor]) -> bool:
+    try:
+        run(fields)
+    except Exception:
+        return False
+    return True
 
 
 @check(
     "masked_poison",
     KINDS,
     "masked positions never influence the result or the gradient (they are poisoned with NaN/±inf/1e30)",
+    needs=("output_contract", "detached", "metric_levels"),
 )
 def masked_poison(s: Subject) -> None:
     padded_only(s)
@@ -150,10 +201,17 @@ def masked_poison(s: Subject) -> None:
         clean = advantage_fields(s, token_reward=True)
         mask = clean["action_mask"]
         dirty = dict(clean)
-        for name in batches.TOKEN_FIELDS + ("reward",):
+        # a token-level reward stays 0 off the actions: the contract refuses anything else there
+        for name in batches.TOKEN_FIELDS:
             dirty[name] = batches.poison(clean[name], ~mask, seed=hash(name) % 1000)
         adv_a = advantage_of(s, PolicyBatch(**clean))
-        adv_b = advantage_of(s, PolicyBatch(**dirty))
+        try:
+            adv_b = advantage_of(s, PolicyBatch(**dirty))
+        except LossplugError as err:  # lossplug refused what it returned: most often advantages that are not finite
+            raise CheckFailed(
+                f"with NaN/±inf at masked positions {err} — the advantages are not finite, or not what lossplug "
+                "accepts: read token inputs only where action_mask is True (torch.where(mask, x, 0), not x * mask)"
+            ) from None
         where = mask if adv_a.ndim == 2 else None
         diff = first_diff(adv_b, adv_a, where)
         if diff:
@@ -198,6 +256,7 @@ def masked_poison(s: Subject) -> None:
     "masked_layout",
     KINDS,
     "adding masked columns (a prompt in front, padding behind) changes neither the result nor the gradient",
+    needs=("masked_poison",),
 )
 def masked_layout(s: Subject) -> None:
     padded_only(s)
@@ -205,6 +264,10 @@ def masked_layout(s: Subject) -> None:
     if s.kind == "advantage":
         clean = advantage_fields(s, token_reward=True)
         wide = batches.insert_masked_columns(clean, before, after)
+        # poison in every new column, but a token-level reward's, which the contract requires to be 0 off actions
+        wide["reward"] = batches.insert_masked_columns(
+            {"reward": clean["reward"], "action_mask": clean["action_mask"]}, before, after, fill=0.0
+        )["reward"]
         adv_a = advantage_of(s, PolicyBatch(**clean))
         adv_b = advantage_of(s, PolicyBatch(**wide))
         if adv_a.ndim == 2:

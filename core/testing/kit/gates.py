@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 
 from lossplug.contracts import PolicyBatch
-from lossplug.plugin import GateOutput
+from lossplug.plugin import GateInput, GateOutput
 
 from ._common import (
     CheckFailed,
@@ -21,7 +22,61 @@ from ._common import (
     metrics_with_gradient,
     normalizer_for,
     run_loss,
+    where_rows,
 )
+
+
+def gate_output_problems(s: Subject, out: object, shape: tuple[int, int]) -> list[str]:
+    """What is wrong with a gate's raw output for a batch of ``shape`` [B, T]: its type, the field its role sets
+    (an update gate's float objective [B, T]; a correction's weight, [B, T] at token level or [B] at sequence level,
+    finite and ≥ 0) and the types of ``metrics`` / ``details``. The kit reads a gate's output only after this."""
+    if not isinstance(out, GateOutput):
+        return [f"a gate must return lossplug.GateOutput, got {type(out).__name__}"]
+    B, T = shape
+    problems = []
+    if s.plugin.role == "update":
+        if not isinstance(out.objective, Tensor) or tuple(out.objective.shape) != (B, T):
+            problems.append(f"an update gate must set objective [B, T] = [{B}, {T}], got {_describe(out.objective)}")
+        elif not out.objective.is_floating_point():
+            problems.append(f"objective must be a float tensor, got {out.objective.dtype}")
+        if out.weight is not None:
+            problems.append("an update gate sets objective, not weight (weights are for role='correction')")
+    else:
+        want = (B, T) if s.plugin.level == "token" else (B,)
+        if not isinstance(out.weight, Tensor) or tuple(out.weight.shape) != want:
+            problems.append(
+                f"a {s.plugin.level}-level correction must set weight {list(want)}, got {_describe(out.weight)}"
+            )
+        elif not out.weight.is_floating_point():
+            problems.append(f"weight must be a float tensor, got {out.weight.dtype}")
+        if out.objective is not None:
+            problems.append("a correction sets weight, not objective (it multiplies the update gate's objective)")
+    for part in ("metrics", "details"):
+        if not isinstance(getattr(out, part), Mapping):
+            problems.append(
+                f"GateOutput.{part} must be a mapping of metric name → 0-d tensor or a function "
+                f"returning one, got {type(getattr(out, part)).__name__}"
+            )
+    return problems
+
+
+def _describe(value: object) -> str:
+    return f"{value.dtype} {list(value.shape)}" if isinstance(value, Tensor) else repr(value)[:80]
+
+
+def call_gate(s: Subject, inp: GateInput, on: str) -> GateOutput:
+    """The gate's output on ``inp`` (described by ``on``, e.g. "on an ordinary batch"), checked by
+    :func:`gate_output_problems` before anything reads it: a wrong output fails the calling check, naming the rule."""
+    out = s.plugin(inp, s.param_model())
+    problems = gate_output_problems(s, out, (inp.logp.shape[0], inp.logp.shape[1]))
+    if problems:
+        raise CheckFailed(f"{on}: " + "; ".join(problems))
+    return cast(GateOutput, out)
+
+
+def checked_weight(out: GateOutput) -> Tensor:
+    """A correction's weight, from an output :func:`call_gate` returned (so it is a tensor of the right shape)."""
+    return cast(Tensor, out.weight)
 
 
 def gate_output_contract(s: Subject) -> None:
@@ -37,38 +92,16 @@ def gate_output_contract(s: Subject) -> None:
         )
     f = check_fields()
     inp, _ = gate_input(f)
-    out = s.plugin(inp, s.param_model())
+    out = call_gate(s, inp, "on an ordinary batch")
     B, T = f["logp"].shape
-    if not isinstance(out, GateOutput):
-        raise CheckFailed(f"a gate must return lossplug.GateOutput, got {type(out).__name__}")
     problems = []
-    if s.plugin.role == "update":
-        if not isinstance(out.objective, Tensor) or tuple(out.objective.shape) != (B, T):
-            problems.append(
-                f"an update gate must set objective [B, T] = [{B}, {T}], got "
-                f"{None if out.objective is None else list(out.objective.shape)}"
-            )
-        elif not out.objective.is_floating_point():
-            problems.append(f"objective must be a float tensor, got {out.objective.dtype}")
-        if out.weight is not None:
-            problems.append("an update gate sets objective, not weight (weights are for role='correction')")
-    else:
-        want = (B, T) if s.plugin.level == "token" else (B,)
-        if not isinstance(out.weight, Tensor) or tuple(out.weight.shape) != want:
-            problems.append(
-                f"a {s.plugin.level}-level correction must set weight {list(want)}, got "
-                f"{None if out.weight is None else list(out.weight.shape)}"
-            )
-        if out.objective is not None:
-            problems.append("a correction sets weight, not objective (it multiplies the update gate's objective)")
-    for part in ("metrics", "details"):
-        if not isinstance(getattr(out, part), Mapping):
-            problems.append(
-                f"GateOutput.{part} must be a mapping of metric name → 0-d tensor or a function "
-                f"returning one, got {type(getattr(out, part)).__name__}"
-            )
-    if problems:
-        raise CheckFailed("; ".join(problems))
+    if s.role == "correction":
+        weight = checked_weight(out).detach()
+        bad = ~torch.isfinite(weight) | (weight < 0)
+        if weight.ndim == 2:
+            bad = bad & f["action_mask"]
+        if bool(bad.any()):
+            problems.append(f"the weight must be finite and ≥ 0 on action tokens; it is not at {where_rows(bad)}")
     values, active = declared_metrics(out)
     if active is not None:
         if not isinstance(active, Tensor) or active.dtype != torch.bool or tuple(active.shape) not in ((B, T), (B,)):
@@ -86,37 +119,43 @@ def gate_output_contract(s: Subject) -> None:
 
 def gate_detached(s: Subject) -> None:
     """Gradient only through logp: a correction's weight, ``active`` and tensor metrics carry none, and none
-    reaches old_logp, behavior_logp, ref_logp or the advantage."""
+    reaches old_logp, behavior_logp, ref_logp or the advantage.
+
+    An undetached correction weight blocks the checks that need this one (the pipeline refuses it, so none of them
+    could run), and so does gradient reaching another input (it reads the raw batch, masked positions included);
+    metrics or ``active`` that carry gradient leave the loss and its gradient computable, so they do not.
+    The loss step runs at metrics="off": whether the metric level changes it is metric_levels' question."""
     f = check_fields()
     everything = ("logp", "old_logp", "behavior_logp", "ref_logp", "advantage")
     inp, _ = gate_input(f, grad=everything)
-    out = s.plugin(inp, s.param_model())
-    if s.role == "correction" and out.weight is not None and out.weight.requires_grad:
+    out = call_gate(s, inp, "with every input requiring gradient")
+    if s.role == "correction" and checked_weight(out).requires_grad:
         raise CheckFailed(
             "the correction's weight carries gradient (requires_grad=True): compute it under "
             "torch.no_grad() or .detach() it — a correction is a detached coefficient, gradient must "
             "flow only through the update gate's logp"
         )
     if isinstance(out.active, Tensor) and out.active.requires_grad:
-        raise CheckFailed("`active` carries gradient; it must be a bool mask")
+        raise CheckFailed("`active` carries gradient; it must be a bool mask", blocking=False)
     live = metrics_with_gradient(out)
     if live:
         raise CheckFailed(
             f"metric(s) {', '.join(live)} carry gradient: declare them as functions (evaluated under "
             "torch.no_grad() only when a metric level asks for them) or detach them (a logged metric "
-            "with a graph keeps the whole graph alive)"
+            "with a graph keeps the whole graph alive)",
+            blocking=False,
         )
-    run = run_loss(s, f, normalizer=normalizer_for(f), grad=everything)
+    run = run_loss(s, f, normalizer=normalizer_for(f), grad=everything, metrics="off")
     leaks = {
         k: float(g.abs().sum()) for k, g in run.grads.items() if k != "logp" and g is not None and bool((g != 0).any())
     }
-    if leaks:
+    if leaks:  # GateInput's fields but logp are detached and zero off the actions: this read the raw batch
         names = ", ".join(f"{k} (Σ|grad| = {v:.3g})" for k, v in leaks.items())
         raise CheckFailed(
-            f"gradient reached {names}: only logp may carry gradient. Treat the other inputs as "
-            "constants — .detach() them (inp.old_logp.detach(), inp.advantage.detach()); otherwise "
-            "a batch built with old_logp=logp (without .detach()) silently cancels the ratio's "
-            "gradient"
+            f"gradient reached {names}: only logp may carry gradient. GateInput's fields (inp.old_logp, "
+            "inp.advantage, …) are detached and zero off the actions, so this comes from reading the raw batch "
+            "(inp.batch.*): read GateInput's fields instead — the raw batch also holds whatever sits at masked "
+            "positions (NaN, inf)"
         )
 
 
@@ -124,6 +163,8 @@ def gate_detached(s: Subject) -> None:
     "ratio_one",
     ("gate",),
     "identical log-probs give ratio 1: an update gate reduces to the policy gradient A, a correction to weight 1",
+    # its diagnosis (the factor ∂J/∂logp ÷ A per response) presumes statistics over action tokens, within each row
+    needs=("microbatch_split",),
 )
 def ratio_one(s: Subject) -> None:
     f = check_fields()
@@ -132,8 +173,7 @@ def ratio_one(s: Subject) -> None:
     mask = f["action_mask"]
     if s.role == "correction":
         inp, _ = gate_input(f)
-        out = s.plugin(inp, s.param_model())
-        weight = out.weight
+        weight = checked_weight(call_gate(s, inp, "with old_logp = behavior_logp = logp"))
         where = mask if weight.ndim == 2 else torch.ones_like(weight, dtype=torch.bool)
         diff = first_diff(weight, torch.ones_like(weight), where, rtol=1e-6, atol=1e-9)
         if diff:

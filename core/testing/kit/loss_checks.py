@@ -22,7 +22,7 @@ from .gates import gate_detached
 from .regularizers import regularizer_detached
 
 
-@check("zero_advantage", ("gate", "reduction"), "zero advantage gives exactly zero gradient")
+@check("zero_advantage", ("gate", "reduction"), "zero advantage gives exactly zero gradient", needs=("masked_poison",))
 def zero_advantage(s: Subject) -> None:
     f = check_fields()
     f["advantage"] = torch.zeros_like(f["advantage"])
@@ -44,6 +44,7 @@ def zero_advantage(s: Subject) -> None:
     ("gate", "regularizer"),
     "gradient flows only through logp (a regularizer's also through entropy): corrections' weights, metrics, "
     "`active` and observations carry none, and nothing reaches old_logp, behavior_logp, ref_logp or the advantage",
+    needs=("output_contract",),
 )
 def detached(s: Subject) -> None:
     if s.kind == "regularizer":
@@ -68,6 +69,7 @@ EXTREME_ROWS = (  # (logp, old_logp, behavior_logp): update and engine log-ratio
     ("gate", "regularizer"),
     "metrics 'off', 'basic' and 'full' give the same loss and gradient; 'basic' reports a subset of 'full' with "
     "the same values",
+    needs=("output_contract", "detached"),
 )
 def metric_levels(s: Subject) -> None:
     f = check_fields()
@@ -84,32 +86,38 @@ def metric_levels(s: Subject) -> None:
                 "evaluated right after the gate, and must not modify the tensors the gate computed (no "
                 "in-place writes)"
             ) from None
+    # every level ran: the failures below are about the diagnostics or their effect on the loss, which the checks that
+    # need this one (they run at metrics="full") do not rely on, so they do not block them
     for level in ("basic", "full"):
         if not torch.equal(runs[level].loss, runs["off"].loss):
             raise CheckFailed(
                 f"the loss with metrics='{level}' ({float(runs[level].loss):.10g}) differs from "
                 f"metrics='off' ({float(runs['off'].loss):.10g}): the loss must not depend on the "
-                "metric level, only the diagnostics may"
+                "metric level, only the diagnostics may",
+                blocking=False,
             )
         if not torch.equal(runs[level].logp_grad, runs["off"].logp_grad):
             raise CheckFailed(
                 f"the gradient with metrics='{level}' differs from metrics='off' "
-                f"{first_diff(runs[level].logp_grad, runs['off'].logp_grad, rtol=0, atol=0)}"
+                f"{first_diff(runs[level].logp_grad, runs['off'].logp_grad, rtol=0, atol=0)}",
+                blocking=False,
             )
     if runs["off"].metrics:
-        raise CheckFailed(f"metrics='off' still reported {sorted(runs['off'].metrics)}")
+        raise CheckFailed(f"metrics='off' still reported {sorted(runs['off'].metrics)}", blocking=False)
     basic, full = runs["basic"].metrics, runs["full"].metrics
     missing = sorted(set(basic) - set(full))
     if missing:
         raise CheckFailed(
             f"metric(s) {', '.join(missing)} appear with metrics='basic' but not with 'full': 'full' "
-            "must report everything 'basic' does"
+            "must report everything 'basic' does",
+            blocking=False,
         )
     differ = [k for k in basic if first_diff(basic[k], full[k], rtol=1e-6, atol=1e-9) is not None]
     if differ:
         raise CheckFailed(
             "metric(s) differ between metrics='basic' and 'full': "
-            + ", ".join(f"{k} {float(basic[k]):.6g} vs {float(full[k]):.6g}" for k in differ)
+            + ", ".join(f"{k} {float(basic[k]):.6g} vs {float(full[k]):.6g}" for k in differ),
+            blocking=False,
         )
 
 
@@ -117,6 +125,7 @@ def metric_levels(s: Subject) -> None:
     "extreme_ratios",
     ("gate", "regularizer"),
     "log-ratios of ±50 to ±1000 (update and engine) give a finite loss, gradient and metrics in fp32 and bf16",
+    needs=("masked_poison",),
 )
 def extreme_ratios(s: Subject) -> None:
     rows = len(EXTREME_ROWS)
@@ -165,6 +174,7 @@ def _splits(B: int) -> list[list[list[int]]]:
     "microbatch_split",
     ("gate", "reduction", "regularizer"),
     "under a Normalizer, the losses and gradients of any split into micro-batches add up to the full batch's",
+    needs=("masked_layout",),
 )
 def microbatch_split(s: Subject) -> None:
     if s.kind == "regularizer" and getattr(s.param_model(), "population", "step") != "step":

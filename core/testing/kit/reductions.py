@@ -30,6 +30,7 @@ def reduction_output_contract(s: Subject) -> None:
     "positive_weights",
     ("reduction",),
     "every action token gets a positive weight and nothing else any (the sign convention: objective, not loss)",
+    needs=("masked_poison",),
 )
 def positive_weights(s: Subject) -> None:
     f = check_fields()

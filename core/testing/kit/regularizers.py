@@ -10,6 +10,7 @@ parameters, masked poison and layout, metric levels, extreme log-ratios, micro-b
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 
@@ -34,10 +35,36 @@ from ._common import (
 DIFFERENTIABLE = ("logp", "entropy")
 
 
-def _output(s: Subject, fields: Mapping[str, Tensor], grad: tuple[str, ...] = DIFFERENTIABLE) -> RegularizerOutput:
+def regularizer_output_problems(out: object, shape: tuple[int, int]) -> list[str]:
+    """What is wrong with a regularizer's raw output for a batch of ``shape`` [B, T]: its type, the term (a float
+    tensor like logp), the types of ``metrics`` / ``details`` and of the observation. The kit reads a regularizer's
+    output only after this."""
+    if not isinstance(out, RegularizerOutput):
+        return [f"a regularizer must return lossplug.RegularizerOutput or a tensor, got {type(out).__name__}"]
+    B, T = shape
+    problems = []
+    if not isinstance(out.term, Tensor) or tuple(out.term.shape) != (B, T) or not out.term.is_floating_point():
+        what = f"{out.term.dtype} {list(out.term.shape)}" if isinstance(out.term, Tensor) else type(out.term).__name__
+        problems.append(f"term must be a float tensor [B, T] = [{B}, {T}] like logp, got {what}")
+    for part in ("metrics", "details"):
+        value = getattr(out, part)
+        if not isinstance(value, Mapping):
+            problems.append(f"RegularizerOutput.{part} must be a mapping, got {type(value).__name__}")
+    if out.observation is not None and not isinstance(out.observation, Tensor):
+        problems.append(f"observation must be a tensor or None, got {type(out.observation).__name__}")
+    return problems
+
+
+def _output(
+    s: Subject, fields: Mapping[str, Tensor], grad: tuple[str, ...] = DIFFERENTIABLE, on: str = "on an ordinary batch"
+) -> RegularizerOutput:
+    """The regularizer's output on ``fields``, checked by :func:`regularizer_output_problems` before it is read."""
     inp, _ = gate_input(fields, grad=grad)
-    out: RegularizerOutput = s.plugin(inp, s.param_model())
-    return out
+    out = s.plugin(inp, s.param_model())
+    problems = regularizer_output_problems(out, (inp.logp.shape[0], inp.logp.shape[1]))
+    if problems:
+        raise CheckFailed(f"{on}: " + "; ".join(problems))
+    return cast(RegularizerOutput, out)
 
 
 def regularizer_output_contract(s: Subject) -> None:
@@ -52,46 +79,39 @@ def regularizer_output_contract(s: Subject) -> None:
         raise CheckFailed(f"requires names fields PolicyBatch does not have: {sorted(unknown)}")
     f = check_fields()
     out = _output(s, f)
-    B, T = f["logp"].shape
-    if not isinstance(out, RegularizerOutput):
-        raise CheckFailed(f"a regularizer must return lossplug.RegularizerOutput or a tensor, got {type(out).__name__}")
     problems = []
-    if not isinstance(out.term, Tensor) or tuple(out.term.shape) != (B, T) or not out.term.is_floating_point():
-        what = f"{out.term.dtype} {list(out.term.shape)}" if isinstance(out.term, Tensor) else type(out.term).__name__
-        problems.append(f"term must be a float tensor [B, T] = [{B}, {T}] like logp, got {what}")
-    elif not bool(torch.isfinite(out.term[f["action_mask"]]).all()):
+    if not bool(torch.isfinite(out.term[f["action_mask"]]).all()):
         problems.append("term is not finite on action tokens for ordinary inputs")
     for part in ("metrics", "details"):
-        value = getattr(out, part)
-        if not isinstance(value, Mapping):
-            problems.append(f"RegularizerOutput.{part} must be a mapping, got {type(value).__name__}")
-            continue
         with torch.no_grad():
-            for key, metric in value.items():
+            for key, metric in getattr(out, part).items():
                 v = metric() if callable(metric) else metric
                 if not isinstance(key, str) or not isinstance(v, Tensor) or v.ndim != 0:
                     problems.append(f"metric {key!r} must be a 0-d tensor (or a function returning one)")
-    if out.observation is not None and not isinstance(out.observation, Tensor):
-        problems.append(f"observation must be a tensor or None, got {type(out.observation).__name__}")
     if problems:
         raise CheckFailed("; ".join(problems))
 
 
 def regularizer_detached(s: Subject) -> None:
     """Gradient only through logp and entropy: none reaches old_logp, behavior_logp, ref_logp or the advantage; the
-    declared metrics and the observation carry none."""
+    declared metrics and the observation carry none. Gradient reaching another input blocks the checks that need this
+    one (it reads the raw batch, masked positions included); metrics or an observation that carry gradient leave the
+    loss and its gradient computable, so they do not. The loss step runs at metrics="off"."""
     f = check_fields()
     everything = ("logp", "entropy", "old_logp", "behavior_logp", "ref_logp", "advantage")
-    out = _output(s, f, grad=everything)
+    out = _output(s, f, grad=everything, on="with every input requiring gradient")
     live = metrics_with_gradient(out)
     if live:
         raise CheckFailed(
             f"metric(s) {', '.join(live)} carry gradient: declare them as functions (evaluated under no_grad) or "
-            "detach them"
+            "detach them",
+            blocking=False,
         )
     if isinstance(out.observation, Tensor) and out.observation.requires_grad:
-        raise CheckFailed("the observation (fed to the controller across steps) carries gradient: .detach() it")
-    run = run_loss(s, f, normalizer=normalizer_for(f), grad=everything)
+        raise CheckFailed(
+            "the observation (fed to the controller across steps) carries gradient: .detach() it", blocking=False
+        )
+    run = run_loss(s, f, normalizer=normalizer_for(f), grad=everything, metrics="off")
     leaks = {
         k: float(g.abs().sum())
         for k, g in run.grads.items()
@@ -100,8 +120,9 @@ def regularizer_detached(s: Subject) -> None:
     if leaks:
         names = ", ".join(f"{k} (Σ|grad| = {v:.3g})" for k, v in leaks.items())
         raise CheckFailed(
-            f"gradient reached {names}: a regularizer differentiates logp (and entropy) only; treat the reference, "
-            "old and behaviour log-probs and the advantage as constants"
+            f"gradient reached {names}: a regularizer differentiates logp (and entropy) only. GateInput's other "
+            "fields (inp.ref_logp, inp.old_logp, …) are detached and zero off the actions, so this comes from "
+            "reading the raw batch (inp.batch.*): read GateInput's fields instead"
         )
 
 
@@ -109,6 +130,7 @@ def regularizer_detached(s: Subject) -> None:
     "coefficient_linear",
     ("regularizer",),
     "the loss is the policy loss plus coef · reduce(term): linear in coef, and reg/<name>/value is reduce(term)",
+    needs=("metric_levels",),
 )
 def coefficient_linear(s: Subject) -> None:
     if s.plugin.make_controller(s.param_model()) is not None:

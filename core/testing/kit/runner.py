@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -24,29 +25,54 @@ from ._common import (
     ConformanceReport,
     Subject,
     format_exception,
+    raised_in_kit,
+    reference_update_gate,
 )
 
-#: every check by name, in the order they run and are reported
+#: every check by name, in the order they run and are reported: an order in which each check comes after the checks it
+#: ``needs`` (declared with the check, see :class:`Check`)
 CHECKS: dict[str, Check] = {
     c.name: c
     for c in (
         every_kind.docstring,
         every_kind.params_schema,
         every_kind.output_contract,
-        every_kind.requires_declared,
-        gates.ratio_one,
-        loss_checks.zero_advantage,
-        every_kind.masked_poison,
-        every_kind.masked_layout,
         loss_checks.detached,
         loss_checks.metric_levels,
+        every_kind.requires_declared,
+        every_kind.masked_poison,
+        every_kind.masked_layout,
+        loss_checks.zero_advantage,
         loss_checks.extreme_ratios,
         loss_checks.microbatch_split,
+        gates.ratio_one,
         reductions.positive_weights,
         advantages.row_permutation,
         regularizers.coefficient_linear,
     )
 }
+
+
+def _check_order(checks: Mapping[str, Check]) -> None:
+    """Every check needs only checks listed before it (so one pass in order runs each after what it needs)."""
+    seen: set[str] = set()
+    for name, c in checks.items():
+        late = [n for n in c.needs if n not in seen]
+        if late:
+            raise RuntimeError(f"check {name!r} needs {late}, which are not listed before it in CHECKS")
+        seen.add(name)
+
+
+_check_order(CHECKS)
+
+
+def needs_for(name: str, kind: str) -> tuple[str, ...]:
+    """The checks ``name`` needs that apply to ``kind``: a needed check that does not apply stands in for what it
+    needs itself (so a reduction's masked_poison needs output_contract, past the gate-only checks)."""
+    out: list[str] = []
+    for need in CHECKS[name].needs:
+        out.extend([need] if kind in CHECKS[need].kinds else needs_for(need, kind))
+    return tuple(dict.fromkeys(out))
 
 
 def _find(plugin: str | AnyPlugin, kind: str | None) -> tuple[str, str, AnyPlugin, str, bool]:
@@ -124,16 +150,90 @@ def checks_for(plugin: str | AnyPlugin, *, kind: str | None = None) -> list[str]
 
 
 def _run_one(subject: Subject, name: str) -> CheckResult:
+    """Run one check. Whatever the plugin does, this returns: a plugin that raises, or whose output lossplug
+    refuses, fails the check with the error and where it came from; an exception from the kit's own code (a kit
+    bug: every plugin output is checked against its kind's contract before the kit reads it) is reported as one."""
     check = CHECKS[name]
+    torch.manual_seed(0)  # each check draws the same numbers whatever ran before it (so a needed check's result keeps)
     try:
         check.fn(subject)
     except CheckSkipped as skip:
         return CheckResult(name, "skipped", str(skip), check.summary)
     except CheckFailed as fail:
-        return CheckResult(name, "failed", str(fail), check.summary)
-    except Exception as err:  # the plugin (or a contract it feeds) raised: that is a failure, with where
+        return CheckResult(name, "failed", str(fail), check.summary, blocking=fail.blocking)
+    except Exception as err:
+        if raised_in_kit(err):
+            message = (
+                f"the conformance kit itself raised {format_exception(err)}: a bug in lossplug.testing, not a "
+                "verdict on the plugin — please report it with this message"
+            )
+            return CheckResult(name, "failed", message, check.summary, kit_error=True)
         return CheckResult(name, "failed", f"raised {format_exception(err)}", check.summary)
     return CheckResult(name, "passed", "", check.summary)
+
+
+#: results of checks run only because a requested check needs them, by (check, plugin, parameters, reference gate):
+#: a check run alone (one pytest item per check) finds what it needs here instead of running it again. The values
+#: keep the plugin objects alive, so an id in a key is never reused for another plugin.
+_NEEDED: dict[tuple[Any, ...], tuple[object, object, CheckResult]] = {}
+
+
+def _cache_key(name: str, subject: Subject) -> tuple[Any, ...]:
+    ref = lossplug.registry().plugins["gate"].get(reference_update_gate())
+    params = json.dumps(subject.params, sort_keys=True, default=repr)
+    return (name, subject.kind, subject.name, id(subject.plugin), params, id(ref)), subject.plugin, ref
+
+
+def _run_needed(subject: Subject, name: str, requested: bool) -> CheckResult:
+    """Run a check; one that was not requested (only needed) is taken from the cache when it ran before."""
+    key, plugin, ref = _cache_key(name, subject)
+    if not requested and key in _NEEDED:
+        return _NEEDED[key][2]
+    result = _run_one(subject, name)
+    if len(_NEEDED) > 4096:
+        _NEEDED.clear()
+    _NEEDED[key] = (plugin, ref, result)
+    return result
+
+
+def _blocked(name: str, roots: tuple[str, ...], results: Mapping[str, CheckResult]) -> CheckResult:
+    first = results[roots[0]]
+    reason = first.message.split("\n", 1)[0]
+    reason = reason if len(reason) <= 200 else reason[:199] + "…"
+    message = f"blocked by {', '.join(roots)}, which fails: {reason}"
+    return CheckResult(name, "skipped", message, CHECKS[name].summary, blocked_by=roots)
+
+
+def _run_in_order(
+    subject: Subject, wanted: list[str], applicable: list[str], reasons: Mapping[str, str]
+) -> dict[str, CheckResult]:
+    """Run ``wanted`` and the checks they need, in :data:`CHECKS` order; a check whose needed check failed (or was
+    blocked) is not run, but reported as blocked by the root failure(s)."""
+    kind = subject.kind
+    closure: set[str] = set()
+    todo = [n for n in wanted if n in applicable and n not in reasons]
+    while todo:
+        n = todo.pop()
+        if n not in closure:
+            closure.add(n)
+            todo.extend(m for m in needs_for(n, kind) if m not in reasons)
+    results: dict[str, CheckResult] = {}
+    roots_of: dict[str, tuple[str, ...]] = {}  # a check → the root failures behind it (itself, when it failed)
+    for n in CHECKS:
+        if n in wanted and n not in applicable:
+            results[n] = CheckResult(n, "skipped", f"does not apply to a {kind}", CHECKS[n].summary)
+        elif n in wanted and n in reasons:
+            results[n] = CheckResult(n, "skipped", reasons[n], CHECKS[n].summary)
+        elif n in closure:
+            roots = tuple(dict.fromkeys(r for m in needs_for(n, kind) for r in roots_of.get(m, ())))
+            if roots:
+                results[n] = _blocked(n, roots, results)
+                roots_of[n] = roots
+                continue
+            results[n] = _run_needed(subject, n, requested=n in wanted)
+            if results[n].status == "failed" and (results[n].blocking or results[n].kit_error):
+                roots_of[n] = (n,)
+    return results
 
 
 def check_plugin(
@@ -151,6 +251,10 @@ def check_plugin(
     ``advantage`` / ``reduction`` — an unregistered object is registered in-process for the duration of the run.
     ``params`` are the plugin's parameters to test with (default: its defaults). ``checks`` restricts the run to
     these names; ``skip`` lists checks that do not apply by design (a mapping gives the reason for each).
+
+    Checks run after the checks they need (:attr:`Check.needs`), which run too when ``checks`` leaves them out (only
+    the requested ones are reported). A check whose needed check fails does not run: it is reported as skipped,
+    blocked by that root failure (:attr:`CheckResult.blocked_by`), so one mistake fails one check.
     """
     k, name, obj, source, registered = _find(plugin, kind)
     applicable = [n for n, c in CHECKS.items() if k in c.kinds]
@@ -163,13 +267,8 @@ def check_plugin(
     subject = Subject(k, name, obj, dict(params or {}), source)
     with _registered(k, obj, needed=not registered), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        for n in wanted:
-            if n not in applicable:
-                report.results.append(CheckResult(n, "skipped", f"does not apply to a {k}", CHECKS[n].summary))
-            elif n in reasons:
-                report.results.append(CheckResult(n, "skipped", reasons[n], CHECKS[n].summary))
-            else:
-                report.results.append(_run_one(subject, n))
+        results = _run_in_order(subject, wanted, applicable, reasons)
+    report.results.extend(results[n] for n in wanted)
     return report
 
 
