@@ -523,11 +523,15 @@ def check_cmd(
         table.add_column(col, overflow="fold")
     marks = {"passed": ("✓ passed", "green"), "failed": ("✗ failed", "bold red"), "skipped": ("– skipped", "dim")}
     for r in report.results:
-        mark, style = marks[r.status]
+        # a check blocked by a failing check it needs did not run; a kit error is a bug in the kit, not a verdict
+        mark, style = (
+            ("– blocked", "yellow") if r.blocked else ("! kit error", "bold red") if r.kit_error else marks[r.status]
+        )
         table.add_row(_text(r.check, "bold"), _text(mark, style), _text(r.message or r.summary))
     console.print(table)
     if not report.ok:
-        console.print(_text(f"✗ {len(report.failures)} check(s) failed", "bold red"))
+        blocked = f", {len(report.blocked)} blocked by a failure" if report.blocked else ""
+        console.print(_text(f"✗ {len(report.failures)} check(s) failed{blocked}", "bold red"))
         raise typer.Exit(1)
     console.print(_text(f"✓ {report.name} conforms", "bold green"))
 

@@ -429,6 +429,20 @@ def test_check_runs_the_conformance_kit():
     assert run("check", "no_such_gate").exit_code == 1
 
 
+def test_check_shows_the_checks_a_failure_blocks(register_gates):
+    @lossplug.gate("undetached_weight", requires=("behavior_logp",), role="correction")
+    def undetached_weight(inp, p):
+        """min(π_θ/π_behaviour, 2), not detached."""
+        return lossplug.GateOutput(weight=(inp.logp - inp.behavior_logp).clamp(-20, 20).exp().clamp(max=2.0))
+
+    register_gates(undetached_weight, name="cli-blocked")
+    out = run("check", "undetached_weight")
+    assert out.exit_code == 1
+    text = " ".join(out.output.split())
+    assert "✗ 1 check(s) failed, 8 blocked by a failure" in text
+    assert text.count("– blocked") == 8 and "blocked by detached" in text
+
+
 def test_check_a_plugin_whose_import_failed_says_so_and_why(site):
     site.add("lpx-broken-gates", "lpx_broken_gates", "raise ImportError('needs libfancy >= 2')")
     out = run("check", "lpx_fancy_gate")
