@@ -53,7 +53,8 @@ ALGORITHM_LOSSPLUG_KEY = "lossplug"
 def _fields(cls: type) -> set[str]:
     """The dataclass fields of ``cls`` and of every subclass defined so far."""
     names = {f.name for f in dataclasses.fields(cls)}
-    for sub in cls.__subclasses__():
+    subclasses: list[type] = type.__subclasses__(cls)
+    for sub in subclasses:
         names |= _fields(sub)
     return names
 
