@@ -189,7 +189,8 @@ TRL key                                         logged when
                                                 anchored at ``ref_logp``
 ``clip_ratio/low_mean``, ``/high_mean``,        update gate ``ppo_clip`` (TRL's token level) or ``gspo`` (sequence
 ``/region_mean``, ``/low_min``, ``/high_max``   level): its ``eps_low`` / ``eps_high``, the ratio capped at its
-                                                ``dual_clip_c`` / ``delta`` first, as TRL caps it at ``delta``
+                                                ``delta`` first, as TRL caps it at ``delta`` (ppo_clip: or at a
+                                                ``dual_clip_c ≥ 1 + eps_high``)
 ``cispo_clip_ratio``                            update gate ``cispo`` / ``cispo_seq``: its upper bound
 ``vespo/phi_seq_mean``                          update gate ``vespo``
 ``policy_loss``                                 TRL's entropy bonus is on (the adapter's, or the recipe's

@@ -11,8 +11,9 @@ TRL key                    logged when                             TRL's definit
 ``clip_ratio/low_mean``    update gate ``ppo_clip`` (token level)  mean of ``r < 1 − eps_low`` and ``A < 0``
 ``clip_ratio/high_mean``   or ``gspo`` (sequence level: ``r`` is   mean of ``r > 1 + eps_high`` and ``A > 0``
 ``clip_ratio/region_mean`` the response's ratio, each response     mean of either
-``clip_ratio/low_min``     counts once); ``r`` capped at           least per-response low mean (over processes)
-``clip_ratio/high_max``    ``dual_clip_c`` / ``delta`` first       greatest per-response high mean
+``clip_ratio/low_min``     counts once); ``r`` capped at the       least per-response low mean (over processes)
+``clip_ratio/high_max``    gate's ``delta`` first (ppo_clip's      greatest per-response high mean
+                           ``dual_clip_c`` when ``≥ 1 + eps_high``)
 ``cispo_clip_ratio``       update gate ``cispo`` / ``cispo_seq``   mean of ``r > ratio cap`` and ``A > 0``
 ``vespo/phi_seq_mean``     update gate ``vespo``                   mean of the responses' weights φ
 ``policy_loss``            TRL's entropy bonus is on (the          the loss before the entropy bonus (with the KL
@@ -90,7 +91,11 @@ def clip_rule(compiled: CompiledRecipe) -> ClipRule | None:
 
     name, p = compiled.update.plugin.name, compiled.update.params
     if name == "ppo_clip" and isinstance(p, PPOClipParams):
-        return ClipRule("ppo", False, 1 - p.eps_low, 1 + p.eps_high, p.delta if p.delta is not None else p.dual_clip_c)
+        # TRL caps the ratio at delta before counting; a dual clip is TRL's delta only at c ≥ 1 + eps_high (it leaves
+        # the ratio of A > 0 tokens alone): TRL's cap there, the gate's own cut below
+        c = p.dual_clip_c
+        cap = p.delta if p.delta is not None else (c if c is not None and c >= 1 + p.eps_high else None)
+        return ClipRule("ppo", False, 1 - p.eps_low, 1 + p.eps_high, cap)
     if name == "gspo" and isinstance(p, GSPOParams):
         return ClipRule("ppo", True, 1 - p.eps_low, 1 + p.eps_high, p.delta)
     if name in ("cispo", "cispo_seq") and isinstance(p, CISPOParams):

@@ -28,7 +28,11 @@ pytest.importorskip("trl")
 import trl
 from transformers import AutoModelForCausalLM
 
+import lossplug
+from lossplug.adapters.common import ActionRows
 from lossplug.adapters.trl import attach, trl_equivalent
+from lossplug.adapters.trl.dashboard import ClipRule, DashboardPlan, clip_rule, trl_dashboard
+from lossplug.contracts import Recipe
 from lossplug.testing import tiny
 
 pytestmark = pytest.mark.slow
@@ -269,3 +273,92 @@ def test_metrics_off_keeps_trls_entropy_only(micro_batches):
     assert set(CLIP_KEYS) <= set(native)
     assert LOSS_KEYS & set(ours) == {"entropy"}  # clip keys and the recipe's KL come from lossplug's metrics
     assert all(same(a, b) for a, b in zip(native["entropy"], ours["entropy"]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the rule (which gate gets which keys) and the reductions over processes, without a trainer
+
+
+def rule_of(gate: dict):
+    return clip_rule(lossplug.compile_recipe(Recipe.load({"advantage": "grpo", "gates": [gate], "reduction": "token"})))
+
+
+def test_clip_keys_follow_the_update_gate_and_its_own_bounds():
+    ppo = rule_of({"name": "ppo_clip", "eps_low": 0.1, "eps_high": 0.3})
+    assert (ppo.family, ppo.sequence, ppo.low, ppo.high, ppo.cap) == ("ppo", False, 0.9, 1.3, None)
+    # TRL caps the ratio at delta; a dual clip is TRL's delta only at c >= 1 + eps_high
+    assert rule_of({"name": "ppo_clip", "delta": 1.1}).cap == 1.1
+    assert rule_of({"name": "ppo_clip", "dual_clip_c": 3.0}).cap == 3.0
+    assert rule_of({"name": "ppo_clip", "eps_high": 0.2, "dual_clip_c": 1.1}).cap is None
+    gspo = rule_of({"name": "gspo", "eps_low": 3e-4, "eps_high": 4e-4, "delta": 1.0002})
+    assert (gspo.family, gspo.sequence, gspo.cap) == ("ppo", True, 1.0002)
+    cispo = rule_of({"name": "cispo", "eps_low": None, "ratio_max": 5.0, "log_ratio_clamp": None})
+    assert (cispo.family, cispo.sequence, cispo.high) == ("cispo", False, 5.0)
+    assert rule_of({"name": "cispo_seq", "eps_high": 0.2}).sequence and rule_of({"name": "cispo"}).high == 1.2
+    # no TRL key: sapo (TRL logs none), verl's gates, plain policy gradient
+    for name in ("sapo", "gspo_token", "dppo_tv", "reinforce"):
+        assert rule_of({"name": name}) is None, name
+
+
+class TwoProcesses:
+    """An accelerator for process 0 of two whose peer's local values were recorded first: ``gather`` stacks them."""
+
+    num_processes = 2
+
+    def __init__(self) -> None:
+        self.peer: torch.Tensor | None = None
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        if self.peer is None:  # the peer's call: record, and stand in for the gathered table
+            self.peer = local
+            return torch.cat([local, local])
+        return torch.cat([local, self.peer])
+
+
+def test_means_and_extremes_are_reduced_over_processes_as_trl_reduces_them():
+    gen = torch.Generator().manual_seed(0)
+    plan = DashboardPlan(clip=ClipRule("ppo", False, 0.8, 1.2), vespo=False, recipe_kl_metric=None)
+    procs = []
+    for rows, cols in ((4, 6), (3, 9)):  # different numbers of tokens: a mean of process means is not TRL's
+        mask = (torch.rand(rows, cols, generator=gen) > 0.3).long()
+        mask[0] = 0  # a row without action tokens: NaN in the per-response means, ignored by TRL's nanmin
+        logps = -torch.rand(rows, cols, generator=gen)
+        procs.append(
+            {
+                "mask": mask,
+                "logps": logps,
+                "old": logps + 0.3 * torch.randn(rows, cols, generator=gen),
+                "advantages": torch.randn(rows, generator=gen),
+                "entropies": torch.rand(rows, cols, generator=gen),
+                "per_token_kl": torch.rand(rows, cols, generator=gen),
+            }
+        )
+    accelerator = TwoProcesses()
+    for p in (procs[1], procs[0]):  # the peer first, then process 0, which reads both
+        out = trl_dashboard(accelerator, plan, **p, metrics={}, rows=ActionRows(p["mask"]))
+    # TRL's definitions on the two processes' tokens together (grpo_trainer.py, _compute_loss's metric block)
+    low, high, per_row_low, per_row_high = [], [], [], []
+    for p in procs:
+        ratio, adv = (p["logps"] - p["old"]).exp(), p["advantages"].unsqueeze(1)
+        low.append(((ratio < 0.8) & (adv < 0)).float())
+        high.append(((ratio > 1.2) & (adv > 0)).float())
+        per_row_low.append((low[-1] * p["mask"]).sum(-1) / p["mask"].sum(-1))
+        per_row_high.append((high[-1] * p["mask"]).sum(-1) / p["mask"].sum(-1))
+
+    def global_mean(values):
+        return float(sum((v * p["mask"]).sum() for v, p in zip(values, procs)) / sum(p["mask"].sum() for p in procs))
+
+    gathered_low, gathered_high = torch.cat(per_row_low), torch.cat(per_row_high)
+    expected = {
+        "kl": global_mean([p["per_token_kl"] for p in procs]),
+        "entropy": global_mean([p["entropies"] for p in procs]),
+        "clip_ratio/low_mean": global_mean(low),
+        "clip_ratio/high_mean": global_mean(high),
+        "clip_ratio/region_mean": global_mean([torch.maximum(a, b) for a, b in zip(low, high)]),
+        "clip_ratio/low_min": float(gathered_low[~gathered_low.isnan()].min()),
+        "clip_ratio/high_max": float(gathered_high[~gathered_high.isnan()].max()),
+    }
+    assert out.keys() == expected.keys()
+    for key, value in expected.items():
+        assert out[key] == pytest.approx(value, abs=1e-6), key
+    assert 0 < expected["clip_ratio/region_mean"] < 1 and expected["clip_ratio/high_max"] > 0
