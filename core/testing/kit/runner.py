@@ -172,16 +172,16 @@ def _run_one(subject: Subject, name: str) -> CheckResult:
     return CheckResult(name, "passed", "", check.summary)
 
 
-#: results of checks run only because a requested check needs them, by (check, plugin, parameters, reference gate):
-#: a check run alone (one pytest item per check) finds what it needs here instead of running it again. The values
-#: keep the plugin objects alive, so an id in a key is never reused for another plugin.
+#: every check's last result, by (check, plugin, parameters, reference gate): a check run alone (one pytest item per
+#: check) finds the checks it needs here instead of running them again. The values keep the plugin objects alive, so
+#: an id in a key is never reused for another plugin.
 _NEEDED: dict[tuple[Any, ...], tuple[object, object, CheckResult]] = {}
 
 
-def _cache_key(name: str, subject: Subject) -> tuple[Any, ...]:
+def _cache_key(name: str, subject: Subject) -> tuple[tuple[Any, ...], object, object]:
     ref = lossplug.registry().plugins["gate"].get(reference_update_gate())
     params = json.dumps(subject.params, sort_keys=True, default=repr)
-    return (name, subject.kind, subject.name, id(subject.plugin), params, id(ref)), subject.plugin, ref
+    return (CHECKS[name], subject.kind, subject.name, id(subject.plugin), params, id(ref)), subject.plugin, ref
 
 
 def _run_needed(subject: Subject, name: str, requested: bool) -> CheckResult:
