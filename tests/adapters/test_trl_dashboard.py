@@ -11,8 +11,9 @@ sequence-level means still count). The keys TRL computes from the micro-batch (`
 Wall-clock keys are the only ones left out.
 
 A second test calls TRL's ``_compute_loss`` and lossplug's on the same micro-batches for the settings the training
-runs do not cover (``delta``, sequence-level cispo and sapo, a recipe whose gate TRL has no key for,
-``metrics="off"``) and compares the values TRL appends, micro-batch by micro-batch.
+runs do not cover (``delta``, sequence-level cispo and sapo, evaluation, a recipe whose gate TRL has no key for,
+``metrics="off"``) and compares the values TRL appends, micro-batch by micro-batch; the last tests check which gate
+gets which keys, and the reductions over two processes against TRL's definitions on the pooled tokens.
 """
 
 from __future__ import annotations
@@ -202,11 +203,12 @@ def configure(trainer, **settings) -> None:
 
 def appended(trainer, compute, batches) -> dict[str, list[float]]:
     """The values ``compute`` appends to TRL's metric lists over the micro-batches (lossplug's own left out)."""
-    trainer._metrics["train"].clear()
+    mode = "train" if trainer.model.training else "eval"
+    trainer._metrics[mode].clear()
     with torch.no_grad():
         for batch in batches:
             compute(batch)
-    return {k: list(v) for k, v in trainer._metrics["train"].items() if not k.startswith("lossplug/")}
+    return {k: list(v) for k, v in trainer._metrics[mode].items() if not k.startswith("lossplug/")}
 
 
 def native_and_ours(trainer, batches, recipe=None, **attach_options):
@@ -248,6 +250,19 @@ def test_micro_batch_values_are_trls(micro_batches, case):
         assert max(native["clip_ratio/high_mean"]) == 0 < max(native["clip_ratio/low_mean"])
     if case == "cispo_sequence":
         assert max(native["cispo_clip_ratio"]) > 0
+
+
+def test_evaluation_logs_trls_values_too(micro_batches):
+    trainer, batches = micro_batches
+    configure(trainer, **{**DEFAULTS, "loss_type": "dapo", "epsilon_high": 0.28})
+    trainer.model.eval()  # the micro-batches keep their old log-probs: ratios still differ from 1
+    try:
+        native, ours = native_and_ours(trainer, batches)
+    finally:
+        trainer.model.train()
+    assert set(CLIP_KEYS) | {"kl", "entropy"} <= set(native) and max(native["clip_ratio/region_mean"]) > 0
+    for key, values in native.items():
+        assert all(same(a, b) for a, b in zip(values, ours[key])), (key, values, ours[key])
 
 
 def test_a_gate_trl_has_no_key_for_adds_none(micro_batches):
