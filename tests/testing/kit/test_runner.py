@@ -359,3 +359,34 @@ def test_the_pytest_plugin_fails_the_root_item_and_skips_the_blocked_ones(regist
     ]
     reason = outcomes.by_item["masked_poison"][1][2]  # a skip's longrepr: (path, line, reason)
     assert reason.startswith("Skipped: blocked by detached, which fails: the correction's weight carries gradient")
+
+
+def _closure(names):
+    out = set()
+    for n in names:
+        out |= {n} | _closure(CHECKS[n].needs)
+    return out
+
+
+def test_the_tutorial_lists_what_each_check_needs():
+    """docs/write-a-gate.md's table of the check order gives each check's direct needs (those not implied by another)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[3] / "docs" / "write-a-gate.md").read_text()
+    block = text.split("check                                      needs", 1)[1].split("```", 1)[0]
+    rows = []  # [names, needs]
+    for line in block.strip("\n").splitlines()[1:]:
+        if line.startswith("  "):  # more names of the row above
+            rows[-1][0] += " " + line.strip()
+        else:
+            rows.append(re.split(r"\s{2,}", line.strip(), maxsplit=1))
+    documented = {}
+    for names, needs in rows:
+        for name in re.split(r",\s*", names.strip(", ")):
+            documented[name] = {n for n in needs.split(" (", 1)[0].split(", ") if n != "—"}
+    direct = {
+        name: {n for n in c.needs if not any(n in _closure([m]) for m in c.needs if m != n)}
+        for name, c in CHECKS.items()
+    }
+    assert documented == direct
