@@ -10,7 +10,8 @@ They are dataclasses rather than pydantic models because a contract is built onc
 hot loop: pydantic's validation would only repeat the tensor-or-None test at several µs more per batch (far more
 with the caches cold from the loss step), and bypassing it meant writing pydantic's internals.
 
-Masked (non-action) positions may hold anything, NaN and inf included: nothing downstream reads them.
+Masked (non-action) positions may hold anything, NaN and inf included: nothing downstream reads them — except a
+token-level reward, which must be 0 there (see :mod:`lossplug.contracts.batch_rules`).
 """
 
 from __future__ import annotations

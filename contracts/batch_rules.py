@@ -5,7 +5,10 @@ report that names field, rule and positions are two readings of it. The value ru
 float fields read the memo of checked tensors (:mod:`lossplug.contracts.memo`): a slice of an already-checked base
 tensor is not read again, and a log-prob field costs one ``aminmax`` pass.
 
-Masked (non-action) positions may hold anything, NaN and inf included: nothing downstream reads them.
+Masked (non-action) positions may hold anything, NaN and inf included: nothing downstream reads them — except a
+token-level reward, which must be 0 there (:func:`rewards_off_actions`): every estimator credits rewards on action
+tokens only, so a score placed on a prompt token would be dropped without a word (verl's estimators sum every
+position).
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ VALUE_FIELDS = TOKEN_FLOATS + ("advantage", "reward", "reward_baseline")
 NOT_FINITE = "must be finite on action positions"
 ABOVE_ZERO = f"log-probs must be <= 0 (tolerance {LOGP_TOLERANCE}) on action positions"
 EMPTY_ROW = "every response needs at least one action token"
+OFF_ACTION_REWARD = (
+    "token rewards [B, T] must be 0 off the action positions: rewards are credited on action tokens only (place the "
+    "score on the last action token)"
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -230,6 +237,41 @@ def _finite_rows(name: str) -> Rule:
     )
 
 
+def rewards_off_actions(reward: Tensor, mask: Tensor) -> Violation | None:
+    """The violation of a ``[B, T]`` ``reward`` that is not 0 somewhere off ``mask`` (NaN included): the positions,
+    and the first one's value; None when it holds. Adapters call it on the trainer's own tensors (verl's
+    ``token_level_rewards`` and ``response_mask``), so that its refusal is the contract's rule in the trainer's names
+    and row numbers."""
+    bad = (reward != 0) & ~mask
+    if not bool(any_of(bad)):
+        return None
+    row, column = (int(i) for i in bad.nonzero()[0])
+    value = float(reward[row, column])
+    return Violation("reward", OFF_ACTION_REWARD, f"{describe_positions(bad)}; the first is {value:g}")
+
+
+def _rewards_on_actions_only() -> Rule:
+    """A token-level reward is 0 off the actions. A per-row reward ``[B]`` is not read here at all: the rule costs
+    nothing unless rewards are per token."""
+
+    def passes(fields: Fields) -> bool:
+        reward = fields["reward"]
+        return reward.ndim != 2 or not bool(any_of((reward != 0) & ~fields["action_mask"]))
+
+    def report(checks: Checks, fields: Fields) -> None:
+        reward, mask = fields["reward"], fields["action_mask"]
+        if reward.ndim != 2:
+            return
+
+        def find() -> list[Violation]:
+            found = rewards_off_actions(reward, mask)
+            return [found] if found is not None else []
+
+        checks.when_flag(not passes(fields) if checks_module.on_host(reward) else any_of((reward != 0) & ~mask), find)
+
+    return Rule("reward", ("reward", "action_mask"), passes, report)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # PolicyBatch
 
@@ -361,6 +403,7 @@ POLICY_BATCH_RULES = RuleTable(
         [
             _rows_act(),
             *(_values(name) for name in VALUE_FIELDS),
+            _rewards_on_actions_only(),
             _finite_rows("reward_components"),
             where_bad(
                 "entropy",

@@ -65,11 +65,12 @@ def group_violations(batch: Any, plugin: AdvantagePlugin, where: str) -> list[Vi
     if not bool(small.any()):
         return []
     ids = torch.unique(batch.group_id)[small]
+    more = f", and {ids.numel() - 8} more groups" if ids.numel() > 8 else ""
     return [
         Violation(
             "group_id",
             f"{where} ({plugin.name}) needs at least {plugin.min_group_size} rollouts per group",
-            f"groups {ids.tolist()[:8]} have fewer (sizes {groups.counts[small].tolist()[:8]})",
+            f"groups {ids.tolist()[:8]} have fewer (sizes {groups.counts[small].tolist()[:8]}){more}",
         )
     ]
 

@@ -15,6 +15,7 @@ from lossplug.adapters.common import ActionRows, warn_once
 from lossplug.adapters.verl.config import ADVANTAGE_RECIPE_KEY, keyed, load_recipe
 from lossplug.adapters.verl.registration import MARK, NAME, check_once
 from lossplug.contracts import LossplugError, PolicyBatch, Recipe, RecipeError
+from lossplug.contracts.batch_rules import rewards_off_actions
 
 __all__ = ["advantage_batch", "compute_advantage", "compute_lossplug_advantage", "group_ids"]
 
@@ -184,14 +185,13 @@ def _estimate(
     rows = ActionRows(mask)
     if rows.none:
         return advantages, returns
-    off = (token_level_rewards != 0) & ~mask
-    if bool(off.any()):
-        from lossplug.contracts.errors import describe_positions
-
+    # the contract's rule, asked here on verl's own tensors: its positions are verl's rows (the rows without an
+    # action token are dropped below), and the message names verl's fields
+    off_actions = rewards_off_actions(token_level_rewards, mask)
+    if off_actions is not None:
         raise LossplugError(
-            f"token_level_rewards: non-zero rewards outside response_mask at "
-            f"{describe_positions(off)}; lossplug credits rewards on action tokens only (verl's "
-            f"outcome estimators sum every position) — place the score on the last response token"
+            f"token_level_rewards (PolicyBatch.reward): {off_actions.rule}; here outside response_mask at "
+            f"{off_actions.where} (verl's outcome estimators sum every position, lossplug's only the actions)"
         )
     batch = advantage_batch(rows, mask, token_level_rewards.to(dtype), index, extra)
     try:

@@ -201,13 +201,32 @@ def test_a_recipe_without_an_advantage_stage_is_refused():
         run(batch, "lossplug", lossplug={"gates": ["ppo_clip"], "reduction": "token"})
 
 
-def test_rewards_outside_the_response_mask_are_refused():
-    batch = make_batch(12)
+@pytest.mark.parametrize("empty_rows", [(), (0,)])
+def test_rewards_outside_the_response_mask_are_refused_by_the_contracts_rule(empty_rows):
+    """The refusal is PolicyBatch's rule (the same message, the same positions as the contract reports for these
+    tensors) in verl's names and row numbers — a row without a response token, which the advantage stage never sees,
+    included."""
+    from lossplug.contracts import BatchValidationError, PolicyBatch
+    from lossplug.contracts.batch_rules import OFF_ACTION_REWARD
+
+    batch = make_batch(12, empty_rows=empty_rows)
     mask = batch["response_mask"].bool()
     row, col = (~mask).nonzero()[0].tolist()
-    batch["token_level_rewards"][row, col] = 1.0
-    with pytest.raises(LossplugError, match="outside response_mask"):
+    batch["token_level_rewards"][row, col] = 0.25
+    with pytest.raises(LossplugError) as refused:
         run(batch, "lossplug", lossplug=recipe({"name": "grpo"}))
+    message = str(refused.value)
+    where = f"(row {row}, pos {col}); the first is 0.25"
+    assert message.startswith("token_level_rewards (PolicyBatch.reward): ") and OFF_ACTION_REWARD in message
+    assert f"outside response_mask at {where}" in message
+    fields = dict(logp=torch.zeros(B, T, dtype=DT), action_mask=mask, reward=batch["token_level_rewards"])
+    if empty_rows:  # row 0 has no action: the batch the advantage stage sees lacks it, the refusal does not
+        assert row == 0
+        PolicyBatch(**{k: v[1:] for k, v in fields.items()})
+        return
+    with pytest.raises(BatchValidationError) as contract:
+        PolicyBatch(**fields)
+    assert [(v.field, v.rule, v.where) for v in contract.value.violations] == [("reward", OFF_ACTION_REWARD, where)]
 
 
 def test_the_estimator_is_the_registered_one():

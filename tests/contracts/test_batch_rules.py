@@ -5,9 +5,19 @@ import random
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
 from lossplug import BatchValidationError, PackedTransitions, PolicyBatch
-from lossplug.contracts.batch_rules import PACKED_LAYOUT, PACKED_RULES, POLICY_BATCH_RULES, POLICY_LAYOUT
+from lossplug.contracts.batch_rules import (
+    OFF_ACTION_REWARD,
+    PACKED_LAYOUT,
+    PACKED_RULES,
+    POLICY_BATCH_RULES,
+    POLICY_LAYOUT,
+    rewards_off_actions,
+)
 from lossplug.contracts.checks import Checks
 from lossplug.contracts.memo import forget_checked
 
@@ -47,6 +57,8 @@ def _policy_fields(rng: random.Random) -> dict[str, torch.Tensor]:
             fields[name] = torch.randint(0, 3, shape)
         else:
             fields[name] = torch.rand(shape) * (-1 if name.endswith("logp") else 1)
+    if fields.get("reward") is not None and fields["reward"].ndim == 2:  # token rewards: 0 off the actions
+        fields["reward"] = torch.where(mask, fields["reward"], 0)
     if "behavior_version" in fields and "policy_version" in fields:
         fields["policy_version"] = torch.full_like(fields["policy_version"], 2)
     for name in rng.sample(sorted(fields), k=rng.choice([0, 0, 1, 2])):
@@ -95,3 +107,64 @@ def test_the_quick_path_passes_exactly_when_the_report_is_empty(contract, table,
         outcomes.add(quick)
     assert outcomes == {True, False}  # both kinds of batch were drawn
     forget_checked()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Token rewards are 0 off the actions
+
+
+@given(
+    shape=st.tuples(st.integers(1, 5), st.integers(1, 6)),
+    seed=st.integers(0, 2**16),
+    value=st.sampled_from([0.5, -1.0, 1e-30, NAN, INF]),
+    place=st.booleans(),
+)
+def test_a_token_reward_off_the_actions_is_one_violation_naming_the_first_position_and_value(shape, seed, value, place):
+    g = torch.Generator().manual_seed(seed)
+    B, T = shape
+    mask = torch.rand(B, T, generator=g) < 0.6
+    mask[:, -1] = True
+    reward = torch.where(mask, torch.rand(B, T, generator=g), 0)
+    off = (~mask).nonzero().tolist()
+    if place and off:
+        row, column = off[torch.randint(len(off), (1,), generator=g).item()]
+        reward[row, column] = value
+    fields = PolicyBatch.unchecked(logp=-torch.rand(B, T, generator=g), action_mask=mask, reward=reward).__dict__
+    checks = Checks("PolicyBatch")
+    POLICY_BATCH_RULES.report(checks, fields)
+    reported = []
+    try:
+        checks.raise_if_any()
+    except BatchValidationError as err:
+        reported = err.violations
+    if not (place and off):
+        assert POLICY_BATCH_RULES.passes(fields) and reported == [] and rewards_off_actions(reward, mask) is None
+        return
+    assert not POLICY_BATCH_RULES.passes(fields)
+    (violation,) = reported
+    assert (violation.field, violation.rule) == ("reward", OFF_ACTION_REWARD)
+    assert violation.where == f"(row {row}, pos {column}); the first is {value:g}"
+    assert violation == rewards_off_actions(reward, mask)
+
+
+class _RecordedCalls(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_token_reward_rule_reads_nothing_when_rewards_are_per_response():
+    (rule,) = [r for stage in POLICY_BATCH_RULES.stages for r in stage if "_rewards_on_actions_only" in repr(r.passes)]
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    fields = PolicyBatch.unchecked(logp=-torch.rand(3, 4), action_mask=mask, reward=torch.rand(3)).__dict__
+    with _RecordedCalls() as recorded:
+        assert rule.passes(fields)
+        checks = Checks("PolicyBatch")
+        rule.report(checks, fields)
+    assert checks.violations == [] and checks._pending == []
+    # only attribute reads (reward.ndim): no kernel, no comparison, no reduction
+    assert all(getattr(func, "__name__", "") == "__get__" for func in recorded.calls), recorded.calls

@@ -5,13 +5,15 @@ an all-equal group gets no advantage; the contract's NaN rule).
 * boundaries stop the trace: nothing after a boundary changes an advantage before it;
 * groups of equal rewards get exactly zero advantage, for every group estimator and every std convention;
 * group results do not depend on the order of the rows (groups scattered anywhere in the batch);
-* NaN/inf on non-action positions changes nothing.
+* NaN/inf on non-action positions changes nothing (a token reward there is the contract's to refuse; the estimators
+  ignore it all the same).
 
 Sized for a 2-core CI (the 'ci' profile: 40 examples, tensors of a few dozen elements).
 """
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -108,7 +110,7 @@ def padded(draw, max_b=4, max_t=7):
         draw(st.lists(st.lists(finite, min_size=T, max_size=T), min_size=B, max_size=B)), dtype=F64
     ).view(B, T)
     row = lambda: torch.tensor(draw(st.lists(finite, min_size=B, max_size=B)), dtype=F64)
-    reward = mat() if draw(st.booleans()) else row()
+    reward = torch.where(mask, mat(), 0) if draw(st.booleans()) else row()  # token rewards: 0 off the actions
     terminated = torch.tensor(draw(st.lists(st.booleans(), min_size=B, max_size=B)))
     return dict(
         logp=-mat().abs(),
@@ -144,7 +146,7 @@ def test_padded_rows_are_independent_fragments(kw, data, advantage):
             data.draw(st.lists(finite, min_size=kw[name].numel(), max_size=kw[name].numel())), dtype=F64
         ).view(kw[name].shape)
         noise[keep] = kw[name][keep]
-        changed[name] = noise
+        changed[name] = torch.where(kw["action_mask"], noise, 0) if name == "reward" and noise.ndim == 2 else noise
     base, other = run_padded(kw, advantage), run_padded(changed, advantage)
     same(base.advantage[keep], other.advantage[keep])
     same(base.returns[keep], other.returns[keep])
@@ -161,9 +163,16 @@ def test_padded_rows_are_independent_fragments(kw, data, advantage):
 def test_padded_nan_on_non_action_positions_changes_nothing(kw, value, advantage):
     off = ~kw["action_mask"]
     poisoned = {**kw, **{name: kw[name].masked_fill(off, value) for name in ("value", "old_logp", "ref_logp")}}
-    if kw["reward"].ndim == 2:
+    base = run_padded(kw, advantage)
+    if kw["reward"].ndim == 2 and off.any():  # refused by the contract; ignored by the estimators all the same
         poisoned["reward"] = kw["reward"].masked_fill(off, value)
-    base, other = run_padded(kw, advantage), run_padded(poisoned, advantage)
+        with pytest.raises(lossplug.BatchValidationError, match="token rewards"):
+            lossplug.PolicyBatch(**poisoned)
+        other = lossplug.estimate_advantages(
+            lossplug.PolicyBatch.unchecked(**poisoned), recipe(advantage), validate="off"
+        )
+    else:
+        other = run_padded(poisoned, advantage)
     same(base.advantage, other.advantage)
     same(base.returns, other.returns)
     assert torch.isfinite(other.advantage).all() and (other.advantage[off] == 0).all()
@@ -211,8 +220,12 @@ def group_batch(reward, group, token=False):
     B = reward.numel()
     mask = torch.tensor([[True, False, True]]).repeat(B, 1)
     r = reward
-    if token:  # the same scores as token rewards split over the action positions, junk elsewhere
+    if token:  # the same scores as token rewards split over the action positions, junk elsewhere (unchecked: the
+        # contract refuses a token reward off the actions)
         r = torch.stack((reward / 2, torch.full_like(reward, float("nan")), reward / 2), -1)
+        return lossplug.PolicyBatch.unchecked(
+            logp=-torch.ones(B, 3, dtype=F64), action_mask=mask, reward=r, group_id=group
+        )
     return lossplug.PolicyBatch(logp=-torch.ones(B, 3, dtype=F64), action_mask=mask, reward=r, group_id=group)
 
 
@@ -239,7 +252,10 @@ def test_group_advantages_do_not_depend_on_row_order(data, advantage, rnd):
 def test_group_token_rewards_ignore_non_action_positions(data, advantage):
     reward, group, constant = data
     seq = lossplug.compute_advantages(group_batch(reward, group), recipe(advantage))
-    tok = lossplug.compute_advantages(group_batch(reward, group, token=True), recipe(advantage))
+    token_batch = group_batch(reward, group, token=True)
+    with pytest.raises(lossplug.BatchValidationError, match="token rewards"):
+        lossplug.compute_advantages(token_batch, recipe(advantage))
+    tok = lossplug.compute_advantages(token_batch, recipe(advantage), validate="off")
     assert torch.isfinite(tok).all()
     assert (tok[constant] == 0).all()
     torch.testing.assert_close(tok, seq, rtol=1e-9, atol=1e-9)

@@ -19,6 +19,8 @@ def recipe(**params):
 
 def policy_batch(mask, value, reward, **extra):
     mask = torch.as_tensor(mask, dtype=torch.bool)
+    if reward.ndim == 2:  # token rewards are 0 off the actions (the contract refuses others; GAE never reads them)
+        reward = torch.where(mask, reward, 0)
     logp = torch.full(mask.shape, -1.0, dtype=value.dtype)
     return lossplug.PolicyBatch(logp=logp, action_mask=mask, value=value, reward=reward, **extra)
 

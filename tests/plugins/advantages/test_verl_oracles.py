@@ -110,7 +110,7 @@ def gae_inputs(seed, B=6, T=12, gaps=False):
         mask &= torch.rand(B, T, generator=gen) > 0.3
         mask[:, 0] = True
     value = torch.randn(B, T, generator=gen, dtype=F64)
-    reward = torch.randn(B, T, generator=gen, dtype=F64)
+    reward = torch.randn(B, T, generator=gen, dtype=F64).where(mask, 0)  # 0 off the actions: the contract's rule
     return mask, value, reward
 
 
