@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Callable, Mapping
 
 import torch
@@ -203,7 +204,8 @@ def masked_poison(s: Subject) -> None:
         dirty = dict(clean)
         # a token-level reward stays 0 off the actions: the contract refuses anything else there
         for name in batches.TOKEN_FIELDS:
-            dirty[name] = batches.poison(clean[name], ~mask, seed=hash(name) % 1000)
+            # a seed from the name's bytes: str hashes differ per process (PYTHONHASHSEED), the poison must not
+            dirty[name] = batches.poison(clean[name], ~mask, seed=zlib.crc32(name.encode()) % 1000)
         adv_a = advantage_of(s, PolicyBatch(**clean))
         try:
             adv_b = advantage_of(s, PolicyBatch(**dirty))
