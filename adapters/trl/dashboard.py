@@ -165,7 +165,7 @@ class _Reductions:
     def masked_mean(self, key: str, x: Tensor, mask: Tensor) -> None:
         """TRL's ``global_masked_mean``: over the action tokens, or over every row for a ``[B, 1]`` value."""
         if x.shape[1] == 1:
-            self.mean(key, x.sum(), torch.tensor(float(x.shape[0]), device=x.device))
+            self.mean(key, x.sum(), x.new_full((), float(x.shape[0])))  # (a fill: no host→device copy)
         else:
             self.mean(key, (x * mask).sum(), mask.sum().float())
 
@@ -269,8 +269,9 @@ def trl_dashboard(
     the micro-batch — empty when no row had an action token); ``rows``: the rows that entered the lossplug batch;
     ``loss_before_bonus``: the loss returned to TRL before its entropy bonus, when TRL's bonus is on (``None``: no
     ``policy_loss``), with the adapter's ``scale`` and TRL's ``accumulation`` steps (:func:`trl_policy_loss`).
-    ``recipe_keys=False`` (``metrics="off"``) leaves out what is read from the recipe's stages: the clip and vespo
-    keys and the recipe's KL (TRL's own KL term and the entropies are the adapter's, and stay).
+    ``recipe_keys=False`` (``metrics="off"``) leaves out the clip keys and what is read from the recipe's stages'
+    metrics: vespo's φ, the recipe's KL, a ``policy_loss`` with the recipe's entropy term (TRL's own KL term, the
+    entropies and the adapter's own bonus stay).
     """
     out = _Reductions()
     with torch.no_grad():
@@ -288,7 +289,7 @@ def trl_dashboard(
         if recipe_keys and plan.vespo and advantages.dim() == 1:
             # TRL's φ is one per response ([B] advantages) and 1 for a response without action tokens (its
             # log-weight is 0); the gate's phi_mean is over the responses with one
-            responses = torch.tensor(float(rows.count), device=mask.device)
+            responses = mask.new_full((), float(rows.count), dtype=torch.float32)
             phi_mean = metrics.get("vespo/phi_mean")
             phi_sum = phi_mean * rows.kept if phi_mean is not None else responses * 0
             out.mean("vespo/phi_seq_mean", phi_sum + (rows.count - rows.kept), responses)
