@@ -8,12 +8,22 @@ parameters when none are given, the fields every policy batch carries anyway, an
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from lossplug.contracts.errors import Violation
+from lossplug.missing_fields import ON_POLICY_HINT, MissingField, missing_field, one_line_each
 from lossplug.requires import required_fields
+
+__all__ = [
+    "ALWAYS",
+    "FIELD_SHAPES",
+    "ON_POLICY_HINT",
+    "MissingField",
+    "batch_fields",
+    "missing_field",
+    "one_line_each",
+    "recipe_needs",
+    "required_fields",
+]
 
 #: what each batch field is, for people reading ``recipe explain`` and ``validate`` output
 FIELD_SHAPES = {
@@ -36,46 +46,6 @@ FIELD_SHAPES = {
 
 #: every PolicyBatch carries these, whatever the recipe
 ALWAYS = ("logp", "action_mask")
-
-#: how to give ``old_logp`` when no update has happened yet, said wherever it is missing
-ON_POLICY_HINT = " (for a single on-policy step pass old_logp=logp.detach())"
-
-
-@dataclass(frozen=True)
-class MissingField(Violation):
-    """A field a batch lacks, with every stage that needs it: :func:`one_line_each` merges those of one field into
-    a single line, so that a field two gates read is one problem, not two."""
-
-    #: the stages that need the field, as the message names them (``recipe.gates[0] (ppo_clip)``)
-    needed_by: tuple[str, ...] = ()
-    #: the rest of the sentence: what lacks it (``this PolicyBatch has none``, ``the file has none``)
-    lack: str = ""
-
-
-def missing_field(field: str, needed_by: Sequence[str], lack: str) -> MissingField:
-    """``field: required by A, B, but <lack>`` — the one wording of a missing field, for the Python API and the CLI."""
-    hint = ON_POLICY_HINT if field == "old_logp" and lack.endswith("has none") else ""
-    rule = f"required by {', '.join(needed_by)}, but {lack}{hint}"
-    return MissingField(field, rule, needed_by=tuple(needed_by), lack=lack)
-
-
-def one_line_each(violations: Iterable[Violation]) -> list[Violation]:
-    """``violations`` with one line per problem, in their order: the missing-field violations of one field (and one
-    reason) merged into one naming every stage that needs it, and repeats of a (field, rule) dropped."""
-    merged: dict[tuple[str, str], Violation] = {}
-    for violation in violations:
-        if isinstance(violation, MissingField):
-            key = (violation.field, "missing: " + violation.lack)
-            earlier = merged.get(key)
-            if isinstance(earlier, MissingField):
-                needed_by = tuple(dict.fromkeys(earlier.needed_by + violation.needed_by))
-                violation = missing_field(violation.field, needed_by, violation.lack)
-        else:
-            key = (violation.field, violation.rule)
-            if key in merged:
-                continue
-        merged[key] = violation
-    return list(merged.values())
 
 
 def batch_fields(plugin: Any, params: Any | None = None) -> tuple[str, ...]:

@@ -23,7 +23,7 @@ from lossplug.contracts import (
 from lossplug.contracts.errors import LossplugError, PluginError, describe_positions
 
 from . import plugin_registry as _registry
-from .needs import missing_field, one_line_each
+from .missing_fields import missing_field, one_line_each
 from .ops import Groups
 from .plugin import AdvantagePlugin, GateOutput, GatePlugin, RegularizerOutput, RegularizerPlugin
 from .stages import CompiledRecipe, RegularizerStage, Stage, describe_value
