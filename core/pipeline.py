@@ -36,7 +36,7 @@ from lossplug.contracts.recipe import PluginSpec, installed_catalog
 
 from . import plugin_registry as _registry
 from .loss_metrics import basic_metrics, full_metrics, gate_report
-from .ops import zero_off
+from .ops import count_true, zero_off
 from .peers import Peers
 from .plugin import (
     AdvantagePlugin,
@@ -490,9 +490,9 @@ def population_of(
     reduction over prompts (``prompt_mean``), with the Normalizer's per-group token counts.
     """
     if normalizer is None:
-        per_row = torch.count_nonzero(mask, -1) if lengths is None else lengths
+        per_row = count_true(mask, -1) if lengths is None else lengths
         # at least 1: a batch without any action token reduces to 0 (its numerators are all 0), never to 0/0
-        tokens, sequences = torch.count_nonzero(mask).clamp(min=1), torch.count_nonzero(per_row).clamp(min=1)
+        tokens, sequences = count_true(mask).clamp(min=1), torch.count_nonzero(per_row).clamp(min=1)
         return Population(tokens, sequences, None, None, group_id)
     return Population(
         normalizer.action_tokens,

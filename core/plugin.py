@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 
 from lossplug.contracts import AdvantageResult, LossplugError, PackedTransitions, PolicyBatch
 
-from .ops import action_bits, count_actions, zero_off, zero_off_uses_bits
+from .ops import action_bits, count_actions, count_true, zero_off, zero_off_fresh, zero_off_uses_bits
 from .peers import LOCAL, Peers
 
 Tensor = torch.Tensor
@@ -98,7 +98,7 @@ class GateInput:
         self.batch = batch
         self.peers = peers
         self.mask = mask
-        self.lengths = torch.count_nonzero(mask, -1)
+        self.lengths = count_true(mask, -1)
         self.compute_dtype = torch.float32 if batch.logp.dtype in (torch.float16, torch.bfloat16) else batch.logp.dtype
         adv = batch.advantage
         self.seq_advantage = adv.detach().to(self.compute_dtype) if adv is not None and adv.ndim == 1 else None
@@ -207,7 +207,8 @@ class GateInput:
                 raw = getattr(batch, top).to(self.compute_dtype) - getattr(batch, bottom).detach().to(
                     self.compute_dtype
                 )
-                ratio = zero_off(raw if top == "logp" else raw.detach(), self.mask, self._bits)
+                # (raw is this call's own temporary: zeroed in place)
+                ratio = zero_off_fresh(raw if top == "logp" else raw.detach(), self.mask, self._bits)
         ratio = ratio if top == "logp" else ratio.detach()
         self._log_ratios[(top, bottom)] = ratio
         return ratio

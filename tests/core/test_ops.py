@@ -18,3 +18,39 @@ def test_masked_quantiles_ignore_masked_values():
     x = torch.tensor([[1.0, float("nan"), 3.0], [100.0, 2.0, -float("inf")]])
     mask = torch.tensor([[True, False, True], [False, True, False]])
     assert masked_quantiles(x, mask, (0.0, 0.5, 1.0)).tolist() == [1.0, 2.0, 3.0]
+
+
+def test_count_true_counts_like_count_nonzero():
+    from lossplug.ops import count_true
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(64, 300, generator=g) > 0.3
+    for dim in (None, -1, 0):
+        ours = count_true(mask, dim)
+        theirs = torch.count_nonzero(mask) if dim is None else torch.count_nonzero(mask, dim)
+        assert ours.dtype == theirs.dtype == torch.int64 and torch.equal(ours, theirs)
+    floats = torch.tensor([0.0, -0.0, 2.0, float("nan")])
+    assert torch.equal(count_true(floats), torch.count_nonzero(floats))  # not bool: count_nonzero itself
+
+
+def test_zero_off_fresh_equals_zero_off_in_value_and_gradient():
+    from lossplug.ops import action_bits, zero_off, zero_off_fresh
+
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(32, 1024, generator=g) > 0.25  # past the bitwise path's threshold
+    old = torch.where(mask, -torch.rand(32, 1024, generator=g), float("nan"))
+    base = torch.where(mask, old + 0.1, float("inf"))
+    bits = action_bits(mask, torch.float32)
+    grads, values = [], []
+    for zero in (zero_off, zero_off_fresh):
+        logp = base.clone().requires_grad_(True)
+        out = zero(logp - old, mask, bits)  # a fresh temporary: zero_off_fresh writes into it
+        (out.exp() * 3).sum().backward()
+        values.append(out.detach())
+        grads.append(logp.grad)
+    assert torch.equal(values[0], values[1]) and torch.equal(grads[0], grads[1])
+    assert values[1][~mask].eq(0).all() and grads[1][~mask].eq(0).all()
+    leaf = base.clone().requires_grad_(True)  # a leaf is never written in place
+    assert torch.equal(zero_off_fresh(leaf, mask, bits), zero_off(leaf, mask, bits)) and leaf.isinf().any()
+    plain = torch.where(mask, base, float("nan"))
+    assert torch.equal(zero_off_fresh(plain.clone(), mask), zero_off(plain, mask))  # no gradient: in place
