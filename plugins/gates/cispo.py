@@ -143,12 +143,20 @@ def _cispo(inp: lossplug.GateInput, p: CISPOParams, ratio: torch.Tensor, *, per_
             else lengths.new_zeros(())
         )
         high = count_actions(ratio > p.upper, mask, lengths, false_off_actions=p.upper >= 1)
-        if p.lower is None or p.lower < p.upper:  # the two sides are disjoint: their sum is the clipped count
+        if p.lower is None:  # no lower bound (TRL): the clipped count is the upper side's
+            return high, low, high
+        if p.lower < p.upper:  # the two sides are disjoint: their sum is the clipped count
             return low + high, low, high
         return count_actions((ratio < p.lower) | (ratio > p.upper), mask, lengths), low, high
 
+    @functools.cache
+    def fractions() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        clipped, low, high = counts()
+        high_frac = high / inp.action_tokens
+        return (high_frac if clipped is high else clipped / inp.action_tokens), low / inp.action_tokens, high_frac
+
     def fraction(i: int) -> torch.Tensor:
-        return counts()[i] / inp.action_tokens
+        return fractions()[i]
 
     return lossplug.GateOutput(
         objective=objective,

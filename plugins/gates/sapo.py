@@ -1,7 +1,7 @@
 """SAPO: a smooth, sign-asymmetric gate instead of a hard clip (Gao et al., 2025, arXiv:2511.20347).
 
-Per action token, with ``r = exp(logp − old_logp)`` (log-ratio clamped to ``± log_ratio_clamp``) and ``τ = tau_pos``
-where ``A > 0``, ``τ = tau_neg`` otherwise::
+Per action token, with ``r = exp(logp − old_logp)`` (log-ratio clamped to ``± log_ratio_clamp``, verl's 20; TRL
+clamps nothing: ``log_ratio_clamp: null``) and ``τ = tau_pos`` where ``A > 0``, ``τ = tau_neg`` otherwise::
 
     J = (4/τ) · σ(τ·(r − 1)) · A
 
@@ -47,14 +47,18 @@ from lossplug.ops import any_rows, clamp_exact
 class SAPOParams(lossplug.Params):
     tau_pos: float = Field(1.0, gt=0, le=100, description="temperature τ for tokens with A > 0 (TRL, verl: 1.0)")
     tau_neg: float = Field(1.05, gt=0, le=100, description="temperature τ for tokens with A ≤ 0 (TRL, verl: 1.05)")
-    log_ratio_clamp: float = Field(20.0, gt=0, le=80, description="the log-ratio is clamped to ± this before exp")
+    log_ratio_clamp: float | None = Field(
+        20.0, gt=0, le=80, description="the log-ratio is clamped to ± this before exp (verl: 20); null: no clamp (TRL)"
+    )
 
 
 @lossplug.gate("sapo", params=SAPOParams, requires=("old_logp",))
 def sapo(inp: lossplug.GateInput, p: SAPOParams) -> lossplug.GateOutput:
     """SAPO: (4/τ)·σ(τ(r−1))·A with τ = tau_pos for A > 0, tau_neg otherwise; gradient r·sech²(τ(r−1)/2)·A."""
-    ratio = clamp_exact(inp.update_log_ratio(), -p.log_ratio_clamp, p.log_ratio_clamp).exp()
-    return _sapo(inp, p, ratio, per_response=False)
+    log_ratio = inp.update_log_ratio()
+    if p.log_ratio_clamp is not None:
+        log_ratio = clamp_exact(log_ratio, -p.log_ratio_clamp, p.log_ratio_clamp)
+    return _sapo(inp, p, log_ratio.exp(), per_response=False)
 
 
 @lossplug.gate("sapo_seq", params=SAPOParams, requires=("old_logp",), level="sequence")
@@ -63,7 +67,7 @@ def sapo_seq(inp: lossplug.GateInput, p: SAPOParams) -> lossplug.GateOutput:
 
     The soft gate of SAPO applied to GSPO's length-normalised sequence ratio, one per response; ∂s/∂logp_t = s/|y|.
     TRL's ``loss_type="sapo"`` with ``importance_sampling_level="sequence"``: ``{name: sapo_seq, tau_pos:
-    sapo_temperature_pos, tau_neg: sapo_temperature_neg, log_ratio_clamp: 80}`` (TRL clamps nothing).
+    sapo_temperature_pos, tau_neg: sapo_temperature_neg, log_ratio_clamp: null}`` (TRL clamps nothing).
 
     Paper: Gao et al., 2025, *Soft Adaptive Policy Optimization*, arXiv:2511.20347 (its sequence-level variant);
     the sequence ratio of Zheng et al., 2025, *Group Sequence Policy Optimization*, arXiv:2507.18071.
@@ -73,21 +77,35 @@ def sapo_seq(inp: lossplug.GateInput, p: SAPOParams) -> lossplug.GateOutput:
     log_ratio = inp.update_log_ratio()
     # mean over each response's action tokens (0 off them), [B, 1], carrying every token's gradient
     seq_log_ratio = log_ratio.sum(-1, keepdim=True) / inp.lengths.clamp(min=1).unsqueeze(-1).to(log_ratio.dtype)
-    ratio = seq_log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
-    return _sapo(inp, p, ratio, per_response=True)
+    if p.log_ratio_clamp is not None:
+        seq_log_ratio = seq_log_ratio.clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
+    return _sapo(inp, p, seq_log_ratio.exp(), per_response=True)
+
+
+@functools.lru_cache(maxsize=32)
+def _temperatures(
+    tau_pos: float, tau_neg: float, dtype: torch.dtype, device: torch.device
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``(τ_pos, τ_neg)`` and ``(4/τ_pos, 4/τ_neg)`` as 0-d tensors of ``dtype``: 4/τ divided in ``dtype``, exactly as
+    ``4 / tau`` of a ``dtype`` tensor (scaling by 4 is exact), so the objective's values do not depend on whether the
+    coefficients are made per call or once."""
+    positive, negative = (torch.full((), tau, dtype=dtype, device=device) for tau in (tau_pos, tau_neg))
+    return (positive, negative), (4 / positive, 4 / negative)
 
 
 def _sapo(inp: lossplug.GateInput, p: SAPOParams, ratio: torch.Tensor, *, per_response: bool) -> lossplug.GateOutput:
     """The objective (4/τ)·σ(τ(ratio − 1))·A, ``[B, T]``, and its diagnostics; ``ratio`` is ``[B, T]`` or a per-response
     ``[B, 1]`` column."""
     adv = inp.broadcast_advantage()  # a [B] advantage: τ and A are [B, 1] columns
-    # in the ratio's dtype, not float32
-    tau = torch.full(adv.shape, p.tau_neg, dtype=ratio.dtype, device=ratio.device).masked_fill(adv > 0, p.tau_pos)
+    positive = adv > 0
+    # τ and 4/τ in the ratio's dtype (not float32), chosen per position from the two values of each
+    (tau_pos, tau_neg), (scale_pos, scale_neg) = _temperatures(p.tau_pos, p.tau_neg, ratio.dtype, ratio.device)
+    tau = torch.where(positive, tau_pos, tau_neg)
     # (4/τ)·A is a constant of the update: one [B, 1] (or [B, T]) coefficient, one multiplication carrying gradient
     shifted = ratio - 1
     # in place (one [B, T] buffer fewer) unless τ is wider than the ratio ([B, 1] ratio, [B, T] advantage)
-    shifted = shifted.mul_(tau) if shifted.shape == torch.broadcast_shapes(shifted.shape, tau.shape) else shifted * tau
-    objective = torch.sigmoid(shifted) * ((4 / tau) * adv)
+    shifted = shifted.mul_(tau) if tau.shape[-1] in (1, shifted.shape[-1]) else shifted * tau
+    objective = torch.sigmoid(shifted) * (torch.where(positive, scale_pos, scale_neg) * adv)
     if objective.shape != inp.mask.shape:  # a [B, 1] ratio and a [B] advantage: one value per response
         objective = objective.expand(inp.mask.shape)
 

@@ -71,3 +71,27 @@ def test_defaults_match_trl_and_verl():
     assert "2511.20347" in lossplug.registry().presets["sapo"].source
     with pytest.raises(lossplug.RecipeError, match="tau_neg"):
         lossplug.Recipe.load({"gates": [{"name": "sapo", "tau_neg": 0}], "reduction": "token"})
+
+
+@pytest.mark.parametrize("level", ["sapo", "sapo_seq"])
+def test_without_a_clamp_is_trls_arithmetic_past_e20(level):
+    # TRL clamps nothing: with log_ratio_clamp null a log-ratio of −25 reaches exp unclamped (the default clamps it
+    # at −20), in float64 loss and gradient as TRL's _compute_loss computes them for loss_type="sapo"
+    old = torch.tensor([[-1.0, -1.0, -2.0], [-1.5, -0.5, -3.0]], dtype=torch.float64)
+    new = old + torch.tensor([[-25.0, 0.3, -0.2], [0.1, -0.4, 0.05]], dtype=torch.float64)
+    adv = torch.tensor([0.7, -1.3], dtype=torch.float64)
+    gate = {"name": level, "log_ratio_clamp": None}
+    result, grad = run(gate, reduction="response", logp=new, old_logp=old, advantage=adv)
+    logp = new.clone().requires_grad_(True)
+    log_ratio = logp - old
+    if level == "sapo_seq":
+        log_ratio = log_ratio.mean(-1, keepdim=True)
+    tau = torch.where(adv.unsqueeze(1) > 0, *torch.tensor([1.0, 1.05], dtype=torch.float64))
+    per_token = -torch.sigmoid(tau * (log_ratio.exp() - 1)) * 4 / tau * adv.unsqueeze(1)
+    expected = per_token.expand(2, 3).mean(-1).mean()
+    expected.backward()
+    torch.testing.assert_close(result.loss, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, logp.grad, rtol=1e-12, atol=1e-12)
+    if level == "sapo":  # the default clamp binds at −25: no gradient through it there
+        _, clamped_grad = run({"name": level}, reduction="response", logp=new, old_logp=old, advantage=adv)
+        assert clamped_grad[0, 0] == 0 and grad[0, 0] != 0
