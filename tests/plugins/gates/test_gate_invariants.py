@@ -19,7 +19,8 @@ import lossplug
 GATES = sorted(lossplug.registry().plugins["gate"])
 #: gates whose contract is "detached coefficient × A × logp": the gradient wrt logp does not depend on logp
 DETACHED_COEFFICIENT = {"cispo", "dis", "reinforce", "rollout_is", "cispo_rollout"}
-TOKEN_FIELDS = ("logp", "old_logp", "behavior_logp", "ref_logp", "value", "reward", "advantage", "entropy")
+#: per-token fields that may hold anything off the actions (a token reward may not: the contract refuses it there)
+TOKEN_FIELDS = ("logp", "old_logp", "behavior_logp", "ref_logp", "value", "advantage", "entropy")
 
 
 #: (gate, invariant) → why a built-in gate departs from the invariant by design. Each is a strict xfail: the invariant
@@ -110,7 +111,7 @@ class Case:
             behavior_logp=behavior,
             ref_logp=old - 0.1 * rand(B, T),
             value=rand(B, T),
-            reward=rand(B, T),
+            reward=torch.where(mask, rand(B, T), 0),  # the contract: a token reward is 0 off the actions
             advantage=adv,
         )
         # drawn last, so that the draws above stay those of the seeds hypothesis has stored

@@ -73,7 +73,8 @@ def test_split_on_reward_matches_roll(token_reward):
         if token_reward:  # a [B, T] reward: the response's score is its sum over the action tokens
             share = torch.rand(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
             share = torch.where(f["action_mask"], share, 0)
-            f["reward"] = torch.where(f["action_mask"], share / share.sum(-1, keepdim=True) * scores.unsqueeze(-1), 7.0)
+            # (0 off the actions: the contract refuses a token reward anywhere else)
+            f["reward"] = torch.where(f["action_mask"], share / share.sum(-1, keepdim=True) * scores.unsqueeze(-1), 0)
         for w_pos, w_neg in WEIGHTS:
             params = dict(split_on="reward", positive_weight=w_pos, negative_weight=w_neg)
             result, grad = run(f, **params)
