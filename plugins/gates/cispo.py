@@ -43,7 +43,7 @@ import torch
 from pydantic import Field, model_validator
 
 import lossplug
-from lossplug.ops import clamp_exact, count_actions
+from lossplug.ops import clamp_exact, clamp_moved_fast, count_actions, count_moved
 
 
 class CISPOParams(lossplug.Params):
@@ -142,7 +142,12 @@ def _cispo(inp: lossplug.GateInput, p: CISPOParams, ratio: torch.Tensor, *, per_
             if p.lower is not None
             else lengths.new_zeros(())
         )
-        high = count_actions(ratio > p.upper, mask, lengths, false_off_actions=p.upper >= 1)
+        if not per_response and p.lower is None and p.upper >= 1 and clamp_moved_fast(ratio, coefficient):
+            # the weight is ratio.clamp(max=upper): the tokens above upper are those it moved (never off the
+            # actions, where the ratio is 1), counted without a comparison's bool tensor
+            high = count_moved(ratio, coefficient)
+        else:
+            high = count_actions(ratio > p.upper, mask, lengths, false_off_actions=p.upper >= 1)
         if p.lower is None:  # no lower bound (TRL): the clipped count is the upper side's
             return high, low, high
         if p.lower < p.upper:  # the two sides are disjoint: their sum is the clipped count

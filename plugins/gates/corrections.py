@@ -48,7 +48,7 @@ import torch
 from pydantic import Field, model_validator
 
 import lossplug
-from lossplug.ops import clamp_exact, response_stats
+from lossplug.ops import clamp_exact, clamp_moved_fast, count_moved, response_stats
 
 from . import _rollout_stats as rs
 
@@ -268,7 +268,11 @@ def _tis(
 ) -> lossplug.GateOutput:
     weight = ratio.clamp(min=floor, max=cap)
     valid = _valid(inp, ratio)
-    metrics = {"trunc_frac": lambda: _fraction(inp, ratio > cap, cap >= 1)}
+    if floor is None and cap >= 1 and ratio.ndim == 2 and clamp_moved_fast(ratio, weight):
+        # the tokens above cap are those the clamp moved (the ratio is 1 off the actions): no comparison's bool tensor
+        metrics = {"trunc_frac": lambda: count_moved(ratio, weight) / inp.action_tokens}
+    else:
+        metrics = {"trunc_frac": lambda: _fraction(inp, ratio > cap, cap >= 1)}
     if floor is not None:
         metrics["floor_frac"] = lambda: _fraction(inp, ratio < floor, floor <= 1)
     return _output(

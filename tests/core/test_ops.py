@@ -54,3 +54,22 @@ def test_zero_off_fresh_equals_zero_off_in_value_and_gradient():
     assert torch.equal(zero_off_fresh(leaf, mask, bits), zero_off(leaf, mask, bits)) and leaf.isinf().any()
     plain = torch.where(mask, base, float("nan"))
     assert torch.equal(zero_off_fresh(plain.clone(), mask), zero_off(plain, mask))  # no gradient: in place
+
+
+def test_count_moved_counts_what_the_clamp_moved_like_the_comparisons():
+    from lossplug.ops import clamp_moved_fast, count_moved
+
+    special = torch.tensor([float("nan"), -float("nan"), float("inf"), -0.0, 0.0, 5.0, 0.8, 7.0, 0.1])
+    g = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.float64):
+        x = torch.cat([special, torch.rand(4000, generator=g) * 3]).to(dtype).reshape(-1, 1)
+        for low, high in ((None, 5.0), (0.8, 5.0), (0.8, None)):
+            clamped = x.clamp(min=low, max=high)
+            assert clamp_moved_fast(x, clamped)
+            expected = torch.zeros_like(x, dtype=torch.bool)
+            if high is not None:
+                expected |= x > high
+            if low is not None:
+                expected |= x < low
+            ours = count_moved(x, clamped)
+            assert ours.dtype == torch.int64 and ours == torch.count_nonzero(expected)
