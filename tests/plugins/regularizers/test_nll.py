@@ -131,14 +131,20 @@ def test_positive_advantage_selects_by_the_response_mean_of_a_token_advantage():
 
 def test_token_rewards_are_summed_over_the_actions():
     logp, mask, reward = tensors(6)
+    rows = torch.arange(B)
     token_reward = torch.zeros(B, T, dtype=F64)
-    token_reward[:, 0] = reward - 0.25  # off-action rewards never count: row 2's position 0 is an observation
-    token_reward[2, 0] = 100.0
-    sequence = torch.where(mask, token_reward, 0).sum(-1)
+    token_reward[rows, mask.to(torch.int8).argmax(-1)] = reward - 0.25  # on each row's first action token
+    token_reward = token_reward + torch.where(mask, 0.125, 0.0).to(F64)  # and a share on every action token
+    sequence = token_reward.sum(-1)
     a, ga = lossplug_loss(nll_recipe(coef=1.0), logp, mask, reward=token_reward)
     b, gb = lossplug_loss(nll_recipe(coef=1.0), logp, mask, reward=sequence)
     assert_close(a.loss, b.loss)
     assert_close(ga, gb)
+    # a reward on a non-action position (an observation) is the contract's error, never silently dropped
+    off = (~mask).nonzero()[0].tolist()
+    token_reward[off[0], off[1]] = 100.0
+    with pytest.raises(lossplug.BatchValidationError, match="reward: token rewards"):
+        lossplug_loss(nll_recipe(coef=1.0), logp, mask, reward=token_reward)
 
 
 def test_missing_reward_fails_validation_by_name():
