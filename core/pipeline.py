@@ -287,6 +287,8 @@ def policy_loss(
     if validate == "full":
         check_gate_output(update, out, batch)
     objective = out.objective
+    # the update gate's objective is already +0 off the actions (value and gradient) and nothing multiplies it after
+    zeroed = out.zero_off_actions and weight is None and not compiled.corrections
     if weight is not None:  # the trainer's own detached coefficient, applied like a correction gate's weight
         external = weight.detach().to(objective.dtype)
         objective = objective * (external if external.ndim == 2 else external.unsqueeze(-1))
@@ -299,7 +301,8 @@ def policy_loss(
         objective = objective * (out.weight if out.weight.ndim == 2 else out.weight.unsqueeze(-1))
         reports.append(gate_report(stage, out, level, validate))
     del out
-    objective = zero_off(objective, inp.mask, inp._bits)
+    if not zeroed:
+        objective = zero_off(objective, inp.mask, inp._bits)
 
     red = compiled.reduction
     population = population_of(inp.mask, normalizer, inp.lengths, batch.group_id)

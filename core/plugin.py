@@ -164,6 +164,13 @@ class GateInput:
             return zero_off(self.seq_advantage.unsqueeze(-1).expand(self.mask.shape), self.mask, self._bits)
         return cast(Tensor, self._clean("advantage"))  # the pipeline runs gates on batches with an advantage
 
+    def on_actions(self, x: Tensor) -> Tensor:
+        """``x`` zero off the actions, value and gradient (:func:`lossplug.ops.zero_off` with the micro-batch's shared
+        bit pattern); ``x`` is ``[B, T]`` or broadcasts to it (a ``[B, 1]`` column expanded)."""
+        if x.shape != self.mask.shape:
+            x = x.expand(self.mask.shape)
+        return zero_off(x, self.mask, self._bits)
+
     def broadcast_advantage(self) -> Tensor:
         """The advantage in the cheapest form that broadcasts against ``[B, T]``: a ``[B, 1]`` column for a ``[B]``
         advantage (its value off the actions is the response's — the pipeline zeroes the objective there), else the
@@ -268,6 +275,12 @@ class GateOutput:
       level) bool; it feeds the effective-sample fractions (``"full"`` only). None: everything stays active.
 
     With ``metrics="off"`` none of them is evaluated, so a gate costs only its objective.
+
+    ``zero_off_actions`` (an update gate's promise, default False): ``objective`` is already exactly +0 off the
+    action positions and no gradient reaches ``logp`` there — it is a product with a factor that is +0 off them (the
+    cleaned ``[B, T]`` :attr:`GateInput.advantage`) and finite elsewhere. The pipeline then skips its own zero-off
+    of the objective (a ``[B, T]`` pass forward and one backward) when no correction gate or trainer weight
+    multiplies it afterwards.
     """
 
     objective: Tensor | None = None
@@ -275,6 +288,7 @@ class GateOutput:
     metrics: Mapping[str, Lazy] = field(default_factory=dict)
     details: Mapping[str, Lazy] = field(default_factory=dict)
     active: Lazy | None = None
+    zero_off_actions: bool = False
 
 
 #: ``fn(inp, p)``: ``p`` is an instance of the plugin's own ``params`` model (hence Any: a function annotated with

@@ -105,7 +105,14 @@ def _sapo(inp: lossplug.GateInput, p: SAPOParams, ratio: torch.Tensor, *, per_re
     shifted = ratio - 1
     # in place (one [B, T] buffer fewer) unless τ is wider than the ratio ([B, 1] ratio, [B, T] advantage)
     shifted = shifted.mul_(tau) if tau.shape[-1] in (1, shifted.shape[-1]) else shifted * tau
-    objective = torch.sigmoid(shifted) * (torch.where(positive, scale_pos, scale_neg) * adv)
+    coefficient = torch.where(positive, scale_pos, scale_neg) * adv
+    # a [B, T] ratio or advantage: (4/τ)·A zero off the actions ([B, T] already when A is: the cleaned advantage),
+    # so that the objective is +0 there (σ is finite) and the pipeline's zero-off is not needed
+    # (GateOutput.zero_off_actions)
+    zeroed = ratio.shape == inp.mask.shape or adv.shape == inp.mask.shape
+    if zeroed and coefficient.shape != inp.mask.shape:
+        coefficient = inp.on_actions(coefficient)
+    objective = torch.sigmoid(shifted) * coefficient
     if objective.shape != inp.mask.shape:  # a [B, 1] ratio and a [B] advantage: one value per response
         objective = objective.expand(inp.mask.shape)
 
@@ -118,6 +125,7 @@ def _sapo(inp: lossplug.GateInput, p: SAPOParams, ratio: torch.Tensor, *, per_re
     mask = inp.mask
     return lossplug.GateOutput(
         objective=objective,
+        zero_off_actions=zeroed,
         details={
             "gate_mean": lambda: inp.masked_mean(gradient_gate()),
             "gate_min": lambda: torch.where(mask, gradient_gate(), float("inf")).min(),

@@ -95,3 +95,28 @@ def test_without_a_clamp_is_trls_arithmetic_past_e20(level):
     if level == "sapo":  # the default clamp binds at −25: no gradient through it there
         _, clamped_grad = run({"name": level}, reduction="response", logp=new, old_logp=old, advantage=adv)
         assert clamped_grad[0, 0] == 0 and grad[0, 0] != 0
+
+
+@pytest.mark.parametrize("per_token_advantage", [False, True])
+def test_objective_is_zero_off_the_actions_as_it_promises(per_token_advantage):
+    # sapo's objective is +0 off the actions (GateOutput.zero_off_actions: the pipeline skips its zero-off), so
+    # garbage there reaches neither the loss nor logp's gradient; 64 x 300 takes the CPU's bitwise zero-off
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(64, 300, generator=g) > 0.3
+    mask[:, 0] = True
+    old = -torch.rand(64, 300, generator=g) * 2
+    new = (old + 0.2 * torch.randn(64, 300, generator=g)).clamp(max=0)
+    adv = torch.randn(64, 300 if per_token_advantage else 1, generator=g).squeeze(-1)
+    inp = lossplug.GateInput.from_batch(
+        lossplug.PolicyBatch.unchecked(logp=new, old_logp=old, advantage=adv, action_mask=mask)
+    )
+    out = lossplug.registry().lookup("gate", "sapo", "test")(inp, lossplug.plugins.gates.sapo.SAPOParams())
+    assert out.zero_off_actions and out.objective[~mask].view(torch.int32).eq(0).all()  # +0, bit for bit
+    poisoned = {
+        "logp": torch.where(mask, new, float("nan")),
+        "old_logp": torch.where(mask, old, float("inf")),
+        "advantage": torch.where(mask, adv, float("nan")) if per_token_advantage else adv,
+    }
+    clean, clean_grad = run({"name": "sapo"}, reduction="token", mask=mask, logp=new, old_logp=old, advantage=adv)
+    result, grad = run({"name": "sapo"}, reduction="token", mask=mask, **poisoned)
+    assert torch.equal(result.loss, clean.loss) and torch.equal(grad, clean_grad) and grad[~mask].eq(0).all()
