@@ -262,7 +262,7 @@ def trl_cases() -> list[Case]:
             {
                 "gates": [
                     {"name": "cispo", "eps_low": None, "ratio_max": 5.0, "log_ratio_clamp": None},
-                    {"name": "tis", "cap": TIS_CAP},
+                    {"name": "tis", "cap": TIS_CAP, "log_ratio_clamp": None},  # TRL clamps nothing
                 ],
                 "reduction": "token",
             },

@@ -129,9 +129,11 @@ grpo/bnpo/dr_grpo/dapo/luspo                 gate ``ppo_clip(eps_low=epsilon, ep
 ``entropy_target``                           ``top_entropy_quantile < 1`` the static bonus stays the adapter's
 ===========================================  ========================================================================
 
-The engine-ratio gates clamp the log-ratio at ±80 and TRL does not clamp: a difference only where TRL's ratio is
-already ``exp(80)``; a missing IcePop bound is 1e-38 / 1e38 — outside every clamped ratio. The update gates clamp the
-update log-ratio at ±20 where TRL does not clamp at all. lossplug's advantage is exactly 0 for a group of identical
+Where TRL clamps no log-ratio, neither do ``tis`` / ``tis_seq``, ``cispo`` and ``sapo`` in ``trl_equivalent``'s
+recipe (TRL's arithmetic: a detached TIS weight past float range saturates at its cap; SAPO's sigmoid saturates long
+before ``exp`` overflows). IcePop clamps the engine log-ratio at ±80 — a difference only where TRL's ratio is already
+``exp(80)``; a missing IcePop bound is 1e-38 / 1e38, outside every clamped ratio — and the other update gates clamp
+the update log-ratio (``gspo`` at ±80, ``ppo_clip`` at ±20) where TRL does not clamp at all. lossplug's advantage is exactly 0 for a group of identical
 rewards, where TRL's is ``(r − mean)/(0 + 1e-4)``: rounding noise of the mean, amplified 10⁴ times.
 
 TRL's options that weight the policy term are the recipe's, never the adapter's: when TRL's option is set the

@@ -62,6 +62,7 @@ def _update_gate(args: GRPOConfig) -> dict[str, Any]:
             "name": "sapo_seq" if sequence else "sapo",
             "tau_pos": args.sapo_temperature_pos,
             "tau_neg": args.sapo_temperature_neg,
+            "log_ratio_clamp": None,  # TRL clamps nothing (the sigmoid saturates long before exp overflows)
         }
     if loss_type == "vespo":
         gate = {
@@ -105,7 +106,7 @@ def engine_correction_gate(args: GRPOConfig) -> dict[str, Any] | None:
         gate: dict[str, Any] = {
             "name": "tis_seq" if sequence else "tis",
             "cap": _NO_HIGH if high is None else high,
-            "log_ratio_clamp": _NO_CLAMP,
+            "log_ratio_clamp": None,  # TRL clamps nothing; the weight is detached, an overflow saturates at the cap
         }
         if low is not None:
             gate["floor"] = low  # TRL raises ratios below clip_min to clip_min

@@ -55,12 +55,18 @@ from . import _rollout_stats as rs
 REQUIRES = ("old_logp", "behavior_logp")
 
 
-def _clamp_field() -> Any:
+def _clamp_field(optional: bool = False) -> Any:
+    unclamped = (
+        "; null: no clamp, TRL's arithmetic (the weight is detached: a ratio past float range saturates at the cap)"
+        if optional
+        else ""
+    )
     return Field(
         20.0,
         gt=0,
         le=80,
-        description="the (token or summed) engine log-ratio is clamped to ± this before exp (verl's SAFETY_BOUND: 20)",
+        description="the (token or summed) engine log-ratio is clamped to ± this before exp (verl's SAFETY_BOUND: "
+        f"20){unclamped}",
     )
 
 
@@ -102,7 +108,7 @@ class _TISBounds(lossplug.Params):
 class TISParams(_TISBounds):
     cap: float = Field(2.0, gt=0, description="upper cap C of the weight min(ρ, C) (verl default 2.0)")
     floor: float | None = _floor_field()
-    log_ratio_clamp: float = _clamp_field()
+    log_ratio_clamp: float | None = _clamp_field(optional=True)
     batch_normalize: bool = _batch_normalize_field()
 
 
@@ -110,7 +116,7 @@ class TISSequenceParams(_TISBounds):
     cap: float = Field(2.0, gt=0, description="upper cap C of the sequence weight min(ρ_i, C)")
     floor: float | None = _floor_field()
     ratio: Literal["product", "geometric"] = _sequence_ratio_field()
-    log_ratio_clamp: float = _clamp_field()
+    log_ratio_clamp: float | None = _clamp_field(optional=True)
     batch_normalize: bool = _batch_normalize_field()
 
 
@@ -138,7 +144,7 @@ class IcePopSequenceParams(_IcePopBounds):
 
 def _token_log_ratio(inp: lossplug.GateInput, p: TISParams | IcePopParams) -> torch.Tensor:
     """log(π_old/π_behaviour) per token: 0 off the actions, where both are cleaned to 0 (so ρ = 1 there)."""
-    return clamp_exact(inp.engine_log_ratio(), -p.log_ratio_clamp, p.log_ratio_clamp)
+    return _clamped(inp.engine_log_ratio(), p.log_ratio_clamp)
 
 
 def _sequence_log_ratio(
@@ -148,7 +154,12 @@ def _sequence_log_ratio(
     log_ratio = inp.engine_log_ratio().sum(-1)
     if p.ratio == "geometric":
         log_ratio = log_ratio / inp.lengths.clamp(min=1).to(log_ratio.dtype)
-    return clamp_exact(log_ratio, -p.log_ratio_clamp, p.log_ratio_clamp), log_ratio
+    return _clamped(log_ratio, p.log_ratio_clamp), log_ratio
+
+
+def _clamped(log_ratio: torch.Tensor, bound: float | None) -> torch.Tensor:
+    """The log-ratio clamped to ``± bound`` before ``exp``; as it is with no bound (TIS with TRL's arithmetic)."""
+    return log_ratio if bound is None else clamp_exact(log_ratio, -bound, bound)
 
 
 def _fraction(inp: lossplug.GateInput, hit: torch.Tensor, off_actions_false: bool) -> torch.Tensor:

@@ -105,7 +105,7 @@ def test_trl_equivalent_mapping(tmp_module, loss_type, gate, reduction, populati
         ),
         (
             {"loss_type": "sapo", "importance_sampling_level": "sequence", "sapo_temperature_neg": 1.2},
-            [{"name": "sapo_seq", "tau_pos": 1.0, "tau_neg": 1.2}],
+            [{"name": "sapo_seq", "tau_pos": 1.0, "tau_neg": 1.2, "log_ratio_clamp": None}],
         ),
         (
             {"loss_type": "grpo", "importance_sampling_level": "sequence", "delta": 1.5},
@@ -121,7 +121,7 @@ def test_trl_equivalent_mapping(tmp_module, loss_type, gate, reduction, populati
         # vLLM importance sampling: every mode, with TRL's bounds (a missing bound: none)
         (
             {"use_vllm": True, "vllm_importance_sampling_mode": "token_truncate"},
-            [{"name": "ppo_clip"}, {"name": "tis", "cap": 3.0, "log_ratio_clamp": 80.0}],
+            [{"name": "ppo_clip"}, {"name": "tis", "cap": 3.0, "log_ratio_clamp": None}],
         ),
         (
             {
@@ -129,7 +129,7 @@ def test_trl_equivalent_mapping(tmp_module, loss_type, gate, reduction, populati
                 "vllm_importance_sampling_mode": "sequence_truncate",
                 "vllm_importance_sampling_clip_max": 2,
             },
-            [{"name": "ppo_clip"}, {"name": "tis_seq", "cap": 2.0, "ratio": "product", "log_ratio_clamp": 80.0}],
+            [{"name": "ppo_clip"}, {"name": "tis_seq", "cap": 2.0, "ratio": "product", "log_ratio_clamp": None}],
         ),
         (  # clip_min with a *_truncate mode: TRL raises ratios below it to it — tis' floor
             {
@@ -137,7 +137,7 @@ def test_trl_equivalent_mapping(tmp_module, loss_type, gate, reduction, populati
                 "vllm_importance_sampling_mode": "token_truncate",
                 "vllm_importance_sampling_clip_min": 0.5,
             },
-            [{"name": "ppo_clip"}, {"name": "tis", "cap": 3.0, "floor": 0.5, "log_ratio_clamp": 80.0}],
+            [{"name": "ppo_clip"}, {"name": "tis", "cap": 3.0, "floor": 0.5, "log_ratio_clamp": None}],
         ),
         (
             {"use_vllm": True, "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.5},

@@ -201,3 +201,28 @@ def test_floor_reproduces_trls_truncate_with_clip_min(name):
 def test_floor_must_not_exceed_cap():
     with pytest.raises(lossplug.RecipeError, match=r"floor \(3.0\) must not exceed cap \(2.0\)"):
         lossplug.Recipe.load({"gates": ["ppo_clip", {"name": "tis", "floor": 3.0, "cap": 2.0}], "reduction": "token"})
+
+
+@pytest.mark.parametrize("name", ["tis", "tis_seq"])
+def test_tis_without_a_clamp_is_trls_arithmetic_and_saturates_at_the_cap(name):
+    """``log_ratio_clamp: null`` (trl_equivalent's TIS): TRL's ``clamp(exp(old − sampling), max=cap)`` in float64
+    — equal to the clamped gate inside ±20, and past float range (old − behaviour = 900) the weight is the cap, not
+    inf or NaN."""
+    g = torch.Generator().manual_seed(7)
+    old = -torch.rand(4, 6, generator=g, dtype=torch.float64) - 0.5
+    behavior = old - 0.4 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+    behavior[1, 2] = old[1, 2] - 900.0  # an engine that gave the token e^-900 less probability
+    behavior = behavior.clamp(max=0)
+    logp = old + 0.1 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+    adv = torch.randn(4, generator=g, dtype=torch.float64)
+    fields = dict(logp=logp.clamp(max=0), old_logp=old, behavior_logp=behavior, advantage=adv, reduction="token")
+    result, grad = run([{"name": "reinforce"}, {"name": name, "cap": 2.0, "log_ratio_clamp": None}], **fields)
+    log_ratio = old - behavior
+    if name == "tis_seq":
+        log_ratio = log_ratio.sum(-1, keepdim=True)
+    weight = log_ratio.exp().clamp(max=2.0)  # TRL: no clamp before exp
+    expected_grad = -(weight * adv.unsqueeze(-1)).expand(4, 6) / 24
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-13, atol=1e-15)
+    if name == "tis":  # the e^900 token: weight 2 (the cap)
+        assert grad[1, 2] == pytest.approx(-2.0 * float(adv[1]) / 24)
