@@ -68,45 +68,11 @@ def _extremes(x: Tensor, logprob: bool, host: bool) -> tuple[bool, bool] | tuple
         if host:
             return math.isfinite(total.item()), True
         return torch.isfinite(total), torch.ones((), dtype=torch.bool, device=x.device)
-    if logprob and host and _all_negative_and_finite(x):
-        return True, True
     low, high = torch.aminmax(x.detach())
     if host:
         lo, hi = low.item(), high.item()  # NaN fails both comparisons
         return lo > -math.inf, (hi <= LOGP_TOLERANCE) if logprob else (hi < math.inf)
     return low > float("-inf"), (high <= LOGP_TOLERANCE) if logprob else (high < float("inf"))
-
-
-#: IEEE floats read as signed integers of their width, and −inf's bit pattern read so: every negative finite float
-#: (and −0.0) reads below it, −inf and the negative NaNs at or above it, every non-negative float and NaN at or above 0
-_SIGNED_VIEWS = {
-    dtype: (view, int(torch.tensor([float("-inf")], dtype=dtype).view(view)))
-    for dtype, view in (
-        (torch.float64, torch.int64),
-        (torch.float32, torch.int32),
-        (torch.bfloat16, torch.int16),
-        (torch.float16, torch.int16),
-    )
-}
-
-
-def _all_negative_and_finite(x: Tensor) -> bool:
-    """Whether every element of the float tensor ``x`` is finite and ≤ 0 (either zero): the usual log-probs, which
-    then pass both rules — in about half the time of ``aminmax`` over the floats.
-
-    One ``amax`` over the bits read as signed integers: every negative finite float (and −0.0) reads below −inf's
-    pattern, −inf and the negative NaNs from it up to −1, +0.0 as 0, and every positive float, +inf and NaN above 0.
-    Below −inf's pattern: all negative and finite. Exactly 0 (the greatest element is +0.0 — a token of probability
-    1 to float precision, which a confident model scores often): finite iff the sum is. False says nothing: the
-    floats' extremes then decide (e.g. a log-prob within the tolerance above 0, or a sum that overflowed)."""
-    view = _SIGNED_VIEWS.get(x.dtype)
-    if view is None or x.numel() == 0:
-        return False
-    x = x.detach()
-    top = int(x.view(view[0]).amax())
-    if top < view[1]:
-        return True
-    return top == 0 and math.isfinite(float(x.sum(dtype=torch.float64 if x.element_size() < 4 else x.dtype)))
 
 
 def _token_values_pass_on_host(t: Tensor, mask: Tensor, logprob: bool) -> bool:
