@@ -5,13 +5,11 @@ gets its own groups' advantages, and lossplug metrics are agreed on across proce
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from .._torchrun import run_on_two_processes
 
 pytest.importorskip("trl")
 
@@ -63,28 +61,11 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_two_processes(tmp_path):
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun not found")
+    from lossplug.testing.tiny import OFFLINE_ENV
+
     script = tmp_path / "ddp.py"
     script.write_text(SCRIPT)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "WANDB_MODE": "disabled",
-        "TRL_EXPERIMENTAL_SILENCE": "1",
-    }
-    proc = subprocess.run(
-        [torchrun, "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_on_two_processes(script, str(tmp_path), env=OFFLINE_ENV)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert not set(ranks[0]["groups"]) & set(ranks[1]["groups"])  # each process holds its own groups
     for r in ranks:

@@ -21,14 +21,12 @@ One torchrun invocation runs every case (each builds its trainers afresh: ~0.1 s
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
+
+from .._torchrun import run_on_two_processes
 
 pytest.importorskip("trl")
 
@@ -262,24 +260,13 @@ SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Every case on two processes, in one torchrun: ``[rank 0's results, rank 1's]``, each ``{case: result}``."""
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun not found")
     tmp = tmp_path_factory.mktemp("trl_ddp_parity")
     (tmp / "ddp.py").write_text(SCRIPT)
     (tmp / "cases.json").write_text(json.dumps(CASES))
     from lossplug.testing.tiny import OFFLINE_ENV
 
-    env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
-    proc = subprocess.run(
-        [torchrun, "--standalone", "--nproc_per_node", "2", str(tmp / "ddp.py"), str(tmp), str(tmp / "cases.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_on_two_processes(tmp / "ddp.py", str(tmp), str(tmp / "cases.json"), env=OFFLINE_ENV, timeout=600)
     results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
     print(f"\ntorchrun, {len(CASES)} options × 2 runs × 2 processes: {time.perf_counter() - start:.1f} s")
     for name, r in results[0].items():

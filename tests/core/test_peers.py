@@ -4,10 +4,6 @@ several (two gloo processes here), and join_peers for a rank whose micro-batch h
 from __future__ import annotations
 
 import inspect
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +12,8 @@ import torch.distributed as dist
 import lossplug
 from lossplug.peers import LOCAL, Peers
 from lossplug.pipeline import join_peers
+
+from .._torchrun import run_on_two_processes
 
 TOP_ENTROPY = {"gates": ["reinforce", {"name": "top_entropy", "quantile": 0.3}], "reduction": "token"}
 
@@ -155,19 +153,9 @@ os._exit(0)
 
 @pytest.mark.slow
 def test_two_gloo_processes_pool_like_trl(tmp_path):
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun not found")
     script = tmp_path / "peers.py"
     script.write_text(WORKER.format(top_entropy=TOP_ENTROPY, batch_source=inspect.getsource(_batch)))
-    proc = subprocess.run(
-        [torchrun, "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_on_two_processes(script, str(tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     batches = [_batch(seed, 4 + seed, 7 + 2 * seed) for seed in (0, 1)]
     entropies = [b.entropy[b.action_mask].float() for b in batches]  # type: ignore[index]

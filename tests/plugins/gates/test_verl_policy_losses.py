@@ -17,10 +17,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
-import shutil
-import subprocess
-import sys
 import textwrap
 from typing import Any
 
@@ -36,6 +32,8 @@ from verl.workers.config import ActorConfig, PolicyLossConfig
 
 from lossplug.plugins.gates import covariance
 from lossplug.plugins.gates.covariance import next_cpu_words, shuffled_prefix
+
+from ..._torchrun import run_on_two_processes
 
 DT = torch.float64
 ROWS, T = 8, 11
@@ -584,19 +582,9 @@ DISTRIBUTED_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_bypass_batch_normalisation_is_global_across_ranks(tmp_path):
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun not found")
     script = tmp_path / "bypass_dp.py"
     script.write_text(DISTRIBUTED_SCRIPT)
-    proc = subprocess.run(
-        [torchrun, "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_on_two_processes(script, str(tmp_path))
     for r in (0, 1):
         diffs = json.loads((tmp_path / f"rank{r}.json").read_text())
         empty_peer = diffs.pop("empty_peer")
