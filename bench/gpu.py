@@ -143,15 +143,9 @@ def peak_bytes_above(fn: Callable[[], object], device: torch.device, setup: Call
 
 
 def _loss_candidates(case, t: dict, leaf: dict) -> dict[str, Callable[[], object]]:
-    B = t["mask"].shape[0]
-    recipe = lossplug.Recipe.model_validate(case.recipe)
-    normalizer = lossplug.Normalizer(action_tokens=int(t["mask"].sum()), sequences=B)
-    fields = dict(
-        action_mask=t["mask"],
-        old_logp=t["old_logp"],
-        behavior_logp=t["behavior_logp"] if case.behavior else None,
-        advantage=t["advantage_bt"] if case.token_advantage else t["advantage"],
-    )
+    from .loss_bench import case_inputs
+
+    recipe, normalizer, fields = case_inputs(case, t)
 
     def lossplug_step(level: str) -> Callable[[], object]:
         def run():

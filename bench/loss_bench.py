@@ -362,6 +362,20 @@ def bench_case(case: Case, t: dict, repeats: int) -> dict:
     return out
 
 
+def case_inputs(case: Case, t: dict) -> tuple[lossplug.Recipe, lossplug.Normalizer, dict]:
+    """``(recipe, normalizer, fields)`` of a case: its recipe, the tensors' whole population, and the batch fields
+    beside ``logp`` (which each timed call takes fresh)."""
+    recipe = lossplug.Recipe.model_validate(case.recipe)
+    normalizer = lossplug.Normalizer(action_tokens=int(t["mask"].sum()), sequences=t["mask"].shape[0])
+    fields = dict(
+        action_mask=t["mask"],
+        old_logp=t["old_logp"],
+        behavior_logp=t["behavior_logp"] if case.behavior else None,
+        advantage=t["advantage_bt"] if case.token_advantage else t["advantage"],
+    )
+    return recipe, normalizer, fields
+
+
 def bench_validation(case: Case, t: dict, repeats: int) -> dict:
     """Item 4: the contract check of the case's batch, as a fraction of lossplug's loss step (basic metrics).
 
@@ -373,14 +387,7 @@ def bench_validation(case: Case, t: dict, repeats: int) -> dict:
     from lossplug.contracts.batch import forget_checked
 
     B = t["mask"].shape[0]
-    recipe = lossplug.Recipe.model_validate(case.recipe)
-    normalizer = lossplug.Normalizer(action_tokens=int(t["mask"].sum()), sequences=B)
-    fields = dict(
-        action_mask=t["mask"],
-        old_logp=t["old_logp"],
-        behavior_logp=t["behavior_logp"] if case.behavior else None,
-        advantage=t["advantage_bt"] if case.token_advantage else t["advantage"],
-    )
+    recipe, normalizer, fields = case_inputs(case, t)
     leaf = {}
 
     def fresh():

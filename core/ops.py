@@ -113,19 +113,25 @@ class _ZeroOffInPlace(_ZeroOff):
         return x
 
 
+def _bitwise_zero_off(x: Tensor, mask: Tensor) -> bool:
+    """Whether :func:`zero_off` takes the bitwise path: a large enough floating CPU tensor of ``mask``'s shape."""
+    return (
+        x.device.type == "cpu"
+        and x.numel() >= ZERO_OFF_MIN
+        and x.is_floating_point()
+        and x.shape == mask.shape
+        and x.element_size() in _BITS
+    )
+
+
 def zero_off_fresh(x: Tensor, mask: Tensor, bits: Tensor | None = None) -> Tensor:
     """:func:`zero_off` of a tensor the caller has just computed and nobody else holds (the difference of two
     log-probs): on the CPU's bitwise path the AND is written into ``x`` itself — no new ``[B, T]`` buffer, ~1/3 less
     time than the out-of-place AND — with the same values and gradient. Wherever :func:`zero_off` would not take the
     bitwise path, or ``x`` is a leaf, a view or an expanded tensor, it is :func:`zero_off`."""
     if (
-        x.device.type != "cpu"
-        or x.numel() < ZERO_OFF_MIN
-        or not x.is_floating_point()
-        or x.shape != mask.shape
-        or x.element_size() not in _BITS
-        or x.is_leaf
-        and x.requires_grad
+        not _bitwise_zero_off(x, mask)
+        or (x.is_leaf and x.requires_grad)
         or x._base is not None
         or not x.is_contiguous()
     ):
@@ -149,13 +155,7 @@ def zero_off(x: Tensor, mask: Tensor, bits: Tensor | None = None) -> Tensor:
     int32 pattern (+1 MB). Elsewhere (accelerators, where ``torch.where`` is as cheap as any elementwise op) and
     for anything but a floating tensor of ``mask``'s shape it is ``torch.where``.
     """
-    if (
-        x.device.type != "cpu"
-        or x.numel() < ZERO_OFF_MIN
-        or not x.is_floating_point()
-        or x.shape != mask.shape
-        or x.element_size() not in _BITS
-    ):
+    if not _bitwise_zero_off(x, mask):
         return torch.where(mask, x, 0)
     if bits is None or bits.element_size() != x.element_size():
         bits = action_bits(mask, x.dtype)
