@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 import lossplug
+from lossplug.testing.code_paths import GATE_CODE_PATHS, REGULARIZER_CODE_PATHS
 
 #: the text torch raises in sync-debug mode "error" (c10/cuda/CUDAFunctions.cpp, warn_or_error_on_sync)
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
@@ -30,40 +31,11 @@ SYNC_MESSAGE = "called a synchronizing CUDA operation"
 #: the update gate in front of a correction gate (a correction only reweights an update gate's objective)
 UPDATE_FOR_CORRECTIONS = "ppo_clip"
 
-#: gate parameter sets whose code paths the defaults do not take (rejection rules, batch normalisation, floors,
-#: geometric sequence ratios, a quantile below 1, the other sampling log-probs, engine corrections folded into vespo,
-#: dual clip, TRL's cispo, gspo's delta) — run with the response reduction at every metric level
-GATE_PARAMETER_SETS: tuple[dict[str, Any], ...] = (
-    {"name": "ppo_clip", "dual_clip_c": 3.0},
-    {"name": "cispo", "eps_low": None, "eps_high": None, "ratio_max": 5.0, "log_ratio_clamp": None},
-    {"name": "gspo", "delta": 2.0},
-    {"name": "tis", "floor": 0.5, "batch_normalize": True},
-    {"name": "tis_seq", "ratio": "geometric", "batch_normalize": True},
-    {"name": "icepop", "batch_normalize": True},
-    {"name": "icepop_seq", "ratio": "geometric", "batch_normalize": True},
-    {"name": "bypass_is", "low": 0.5, "batch_normalize": True},
-    {
-        "name": "bypass_rs",
-        "rules": [{"statistic": "token_k1", "upper": 2.0}, {"statistic": "seq_max_k2", "upper": 0.5}],
-    },
-    {"name": "rollout_rs", "options": "token_k1,seq_sum_k2,seq_mean_k3", "threshold": "0.5_2.0,1,0.5"},
-    {"name": "top_entropy", "quantile": 0.2},
-    {"name": "off_policy_mask", "sampling_logp": "old_logp"},
-    {"name": "vespo", "engine_correction": "token_mask", "engine_ratio_min": 0.5},
-    {"name": "vespo", "engine_correction": "token_truncate"},
-)
-
-#: regularizer parameter sets (estimators, ratio weights, the adaptive controller, own reduction and population),
-#: each after ppo_clip with the token reduction; every built-in regularizer must appear here (checked at run time)
-REGULARIZER_SETS: tuple[dict[str, Any], ...] = (
-    *({"name": "kl", "estimator": e} for e in ("k1", "abs", "k2", "k3", "k3+")),
-    {"name": "kl", "estimator": "low_var_kl", "ratio_weight": "sequence", "reduction": "response"},
-    {"name": "entropy", "coef": 0.01},
-    {"name": "entropy", "coef": 0.01, "adaptive": True, "reduction": "token", "population": "micro_batch"},
-    *({"name": "kl_on_policy", "estimator": e} for e in ("k1", "k2", "k3")),
-    {"name": "nll"},
-    {"name": "nll", "responses": "positive_advantage", "denominator": "selected"},
-)
+#: gate parameter sets whose code paths the defaults do not take, run with the response reduction at every metric
+#: level, and regularizer parameter sets, each after ppo_clip with the token reduction (every built-in regularizer
+#: must appear: checked at run time) — lossplug.testing's lists, which the meta-device test sweeps too
+GATE_PARAMETER_SETS = GATE_CODE_PATHS
+REGULARIZER_SETS = REGULARIZER_CODE_PATHS
 
 
 # ---------------------------------------------------------------------------------------------------------------------

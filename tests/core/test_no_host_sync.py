@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import lossplug
+from lossplug.testing.code_paths import GATE_CODE_PATHS, REGULARIZER_CODE_PATHS
 
 B, T = 4, 8
 DEVICE = "meta"
@@ -84,35 +85,7 @@ def test_loss_step_makes_no_host_sync(gate, reduction, metrics):
         assert all(v.device.type == DEVICE for v in result.metric_tensors.values())
 
 
-#: built-in gates with parameter sets that take code paths their defaults do not (rejection rules, batch
-#: normalisation, floors, geometric sequence ratios, a quantile below 1, the other sampling log-probs, vLLM IS folded
-#: into vespo, dual clip, TRL's cispo and gspo's delta)
-GATE_SPECS = [
-    {"name": "ppo_clip", "dual_clip_c": 3.0},
-    {"name": "cispo", "eps_low": None, "eps_high": None, "ratio_max": 5.0, "log_ratio_clamp": None},
-    {"name": "gspo", "delta": 2.0},
-    {"name": "tis", "floor": 0.5, "batch_normalize": True},
-    {"name": "tis_seq", "ratio": "geometric", "batch_normalize": True},
-    {"name": "icepop", "batch_normalize": True},
-    {"name": "icepop_seq", "ratio": "geometric", "batch_normalize": True},
-    {"name": "bypass_is", "low": 0.5, "batch_normalize": True},
-    {"name": "bypass_is_seq", "batch_normalize": True},
-    {
-        "name": "bypass_rs",
-        "rules": [
-            {"statistic": "token_k1", "upper": 2.0},
-            {"statistic": "seq_sum_k2", "upper": 1.0},
-            {"statistic": "seq_mean_k3", "upper": 0.5},
-            {"statistic": "seq_max_k2", "upper": 0.5},
-        ],
-        "renormalize": True,
-    },
-    {"name": "rollout_rs", "options": "token_k1,seq_sum_k2,seq_mean_k3,seq_max_k2", "threshold": "0.5_2.0,1,0.5,0.5"},
-    {"name": "top_entropy", "quantile": 0.2},
-    {"name": "off_policy_mask", "sampling_logp": "old_logp"},
-    {"name": "vespo", "engine_correction": "token_mask", "engine_ratio_min": 0.5},
-    {"name": "vespo", "engine_correction": "token_truncate"},
-]
+GATE_SPECS = GATE_CODE_PATHS
 
 
 @pytest.mark.parametrize("metrics", ["off", "full"])
@@ -129,20 +102,7 @@ def test_gate_parameters_make_no_host_sync(spec, metrics):
         assert all(v.device.type == DEVICE for v in result.metric_tensors.values())
 
 
-#: every built-in regularizer with parameter sets that take each code path (estimators, ratio weights, adaptive
-#: controller, own reduction, micro-batch population)
-REGULARIZER_SPECS = [
-    *({"name": "kl", "estimator": e} for e in ("k1", "abs", "k2", "k3", "k3+")),
-    {"name": "kl", "estimator": "k3", "clamp": False, "ratio_weight": "token"},
-    {"name": "kl", "estimator": "low_var_kl", "ratio_weight": "sequence", "reduction": "response"},
-    {"name": "entropy", "coef": 0.01},
-    {"name": "entropy", "coef": 0.01, "adaptive": True, "reduction": "token", "population": "micro_batch"},
-    *({"name": "kl_on_policy", "estimator": e} for e in ("k1", "k2", "k3")),
-    {"name": "kl_on_policy", "weight": "behavior", "input_clamp": None, "output_clamp": None},
-    {"name": "nll"},
-    {"name": "nll", "responses": "positive_advantage", "denominator": "selected"},
-    {"name": "nll", "responses": "all", "reduction": "token_sum"},
-]
+REGULARIZER_SPECS = REGULARIZER_CODE_PATHS
 
 
 @pytest.mark.parametrize("metrics", ["off", "basic", "full"])
