@@ -18,7 +18,6 @@ gets which keys, and the reductions over two processes against TRL's definitions
 
 from __future__ import annotations
 
-import gc
 import math
 
 import pytest
@@ -89,19 +88,8 @@ CASES: dict[str, tuple[dict, str | None]] = {
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _quick_gc():
-    """accelerate runs a full ``gc.collect()`` at every ``train()``: freeze what exists, so each walks new objects."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("trl_dashboard") / "model"
-    tiny.tiny_model_and_tokenizer(path)  # saved: beta > 0 rebuilds the reference model from the folder
-    return path
+def _quick_gc(frozen_gc):
+    """Every test of this module trains many real trainers."""
 
 
 def build(model_dir, out, settings: dict) -> trl.GRPOTrainer:

@@ -17,7 +17,6 @@ own correction from those log-probs, and only the engine call itself is skipped 
 
 from __future__ import annotations
 
-import gc
 import json
 import time
 
@@ -96,20 +95,8 @@ CASES: dict[str, tuple[dict, str, tuple | None]] = {
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _quick_gc():
-    """accelerate runs a full ``gc.collect()`` at the start of every ``train()`` (≈ 0.3 s in a pytest process, × 45
-    runs here): freeze what exists already so that each collection only walks the objects made since."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("trl_parity") / "model"
-    tiny.tiny_model_and_tokenizer(path)  # saved: beta > 0 rebuilds the reference model from the folder
-    return path
+def _quick_gc(frozen_gc):
+    """Every test of this module trains many real trainers."""
 
 
 def fake_vllm(trainer, mode: str, clip_min: float | None, clip_max: float | None) -> None:
