@@ -13,7 +13,7 @@ import torch
 import lossplug
 from lossplug.adapters.common import ActionRows, zero_loss
 from lossplug.adapters.trl.controllers import step_controllers
-from lossplug.adapters.trl.dashboard import dashboard_plan, trl_dashboard
+from lossplug.adapters.trl.dashboard import trl_dashboard
 from lossplug.adapters.trl.metrics import log_metrics
 from lossplug.adapters.trl.state import AdapterState, adapter_state, grpo_config
 from lossplug.contracts import Normalizer, PolicyBatch
@@ -77,7 +77,7 @@ def compute_loss(trainer: GRPOTrainer, model: Any, inputs: Any) -> Tensor:
     scaling = step_scaling(trainer, st, mode, action, inputs)
     rows = ActionRows(action)
     metrics: dict[str, Tensor] = {}
-    peers = trl_peers(trainer)
+    peers = st.peers
     if rows.none:  # nothing to learn from in this micro-batch (but the other processes' statistics wait for it)
         loss = zero_loss(logps, action)
         join_peers(st.recipe, peers, logps)
@@ -281,7 +281,7 @@ def _log_trl_metrics(
     describes (:mod:`~lossplug.adapters.trl.dashboard`) — and lossplug's own under ``lossplug/``."""
     values = trl_dashboard(
         trainer.accelerator,
-        dashboard_plan(st.compiled, st.population),
+        st.dashboard,
         mask=mask,
         logps=logps,
         old=old,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,8 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lossplug.adapters.trl.dashboard import DashboardPlan, dashboard_plan
 from lossplug.adapters.trl.equivalent import POPULATIONS, Population
 from lossplug.contracts import LossplugError, Provenance, Recipe
+from lossplug.peers import LOCAL, Peers
 
 if TYPE_CHECKING:
     from trl import GRPOConfig, GRPOTrainer
@@ -58,6 +61,13 @@ class AdapterState:
     record_written: bool = False
     #: the TRL class the lossplug class was made from (``GRPOTrainer``, or the user's subclass of it), for the record
     trl_class: str = ""
+    #: the ranks a gate's batch-level statistic is pooled over: every process of the run (``loss.trl_peers``)
+    peers: Peers = LOCAL
+
+    @functools.cached_property
+    def dashboard(self) -> DashboardPlan:
+        """The TRL dashboard keys the recipe gets (derived once from the compiled recipe and the population)."""
+        return dashboard_plan(self.compiled, self.population)
 
 
 def adapter_state(trainer: object) -> AdapterState:

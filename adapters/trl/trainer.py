@@ -13,7 +13,7 @@ import lossplug
 from lossplug.adapters.trl.advantages import add_recipe_advantages
 from lossplug.adapters.trl.controllers import load_controller_state, save_controller_state
 from lossplug.adapters.trl.equivalent import Population
-from lossplug.adapters.trl.loss import compute_loss
+from lossplug.adapters.trl.loss import compute_loss, trl_peers
 from lossplug.adapters.trl.record import trl_provenance, write_record
 from lossplug.adapters.trl.refusals import check_trl_version, refusals
 from lossplug.adapters.trl.state import (
@@ -233,4 +233,5 @@ def _setup(
         recipe_entropy=bool(named_stages(compiled.regularizers, "entropy")),
         top_entropy_quantile=top_entropy[0].params.quantile if top_entropy else None,
         trl_class=next(c for c in type(trainer).__mro__ if not issubclass(c, _Mixin)).__name__,
+        peers=trl_peers(trainer),
     )
