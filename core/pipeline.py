@@ -31,6 +31,7 @@ from lossplug.contracts import (
     PolicyBatch,
     Recipe,
 )
+from lossplug.contracts.batch_rules import POLICY_LAYOUT
 from lossplug.contracts.errors import LossplugError, PluginError
 from lossplug.contracts.recipe import PluginSpec, installed_catalog
 
@@ -329,11 +330,6 @@ def policy_loss(
     return LossResult.model_construct(loss=loss, metric_tensors=metric_tensors)
 
 
-#: the per-token float fields a gate may read, and the per-response integer ones (for :func:`join_peers`' nothing)
-_TOKEN_FIELDS = ("old_logp", "behavior_logp", "ref_logp", "entropy", "teacher_logp", "sum_pi_squared")
-_RESPONSE_IDS = ("group_id", "trajectory_id", "anchor_id", "behavior_version", "policy_version")
-
-
 def join_peers(recipe: Recipe | str, peers: Peers, like: Tensor) -> None:
     """Take part in the peers' collectives for a micro-batch with no action token.
 
@@ -350,16 +346,13 @@ def join_peers(recipe: Recipe | str, peers: Peers, like: Tensor) -> None:
     stages = [stage for stage in (compiled.update, *compiled.corrections) if stage.plugin.pools]
     if not stages:
         return
-    dtype = like.dtype if like.is_floating_point() else torch.float32
-    nothing = torch.zeros((1, 1), dtype=dtype, device=like.device)
-    ids = torch.zeros((1,), dtype=torch.long, device=like.device)
-    batch = PolicyBatch.unchecked(
-        logp=nothing,
-        action_mask=torch.zeros((1, 1), dtype=torch.bool, device=like.device),
-        advantage=nothing[:, 0],
-        **dict.fromkeys(_TOKEN_FIELDS, nothing),
-        **dict.fromkeys(_RESPONSE_IDS, ids),
-    )
+    # every field of the contract's layout, one masked position (per response: one response) of zeros
+    kinds = {"float": like.dtype if like.is_floating_point() else torch.float32, "int": torch.long, "bool": torch.bool}
+    fields = {
+        name: torch.zeros((1,) if per_row and not per_token else (1, 1), dtype=kinds[kind], device=like.device)
+        for name, (per_token, per_row, kind) in POLICY_LAYOUT.items()
+    }
+    batch = PolicyBatch.unchecked(logp=torch.zeros((1, 1), dtype=kinds["float"], device=like.device), **fields)
     inp = GateInput.from_batch(batch, peers)
     with torch.no_grad():
         for stage in stages:
