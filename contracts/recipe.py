@@ -15,13 +15,13 @@ The stages:
   bonus), each ``coef · reduce(term)`` with the recipe's reduction unless it names its own. A list; one allowed.
 
 The seam with the plugins. ``contracts`` holds the structure — the plugin kinds and the recipe key of each
-(:data:`PLUGIN_KINDS`), stage shapes, gate positions, which errors belong to which stage — and the :class:`Catalog`
+(:data:`PLUGIN_KINDS`), stage shapes, gate positions, which errors belong to which stage — and the :class:`Catalogue`
 protocol; it imports nothing of ``lossplug``'s core, not even by name (dependencies point one way). Whether a plugin
 exists, whether its parameters validate and what a preset says are the catalogue's checks. The catalogue is the one
-:func:`install_catalog` installed; until something is installed, :func:`installed_catalog` asks the top-level package
-that ships ``contracts`` for its default, once, the first time a recipe is checked: it calls that package's
-``default_recipe_catalog()`` (``lossplug``'s returns its plugin registry), so merely importing ``contracts`` builds
-nothing. Without a catalogue (``install_catalog(None)``), checking a recipe is a :class:`LossplugError` saying so.
+:func:`install_catalogue` installed; until something is installed, :func:`installed_catalogue` asks the top-level
+package that ships ``contracts`` for its default, once, the first time a recipe is checked: it calls that package's
+``default_recipe_catalogue()`` (``lossplug``'s returns its plugin registry), so merely importing ``contracts`` builds
+nothing. Without a catalogue (``install_catalogue(None)``), checking a recipe is a :class:`LossplugError` saying so.
 
 Every stage is checked even when an earlier one failed: one :class:`RecipeError` reports them all, each line naming
 its stage.
@@ -59,7 +59,7 @@ RENAMED_KEYS = {"regularisers": "regularizers"}
 STAGES = tuple(PLUGIN_KINDS.values())
 
 
-class Catalog(Protocol):
+class Catalogue(Protocol):
     """What a recipe's stages are checked against: the plugins and presets of an installed package."""
 
     def check_stage(self, kind: str, spec: PluginSpec, where: str, role: str | None = None) -> PluginSpec:
@@ -73,42 +73,42 @@ class Catalog(Protocol):
         ...
 
 
-_catalog: Catalog | None = None
-#: whether a catalogue was chosen: installed, or the default looked up (``_catalog`` None then means "none")
+_catalogue: Catalogue | None = None
+#: whether a catalogue was chosen: installed, or the default looked up (``_catalogue`` None then means "none")
 _chosen = False
 
 
-def _default_catalog() -> Catalog | None:
-    """The default catalogue of the top-level package that ships ``contracts``: its ``default_recipe_catalog()``.
+def _default_catalogue() -> Catalogue | None:
+    """The default catalogue of the top-level package that ships ``contracts``: its ``default_recipe_catalogue()``.
 
     ``contracts`` is always imported as a subpackage, so that package is loaded already; asking it by an attribute
     (never a module path) keeps ``contracts`` free of any name of core while core supplies the implementation."""
     package = sys.modules.get(__name__.partition(".")[0])
-    provide = getattr(package, "default_recipe_catalog", None)
-    return cast("Catalog | None", provide()) if callable(provide) else None
+    provide = getattr(package, "default_recipe_catalogue", None)
+    return cast("Catalogue | None", provide()) if callable(provide) else None
 
 
-def install_catalog(catalog: Catalog | None) -> Catalog | None:
+def install_catalogue(catalogue: Catalogue | None) -> Catalogue | None:
     """Install the catalogue recipes are checked against and return the one in force before (``None`` uninstalls:
     checking a recipe then raises)."""
-    global _catalog, _chosen
-    previous = _catalog if _chosen else _default_catalog()
-    _catalog, _chosen = catalog, True
+    global _catalogue, _chosen
+    previous = _catalogue if _chosen else _default_catalogue()
+    _catalogue, _chosen = catalogue, True
     return previous
 
 
-def installed_catalog() -> Catalog:
+def installed_catalogue() -> Catalogue:
     """The catalogue in force: the installed one, else the package's default (looked up once)."""
-    global _catalog, _chosen
+    global _catalogue, _chosen
     if not _chosen:
-        _catalog, _chosen = _default_catalog(), True
-    if _catalog is None:
+        _catalogue, _chosen = _default_catalogue(), True
+    if _catalogue is None:
         raise LossplugError(
             "recipe: no plugin catalogue is installed, so plugin names and parameters cannot be "
             "checked (the lossplug package provides its plugin registry the first time a recipe is checked; "
-            "install_catalog(None) removed it)"
+            "install_catalogue(None) removed it)"
         )
-    return _catalog
+    return _catalogue
 
 
 class PluginSpec(BaseModel):
@@ -188,7 +188,7 @@ class _StageErrors:
 
 
 def _check_stage(raw: Any, kind: str, where: str, role: str | None = None) -> PluginSpec:
-    return installed_catalog().check_stage(kind, PluginSpec.parse(raw, where), where, role)
+    return installed_catalogue().check_stage(kind, PluginSpec.parse(raw, where), where, role)
 
 
 def _check_gates(gates: Any, errors: _StageErrors) -> tuple[PluginSpec, ...]:
@@ -258,7 +258,7 @@ class Recipe(BaseModel):
                 raise RecipeError(
                     f"recipe.preset: must be a preset name (a string), got {type(preset).__name__} {preset!r}"
                 )
-            base = dict(installed_catalog().preset(preset))
+            base = dict(installed_catalogue().preset(preset))
             data = {**base, **{k: _merge_stage(base.get(k), v) for k, v in data.items()}}
         allowed = ("name",) + STAGES
         for key in data:

@@ -108,16 +108,16 @@ def __dir__() -> list[str]:
     return sorted({"__version__", *__all__})
 
 
-def default_recipe_catalog() -> Catalog:
+def default_recipe_catalogue() -> Catalogue:
     """The catalogue recipes are checked against unless another is installed: the plugin registry
-    (:data:`lossplug.recipe_catalog.CATALOG`).
+    (:data:`lossplug.recipe_catalogue.CATALOGUE`).
 
     ``lossplug.contracts`` may not name core, so it asks its top-level package for this function, by attribute, the
-    first time a recipe is checked (:func:`lossplug.contracts.recipe.installed_catalog`); the registry is imported
+    first time a recipe is checked (:func:`lossplug.contracts.recipe.installed_catalogue`); the registry is imported
     then, not at ``import lossplug``."""
-    from .recipe_catalog import CATALOG
+    from .recipe_catalogue import CATALOGUE
 
-    return CATALOG
+    return CATALOGUE
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are resolved lazily
@@ -165,7 +165,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are
     from lossplug.contracts import (
         Violation as Violation,
     )
-    from lossplug.contracts.recipe import Catalog
+    from lossplug.contracts.recipe import Catalogue
 
     from .control import (
         AdaptiveEntropyController as AdaptiveEntropyController,

@@ -33,7 +33,7 @@ from lossplug.contracts import (
 )
 from lossplug.contracts.batch_rules import POLICY_LAYOUT
 from lossplug.contracts.errors import LossplugError, PluginError
-from lossplug.contracts.recipe import PluginSpec, installed_catalog
+from lossplug.contracts.recipe import PluginSpec, installed_catalogue
 
 from . import plugin_registry as _registry
 from .loss_metrics import basic_metrics, full_metrics, gate_report
@@ -514,7 +514,7 @@ def compile_reduction(reduction: ReductionSpec, where: str = "reduction") -> Sta
     cached = _reduction_stages.get(key)
     if cached is not None and cached[0] == reg.generation:
         return cached[1]
-    spec = installed_catalog().check_stage("reduction", spec, where)
+    spec = installed_catalogue().check_stage("reduction", spec, where)
     stage = _stage(reg, "reduction", spec, where)
     _reduction_stages[key] = (reg.generation, stage)
     return stage

@@ -189,7 +189,7 @@ class Registry:
                 f"{prefix}{kind} '{shown}' is registered more than once, by {by}; name the one you mean: {options}"
             )
 
-    # -- lookups: the recipe catalogue (lossplug.recipe_catalog) and compiled recipes ------------------------------
+    # -- lookups: the recipe catalogue (lossplug.recipe_catalogue) and compiled recipes ----------------------------
     @overload
     def lookup(self, kind: Literal["advantage"], name: str, where: str = "") -> AdvantagePlugin: ...
     @overload

@@ -33,7 +33,7 @@ from pydantic import Field, field_validator
 
 import lossplug
 from lossplug.contracts import LossplugError, PluginSpec
-from lossplug.contracts.recipe import installed_catalog
+from lossplug.contracts.recipe import installed_catalogue
 from lossplug.ops import Groups
 
 Tensor = torch.Tensor
@@ -59,7 +59,7 @@ class OPDParams(lossplug.Params):
     def _known_estimator(cls, raw: str | dict[str, Any] | None) -> dict[str, Any] | None:
         if raw is None:
             return None
-        spec = installed_catalog().check_stage("advantage", PluginSpec.parse(raw, "opd.task"), "opd.task")
+        spec = installed_catalogue().check_stage("advantage", PluginSpec.parse(raw, "opd.task"), "opd.task")
         if spec.name == "opd":
             raise ValueError("opd.task cannot be opd itself (the signal would be added twice)")
         return spec.to_dict()

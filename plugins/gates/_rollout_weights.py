@@ -32,7 +32,7 @@ import torch
 
 import lossplug
 from lossplug.contracts import LossplugError, PolicyBatch
-from lossplug.contracts.recipe import PluginSpec, installed_catalog
+from lossplug.contracts.recipe import PluginSpec, installed_catalogue
 from lossplug.plugin import evaluate
 
 Tensor = torch.Tensor
@@ -59,7 +59,7 @@ def whole_batch_weight(
         raise LossplugError(f"whole_batch_weight: batch must be a lossplug.PolicyBatch, got {type(batch).__name__}")
     if not batch.validated:
         batch.check()
-    catalog = installed_catalog()
+    catalogue = installed_catalogue()
     reg = lossplug.registry()
     inp = lossplug.GateInput.from_batch(batch)
     mask = inp.mask
@@ -69,7 +69,7 @@ def whole_batch_weight(
     with torch.no_grad():
         for i, raw in enumerate(gates):
             where = f"whole_batch_weight gates[{i}]"
-            spec = catalog.check_stage("gate", PluginSpec.parse(raw, where), where)
+            spec = catalogue.check_stage("gate", PluginSpec.parse(raw, where), where)
             plugin = reg.lookup("gate", spec.name, where)
             if plugin.role != "correction":
                 raise LossplugError(f"{where}: '{spec.name}' is an update gate; only corrections weigh a batch")

@@ -231,7 +231,7 @@ def test_structure_and_catalogue_errors_of_different_stages_are_reported_togethe
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The seam: contracts holds the structure and the Catalog protocol, core installs the plugin registry as catalogue
+# The seam: contracts holds the structure and the Catalogue protocol, core installs the plugin registry as catalogue
 
 
 def test_contracts_never_names_core_not_even_in_a_string():
@@ -260,7 +260,7 @@ class OnlyGrpo:
 def test_contracts_checks_stages_with_whatever_catalogue_is_installed():
     from lossplug.contracts import recipe as contract
 
-    previous = contract.install_catalog(OnlyGrpo())
+    previous = contract.install_catalogue(OnlyGrpo())
     try:
         recipe = Recipe.model_validate({"gates": [{"name": "ppo_clip", "eps_low": 9}], "reduction": "token"})
         assert recipe.gates[0].params == {"eps_low": 9}  # this catalogue validates nothing
@@ -272,11 +272,11 @@ def test_contracts_checks_stages_with_whatever_catalogue_is_installed():
             Recipe.model_validate({"gates": ["sapo"], "reduction": "response"})
         with pytest.raises(RecipeError, match="no presets here"):
             Recipe.preset("grpo")
-        contract.install_catalog(None)
+        contract.install_catalogue(None)
         with pytest.raises(lossplug.LossplugError, match="no plugin catalogue is installed"):
             Recipe.preset("grpo")
     finally:
-        contract.install_catalog(previous)
+        contract.install_catalogue(previous)
     assert Recipe.preset("grpo").advantage.name == "grpo"
 
 

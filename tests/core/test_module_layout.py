@@ -107,7 +107,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_core_modules_import_one_way():
     graph = import_graph()
     assert "lossplug.pipeline" in graph["lossplug.control"]  # the graph sees what it should
-    assert "lossplug.recipe_catalog" in graph["lossplug"]  # function-level imports count
+    assert "lossplug.recipe_catalogue" in graph["lossplug"]  # function-level imports count
     assert cycles(graph) == []
 
 
@@ -161,10 +161,10 @@ def test_a_plugin_in_the_wrong_stage_is_told_its_recipe_key():
 
 def test_the_package_is_a_plain_module_and_contracts_asks_it_for_the_catalogue():
     assert type(sys.modules["lossplug"]) is types.ModuleType
-    from lossplug.recipe_catalog import CATALOG
+    from lossplug.recipe_catalogue import CATALOGUE
 
-    assert lossplug.default_recipe_catalog() is CATALOG
-    assert contract.installed_catalog() is CATALOG
+    assert lossplug.default_recipe_catalogue() is CATALOGUE
+    assert contract.installed_catalogue() is CATALOGUE
 
 
 def test_a_recipe_keeps_what_it_was_compiled_into():

@@ -1,10 +1,11 @@
 """The catalogue recipes are checked against: lossplug's plugin registry.
 
-``lossplug.contracts`` holds a recipe's structure and the :class:`~lossplug.contracts.recipe.Catalog` protocol; the
+``lossplug.contracts`` holds a recipe's structure and the :class:`~lossplug.contracts.recipe.Catalogue` protocol; the
 checks that need the plugins live here — does the named plugin exist, do its parameters pass its pydantic model, is
 a gate in the role its position asks for, does a regularizer's own reduction exist, what does a preset say.
-:data:`CATALOG` is the default catalogue of ``lossplug.contracts``: contracts asks ``lossplug.default_recipe_catalog()``
-for it the first time a recipe is checked, so this module and the registry are loaded then, not at import.
+:data:`CATALOGUE` is the default catalogue of ``lossplug.contracts``: contracts asks
+``lossplug.default_recipe_catalogue()`` for it the first time a recipe is checked, so this module and the registry are
+loaded then, not at import.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def format_param_errors(err: ValidationError, where: str, plugin: str, allowed: 
     return f"{where} ({plugin}): " + "; ".join(lines)
 
 
-class RegistryCatalog:
-    """The :class:`~lossplug.contracts.recipe.Catalog` of the plugin registry, rebuilt registries included."""
+class RegistryCatalogue:
+    """The :class:`~lossplug.contracts.recipe.Catalogue` of the plugin registry, rebuilt registries included."""
 
     def check_stage(self, kind: str, spec: PluginSpec, where: str, role: str | None = None) -> PluginSpec:
         plugin = plugin_registry.registry().lookup(kind, spec.name, where)
@@ -64,4 +65,4 @@ class RegistryCatalog:
         return plugin_registry.registry().preset(name)
 
 
-CATALOG = RegistryCatalog()
+CATALOGUE = RegistryCatalogue()
