@@ -29,9 +29,9 @@ its stage.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
-import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -81,9 +81,10 @@ _chosen = False
 def _default_catalogue() -> Catalogue | None:
     """The default catalogue of the top-level package that ships ``contracts``: its ``default_recipe_catalogue()``.
 
-    ``contracts`` is always imported as a subpackage, so that package is loaded already; asking it by an attribute
-    (never a module path) keeps ``contracts`` free of any name of core while core supplies the implementation."""
-    package = sys.modules.get(__name__.partition(".")[0])
+    ``contracts`` is always imported as a subpackage, so importing that package only returns it; asking it by an
+    attribute (never a module path) keeps ``contracts`` free of any name of core while core supplies the
+    implementation."""
+    package = importlib.import_module(__name__.partition(".")[0])
     provide = getattr(package, "default_recipe_catalogue", None)
     return cast("Catalogue | None", provide()) if callable(provide) else None
 

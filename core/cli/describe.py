@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import sys
 from typing import TYPE_CHECKING, Any, cast
 
 from lossplug.contracts import Recipe
@@ -76,7 +75,7 @@ def parameters(plugin: AnyPlugin) -> list[dict[str, Any]]:
 def plugin_info(kind: str, name: str, plugin: AnyPlugin, source: str) -> dict[str, Any]:
     """Everything known about one registered plugin: its docs (function and module), role, the batch fields it
     needs, its layouts and group size, and its parameter schema."""
-    module_doc = inspect.getdoc(sys.modules.get(getattr(plugin.fn, "__module__", ""), None)) or ""
+    module_doc = inspect.getdoc(inspect.getmodule(plugin.fn)) or ""
     return {
         "kind": kind,
         "name": name,
@@ -182,8 +181,7 @@ def citations(plugin: AnyPlugin) -> list[str]:
     its module's docstring; each joined into one line, label included. Empty when it cites nothing."""
     found = [p for p in _paragraphs(plugin.doc) if _is_citation(p)]
     if not found:
-        module = sys.modules.get(getattr(plugin.fn, "__module__", ""), None)
-        found = [p for p in _paragraphs(inspect.getdoc(module) or "") if _is_citation(p)]
+        found = [p for p in _paragraphs(inspect.getdoc(inspect.getmodule(plugin.fn)) or "") if _is_citation(p)]
     return [" ".join(line.strip() for line in p.strip().splitlines()) for p in found]
 
 
