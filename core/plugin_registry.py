@@ -1,15 +1,18 @@
 """The plugin manager and the name registry built from it.
 
-Built the first time it is needed (never at ``import lossplug``): a pluggy ``PluginManager`` with the hook specs,
-the built-in plugins registered as ordinary plugins, then the ``lossplug`` entry points — unless
-``LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD=1``; ``LOSSPLUG_PLUGINS=a,b`` is an allow-list of entry-point or distribution
-names. Then every ``lossplug_register_*`` hook is called once and the names are recorded with their source.
+Built the first time it is needed (never at ``import lossplug``): a pluggy ``PluginManager`` with the hook specs and
+every plugin module of the ``lossplug`` entry-point group (:mod:`lossplug.plugin_discovery`): lossplug's own
+built-ins first — they are entry points of the ``lossplug`` distribution, found like any other, and always load —,
+then the plugins registered in-process, then the third-party entry points, unless
+``LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD=1``; ``LOSSPLUG_PLUGINS=a,b`` is an allow-list of third-party entry-point or
+distribution names. Then every ``lossplug_register_*`` hook is called once and the names are recorded with their
+source.
 
 Failures are loud but contained, so one broken third-party package cannot take down recipes that do not use it:
 
 * an entry point that fails to import, has a bad hook, or raises inside a hook is reported with a
   :class:`LossplugPluginWarning` naming the entry point and its distribution, listed by ``lossplug list``, and named
-  again in the error of any lookup that misses;
+  again in the error of any lookup that misses (a built-in that fails is a bug in lossplug: it raises);
 * a name registered by more than one distribution (:mod:`lossplug.plugin_names`): a built-in keeps its name and
   the newcomer is reachable as ``<distribution>:<name>``; between third-party distributions the bare name is
   ambiguous (an error naming every qualified name) and each qualified name works; each clash is said once, with a
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata as md
-import os
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -37,17 +39,18 @@ from lossplug.contracts import LossplugError, PluginError, RecipeError
 from lossplug.contracts.errors import did_you_mean
 
 from . import hookspecs
+from . import plugin_discovery as discovery
 from . import plugin_names as names
 from .kinds import KINDS, RENAMED_HOOKS
+from .needs import required_fields
 from .plugin import AdvantagePlugin, AnyPlugin, GatePlugin, ReductionPlugin, RegularizerPlugin
 from .plugin_names import BUILTIN_PROVIDER, Claim, NameClash
-from .requires import required_fields
 
-ENTRY_POINT_GROUP = "lossplug"
-DISABLE_ENV = "LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD"
-ALLOW_ENV = "LOSSPLUG_PLUGINS"
+ENTRY_POINT_GROUP, DISABLE_ENV, ALLOW_ENV = discovery.ENTRY_POINT_GROUP, discovery.DISABLE_ENV, discovery.ALLOW_ENV
+#: the origin of every built-in plugin and preset, as listings and error messages name it
 BUILTIN_SOURCE = "lossplug (built-in)"
-BUILTIN_NAME = "lossplug.builtin"
+#: pluggy's name for the plugin module of an entry point: ``entrypoint:<canonical distribution>:<entry-point name>``
+#: (qualified by the distribution, so that two distributions may each have an entry point called ``gates``)
 ENTRY_POINT_PREFIX = "entrypoint:"
 IMPORT_FAILED = "failed to import"
 
@@ -252,15 +255,16 @@ def _describe(ep: md.EntryPoint) -> str:
     return f"entry point '{ep.name} = {ep.value}'{dist_text}"
 
 
-def _allowed(ep: md.EntryPoint, allow: set[str] | None) -> bool:
-    if allow is None:
-        return True
-    dist = getattr(ep, "dist", None)
-    return ep.name in allow or (dist is not None and dist.name in allow)
+def _plugin_name(ep: md.EntryPoint) -> str:
+    """pluggy's name for an entry point's plugin module (see :data:`ENTRY_POINT_PREFIX`)."""
+    dist = discovery.distribution_name(ep)
+    return (
+        f"{ENTRY_POINT_PREFIX}{names.canonical_provider(dist)}:{ep.name}" if dist else f"{ENTRY_POINT_PREFIX}{ep.name}"
+    )
 
 
 def _register(pm: pluggy.PluginManager, obj: object, name: str, origin: str, registry: Registry) -> bool:
-    """Register one third-party plugin object; a bad one is recorded as broken (and left unregistered)."""
+    """Register one plugin object; a bad one is recorded as broken (and left unregistered)."""
     try:
         pm.register(obj, name=name)
     except (pluggy.PluginValidationError, ValueError) as err:
@@ -284,40 +288,34 @@ def _register(pm: pluggy.PluginManager, obj: object, name: str, origin: str, reg
     return True
 
 
-def _load_entry_points(pm: pluggy.PluginManager, registry: Registry, providers: dict[str, str]) -> None:
-    """Register the allowed ``lossplug`` entry points; each one's origin → its distribution's canonical name."""
-    origins = registry.hook_origins
-    allow_text = os.environ.get(ALLOW_ENV)
-    allow = {s.strip() for s in allow_text.split(",") if s.strip()} if allow_text is not None else None
-    matched: set[str] = set()
-    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
-        if not _allowed(ep, allow):
-            continue
-        dist = getattr(ep, "dist", None)
-        matched.update({ep.name, dist.name if dist is not None else ep.name})
-        origin = _describe(ep)
-        try:
-            obj = ep.load()
-        except (Exception, SystemExit) as err:  # any import-time failure of third-party code, sys.exit() too
-            registry.broken.append(BrokenPlugin(origin, f"{IMPORT_FAILED}: {type(err).__name__}: {err}"))
-            continue
-        if pm.is_registered(obj):
-            continue  # the same module exposed under two entry-point names
-        if _register(pm, obj, f"{ENTRY_POINT_PREFIX}{ep.name}", origin, registry):
-            origins[f"{ENTRY_POINT_PREFIX}{ep.name}"] = origin
-            providers[origin] = names.canonical_provider(dist.name if dist is not None else ep.name)
-    for name in sorted((allow or set()) - matched):
-        warnings.warn(
-            f"{ALLOW_ENV} names '{name}', but no installed distribution or entry point in the "
-            f"'{ENTRY_POINT_GROUP}' group has that name",
-            LossplugPluginWarning,
-            stacklevel=4,
-        )
+def _load_entry_point(
+    pm: pluggy.PluginManager, ep: md.EntryPoint, registry: Registry, providers: dict[str, str]
+) -> None:
+    """Import and register one entry point's plugin module, and record its origin and provider.
+
+    The same path for every entry point; only a failure differs: a third-party one is recorded as broken (and the
+    registry is built without it), a built-in one is a bug in lossplug and raises."""
+    builtin = discovery.is_builtin(ep)
+    origin = BUILTIN_SOURCE if builtin else _describe(ep)
+    try:
+        obj = ep.load()
+    except (Exception, SystemExit) as err:  # any import-time failure of third-party code, sys.exit() too
+        if builtin:
+            raise
+        registry.broken.append(BrokenPlugin(origin, f"{IMPORT_FAILED}: {type(err).__name__}: {err}"))
+        return
+    if pm.is_registered(obj):
+        return  # the same module exposed under two entry-point names
+    name = _plugin_name(ep)
+    if _register(pm, obj, name, origin, registry):
+        registry.hook_origins[name] = origin
+        provider = BUILTIN_PROVIDER if builtin else (discovery.distribution_name(ep) or ep.name)
+        providers[origin] = names.canonical_provider(provider)
+    elif builtin:
+        raise PluginError(f"lossplug's built-in {_describe(ep)}: {registry.broken.pop().error}")
 
 
 def _build() -> tuple[pluggy.PluginManager, Registry]:
-    from lossplug.plugins import builtin
-
     pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
     pm.add_hookspecs(hookspecs)
     registry = Registry()
@@ -325,15 +323,28 @@ def _build() -> tuple[pluggy.PluginManager, Registry]:
     #: origin → the provider that qualifies its names in a clash (lossplug.plugin_names)
     providers: dict[str, str] = {BUILTIN_SOURCE: BUILTIN_PROVIDER}
 
-    pm.register(builtin, name=BUILTIN_NAME)
-    origins[BUILTIN_NAME] = BUILTIN_SOURCE
+    found = discovery.select()
+    if not found.builtin:
+        raise PluginError(
+            "lossplug's built-in plugins are entry points of the 'lossplug' distribution, and its installed metadata "
+            "declares none: reinstall lossplug (an editable install is reinstalled after the entry points in "
+            "pyproject.toml change: pip install -e .)"
+        )
+    for ep in found.builtin:
+        _load_entry_point(pm, ep, registry, providers)
     for obj, name in _in_process:
         if _register(pm, obj, name, f"in-process plugin '{name}'", registry):
             origins[name] = f"in-process plugin '{name}'"
             providers[origins[name]] = names.canonical_provider(name)
-
-    if os.environ.get(DISABLE_ENV, "").strip().lower() not in ("1", "true", "yes"):
-        _load_entry_points(pm, registry, providers)
+    for ep in found.third_party:
+        _load_entry_point(pm, ep, registry, providers)
+    for unmatched in found.unmatched:
+        warnings.warn(
+            f"{ALLOW_ENV} names '{unmatched}', but no installed distribution or entry point in the "
+            f"'{ENTRY_POINT_GROUP}' group has that name",
+            LossplugPluginWarning,
+            stacklevel=3,
+        )
 
     def contain(failure: HookError) -> None:
         if failure.origin == BUILTIN_SOURCE:  # a bug in lossplug itself must not be filed as a broken plugin
@@ -397,15 +408,16 @@ def hook_origin(plugin_name: str) -> str:
     """Where the plugin behind a hook implementation came from, as error messages name it: the entry point and its
     distribution (with how to leave it out), the built-ins, or the name given to :func:`register_plugin`."""
     origin = registry().hook_origins.get(plugin_name)
+    if origin == BUILTIN_SOURCE:
+        return origin
     if plugin_name.startswith(ENTRY_POINT_PREFIX):
         if origin is None:
-            ep_name = plugin_name[len(ENTRY_POINT_PREFIX) :]
             origin = next(
-                (_describe(ep) for ep in md.entry_points(group=ENTRY_POINT_GROUP) if ep.name == ep_name),
-                f"entry point '{ep_name}'",
+                (_describe(ep) for ep in md.entry_points(group=ENTRY_POINT_GROUP) if _plugin_name(ep) == plugin_name),
+                f"entry point '{plugin_name.rpartition(':')[2]}'",
             )
         return f"{origin} (leave it out with the {ALLOW_ENV} allow-list, or uninstall it)"
-    return origin or (BUILTIN_SOURCE if plugin_name == BUILTIN_NAME else f"in-process plugin '{plugin_name}'")
+    return origin or f"in-process plugin '{plugin_name}'"
 
 
 def call_hook(

@@ -1,5 +1,14 @@
 """Named recipes, each with its source."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import lossplug
+
+if TYPE_CHECKING:
+    from lossplug.hookspecs import RegisterPreset
+
 PRESETS = {
     "grpo": (
         {
@@ -89,3 +98,9 @@ PRESETS = {
         "{name: cispo, eps_low: 0.2, eps_high: 0.2}",
     ),
 }
+
+
+@lossplug.hookimpl
+def lossplug_register_presets(register: RegisterPreset) -> None:
+    for name, (recipe, source) in PRESETS.items():
+        register(name, recipe, source=source)

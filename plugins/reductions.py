@@ -28,6 +28,8 @@ hands such a reduction no step population, see docs/verl.md). Not additive by de
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from pydantic import Field
 from torch import Tensor
@@ -159,3 +161,9 @@ def prompt_mean(
         )
     group_tokens = counts[where].to(objective.dtype)
     return (per_row / group_tokens.clamp(min=1)).sum() / population.groups
+
+
+@lossplug.hookimpl
+def lossplug_register_reductions(register: Callable[[lossplug.ReductionPlugin], None]) -> None:
+    for plugin in (response_mean, token_mean, fixed_budget, sequence_sum, token_sum, prompt_mean):
+        register(plugin)

@@ -2,6 +2,9 @@
 contained failures (import errors, bad hooks, hooks that raise). A name registered by more than one distribution:
 tests/core/test_plugin_name_clash.py."""
 
+import importlib.metadata as md
+import sys
+
 import pytest
 import torch
 
@@ -50,7 +53,41 @@ def test_builtins_register_through_the_hooks():
     assert reg.origin("gate", "ppo_clip") == BUILTIN_SOURCE
     assert {"grpo", "rloo"} <= set(reg.plugins["advantage"])
     assert {"response", "token", "fixed", "sequence_sum"} <= set(reg.plugins["reduction"])
-    assert lossplug.plugin_manager().get_plugin("lossplug.builtin") is not None
+    assert lossplug.plugin_manager().get_plugin("entrypoint:lossplug:gates") is sys.modules["lossplug.plugins.gates"]
+
+
+def test_builtins_are_the_lossplug_distributions_own_entry_points():
+    """Found like a third-party plugin (the ``lossplug`` entry-point group), one plugin module per family, each
+    implementing the hook for what it defines."""
+    from lossplug import plugin_discovery
+
+    declared = {
+        ep.name: ep.value
+        for ep in md.entry_points(group="lossplug")
+        if ep.dist is not None and ep.dist.name == "lossplug"
+    }
+    assert declared == {
+        "advantages": "lossplug.plugins.advantages",
+        "gates": "lossplug.plugins.gates",
+        "reductions": "lossplug.plugins.reductions",
+        "regularizers": "lossplug.plugins.regularizers",
+        "presets": "lossplug.plugins.presets",
+    }, "pyproject.toml's [project.entry-points.lossplug] changed: reinstall (pip install --no-deps -e .)"
+    assert {ep.name for ep in plugin_discovery.select().builtin} == set(declared)
+    hooks = {
+        name: [c.name for c in lossplug.plugin_manager().get_hookcallers(sys.modules[value])]
+        for name, value in declared.items()
+    }
+    assert hooks == {
+        "advantages": ["lossplug_register_advantages"],
+        "gates": ["lossplug_register_gates"],
+        "reductions": ["lossplug_register_reductions"],
+        "regularizers": ["lossplug_register_regularizers"],
+        "presets": ["lossplug_register_presets"],
+    }
+    reg = lossplug.registry()
+    for kind in ("advantage", "gate", "reduction", "regularizer"):
+        assert {reg.origin(kind, name) for name in reg.plugins[kind]} == {BUILTIN_SOURCE}, kind
 
 
 def test_entry_point_plugin_is_found_by_name_with_its_distribution(site):
@@ -73,16 +110,32 @@ def test_disable_autoload_and_allow_list(site, monkeypatch):
     monkeypatch.setenv("LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD", "1")
     lossplug.plugin_registry.reset()
     assert "half_pg" not in lossplug.registry().plugins["gate"]
-    assert "ppo_clip" in lossplug.registry().plugins["gate"]  # built-ins are not entry points
+    assert "ppo_clip" in lossplug.registry().plugins["gate"]  # the built-ins are lossplug's own: they always load
     monkeypatch.delenv("LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD")
     monkeypatch.setenv("LOSSPLUG_PLUGINS", "lpx-other")  # by distribution name
     lossplug.plugin_registry.reset()
     gates = lossplug.registry().plugins["gate"]
-    assert "other_pg" in gates and "half_pg" not in gates
+    assert "other_pg" in gates and "half_pg" not in gates and "ppo_clip" in gates
     monkeypatch.setenv("LOSSPLUG_PLUGINS", "lpx_half")  # by entry-point name
     lossplug.plugin_registry.reset()
     gates = lossplug.registry().plugins["gate"]
     assert "half_pg" in gates and "other_pg" not in gates
+
+
+def test_a_third_party_entry_point_may_share_a_built_in_entry_points_name(site):
+    site.add("lpx-half", "lpx_half", GATE_MODULE.format(gate="half_pg"), entry_name="gates")
+    reg = lossplug.registry()
+    assert reg.broken == []
+    assert reg.origin("gate", "half_pg") == "entry point 'gates = lpx_half' of distribution 'lpx-half 0.1'"
+    assert reg.origin("gate", "ppo_clip") == BUILTIN_SOURCE
+
+
+def test_without_the_built_in_entry_points_the_registry_says_to_reinstall(fresh_registry, monkeypatch):
+    from lossplug import plugin_discovery
+
+    monkeypatch.setattr(plugin_discovery, "select", lambda: plugin_discovery.Selection((), (), ()))
+    with pytest.raises(PluginError, match=r"declares none: reinstall lossplug .*pip install -e \."):
+        lossplug.registry()
 
 
 def test_import_error_names_the_entry_point_and_other_recipes_still_run(site):
@@ -254,16 +307,16 @@ def test_call_hook_passes_arguments_that_depend_on_the_origin(in_process):
 
 
 def test_hook_origin_of_entry_points_built_ins_and_in_process_plugins(site):
-    from lossplug.plugin_registry import BUILTIN_NAME, hook_origin
+    from lossplug.plugin_registry import hook_origin
 
     site.add("lpx-half", "lpx_half", GATE_MODULE.format(gate="half_pg"))
     lossplug.registry()
-    assert hook_origin("entrypoint:lpx_half") == (
+    assert hook_origin("entrypoint:lpx-half:lpx_half") == (
         "entry point 'lpx_half = lpx_half' of distribution 'lpx-half 0.1' "
         "(leave it out with the LOSSPLUG_PLUGINS allow-list, or uninstall "
         "it)"
     )
-    assert hook_origin(BUILTIN_NAME) == BUILTIN_SOURCE
+    assert hook_origin("entrypoint:lossplug:gates") == BUILTIN_SOURCE
     assert hook_origin("my-notebook-checks") == "in-process plugin 'my-notebook-checks'"
 
 
