@@ -10,7 +10,8 @@ Two ways in::
     recipe, population = trl_equivalent(args)                                     # TRL's own loss, as a recipe
     trainer = attach(GRPOTrainer(..., args=args), recipe, population=population)
 
-Both give the same object: a ``GRPOTrainer`` (subclass) whose
+Both run the same overrides (``attach`` puts them on the instance and leaves its class as it was, see
+:mod:`~lossplug.adapters.trl.trainer`): a ``GRPOTrainer`` (or subclass) whose
 
 * **advantage** comes from the recipe's advantage plugin, computed in ``_generate_and_score_completions`` on the
   rewards TRL gathered over all processes — where every prompt group is still complete — and then sliced to this
@@ -31,7 +32,7 @@ Modules, by concern: :mod:`~lossplug.adapters.trl.equivalent` (``GRPOConfig`` �
 ``PolicyBatch`` in :func:`~lossplug.adapters.trl.loss.policy_batch`), :mod:`~lossplug.adapters.trl.controllers`
 (adaptive coefficients and their checkpoints), :mod:`~lossplug.adapters.trl.dashboard` (TRL's own metric keys),
 :mod:`~lossplug.adapters.trl.record` (provenance and run record),
-:mod:`~lossplug.adapters.trl.trainer` (the trainer class and :func:`attach`).
+:mod:`~lossplug.adapters.trl.trainer` (the trainer class, :func:`attach` and how both reach TRL's seams).
 
 What travels with the rows
 --------------------------

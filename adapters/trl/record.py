@@ -145,6 +145,7 @@ def write_record(trainer: GRPOTrainer, directory: str | Path | None = None) -> P
             "module": __package__,
             "trainer": type(trainer).__name__,
             "trl_trainer": st.trl_class,
+            "attached": st.attached,
             "population": st.population,
             "validate": st.validate,
             "metrics": st.metrics,

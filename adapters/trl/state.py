@@ -59,8 +59,11 @@ class AdapterState:
     rewards_per_func: torch.Tensor | None = None
     rounds: int = 0
     record_written: bool = False
-    #: the TRL class the lossplug class was made from (``GRPOTrainer``, or the user's subclass of it), for the record
+    #: the trainer's TRL class (``GRPOTrainer``, or the user's subclass of it) under any lossplug class, for the record
     trl_class: str = ""
+    #: the recipe was attached (:func:`~lossplug.adapters.trl.attach`: overrides on the instance), not built in
+    #: (``LossplugGRPOTrainer``), for the record
+    attached: bool = False
     #: the ranks a gate's batch-level statistic is pooled over: every process of the run (``loss.trl_peers``)
     peers: Peers = LOCAL
 

@@ -1,9 +1,36 @@
 """The TRL trainer: :class:`LossplugGRPOTrainer` (a ``GRPOTrainer`` subclass) and :func:`attach` (an already-built
-trainer), both running a lossplug recipe through the overrides of one mixin. This is the module that imports TRL;
-:mod:`lossplug.adapters.trl` imports it on first use of either name."""
+trainer), both running a lossplug recipe through the same overrides of six ``GRPOTrainer`` methods. This is the
+module that imports TRL; :mod:`lossplug.adapters.trl` imports it on first use of either name.
+
+How the overrides reach the trainer
+-----------------------------------
+The seams are methods TRL calls on ``self`` (``_calculate_rewards``, ``_generate_and_score_completions``,
+``_compute_loss``; ``train``, ``_save_checkpoint`` and ``_load_optimizer_and_scheduler`` for the run record and the
+controllers' checkpoints). TRL offers nothing less intrusive: ``GRPOTrainer`` never calls ``compute_loss_func``, and
+callbacks never see a batch. Each override is a function ``(trainer, next_method, *arguments)`` of this module, where
+``next_method`` is what it overrides (TRL's method, or that of the user's subclass), bound to the trainer.
+
+* :class:`LossplugGRPOTrainer` holds them as methods of a mixin, ``next_method`` being ``super()``'s: a user's
+  subclass of it may override them in turn.
+* :func:`attach` leaves the trainer's class alone (``type(trainer)`` and ``isinstance`` are what they were): it puts
+  one :class:`_InstanceOverride` per method in the instance's ``__dict__``. A function on the class is a non-data
+  descriptor, so the instance's attribute is found first — by TRL's ``self._compute_loss(...)`` and by every other
+  call through ``self`` (TRL and transformers never look these methods up on the class). ``next_method`` is the
+  class's method, looked up at each call: the chain is the one ``super()`` gives the subclass, and attaching again
+  only replaces the recipe (the overrides never stack).
+
+An :class:`_InstanceOverride` holds its trainer through a weak reference: a bound method (``types.MethodType``)
+stored on the instance would make a reference cycle, and a dropped trainer — its model, optimizer state and
+buffered rollouts — would then wait for the cycle collector instead of being freed at once, as a plain trainer is.
+``copy.deepcopy`` rebinds each override to the copy; pickling reduces one to its method name and its trainer (TRL
+1.16's ``GRPOTrainer`` does not pickle anyway: it keeps a local lambda).
+"""
 
 from __future__ import annotations
 
+import copy
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -41,55 +68,122 @@ __all__ = ["LossplugGRPOTrainer", "attach"]
 _T = TypeVar("_T", bound="trl.GRPOTrainer")
 
 
+# -- the overrides: (trainer, the method overridden bound to the trainer, its arguments) -------------------------------
+def _train(trainer: Any, next_method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    st = adapter_state(trainer)
+    if not st.record_written and trainer.accelerator.is_main_process:
+        write_record(trainer)
+        st.record_written = True
+    return next_method(*args, **kwargs)
+
+
+def _calculate_rewards(
+    trainer: Any, next_method: Callable[..., Any], inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any
+) -> Any:
+    rewards_per_func = next_method(inputs, prompts, completions, completion_ids_list)
+    adapter_state(trainer).rewards_per_func = rewards_per_func
+    return rewards_per_func
+
+
+def _generate_and_score_completions(
+    trainer: Any, next_method: Callable[..., Any], inputs: list[dict[str, torch.Tensor | Any]]
+) -> dict[str, torch.Tensor | Any]:
+    st = adapter_state(trainer)
+    st.rewards_per_func = None
+    output = next_method(inputs)
+    rewards_per_func, st.rewards_per_func = st.rewards_per_func, None
+    if rewards_per_func is None:
+        raise LossplugError(
+            "TRL's _generate_and_score_completions did not call _calculate_rewards: this TRL "
+            "version is not supported by lossplug.adapters.trl"
+        )
+    add_recipe_advantages(trainer, output, rewards_per_func)
+    return output
+
+
+def _compute_loss(trainer: Any, next_method: Callable[..., Any], model: Any, inputs: Any) -> torch.Tensor:
+    return compute_loss(trainer, model, inputs)  # replaces TRL's loss: next_method is never called
+
+
+def _save_checkpoint(trainer: Any, next_method: Callable[..., Any], model: Any, trial: Any) -> None:
+    next_method(model, trial)
+    save_controller_state(trainer, trial)
+
+
+def _load_optimizer_and_scheduler(trainer: Any, next_method: Callable[..., Any], checkpoint: Any) -> None:
+    next_method(checkpoint)
+    load_controller_state(trainer, checkpoint)
+
+
+#: every override, by the name of the method it overrides
+_OVERRIDES: dict[str, Callable[..., Any]] = {
+    "train": _train,
+    "_calculate_rewards": _calculate_rewards,
+    "_generate_and_score_completions": _generate_and_score_completions,
+    "_compute_loss": _compute_loss,
+    "_save_checkpoint": _save_checkpoint,
+    "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
+}
+
+
 class _Mixin(_TrainerBase):
-    """The overrides; combined with ``GRPOTrainer`` (or a user's subclass of it) by :func:`attach`."""
+    """The overrides as methods (each passes ``super()``'s method on); combined with ``GRPOTrainer`` by
+    :class:`LossplugGRPOTrainer`."""
 
     _lossplug: AdapterState
     if TYPE_CHECKING:  # what TRL types more loosely (TrainingArguments, an optional model)
         args: GRPOConfig
         model: Any
 
-    # -- records --------------------------------------------------------------------------------------------------
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        st = adapter_state(self)
-        if not st.record_written and self.accelerator.is_main_process:
-            write_record(self)
-            st.record_written = True
-        return super().train(*args, **kwargs)
+        return _train(self, super().train, *args, **kwargs)
 
-    # -- advantages -----------------------------------------------------------------------------------------------
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        adapter_state(self).rewards_per_func = rewards_per_func
-        return rewards_per_func
+        return _calculate_rewards(self, super()._calculate_rewards, inputs, prompts, completions, completion_ids_list)
 
     def _generate_and_score_completions(
         self, inputs: list[dict[str, torch.Tensor | Any]]
     ) -> dict[str, torch.Tensor | Any]:
-        st = adapter_state(self)
-        st.rewards_per_func = None
-        output = super()._generate_and_score_completions(inputs)
-        rewards_per_func, st.rewards_per_func = st.rewards_per_func, None
-        if rewards_per_func is None:
-            raise LossplugError(
-                "TRL's _generate_and_score_completions did not call _calculate_rewards: this TRL "
-                "version is not supported by lossplug.adapters.trl"
-            )
-        add_recipe_advantages(self, output, rewards_per_func)
-        return output
+        return _generate_and_score_completions(self, super()._generate_and_score_completions, inputs)
 
-    # -- loss -----------------------------------------------------------------------------------------------------
     def _compute_loss(self, model: Any, inputs: Any) -> torch.Tensor:
         return compute_loss(self, model, inputs)
 
-    # -- checkpoints: the recipe's controller state (adaptive coefficients) ----------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
-        save_controller_state(self, trial)
+        _save_checkpoint(self, super()._save_checkpoint, model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        load_controller_state(self, checkpoint)
+        _load_optimizer_and_scheduler(self, super()._load_optimizer_and_scheduler, checkpoint)
+
+
+class _InstanceOverride:
+    """The override of one method, put by :func:`attach` on one trainer (in its ``__dict__``, where Python looks
+    before the class): calls it with the class's method bound to the trainer as ``next_method``. Holds the trainer
+    weakly (see the module's docstring)."""
+
+    __slots__ = ("_trainer", "name")
+
+    def __init__(self, name: str, trainer: Any) -> None:
+        self.name = name
+        self._trainer = weakref.ref(trainer)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self._trainer()
+        if trainer is None:
+            raise ReferenceError(f"the trainer this lossplug {self.name} override was attached to no longer exists")
+        cls = type(trainer)
+        return _OVERRIDES[self.name](trainer, getattr(cls, self.name).__get__(trainer, cls), *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _InstanceOverride:
+        return _InstanceOverride(self.name, copy.deepcopy(self._trainer(), memo))  # the copy being made (memo)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_InstanceOverride, (self.name, self._trainer()))
+
+    def __repr__(self) -> str:
+        trainer = self._trainer()
+        owner = "a trainer that no longer exists" if trainer is None else f"{type(trainer).__name__} {id(trainer):#x}"
+        return f"<lossplug override of {self.name} of {owner}>"
 
 
 class LossplugGRPOTrainer(_Mixin, trl.GRPOTrainer):
@@ -125,24 +219,6 @@ class LossplugGRPOTrainer(_Mixin, trl.GRPOTrainer):
         _setup(self, recipe_obj, validate, population, provenance, metrics)
 
 
-#: ``Lossplug<base>`` for each user subclass of ``GRPOTrainer`` attached to: one class per base, so that attaching
-#: again swaps to the same class
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _class_for(base: type) -> type:
-    """The lossplug subclass of ``base``: ``LossplugGRPOTrainer`` for ``GRPOTrainer`` itself, ``base`` when it is one."""
-    if issubclass(base, _Mixin):
-        return base
-    if base is trl.GRPOTrainer:
-        return LossplugGRPOTrainer
-    cls = _SUBCLASSES.get(base)
-    if cls is None:
-        namespace = {"__module__": __name__, "__doc__": f"{base.__name__} with a lossplug recipe"}
-        cls = _SUBCLASSES[base] = type(f"Lossplug{base.__name__}", (_Mixin, base), namespace)
-    return cls
-
-
 def attach(
     trainer: _T,
     recipe: RecipeLike,
@@ -154,22 +230,15 @@ def attach(
 ) -> _T:
     """Make an already-built ``GRPOTrainer`` (or subclass) run ``recipe``; returns the same object.
 
-    Its class is swapped for a lossplug subclass of its own class (``LossplugGRPOTrainer`` for a plain
-    ``GRPOTrainer``); nothing else about it changes, except that completions TRL already buffered (attaching during
-    training) are dropped so that every batch the recipe sees was scored by it. Attaching again replaces the
-    recipe.
+    Its class is left as it is: the adapter's overrides are put on the instance (see the module's docstring).
+    Nothing else about it changes, except that completions TRL already buffered (attaching during training) are
+    dropped so that every batch the recipe sees was scored by it. Attaching again replaces the recipe; an attach
+    that fails (a refused recipe or trainer) leaves the trainer as it was.
     """
-    check_trl_version(trl.__version__)
-    if isinstance(trainer, trl.RLOOTrainer) or not isinstance(trainer, trl.GRPOTrainer):
-        _setup(trainer, recipe, validate, population, provenance, metrics)  # raises the explanatory error
-    cls = _class_for(type(trainer))
-    previous = trainer.__class__
-    trainer.__class__ = cls
-    try:
-        _setup(trainer, recipe, validate, population, provenance, metrics)
-    except Exception:
-        trainer.__class__ = previous
-        raise
+    _setup(trainer, recipe, validate, population, provenance, metrics)  # every check, then trainer._lossplug
+    if not isinstance(trainer, _Mixin):  # a LossplugGRPOTrainer has the overrides already
+        for name in _OVERRIDES:
+            setattr(trainer, name, _InstanceOverride(name, trainer))
     # completions already buffered (attach during training) carry advantages the recipe did not compute and no
     # group ids: have TRL generate afresh at its next step
     if getattr(trainer, "_buffered_inputs", None) is not None:
@@ -194,6 +263,12 @@ def _check_trainer_class(trainer: Any) -> None:
         raise LossplugError(
             f"{owner.__name__} overrides _compute_loss: lossplug replaces _compute_loss and would "
             "silently discard that code; attach to a class that does not override it"
+        )
+    own = vars(trainer).get("_compute_loss")
+    if own is not None and not isinstance(own, _InstanceOverride):  # a method the user put on this trainer
+        raise LossplugError(
+            "this trainer has its own _compute_loss (an instance attribute): lossplug replaces _compute_loss and "
+            "would silently discard that code"
         )
 
 
@@ -233,5 +308,6 @@ def _setup(
         recipe_entropy=bool(named_stages(compiled.regularizers, "entropy")),
         top_entropy_quantile=top_entropy[0].params.quantile if top_entropy else None,
         trl_class=next(c for c in type(trainer).__mro__ if not issubclass(c, _Mixin)).__name__,
+        attached=not isinstance(trainer, _Mixin),
         peers=trl_peers(trainer),
     )

@@ -250,12 +250,12 @@ def plain(tmp_path):
     return build
 
 
-def test_subclass_and_attach_give_the_same_class(plain):
+def test_subclass_and_attach(plain):
     ours = plain(LossplugGRPOTrainer, recipe="grpo")
     assert isinstance(ours, trl.GRPOTrainer) and ours._lossplug.recipe.to_dict() == Recipe.preset("grpo").to_dict()
     trainer = plain()
     assert attach(trainer, "dapo") is trainer
-    assert type(trainer) is LossplugGRPOTrainer and type(trainer) is type(ours)
+    assert type(trainer) is trl.GRPOTrainer  # attach leaves the class alone (its overrides are on the instance)
     attach(trainer, {"preset": "dapo", "reduction": "response"})  # attaching again replaces the recipe
     assert trainer._lossplug.recipe.reduction.name == "response"
 
@@ -266,8 +266,7 @@ def test_attach_to_a_user_subclass_keeps_it(plain):
             return 42
 
     trainer = attach(plain(MyTrainer), "grpo")
-    assert isinstance(trainer, MyTrainer) and trainer.my_method() == 42
-    assert type(trainer).__name__ == "LossplugMyTrainer"
+    assert type(trainer) is MyTrainer and trainer.my_method() == 42
 
 
 def test_a_bad_recipe_fails_before_the_model_is_touched(plain):
@@ -293,7 +292,7 @@ def test_refuses_trl_options_the_recipe_does_not_carry(plain, setting, value, me
     setattr(trainer.args, setting, value)
     with pytest.raises(LossplugError, match=message):
         attach(trainer, "dapo")
-    assert type(trainer) is trl.GRPOTrainer  # a refused attach leaves the trainer as it was
+    assert type(trainer) is trl.GRPOTrainer and not hasattr(trainer, "_lossplug")  # a refused attach: as it was
     attach(trainer, trl_equivalent(trainer.args)[0])  # the equivalent recipe carries it
 
 
@@ -550,8 +549,9 @@ def test_write_record(plain, tmp_path):
     assert versions["versions"]["trl"] == trl.__version__
     assert versions["versions"]["lossplug"] == lossplug.__version__
     assert versions["adapter"]["population"] == "generation"
-    assert (versions["adapter"]["trainer"], versions["adapter"]["trl_trainer"]) == (
+    assert (versions["adapter"]["trainer"], versions["adapter"]["trl_trainer"], versions["adapter"]["attached"]) == (
         "LossplugGRPOTrainer",
         "GRPOTrainer",
+        False,
     )
     assert versions["trl_settings_replaced"]["loss_type"] == trainer.args.loss_type
