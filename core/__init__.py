@@ -1,6 +1,7 @@
 """lossplug — a pluggable, validated loss layer for LLM reinforcement learning inside TRL and verl.
 
-Public API::
+The main names (the full list is ``lossplug.__all__``, from ``_EXPORTS`` below; the docs' API page is generated
+from it)::
 
     lossplug.Recipe, lossplug.PolicyBatch, lossplug.PackedTransitions, lossplug.Normalizer
     lossplug.compute_advantages(batch, recipe) -> Tensor
@@ -25,6 +26,9 @@ __version__ = "0.1.0"
 #: marker for hook implementations: ``@lossplug.hookimpl def lossplug_register_gates(register): ...``
 hookimpl = pluggy.HookimplMarker("lossplug")
 
+#: the public API, listed once: each name and the module that defines it. ``__all__``, the lazy look-up, ``dir()``
+#: and the docs' API page (docs/hooks/generated.py) derive from it; the ``TYPE_CHECKING`` re-exports at the end
+#: mirror it for type checkers (tests/core/test_public_api.py holds them equal)
 _EXPORTS = {
     "lossplug.contracts": (
         "AdvantageResult",
@@ -120,7 +124,7 @@ def default_recipe_catalogue() -> Catalogue:
     return CATALOGUE
 
 
-if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are resolved lazily
+if TYPE_CHECKING:  # for type checkers and IDEs (_EXPORTS, statically); at run time the names are resolved lazily
     # `X as X`: an explicit re-export (mypy cannot read the computed __all__), so `lossplug.X` type-checks under
     # --strict (no_implicit_reexport) in a plugin author's project
     from lossplug.contracts import (
