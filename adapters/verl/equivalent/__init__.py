@@ -3,7 +3,9 @@
 * :mod:`.policy_losses` — ``actor.policy_loss.loss_mode`` (and the parameters each mode reads) → the gates;
 * :mod:`.advantages` — ``algorithm.adv_estimator`` (with its options) → the advantage stage;
 * :mod:`.rollout_correction` — ``algorithm.rollout_correction`` → correction gates;
-* :mod:`.keys` — the valid keys of each section read (verl's own config dataclasses): an unknown key is refused.
+* :mod:`.keys` — the valid keys of each section read (verl's own config dataclasses): an unknown key is refused;
+* :mod:`.settings` — what they share: verl's defaults, the ``loss_agg_mode`` and ``kl_loss_type`` tables,
+  :func:`as_plain` (a leaf: the modules import it, never this one, so no two of them import each other).
 
 This module composes them, adds what verl's ``ppo_loss`` adds around the policy loss (``loss_agg_mode`` → the
 reduction, ``entropy_coeff`` and ``use_kl_loss`` → regularizers) and returns one validated :class:`~lossplug.Recipe`.
@@ -18,10 +20,16 @@ means to verl.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from lossplug.adapters.verl.equivalent import advantages, keys, policy_losses, rollout_correction
+from lossplug.adapters.verl.equivalent.settings import (
+    ACTOR_DEFAULTS,
+    KL_ESTIMATORS,
+    LOSS_AGG_REDUCTIONS,
+    as_plain,
+)
 from lossplug.contracts import LossplugError, Recipe
 
 __all__ = [
@@ -32,92 +40,6 @@ __all__ = [
     "verl_equivalent",
     "verl_regularizers",
 ]
-
-#: verl 0.9.1's defaults for the actor settings the loss reads (``actor.yaml``): what an omitted key means to verl
-ACTOR_DEFAULTS: dict[str, Any] = {
-    "clip_ratio": 0.2,
-    "clip_ratio_low": 0.2,
-    "clip_ratio_high": 0.2,
-    "clip_ratio_c": 3.0,
-    "tau_pos": 1.0,
-    "tau_neg": 1.05,
-    "loss_agg_mode": "token-mean",
-    "loss_scale_factor": None,
-    "entropy_coeff": 0.0,
-    "use_kl_loss": False,
-    "kl_loss_coef": 0.001,
-    "kl_loss_type": "low_var_kl",
-    "policy_loss": {
-        "loss_mode": "vanilla",
-        "clip_cov_ratio": 0.0002,
-        "clip_cov_lb": 1.0,
-        "clip_cov_ub": 5.0,
-        "kl_cov_ratio": 0.0002,
-        "ppo_kl_coef": 0.1,
-        "dro_beta": None,
-    },
-}
-
-#: verl's ``loss_agg_mode`` (``core_algos.agg_loss``) → the lossplug reduction computing the same aggregation over the
-#: same global population (``seq-mean-token-sum-norm`` is ``fixed`` with ``loss_scale_factor`` as its budget)
-LOSS_AGG_REDUCTIONS: dict[str, str] = {
-    "token-mean": "token",
-    "token-sum": "token_sum",
-    "seq-mean-token-mean": "response",
-    "seq-mean-token-sum": "sequence_sum",
-    "seq-mean-token-sum-norm": "fixed",
-}
-
-#: verl's ``kl_loss_type`` values (``core_algos.kl_penalty``): the ``kl`` regularizer's ``estimator`` takes the same
-#: names with the same meaning (``+``: straight-through, the value of the mode and the gradient of k2)
-KL_ESTIMATORS: tuple[str, ...] = (
-    "kl",
-    "k1",
-    "abs",
-    "mse",
-    "k2",
-    "low_var_kl",
-    "k3",
-    "kl+",
-    "k1+",
-    "abs+",
-    "mse+",
-    "k2+",
-    "low_var_kl+",
-    "k3+",
-)
-
-
-def as_plain(config: Any, what: str) -> dict[str, Any] | None:
-    """A verl config (``DictConfig``, verl's config dataclass, or a mapping) as a plain ``dict`` (``None`` stays
-    ``None``). ``what`` names the argument in the error for anything else."""
-    if config is None:
-        return None
-    plain = _plain(config)
-    if not isinstance(plain, dict):
-        raise LossplugError(
-            f"verl_equivalent: {what} must be verl's config (an OmegaConf DictConfig, verl's config dataclass or a "
-            f"mapping), got {type(config).__name__}"
-        )
-    return plain
-
-
-def _plain(value: Any) -> Any:
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf comes with verl; plain mappings need no conversion
-        pass
-    else:
-        if isinstance(value, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(value, resolve=True)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        # field by field: dataclasses.asdict deep-copies every value, and verl's configs hold model objects
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if not f.name.startswith("_")}
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _with_defaults(actor: Mapping[str, Any]) -> dict[str, Any]:
@@ -206,8 +128,6 @@ def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None, *, w
     replaces the recipe's correction gates with verl's weights once it finds them equal; or leave them out
     (``algorithm_config`` without ``rollout_correction``).
     """
-    from . import advantages, keys, policy_losses, rollout_correction
-
     actor = as_plain(actor_config, "actor_config")
     algorithm = as_plain(algorithm_config, "algorithm_config")
     if actor is None and algorithm is None:

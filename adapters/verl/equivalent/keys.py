@@ -30,6 +30,12 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from lossplug.adapters.verl.equivalent.advantages import ALGORITHM_KEYS, KL_CTRL_KEYS
+from lossplug.adapters.verl.equivalent.settings import (
+    ACTOR_DEFAULTS,
+    LOSSPLUG_POLICY_LOSS_KEYS,
+    ROLLOUT_CORRECTION_DEFAULTS,
+)
 from lossplug.contracts import LossplugError
 
 __all__ = ["ACTOR", "ALGORITHM", "SECTIONS", "check_keys", "keys_lossplug_reads", "unknown_keys", "valid_keys"]
@@ -67,13 +73,12 @@ def _verl_keys() -> tuple[str, dict[str, frozenset[str]]] | None:
 
         from verl.trainer.config.algorithm import AlgoConfig, KLControlConfig, RolloutCorrectionConfig
         from verl.workers.config.actor import ActorConfig, PolicyLossConfig
-
-        from lossplug.adapters.verl.config import LossplugPolicyLossConfig
     except ImportError:
         return None
     keys = {
         "actor": _fields(ActorConfig),
-        "policy_loss": _fields(PolicyLossConfig) | _fields(LossplugPolicyLossConfig),
+        # (lossplug's own keys: LossplugPolicyLossConfig is a subclass, but this holds before it is defined)
+        "policy_loss": _fields(PolicyLossConfig) | LOSSPLUG_POLICY_LOSS_KEYS,
         "rollout_correction": _fields(RolloutCorrectionConfig),
         "algorithm": _fields(AlgoConfig) | {ALGORITHM_LOSSPLUG_KEY},
         "kl_ctrl": _fields(KLControlConfig),
@@ -83,17 +88,12 @@ def _verl_keys() -> tuple[str, dict[str, frozenset[str]]] | None:
 
 def keys_lossplug_reads() -> dict[str, frozenset[str]]:
     """Section → the keys verl_equivalent reads (and lossplug's own): the valid keys where verl is not installed."""
-    from lossplug.adapters.verl.equivalent import ACTOR_DEFAULTS
-    from lossplug.adapters.verl.equivalent.advantages import ALGORITHM_KEYS, KL_CTRL_KEYS
-    from lossplug.adapters.verl.equivalent.rollout_correction import DEFAULTS
-
-    lossplug_policy_fields = {"recipe", "validation", "metrics"}  # LossplugPolicyLossConfig's own (needs verl)
     return {
         "actor": frozenset(set(ACTOR_DEFAULTS) | {"_target_"}),
         "policy_loss": frozenset(
-            set(ACTOR_DEFAULTS["policy_loss"]) | {"_target_", "rollout_correction"} | lossplug_policy_fields
+            set(ACTOR_DEFAULTS["policy_loss"]) | {"_target_", "rollout_correction"} | LOSSPLUG_POLICY_LOSS_KEYS
         ),
-        "rollout_correction": frozenset(set(DEFAULTS) | {"_target_"}),
+        "rollout_correction": frozenset(set(ROLLOUT_CORRECTION_DEFAULTS) | {"_target_"}),
         "algorithm": frozenset(set(ALGORITHM_KEYS) | {"_target_", ALGORITHM_LOSSPLUG_KEY}),
         "kl_ctrl": frozenset(set(KL_CTRL_KEYS) | {"_target_"}),
     }

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lossplug.adapters.verl.equivalent import ACTOR_DEFAULTS
+from lossplug.adapters.verl.equivalent.settings import ACTOR_DEFAULTS
 from lossplug.contracts import LossplugError
 from lossplug.plugins.gates.rollout_rejection import parse_options, parse_thresholds
 

@@ -45,19 +45,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from lossplug.adapters.verl.equivalent.keys import unknown_keys, valid_keys
+from lossplug.adapters.verl.equivalent.settings import ROLLOUT_CORRECTION_DEFAULTS
 from lossplug.contracts import LossplugError
 from lossplug.plugins.gates.rollout_rejection import parse_options, parse_thresholds
 
 #: verl's ``RolloutCorrectionConfig`` fields with the defaults of its ``algorithm/rollout_correction.yaml``
-DEFAULTS: dict[str, Any] = {
-    "rollout_is": None,
-    "rollout_is_threshold": 2.0,
-    "rollout_is_batch_normalize": False,
-    "rollout_rs": None,
-    "rollout_rs_threshold": None,
-    "bypass_mode": False,
-    "loss_type": "ppo_clip",
-}
+DEFAULTS: dict[str, Any] = ROLLOUT_CORRECTION_DEFAULTS
 #: verl's ``loss_agg_mode`` values under which a 0/1 rejection weight reproduces verl's masked denominators
 EXACT_REJECTION_MODES = {
     "token-sum": "all",
@@ -116,8 +110,6 @@ def correction_gates(
         return []
     if not isinstance(rollout_correction, Mapping):
         raise LossplugError(f"{WHERE}: expected a mapping, got {type(rollout_correction).__name__}")
-    from .keys import unknown_keys, valid_keys
-
     source, valid = valid_keys()
     unknown = unknown_keys(rollout_correction, WHERE, valid["rollout_correction"])
     if unknown:
