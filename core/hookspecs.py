@@ -8,7 +8,8 @@ parties expose theirs through the ``lossplug`` entry-point group::
 
 Code that is not a package (a notebook, a trainer script, a test) registers the same object in-process with
 ``lossplug.register_plugin(obj)`` and removes it with ``lossplug.unregister_plugin(obj)``. Built-in plugins register
-through exactly the same hooks (see ``lossplug.plugins.builtin``).
+through exactly the same hooks and are found the same way: lossplug's own distribution declares its plugin modules in
+the ``lossplug`` entry-point group (``lossplug.plugins.gates``…; see :mod:`lossplug.plugin_discovery`).
 
 The ``register`` hooks run once, when the plugin registry is built (first recipe, ``lossplug list``…), never per
 batch. The batch hooks run per batch, only when some plugin implements them. Every hook is documented with a

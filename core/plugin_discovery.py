@@ -33,10 +33,15 @@ def distribution_name(ep: md.EntryPoint) -> str | None:
     return dist.name if dist is not None else None
 
 
+def is_builtin_distribution(name: str) -> bool:
+    """Whether a distribution name (in any spelling) is lossplug's own."""
+    return canonical_provider(name) == BUILTIN_PROVIDER
+
+
 def is_builtin(ep: md.EntryPoint) -> bool:
     """Whether the entry point is one of lossplug's built-ins: declared by the ``lossplug`` distribution itself."""
     name = distribution_name(ep)
-    return name is not None and canonical_provider(name) == BUILTIN_PROVIDER
+    return name is not None and is_builtin_distribution(name)
 
 
 def autoload_disabled() -> bool:

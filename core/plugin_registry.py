@@ -42,7 +42,6 @@ from . import hookspecs
 from . import plugin_discovery as discovery
 from . import plugin_names as names
 from .kinds import KINDS, RENAMED_HOOKS
-from .needs import required_fields
 from .plugin import AdvantagePlugin, AnyPlugin, GatePlugin, ReductionPlugin, RegularizerPlugin
 from .plugin_names import BUILTIN_PROVIDER, Claim, NameClash
 
@@ -517,6 +516,10 @@ def unregister_plugin(plugin: object) -> None:
 
 def list_plugins() -> list[dict[str, Any]]:
     """Every registered plugin: kind, name, source, parameters (with defaults) and the first line of its doc."""
+    # here, not at the top: lossplug.needs answers for whole recipes too, and so imports the compiled stages, which
+    # import this module
+    from .needs import required_fields
+
     reg = registry()
     rows = []
     for kind in KINDS:

@@ -91,7 +91,7 @@ def test_import_is_fast_and_imports_no_trainer():
     code = (
         "import time, sys; import torch; t = time.perf_counter(); import lossplug; lossplug.Recipe; "
         "dt = time.perf_counter() - t; print(dt, 'trl' in sys.modules, 'verl' in sys.modules, "
-        "'lossplug.plugins.builtin' in sys.modules)"
+        "'lossplug.plugin_registry' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     seconds, trl, verl, builtins = float(out[0]), out[1], out[2], out[3]

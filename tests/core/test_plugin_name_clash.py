@@ -315,10 +315,11 @@ def test_a_plugin_name_with_a_colon_is_a_broken_plugin(site):
     assert "a:b" not in reg.plugins["gate"] and reg.origin("gate", "ppo_clip") == BUILTIN_SOURCE
 
 
-def test_the_shipped_catalogue_carries_qualified_names_and_no_clashes():
-    from lossplug.cli.catalogue import SNAPSHOT
+def test_the_built_in_catalogue_carries_qualified_names_and_no_clashes(fresh_registry, monkeypatch):
+    from lossplug.cli import catalogue
 
-    data = json.loads(SNAPSHOT.read_text(encoding="utf-8"))
+    monkeypatch.setenv("LOSSPLUG_DISABLE_PLUGIN_AUTOLOAD", "1")
+    data = catalogue.live()
     assert data["clashes"] == [] and data["duplicates"] == []
     assert {r["qualified"] for r in data["rows"]} == {f"lossplug:{r['name']}" for r in data["rows"]}
     assert all(info["qualified"] == f"lossplug:{info['name']}" for info in data["plugins"].values())
