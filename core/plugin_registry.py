@@ -514,12 +514,17 @@ def unregister_plugin(plugin: object) -> None:
         reset()
 
 
+def _default_requirements(plugin: AnyPlugin) -> tuple[str, ...]:
+    """The batch fields a registered plugin reads with its default parameters. Asked of the plugin itself, not of
+    :mod:`lossplug.needs`: that module answers for whole compiled recipes, which are built from this registry."""
+    try:
+        return plugin.required_fields(plugin.params())
+    except Exception:  # a parameter without a default: only a fixed declaration can be answered
+        return () if callable(plugin.requires) else plugin.requires
+
+
 def list_plugins() -> list[dict[str, Any]]:
     """Every registered plugin: kind, name, source, parameters (with defaults) and the first line of its doc."""
-    # here, not at the top: lossplug.needs answers for whole recipes too, and so imports the compiled stages, which
-    # import this module
-    from .needs import required_fields
-
     reg = registry()
     rows = []
     for kind in KINDS:
@@ -542,7 +547,7 @@ def list_plugins() -> list[dict[str, Any]]:
                     "summary": plugin.doc.splitlines()[0] if plugin.doc else "",
                     "role": getattr(plugin, "role", None),
                     "level": getattr(plugin, "level", None),
-                    "requires": list(required_fields(plugin)),
+                    "requires": list(_default_requirements(plugin)),
                 }
             )
     for name, preset in sorted(reg.presets.items()):
