@@ -35,15 +35,18 @@ reads every field from ``data.batch``), or verl's own estimator. Rows with no ac
 responses removed by rollout rejection sampling) are left out of the lossplug batch; they get zero advantages and
 contribute nothing to the loss, as in verl.
 
-Modules, by concern: :mod:`~lossplug.adapters.verl.registration` (the registries, their check),
-:mod:`~lossplug.adapters.verl.config` (recipes from verl's config, :class:`LossplugPolicyLossConfig`),
-:mod:`~lossplug.adapters.verl.policy_loss` (the policy-loss seam; the micro-batch becomes a ``PolicyBatch`` in
-:func:`~lossplug.adapters.verl.policy_loss.policy_batch`), :mod:`~lossplug.adapters.verl.regularizers` and
+Modules, by concern (their imports, function-level ones included, form no loop: a test builds the graph):
+:mod:`~lossplug.adapters.verl.equivalent` (verl's config → recipe: :func:`verl_equivalent`, verl-free),
+:mod:`~lossplug.adapters.verl.registration` (the registries, their check), :mod:`~lossplug.adapters.verl.recipes`
+(recipes from verl's config: :func:`load_recipe`), :mod:`~lossplug.adapters.verl.regularizers` and
 :mod:`~lossplug.adapters.verl.rollout` (what verl adds around a policy loss, counted once),
+:mod:`~lossplug.adapters.verl.plan` (what a configuration resolves to, derived once: the recipe, and per call
+pattern the policy term), :mod:`~lossplug.adapters.verl.config` (:class:`LossplugPolicyLossConfig`, which holds its
+plan), :mod:`~lossplug.adapters.verl.policy_loss` (the policy-loss seam; the micro-batch becomes a ``PolicyBatch`` in
+:func:`~lossplug.adapters.verl.policy_loss.policy_batch`),
 :mod:`~lossplug.adapters.verl.policy_metrics` (verl's metric keys), :mod:`~lossplug.adapters.verl.advantage` (the
-advantage seam; its batch: :func:`~lossplug.adapters.verl.advantage.advantage_batch`),
-:mod:`~lossplug.adapters.verl.equivalent` (verl's config → recipe: :func:`verl_equivalent`, verl-free) and
-:mod:`~lossplug.adapters.verl.trl_beside`.
+advantage seam; its batch: :func:`~lossplug.adapters.verl.advantage.advantage_batch`) and
+:mod:`~lossplug.adapters.verl.trl_beside`; :func:`register` hands the two functions to the registration.
 
 Regularizers. verl's ``ppo_loss`` adds the entropy bonus and the KL loss around any policy loss, from the actor's
 ``entropy_coeff`` / ``use_kl_loss`` settings, and hands a policy loss neither entropies nor reference log-probs. A
@@ -81,7 +84,7 @@ from lossplug.adapters.verl.config import (
 )
 from lossplug.adapters.verl.equivalent import verl_equivalent
 from lossplug.adapters.verl.policy_loss import LOSS_AGG_MODES, compute_policy_loss_lossplug, verl_normalizer
-from lossplug.adapters.verl.registration import ENTRY_POINT_GROUP, MODULE, NAME, check_registration, register
+from lossplug.adapters.verl.registration import ENTRY_POINT_GROUP, MODULE, NAME, check_registration, install
 from lossplug.adapters.verl.trl_beside import trl_breaks_verl
 
 __all__ = [
@@ -103,5 +106,11 @@ __all__ = [
     "verl_equivalent",
     "verl_normalizer",
 ]
+
+
+def register() -> None:
+    """Register lossplug's policy loss and advantage estimator with verl (idempotent; done on import)."""
+    install(compute_policy_loss_lossplug, compute_lossplug_advantage)
+
 
 register()

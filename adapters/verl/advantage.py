@@ -12,7 +12,7 @@ import torch
 
 import lossplug
 from lossplug.adapters.common import ActionRows, warn_once
-from lossplug.adapters.verl.config import ADVANTAGE_RECIPE_KEY, keyed, load_recipe
+from lossplug.adapters.verl.recipes import ADVANTAGE_RECIPE_KEY, keyed, load_recipe
 from lossplug.adapters.verl.registration import MARK, NAME, check_once
 from lossplug.contracts import LossplugError, PolicyBatch, Recipe, RecipeError
 from lossplug.contracts.batch_rules import rewards_off_actions

@@ -1,89 +1,33 @@
-"""Recipes from verl's config: :func:`load_recipe` (a preset name, a YAML/JSON path or an inline mapping, as Hydra
-hands it over) and :class:`LossplugPolicyLossConfig`, the actor's ``policy_loss`` config that carries the recipe —
-selected with ``actor_rollout_ref.actor.policy_loss._target_=lossplug.adapters.verl.LossplugPolicyLossConfig``."""
+"""verl's config and lossplug: :class:`LossplugPolicyLossConfig`, the actor's ``policy_loss`` config that carries
+the recipe — selected with ``actor_rollout_ref.actor.policy_loss._target_=lossplug.adapters.verl.LossplugPolicyLossConfig``
+— and holds its :class:`~lossplug.adapters.verl.plan.PolicyPlan`, derived once when verl builds it; and
+:func:`policy_plan`, the plan of the config verl hands the policy loss. Recipes themselves load in :mod:`.recipes`
+(:func:`load_recipe`, re-exported here)."""
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from verl.workers.config import PolicyLossConfig
 
-import lossplug
-from lossplug.adapters.verl.registration import NAME, check_registration
+from lossplug.adapters.verl.plan import PolicyPlan, checked_levels, plan_for_section
+from lossplug.adapters.verl.recipes import ADVANTAGE_RECIPE_KEY, POLICY_RECIPE_KEY, keyed, load_recipe
+from lossplug.adapters.verl.registration import NAME
 from lossplug.adapters.verl.trl_beside import warn_if_trl_breaks_verl
-from lossplug.contracts import LossplugError, Recipe
-from lossplug.pipeline import metric_level
+from lossplug.contracts import LossplugError
 
-__all__ = ["ADVANTAGE_RECIPE_KEY", "POLICY_RECIPE_KEY", "LossplugPolicyLossConfig", "keyed", "load_recipe"]
+__all__ = [
+    "ADVANTAGE_RECIPE_KEY",
+    "POLICY_RECIPE_KEY",
+    "LossplugPolicyLossConfig",
+    "keyed",
+    "load_recipe",
+    "policy_plan",
+]
 
-#: where the recipes live in verl's config (used in every error message about a recipe)
-POLICY_RECIPE_KEY = "actor_rollout_ref.actor.policy_loss.recipe"
-ADVANTAGE_RECIPE_KEY = "algorithm.lossplug"
-
-
-def _plain(source: Any) -> Any:
-    """OmegaConf containers → plain dicts/lists (Hydra may hand over a DictConfig)."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf is a verl dependency
-        return source
-    if isinstance(source, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(source, resolve=True)
-    return source
-
-
-def keyed(err: LossplugError, key: str) -> LossplugError:
-    """The same error with the recipe's config key in front ('recipe.gates[0]: …' → '<key>.gates[0]: …')."""
-    message = str(err)
-    if message.startswith("recipe"):
-        message = key + message[len("recipe") :]
-    else:
-        message = f"{key}: {message}"
-    try:
-        return type(err)(message)
-    except TypeError:  # an error class with a richer constructor
-        return LossplugError(message)
-
-
-_recipes: dict[str, Recipe] = {}
-
-
-def load_recipe(source: Any, key: str) -> Recipe:
-    """A validated :class:`~lossplug.Recipe` from a config value (preset name, YAML/JSON path, YAML text or mapping).
-
-    Cached per source, so plugin dispatch is resolved once, not per micro-batch. Any error names ``key``.
-    """
-    source = _plain(source)
-    if source is None or source == "" or source == {}:
-        raise LossplugError(
-            f"{key}: no recipe given; set it to a preset name (e.g. grpo, dapo), the path of a "
-            f"recipe YAML file, or an inline mapping, e.g. +{key}=dapo"
-        )
-    if isinstance(source, Recipe):
-        return source
-    try:
-        cache_key = json.dumps(source, sort_keys=True, default=str)
-    except (TypeError, ValueError):
-        cache_key = repr(source)
-    cached = _recipes.get(cache_key)
-    if cached is not None:
-        return cached
-    if isinstance(source, str) and source.endswith((".yaml", ".yml", ".json")) and not os.path.isfile(source):
-        raise LossplugError(
-            f"{key}: no such recipe file: {source} (relative paths resolve against this process's "
-            f"working directory {os.getcwd()}; Ray workers may run elsewhere — use an absolute path "
-            f"present on every node, a preset name or an inline recipe)"
-        )
-    try:
-        recipe = Recipe.load(source)
-        lossplug.compile_recipe(recipe)  # resolve every plugin now: an unknown one fails here, naming the key
-    except LossplugError as err:
-        raise keyed(err, key) from None
-    _recipes[cache_key] = recipe
-    return recipe
+#: where a LossplugPolicyLossConfig keeps its plan (an attribute, not a dataclass field: not part of verl's config)
+_PLAN = "_lossplug_plan"
 
 
 @dataclass
@@ -117,14 +61,7 @@ class LossplugPolicyLossConfig(PolicyLossConfig):
     rollout_correction: Any = None
 
     def __post_init__(self) -> None:
-        try:
-            metric_level(self.metrics)
-        except LossplugError as err:
-            raise LossplugError(f"actor_rollout_ref.actor.policy_loss.{err}") from None
-        if self.validation not in ("full", "off"):
-            raise LossplugError(
-                f"actor_rollout_ref.actor.policy_loss.validation must be 'full' or 'off', got {self.validation!r}"
-            )
+        checked_levels(self.validation, self.metrics)
         if self.loss_mode != NAME:
             if self.recipe is not None:
                 raise LossplugError(
@@ -132,6 +69,35 @@ class LossplugPolicyLossConfig(PolicyLossConfig):
                     f"{self.loss_mode}: the recipe is only used with loss_mode={NAME}"
                 )
             return
-        check_registration(estimator=False)
-        load_recipe(self.recipe, POLICY_RECIPE_KEY)
+        self._keep_plan()
         warn_if_trl_breaks_verl()  # this process builds a verl actor: where TRL beside verl fails
+
+    @property
+    def plan(self) -> PolicyPlan:
+        """What this configuration resolves to, derived once (when verl builds the config, or on first use after a
+        copy: a copy carries the settings, not the plan)."""
+        plan = self.__dict__.get(_PLAN)
+        return plan if plan is not None else self._keep_plan()
+
+    def _keep_plan(self) -> PolicyPlan:
+        plan = PolicyPlan.build(
+            self.recipe, validation=self.validation, metrics=self.metrics, rollout_correction=self.rollout_correction
+        )
+        object.__setattr__(self, _PLAN, plan)  # (verl's BaseConfig freezes attributes once set: set it once)
+        return plan
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickling (Ray) or copying carries the settings only: the plan holds compiled plugins and is re-derived
+        # where the copy is used
+        state = dict(self.__dict__)
+        state.pop(_PLAN, None)
+        return state
+
+
+def policy_plan(actor_config: Any) -> PolicyPlan:
+    """The plan of the ``policy_loss`` section of the actor config verl hands the policy loss: the one a
+    :class:`LossplugPolicyLossConfig` holds, else (a section built by hand) :func:`~.plan.plan_for_section`."""
+    section = getattr(actor_config, "policy_loss", None) if actor_config is not None else None
+    if isinstance(section, LossplugPolicyLossConfig):
+        return section.plan
+    return plan_for_section(section)

@@ -1,7 +1,8 @@
 """The policy-loss seam: verl's policy loss ``lossplug`` (:func:`compute_policy_loss_lossplug`), in named steps — the
-recipe's policy term (what verl's ``ppo_loss`` adds around it removed: :mod:`.regularizers`, :mod:`.rollout`), the
-micro-batch as a :class:`~lossplug.PolicyBatch` (:func:`policy_batch`), the population of the optimizer step from
-verl's ``global_batch_info`` (:func:`verl_normalizer`), and verl's metrics (:mod:`.policy_metrics`)."""
+configuration's plan and the policy term of this call (what verl's ``ppo_loss`` adds around it removed), both derived
+once and looked up here (:mod:`.plan`), the micro-batch as a :class:`~lossplug.PolicyBatch` (:func:`policy_batch`),
+the population of the optimizer step from verl's ``global_batch_info`` (:func:`verl_normalizer`), and verl's metrics
+(:mod:`.policy_metrics`)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,17 @@ from typing import Any
 import torch
 
 import lossplug
-from lossplug.adapters.common import ActionRows, warn_once, zero_loss
-from lossplug.adapters.verl.config import POLICY_RECIPE_KEY, load_recipe
+from lossplug.adapters.common import ActionRows, zero_loss
+from lossplug.adapters.verl.config import policy_plan
 from lossplug.adapters.verl.equivalent import LOSS_AGG_REDUCTIONS
+from lossplug.adapters.verl.plan import CallPattern, PolicyTerm, VerlTerms
 from lossplug.adapters.verl.policy_metrics import verl_loss_metrics
-from lossplug.adapters.verl.registration import MARK, MODULE, NAME, check_once
-from lossplug.adapters.verl.regularizers import policy_term
-from lossplug.adapters.verl.rollout import without_verls_correction
-from lossplug.contracts import LossplugError, Normalizer, PolicyBatch, Recipe
+from lossplug.adapters.verl.recipes import POLICY_RECIPE_KEY
+from lossplug.adapters.verl.registration import MARK
+from lossplug.contracts import LossplugError, Normalizer, PolicyBatch
 from lossplug.contracts.normalizer import whole_count
 from lossplug.peers import Peers
-from lossplug.pipeline import CompiledRecipe, Validate, join_peers, metric_level
+from lossplug.pipeline import join_peers
 
 __all__ = ["LOSS_AGG_MODES", "compute_policy_loss_lossplug", "policy_batch", "verl_normalizer"]
 
@@ -46,37 +47,33 @@ def compute_policy_loss_lossplug(
     Returns ``(loss, metrics)`` like verl's built-ins: the loss is this micro-batch's share of the step, already
     multiplied by ``dp_size``; entropy and KL are left to verl's ``ppo_loss``.
     """
-    check_once("policy")
-    recipe = policy_term(_policy_recipe(config), config, loss_agg_mode)
-    policy_cfg = getattr(config, "policy_loss", None)
-    validate: Validate = getattr(policy_cfg, "validation", "full") if policy_cfg is not None else "full"
-    level = metric_level(getattr(policy_cfg, "metrics", "basic") if policy_cfg is not None else "basic")
-    _warn_if_reductions_differ(lossplug.compile_recipe(recipe), loss_agg_mode)
-    # corrections on the engine ratio read the rollout engine's log-probs; bypass mode's gates (bypass_is, bypass_rs)
-    # read old_logp, which verl's apply_bypass_mode has set to the rollout log-probs. verl's ppo_loss never passes
-    # rollout_log_probs: such gates must be verl's own rollout correction, which its driver has applied already
-    if rollout_is_weights is not None or rollout_log_probs is None:
-        recipe = without_verls_correction(recipe, policy_cfg, has_weights=rollout_is_weights is not None)
-    compiled = lossplug.compile_recipe(recipe)
+    # derived once per configuration (the plan) and per call pattern (the term): looked up here, never rebuilt
+    plan = policy_plan(config)
+    call = CallPattern(
+        terms=VerlTerms.of(config, loss_agg_mode),
+        has_weights=rollout_is_weights is not None,
+        has_engine_logp=rollout_log_probs is not None,
+    )
+    term = plan.term(call)
 
     rows = ActionRows(response_mask)
     # verl pools its batch-level statistics (distributed_masked_mean) over the default process group
     peers = Peers.torch_distributed()
     if rows.none:  # nothing to learn from in this micro-batch; keep the graph connected, join the peers' statistics
-        join_peers(recipe, peers, log_prob)
+        join_peers(term.recipe, peers, log_prob)
         return zero_loss(log_prob, response_mask), {}
     batch = policy_batch(rows, old_log_prob, log_prob, advantages, response_mask, rollout_log_probs)
     info = getattr(config, "global_batch_info", None) if config is not None else None
-    normalizer, multiplier = _step_population(compiled, info, batch.action_mask, rows)
+    normalizer, multiplier = _step_population(term, info, batch.action_mask, rows)
     weight = rows.take(rollout_is_weights)
     result = lossplug.policy_loss(
-        batch, recipe, normalizer, validate=validate, metrics=level, weight=weight, peers=peers
+        batch, term.recipe, normalizer, validate=plan.validate, metrics=plan.metrics, weight=weight, peers=peers
     )
     loss = result.loss * multiplier
     metrics: dict[str, Any] = {}
-    if level != "off":  # verl wants floats: one device→host transfer for all of them
+    if plan.metrics != "off":  # verl wants floats: one device→host transfer for all of them
         with torch.no_grad():
-            metrics = verl_loss_metrics(result.metric_tensors, compiled.update.plugin.name)
+            metrics = verl_loss_metrics(result.metric_tensors, term.update_gate)
     return loss, metrics
 
 
@@ -101,23 +98,8 @@ def policy_batch(
     )
 
 
-def _warn_if_reductions_differ(compiled: CompiledRecipe, loss_agg_mode: str) -> None:
-    reduction = compiled.reduction.plugin.name
-    matching = LOSS_AGG_MODES.get(loss_agg_mode)
-    if matching != reduction:
-        wanted = next((m for m, r in LOSS_AGG_MODES.items() if r == reduction), "a matching mode")
-        warn_once(
-            f"agg:{loss_agg_mode}:{reduction}",
-            (
-                f"lossplug: the recipe reduces the policy term with '{reduction}', but actor.loss_agg_mode="
-                f"{loss_agg_mode} (lossplug's {matching or 'no reduction'}) still reduces verl's entropy and KL terms; "
-                f"set loss_agg_mode to {wanted} to reduce them alike"
-            ),
-        )
-
-
 def _step_population(
-    compiled: CompiledRecipe, info: Mapping[str, Any] | None, mask: Tensor, rows: ActionRows
+    term: PolicyTerm, info: Mapping[str, Any] | None, mask: Tensor, rows: ActionRows
 ) -> tuple[Normalizer | None, float]:
     """``(normalizer, multiplier)``: the population the micro-batch's share is reduced over, and what the share is
     multiplied by (``dp_size``, cancelling the data-parallel gradient averaging as verl's ``agg_loss`` does).
@@ -127,8 +109,8 @@ def _step_population(
     micro-batch's own mean over every row (rows without an action token count in torch.mean's denominator): the
     micro-batch is its own population (only the budget of ``fixed`` is verl's), no × dp_size, times the kept rows'
     share."""
-    reduction = compiled.reduction.plugin.name
-    local = getattr(compiled.reduction.params, "population", "step") == "micro_batch"
+    reduction = term.reduction
+    local = term.micro_batch_population
     normalizer, dp_size = verl_normalizer(info, mask, counts_needed=reduction != "token_sum" and not local)
     if local:
         budget = normalizer.budget if normalizer is not None else None
@@ -139,8 +121,7 @@ def _step_population(
                 action_tokens=max(int(mask.sum()), 1), sequences=mask.shape[0], budget=budget, micro_batches=1
             )
         )
-    params: Any = compiled.reduction.params  # (the reduction's own model: FixedParams for 'fixed')
-    if reduction == "fixed" and params.budget is None and (normalizer is None or normalizer.budget is None):
+    if reduction == "fixed" and term.fixed_budget is None and (normalizer is None or normalizer.budget is None):
         raise LossplugError(
             f"{POLICY_RECIPE_KEY}: reduction 'fixed' needs a budget: set "
             f"actor_rollout_ref.actor.loss_scale_factor=<max response length> (verl's "
@@ -186,19 +167,6 @@ def verl_normalizer(
     return Normalizer(
         action_tokens=tokens, sequences=sequences, budget=float(budget) if budget is not None else None
     ), dp_size
-
-
-def _policy_recipe(config: Any) -> Recipe:
-    policy = getattr(config, "policy_loss", None) if config is not None else None
-    source = None
-    if policy is not None:
-        source = policy.get("recipe") if hasattr(policy, "get") else getattr(policy, "recipe", None)
-    if source is None:
-        raise LossplugError(
-            f"loss_mode={NAME} needs a recipe: set actor_rollout_ref.actor.policy_loss._target_="
-            f"{MODULE}.LossplugPolicyLossConfig and +{POLICY_RECIPE_KEY}=<preset | /abs/path/recipe.yaml | {{…}}>"
-        )
-    return load_recipe(source, POLICY_RECIPE_KEY)
 
 
 setattr(compute_policy_loss_lossplug, MARK, True)

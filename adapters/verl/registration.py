@@ -1,7 +1,11 @@
 """Registration with verl: lossplug's policy loss and advantage estimator in verl's registries under the name
-``lossplug`` (:func:`register`, done when :mod:`lossplug.adapters.verl` is imported — by ``import verl``, through
-the ``verl.plugins`` entry point), and the check that the whole chain works in this process
-(:func:`check_registration`): verl only logs entry-point failures at DEBUG level."""
+``lossplug`` (:func:`install`, called with both functions by :func:`lossplug.adapters.verl.register` when
+:mod:`lossplug.adapters.verl` is imported — by ``import verl``, through the ``verl.plugins`` entry point), and the
+check that the whole chain works in this process (:func:`check_registration`): verl only logs entry-point failures
+at DEBUG level.
+
+The functions are handed in, not imported: the policy loss and the estimator check the registration themselves, so
+this module sits below them (the modules of :mod:`lossplug.adapters.verl` import each other without a loop)."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from verl.trainer.ppo import core_algos
 
 from lossplug.contracts import LossplugError
 
-__all__ = ["ENTRY_POINT_GROUP", "MODULE", "NAME", "check_once", "check_registration", "entry_point", "register"]
+__all__ = ["ENTRY_POINT_GROUP", "MODULE", "NAME", "check_once", "check_registration", "entry_point", "install"]
 
 #: the name under which lossplug is registered in both verl registries
 NAME = "lossplug"
@@ -24,6 +28,14 @@ ENTRY_POINT_GROUP = "verl.plugins"
 MODULE = "lossplug.adapters.verl"
 #: what marks a function as one of lossplug's (an older copy after importlib.reload may be replaced)
 MARK = "__lossplug_verl__"
+
+#: the two registry slots lossplug fills: (what, verl's registry, the config key that selects it)
+_SLOTS: dict[str, tuple[dict[str, Any], str]] = {
+    "policy loss": (core_algos.POLICY_LOSS_REGISTRY, "actor_rollout_ref.actor.policy_loss.loss_mode"),
+    "advantage estimator": (core_algos.ADV_ESTIMATOR_REGISTRY, "algorithm.adv_estimator"),
+}
+#: what → lossplug's function, as :func:`install` put it in verl's registry in this process
+_installed: dict[str, Callable[..., Any]] = {}
 
 
 def entry_point() -> md.EntryPoint | None:
@@ -68,51 +80,34 @@ def check_registration(*, policy_loss: bool = True, estimator: bool = True) -> N
     every process of a run (entry point installed and enabled) and both verl registries hold lossplug's functions."""
     problems = []
     ok, why = _loaded_by_import_verl(entry_point())
-    compute_policy_loss_lossplug, compute_lossplug_advantage = _lossplug_functions()
     if not ok:
         problems.append(why)
-    slots: list[tuple[str, dict[str, Any], Callable[..., Any], str]] = []
-    if policy_loss:
-        slots.append(
-            (
-                "policy loss",
-                core_algos.POLICY_LOSS_REGISTRY,
-                compute_policy_loss_lossplug,
-                "actor_rollout_ref.actor.policy_loss.loss_mode",
-            )
-        )
-    if estimator:
-        slots.append(
-            (
-                "advantage estimator",
-                core_algos.ADV_ESTIMATOR_REGISTRY,
-                compute_lossplug_advantage,
-                "algorithm.adv_estimator",
-            )
-        )
-    for what, table, fn, key in slots:
-        found = table.get(NAME)
+    wanted = [what for what, asked in (("policy loss", policy_loss), ("advantage estimator", estimator)) if asked]
+    for what in wanted:
+        table, key = _SLOTS[what]
+        found, ours = table.get(NAME), _installed.get(what)
         if found is None:
             problems.append(
                 f"verl's {what} registry has no '{NAME}' in this process ({key}={NAME} cannot "
                 f"resolve): the module {MODULE} was not imported by `import verl`"
             )
-        elif found is not fn:
+        elif found is not ours:
+            theirs = f"lossplug's {_describe(ours)}" if ours is not None else f"lossplug's (from {MODULE})"
             problems.append(
-                f"verl's {what} '{NAME}' is {_describe(found)}, not lossplug's {_describe(fn)}: another "
-                f"package registered the same name"
+                f"verl's {what} '{NAME}' is {_describe(found)}, not {theirs}: another package registered the same name"
             )
     if problems:
         raise LossplugError("lossplug is not registered with verl: " + "; ".join(problems))
 
 
-def register() -> None:
-    """Register lossplug's policy loss and advantage estimator with verl (idempotent; done on import)."""
-    compute_policy_loss_lossplug, compute_lossplug_advantage = _lossplug_functions()
-    for table, fn, what in (
-        (core_algos.POLICY_LOSS_REGISTRY, compute_policy_loss_lossplug, "policy loss"),
-        (core_algos.ADV_ESTIMATOR_REGISTRY, compute_lossplug_advantage, "advantage estimator"),
-    ):
+def install(policy_loss: Callable[..., Any], estimator: Callable[..., Any]) -> None:
+    """Put lossplug's policy loss and advantage estimator in verl's registries under :data:`NAME` (idempotent). An
+    older copy of lossplug's (after ``importlib.reload``, marked with :data:`MARK`) is replaced; another package's
+    function under the name is refused, never overwritten."""
+    functions = {"policy loss": policy_loss, "advantage estimator": estimator}
+    _installed.update(functions)
+    for what, fn in functions.items():
+        table, _ = _SLOTS[what]
         found = table.get(NAME)
         if found is fn:
             continue
@@ -120,18 +115,10 @@ def register() -> None:
             raise LossplugError(
                 f"cannot register lossplug with verl: the {what} '{NAME}' is already taken by {_describe(found)}"
             )
-        if found is not None:  # an older copy of this very module (importlib.reload): replace it
+        if found is not None:  # an older copy of lossplug's own function (importlib.reload): replace it
             del table[NAME]
-    core_algos.register_policy_loss(NAME)(compute_policy_loss_lossplug)
-    core_algos.register_adv_est(NAME)(compute_lossplug_advantage)
-
-
-def _lossplug_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """(the policy loss, the advantage estimator) — imported here: both modules check the registration."""
-    from lossplug.adapters.verl.advantage import compute_lossplug_advantage
-    from lossplug.adapters.verl.policy_loss import compute_policy_loss_lossplug
-
-    return compute_policy_loss_lossplug, compute_lossplug_advantage
+    core_algos.register_policy_loss(NAME)(policy_loss)
+    core_algos.register_adv_est(NAME)(estimator)
 
 
 _checked_kinds: set[str] = set()

@@ -1,21 +1,20 @@
 """The entropy and KL terms under verl: verl's ``ppo_loss`` adds them itself around any policy loss (from the
 actor's ``entropy_coeff`` / ``use_kl_loss`` settings) and hands a policy loss neither entropies nor reference
 log-probs. A recipe's regularizers must therefore be exactly those terms; the policy loss then computes only the
-policy term (:func:`policy_term`), so each is counted once."""
+policy term (:func:`policy_term`), so each is counted once. Nothing here is cached: the policy loss's plan
+(:mod:`.plan`) derives the term once per configuration and the settings it is called with (:class:`VerlTerms`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from lossplug.adapters.common import warn_once
-from lossplug.adapters.verl.config import POLICY_RECIPE_KEY
 from lossplug.adapters.verl.equivalent import LOSS_AGG_REDUCTIONS, verl_regularizers
+from lossplug.adapters.verl.recipes import POLICY_RECIPE_KEY
 from lossplug.contracts import LossplugError, Recipe
 
-__all__ = ["policy_term", "verl_settings_for"]
-
-#: (id(recipe), verl's settings) → (recipe, its policy term); the recipe is kept so that its id is never reused
-_policy_terms: dict[tuple[Any, ...], tuple[Recipe, Recipe]] = {}
+__all__ = ["VerlTerms", "policy_term", "verl_settings_for"]
 
 
 def _config_value(config: Any, key: str, default: Any) -> Any:
@@ -25,49 +24,67 @@ def _config_value(config: Any, key: str, default: Any) -> Any:
     return default if value is None else value
 
 
+@dataclass(frozen=True)
+class VerlTerms:
+    """The actor settings with which verl's ``ppo_loss`` adds its entropy and KL terms around a policy loss, and the
+    ``loss_agg_mode`` that reduces them — a value (frozen, hashable): the policy loss's plan keys its terms by it."""
+
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_type: str = "low_var_kl"
+    kl_loss_coef: float = 0.001
+    loss_agg_mode: str = "token-mean"
+
+    @classmethod
+    def of(cls, actor_config: Any, loss_agg_mode: str) -> VerlTerms:
+        """The settings of verl's actor config (its ``ActorConfig``, a ``DictConfig`` or a mapping; verl's defaults
+        for what it lacks) with the ``loss_agg_mode`` verl passed the policy loss."""
+        return cls(
+            entropy_coeff=float(_config_value(actor_config, "entropy_coeff", 0.0)),
+            use_kl_loss=bool(_config_value(actor_config, "use_kl_loss", False)),
+            kl_loss_type=str(_config_value(actor_config, "kl_loss_type", "low_var_kl")),
+            kl_loss_coef=float(_config_value(actor_config, "kl_loss_coef", 0.001)),
+            loss_agg_mode=loss_agg_mode,
+        )
+
+
 def _reduction_name(reduction: Any, default: str) -> str:
     if reduction is None:
         return default
     return str(reduction if isinstance(reduction, str) else reduction["name"])
 
 
-def policy_term(recipe: Recipe, config: Any, loss_agg_mode: str) -> Recipe:
+def policy_term(recipe: Recipe, terms: VerlTerms) -> Recipe:
     """The recipe without its regularizers, once they are found to be exactly the terms verl's ``ppo_loss`` adds
     itself around the policy loss (``entropy_coeff``; ``use_kl_loss``, ``kl_loss_type``, ``kl_loss_coef``; reduced
     with ``loss_agg_mode`` over the step) — so each is counted once. verl hands a policy loss neither the entropy nor
     the reference log-probs, so a regularizer verl does not add cannot be computed here: it is refused, naming the
-    settings. Resolved once per recipe and settings."""
-    entropy_coeff = float(_config_value(config, "entropy_coeff", 0.0))
-    use_kl = bool(_config_value(config, "use_kl_loss", False))
-    kl_type = str(_config_value(config, "kl_loss_type", "low_var_kl"))
-    kl_coef = float(_config_value(config, "kl_loss_coef", 0.001))
-    key = (id(recipe), entropy_coeff, use_kl, kl_type, kl_coef, loss_agg_mode)
-    cached = _policy_terms.get(key)
-    if cached is not None:
-        return cached[1]
-    settings = {"entropy_coeff": entropy_coeff, "use_kl_loss": use_kl, "kl_loss_type": kl_type, "kl_loss_coef": kl_coef}
-    agg = LOSS_AGG_REDUCTIONS.get(loss_agg_mode, loss_agg_mode)
+    settings."""
+    settings = {
+        "entropy_coeff": terms.entropy_coeff,
+        "use_kl_loss": terms.use_kl_loss,
+        "kl_loss_type": terms.kl_loss_type,
+        "kl_loss_coef": terms.kl_loss_coef,
+    }
+    agg = LOSS_AGG_REDUCTIONS.get(terms.loss_agg_mode, terms.loss_agg_mode)
     verl_adds = verl_regularizers(settings, agg)
     described = (
-        f"actor.entropy_coeff={entropy_coeff}, use_kl_loss={use_kl}, kl_loss_type={kl_type}, kl_loss_coef={kl_coef}, "
-        f"loss_agg_mode={loss_agg_mode}"
+        f"actor.entropy_coeff={terms.entropy_coeff}, use_kl_loss={terms.use_kl_loss}, "
+        f"kl_loss_type={terms.kl_loss_type}, kl_loss_coef={terms.kl_loss_coef}, loss_agg_mode={terms.loss_agg_mode}"
     )
     if recipe.regularizers:
         _check_they_are_verls(recipe, verl_adds, agg, described)
-        term = Recipe.load({k: v for k, v in recipe.to_dict().items() if k != "regularizers"})
-    else:
-        if verl_adds:
-            warn_once(
-                f"regularizers:{key[1:]}",
-                (
-                    f"lossplug: verl's ppo_loss adds {', '.join(r['name'] for r in verl_adds)} ({described}) to the "
-                    f"policy loss of {POLICY_RECIPE_KEY}, which does not list them: its record does not describe the "
-                    f"whole loss (verl_equivalent(actor) gives the recipe that does)"
-                ),
-            )
-        term = recipe
-    _policy_terms[key] = (recipe, term)
-    return term
+        return Recipe.load({k: v for k, v in recipe.to_dict().items() if k != "regularizers"})
+    if verl_adds:
+        warn_once(
+            f"regularizers:{described}",
+            (
+                f"lossplug: verl's ppo_loss adds {', '.join(r['name'] for r in verl_adds)} ({described}) to the "
+                f"policy loss of {POLICY_RECIPE_KEY}, which does not list them: its record does not describe the "
+                f"whole loss (verl_equivalent(actor) gives the recipe that does)"
+            ),
+        )
+    return recipe
 
 
 def _check_they_are_verls(recipe: Recipe, verl_adds: list[dict[str, Any]], agg: str, described: str) -> None:

@@ -2,7 +2,8 @@
 log-probs to a policy loss — its driver applies ``algorithm.rollout_correction`` itself and hands the loss
 ``rollout_is_weights`` (and removes rejected tokens from ``response_mask``). A recipe's corrections against the
 rollout engine must therefore be exactly that config, forwarded to the actor; they are then dropped from the policy
-term and verl's weights applied instead, once (:func:`without_verls_correction`) — else refused with the lines."""
+term and verl's weights applied instead, once (:func:`without_verls_correction`) — else refused with the lines.
+Nothing here is cached: the policy loss's plan (:mod:`.plan`) asks once per configuration and call pattern."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lossplug
-from lossplug.adapters.verl.config import POLICY_RECIPE_KEY
-from lossplug.adapters.verl.equivalent import as_plain
 from lossplug.adapters.verl.equivalent.rollout_correction import correction_gates
+from lossplug.adapters.verl.recipes import POLICY_RECIPE_KEY
 from lossplug.contracts import LossplugError, Recipe
 
 __all__ = ["without_verls_correction"]
@@ -77,23 +77,15 @@ def _verl_lines(gates: Sequence[Mapping[str, Any]]) -> str | None:
     return " ".join(f"{_RC}.{k}={value(v)}" for k, v in settings.items())
 
 
-#: (id(recipe), forwarded rollout_correction, weights given) → (recipe, the recipe without verl's correction gates)
-_correction_terms: dict[tuple[Any, ...], tuple[Recipe, Recipe]] = {}
-
-
-def without_verls_correction(recipe: Recipe, policy_cfg: Any, *, has_weights: bool) -> Recipe:
+def without_verls_correction(recipe: Recipe, forwarded: Mapping[str, Any] | None, *, has_weights: bool) -> Recipe:
     """The recipe without its correction gates against the rollout engine, once they are found to be exactly verl's
-    ``algorithm.rollout_correction`` (forwarded as ``actor.policy_loss.rollout_correction``), which verl's driver has
-    applied: its weights arrive as ``rollout_is_weights`` (applied by the caller, once) and its rejection in
+    ``algorithm.rollout_correction`` — ``forwarded``: as the actor's ``policy_loss.rollout_correction``, a plain
+    mapping, or None when not forwarded — which verl's driver has applied: its weights arrive as
+    ``rollout_is_weights`` (applied by the caller, once; ``has_weights``: they did) and its rejection in
     ``response_mask``. A recipe without such gates is returned as is. Otherwise refused, with the override lines."""
     engine_side = _engine_corrections(recipe)
     if not engine_side:
         return recipe
-    forwarded = as_plain(getattr(policy_cfg, "rollout_correction", None), "policy_loss.rollout_correction")
-    key = (id(recipe), json.dumps(forwarded, sort_keys=True, default=str), has_weights)
-    cached = _correction_terms.get(key)
-    if cached is not None:
-        return cached[1]
     ours = [recipe.gates[i].to_dict() for i, _ in engine_side]
     names = ", ".join(f"recipe.gates[{i}] ({s.plugin.name})" for i, s in engine_side)
     lines = _verl_lines(ours)
@@ -141,6 +133,4 @@ def without_verls_correction(recipe: Recipe, policy_cfg: Any, *, has_weights: bo
     dropped = {i for i, _ in engine_side}
     spec = recipe.to_dict()
     spec["gates"] = [g for i, g in enumerate(spec["gates"]) if i not in dropped]
-    term = Recipe.load(spec)
-    _correction_terms[key] = (recipe, term)
-    return term
+    return Recipe.load(spec)
