@@ -13,9 +13,10 @@ position).
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
-from typing import Literal, overload
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
@@ -24,6 +25,9 @@ from .checks import DTYPE_KINDS, Checks, any_of
 from .errors import Violation, describe_positions
 from .memo import CHECKED, base_of, rows_of
 from .rules import Fields, Rule, RuleTable, needs, of_kind, requirement, where_bad
+
+if TYPE_CHECKING:
+    from .batch import TensorField
 
 Tensor = torch.Tensor
 
@@ -35,12 +39,6 @@ ENTROPY_TOLERANCE = 1e-3
 
 #: a sum of squared probabilities may exceed 1 by this much (low-precision rounding) before it is rejected.
 PROBABILITY_TOLERANCE = 1e-3
-
-#: PolicyBatch's per-token float fields, and those of them that are log-probs (finite and ≤ LOGP_TOLERANCE)
-TOKEN_FLOATS = ("logp", "old_logp", "behavior_logp", "ref_logp", "teacher_logp", "value")
-LOGPROBS = ("logp", "old_logp", "behavior_logp", "ref_logp", "teacher_logp")
-#: the fields whose values are checked: finite on the actions (log-probs also ≤ LOGP_TOLERANCE), or finite per row
-VALUE_FIELDS = TOKEN_FLOATS + ("advantage", "reward", "reward_baseline")
 
 NOT_FINITE = "must be finite on action positions"
 ABOVE_ZERO = f"log-probs must be <= 0 (tolerance {LOGP_TOLERANCE}) on action positions"
@@ -73,6 +71,40 @@ def _extremes(x: Tensor, logprob: bool, host: bool) -> tuple[bool, bool] | tuple
         lo, hi = low.item(), high.item()  # NaN fails both comparisons
         return lo > -math.inf, (hi <= LOGP_TOLERANCE) if logprob else (hi < math.inf)
     return low > float("-inf"), (high <= LOGP_TOLERANCE) if logprob else (high < float("inf"))
+
+
+#: the key of ``fields`` (beside the contract's own) under which a check collects the fresh fields whose finiteness
+#: its caller proves itself (:meth:`lossplug.PolicyBatch.check` with ``finite_later=True``)
+FINITE_LATER = "<finite later>"
+
+#: the integer dtype a float dtype's bits are read as
+_BITS = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
+
+
+@functools.cache
+def _tolerance_bits(dtype: torch.dtype) -> int:
+    """The bits of the largest ``dtype`` value ≤ ``LOGP_TOLERANCE``, read as a signed integer: a float of that dtype
+    is ≤ the tolerance or negative (or a negative NaN) exactly when its bits are ≤ this as integers."""
+    bits = int(torch.tensor(LOGP_TOLERANCE, dtype=dtype).view(_BITS[dtype]).item())
+    # a positive float's bits count up with its value: step down to the largest value the rounding did not exceed
+    while float(torch.tensor(bits, dtype=_BITS[dtype]).view(dtype)) > LOGP_TOLERANCE:
+        bits -= 1
+    return bits
+
+
+def _at_most_tolerance(t: Tensor) -> bool:
+    """Every element of the float tensor ``t`` is ≤ ``LOGP_TOLERANCE``, −inf and negative NaNs aside: one integer
+    max over its bits (half of ``aminmax``'s pass). Positive NaN and +inf fail; −inf and a negative NaN are left to
+    a finiteness test."""
+    bits = _BITS.get(t.dtype)
+    if bits is None:
+        return bool(t.detach().amax() <= LOGP_TOLERANCE)
+    return int(t.detach().view(bits).amax()) <= _tolerance_bits(t.dtype)
 
 
 def _token_values_pass_on_host(t: Tensor, mask: Tensor, logprob: bool) -> bool:
@@ -206,12 +238,10 @@ def _same_elements_checked(fields: Fields, t: Tensor, earlier: tuple[str, ...]) 
     return False
 
 
-def _values(name: str) -> Rule:
+def _values(name: str, spec: TensorField, earlier: tuple[str, ...]) -> Rule:
     """A value field: per token (``[B, T]``) finite on the actions, log-probs also ≤ tolerance; per row (``[B]``)
-    finite."""
-    logprob = name in LOGPROBS
-    position = VALUE_FIELDS.index(name)
-    earlier = tuple(other for other in VALUE_FIELDS[:position] if (other in LOGPROBS) == logprob)
+    finite. ``earlier``: the fields under the same rule checked before it (the same elements are not read twice)."""
+    logprob = spec.values == "logprob"
 
     def passes(fields: Fields) -> bool:
         t = fields[name]
@@ -219,7 +249,16 @@ def _values(name: str) -> Rule:
             return _finite_on_host(t)
         if earlier and _same_elements_checked(fields, t, earlier):
             return True
-        return _token_values_pass_on_host(t, fields["action_mask"], logprob)
+        mask = fields["action_mask"]
+        later = fields.get(FINITE_LATER)
+        if later is not None and logprob and t.requires_grad:
+            # the caller proves finiteness on the actions itself: only the tolerance is read here, the whole tensor
+            # first, the action positions if that fails (off them anything goes)
+            if _at_most_tolerance(t) or _at_most_tolerance(torch.where(mask, t.detach(), 0)):
+                later.append(name)
+                return True
+            return False
+        return _token_values_pass_on_host(t, mask, logprob)
 
     def report(checks: Checks, fields: Fields) -> None:
         t = fields[name]
@@ -228,12 +267,18 @@ def _values(name: str) -> Rule:
         elif not (earlier and _same_elements_checked(fields, t, earlier)):
             _report_token_values(checks, name, t, fields["action_mask"], logprob)
 
-    return Rule(name, (name, "action_mask"), passes, report)
+    where = {"token": " on action positions", "row": "", "row_or_token": " (per token: on action positions)"}
+    summary = (f"finite and <= {LOGP_TOLERANCE}" if logprob else "finite") + where[spec.shape]
+    return Rule(name, (name, "action_mask"), passes, report, summary)
 
 
 def _finite_rows(name: str) -> Rule:
     return Rule(
-        name, (name,), lambda fields: _finite_on_host(fields[name]), lambda c, f: _report_finite(c, name, f[name])
+        name,
+        (name,),
+        lambda fields: _finite_on_host(fields[name]),
+        lambda c, f: _report_finite(c, name, f[name]),
+        "finite",
     )
 
 
@@ -269,44 +314,38 @@ def _rewards_on_actions_only() -> Rule:
 
         checks.when_flag(not passes(fields) if checks_module.on_host(reward) else any_of((reward != 0) & ~mask), find)
 
-    return Rule("reward", ("reward", "action_mask"), passes, report)
+    return Rule("reward", ("reward", "action_mask"), passes, report, "token rewards [B, T] are 0 off the actions")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # PolicyBatch
 
-#: every field of PolicyBatch but logp, in declaration order: may it be [B, T], may it be [B], and its dtype kind
-#: (reward_components, [B, K], has a shape rule of its own)
-POLICY_LAYOUT: dict[str, tuple[bool, bool, str]] = {
-    "action_mask": (True, False, "bool"),
-    "old_logp": (True, False, "float"),
-    "behavior_logp": (True, False, "float"),
-    "ref_logp": (True, False, "float"),
-    "advantage": (True, True, "float"),
-    "reward": (True, True, "float"),
-    "value": (True, False, "float"),
-    "group_id": (False, True, "int"),
-    "trajectory_id": (False, True, "int"),
-    "terminated": (False, True, "bool"),
-    "final_value": (False, True, "float"),
-    "entropy": (True, False, "float"),
-    "sum_pi_squared": (True, False, "float"),
-    "reward_baseline": (False, True, "float"),
-    "reward_components": (False, False, "float"),
-    "teacher_logp": (True, False, "float"),
-    "behavior_version": (True, True, "int"),
-    "policy_version": (False, True, "int"),
-    "anchor_id": (False, True, "int"),
-}
+
+def dense(names: tuple[str, ...]) -> Rule:
+    """Every field given is a dense (strided) tensor: the rules and the plugins read it elementwise."""
+
+    def passes(fields: Fields) -> bool:
+        strided = torch.strided
+        return all(fields[name] is None or fields[name].layout == strided for name in names)
+
+    def report(checks: Checks, fields: Fields) -> None:
+        for name in names:
+            t = fields[name]
+            if t is not None and t.layout != torch.strided:
+                checks.fail(name, f"must be a dense tensor, got layout {t.layout} (convert with .to_dense())")
+
+    return Rule(names[0], (), passes, report)
 
 
-def _aligned_with_logp() -> Rule:
-    """Every field's shape aligns with logp's (:data:`POLICY_LAYOUT`), its dtype is of its kind, and it lives on
+def _aligned_with_logp(specs: Mapping[str, TensorField]) -> Rule:
+    """Every field's shape aligns with logp's (its declared shape), its dtype is of its kind, and it lives on
     logp's device."""
     # per field: which of the allowed-shape choices below it takes (None: [B, K >= 1]), its kind and the kind's test
+    choice = {"token": 0, "row": 1, "row_or_token": 2, "columns": None}
     layout = [
-        (name, 2 if per_token and per_row else 1 if per_row else 0 if per_token else None, kind, DTYPE_KINDS[kind][0])
-        for name, (per_token, per_row, kind) in POLICY_LAYOUT.items()
+        (name, choice[spec.shape], spec.kind, DTYPE_KINDS[spec.kind][0])
+        for name, spec in specs.items()
+        if name != "logp"
     ]
 
     def choices(shape: torch.Size) -> tuple[tuple[torch.Size, ...], ...]:
@@ -362,12 +401,39 @@ def _behavior_versions(fields: Fields) -> Tensor:
     return _token_view(fields["behavior_version"], fields["action_mask"])
 
 
-def _versions_needed(given: str, missing: str) -> Rule:
-    return needs(
-        given,
-        missing,
+def _versions_needed(missing: str) -> str:
+    return (
         f"is read against {missing}: give both (the versions that generated the tokens and the version this update "
-        "starts from)",
+        "starts from)"
+    )
+
+
+#: why a field is only read together with its ``given_with`` field (its declaration names which)
+_GIVEN_WITH = {
+    "behavior_version": _versions_needed("policy_version"),
+    "policy_version": _versions_needed("behavior_version"),
+    "anchor_id": "names states within a prompt group: give group_id [B] with it (rows of one group with equal "
+    "anchor_id saw the same state)",
+    "final_value": "is only read for truncated responses: give terminated [B] bool with it (False where the response "
+    "was cut by a time limit)",
+}
+
+
+def _entropy(name: str) -> Rule:
+    return where_bad(
+        name,
+        (name, "action_mask"),
+        _on_actions(lambda f: ~(torch.isfinite(f[name]) & (f[name] >= -ENTROPY_TOLERANCE))),
+        f"must be finite and >= 0 (tolerance {ENTROPY_TOLERANCE}) on action positions",
+    )
+
+
+def _probability(name: str) -> Rule:
+    return where_bad(
+        name,
+        (name, "action_mask"),
+        _on_actions(lambda f: ~((f[name] >= 0) & (f[name] <= 1 + PROBABILITY_TOLERANCE))),
+        f"must be in [0, 1] (tolerance {PROBABILITY_TOLERANCE}) on action positions: Σ_v π(v)² of a distribution",
     )
 
 
@@ -377,99 +443,75 @@ def _on_actions(bad: Callable[[Fields], Tensor]) -> Callable[[Fields], Tensor]:
 
 _VERSIONS = ("behavior_version", "policy_version", "action_mask")
 
-POLICY_BATCH_RULES = RuleTable(
-    "logp",
-    [
+
+def policy_batch_rules(specs: Mapping[str, TensorField]) -> RuleTable:
+    """PolicyBatch's rule table, from its fields' declarations: the shapes and kinds, each field's value rule, and
+    the rules between fields."""
+    value_fields = [n for n, s in specs.items() if s.values in ("logprob", "finite") and s.shape != "columns"]
+
+    def earlier(name: str) -> tuple[str, ...]:
+        logprob = specs[name].values == "logprob"
+        before = value_fields[: value_fields.index(name)]
+        return tuple(other for other in before if (specs[other].values == "logprob") == logprob)
+
+    return RuleTable(
+        "logp",
         [
-            requirement(
-                "logp",
-                ("logp",),
-                lambda f: f["logp"].ndim == 2,
-                lambda f: f"must be [B, T], got shape {tuple(f['logp'].shape)}",
-            )
-        ],
-        [
-            requirement(
-                "logp",
-                ("logp",),
-                lambda f: f["logp"].shape[0] > 0,
-                lambda f: f"a batch needs at least one response, got shape {list(f['logp'].shape)}",
-            )
-        ],
-        [
-            of_kind("logp", "float"),
-            _aligned_with_logp(),
-        ],
-        [
-            _rows_act(),
-            *(_values(name) for name in VALUE_FIELDS),
-            _rewards_on_actions_only(),
-            _finite_rows("reward_components"),
-            where_bad(
-                "entropy",
-                ("entropy", "action_mask"),
-                _on_actions(lambda f: ~(torch.isfinite(f["entropy"]) & (f["entropy"] >= -ENTROPY_TOLERANCE))),
-                f"must be finite and >= 0 (tolerance {ENTROPY_TOLERANCE}) on action positions",
-            ),
-            where_bad(
-                "sum_pi_squared",
-                ("sum_pi_squared", "action_mask"),
-                _on_actions(
-                    lambda f: ~((f["sum_pi_squared"] >= 0) & (f["sum_pi_squared"] <= 1 + PROBABILITY_TOLERANCE))
+            [dense(tuple(specs))],
+            [
+                requirement(
+                    "logp",
+                    ("logp",),
+                    lambda f: f["logp"].ndim == 2,
+                    lambda f: f"must be [B, T], got shape {tuple(f['logp'].shape)}",
+                )
+            ],
+            [
+                requirement(
+                    "logp",
+                    ("logp",),
+                    lambda f: f["logp"].shape[0] > 0,
+                    lambda f: f"a batch needs at least one response, got shape {list(f['logp'].shape)}",
+                )
+            ],
+            [
+                of_kind("logp", "float"),
+                _aligned_with_logp(specs),
+            ],
+            [
+                _rows_act(),
+                *(_values(n, specs[n], earlier(n)) for n in value_fields),
+                _rewards_on_actions_only(),
+                *(_finite_rows(n) for n, s in specs.items() if s.shape == "columns" and s.values == "finite"),
+                *(_entropy(n) for n, s in specs.items() if s.values == "entropy"),
+                *(_probability(n) for n, s in specs.items() if s.values == "probability"),
+                *(needs(n, s.given_with, _GIVEN_WITH[n]) for n, s in specs.items() if s.given_with is not None),
+                where_bad(
+                    "behavior_version",
+                    _VERSIONS,
+                    _on_actions(lambda f: _behavior_versions(f) < 0),
+                    "must be >= 0 on action positions",
                 ),
-                f"must be in [0, 1] (tolerance {PROBABILITY_TOLERANCE}) on action positions: Σ_v π(v)² of a "
-                "distribution",
-            ),
-            _versions_needed("behavior_version", "policy_version"),
-            _versions_needed("policy_version", "behavior_version"),
-            where_bad(
-                "behavior_version",
-                _VERSIONS,
-                _on_actions(lambda f: _behavior_versions(f) < 0),
-                "must be >= 0 on action positions",
-            ),
-            where_bad(
-                "behavior_version",
-                _VERSIONS,
-                _on_actions(lambda f: _behavior_versions(f) > f["policy_version"].unsqueeze(-1)),
-                "must be <= the row's policy_version on action positions: a token cannot come from a policy newer "
-                "than the one this update starts from",
-            ),
-            needs(
-                "anchor_id",
-                "group_id",
-                "names states within a prompt group: give group_id [B] with it (rows of one group with equal "
-                "anchor_id saw the same state)",
-            ),
-            needs(
-                "final_value",
-                "terminated",
-                "is only read for truncated responses: give terminated [B] bool with it (False where the response "
-                "was cut by a time limit)",
-            ),
-            where_bad(
-                "final_value",
-                ("final_value", "terminated"),
-                lambda f: ~f["terminated"] & ~torch.isfinite(f["final_value"]),
-                "must be finite for truncated (not terminated) responses",
-            ),
+                where_bad(
+                    "behavior_version",
+                    _VERSIONS,
+                    _on_actions(lambda f: _behavior_versions(f) > f["policy_version"].unsqueeze(-1)),
+                    "must be <= the row's policy_version on action positions: a token cannot come from a policy newer "
+                    "than the one this update starts from",
+                ),
+                where_bad(
+                    "final_value",
+                    ("final_value", "terminated"),
+                    lambda f: ~f["terminated"] & ~torch.isfinite(f["final_value"]),
+                    "must be finite for truncated (not terminated) responses",
+                ),
+            ],
         ],
-    ],
-)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # PackedTransitions
-
-#: PackedTransitions' fields, all [N], and their dtype kinds
-PACKED_LAYOUT = {
-    "reward": "float",
-    "value": "float",
-    "next_value": "float",
-    "terminated": "bool",
-    "boundary": "bool",
-    "trajectory_id": "int",
-}
 
 
 def _aligned_with_reward(name: str, kind: str) -> Rule:
@@ -503,45 +545,51 @@ def _closed() -> Rule:
     return Rule("boundary", ("boundary",), lambda f: bool(f["boundary"][-1]), report)
 
 
-PACKED_RULES = RuleTable(
-    "reward",
-    [
+def _finite_everywhere(name: str) -> Rule:
+    return where_bad(name, (name,), lambda f: ~torch.isfinite(f[name]), "must be finite", "positions")
+
+
+def packed_rules(specs: Mapping[str, TensorField]) -> RuleTable:
+    """PackedTransitions' rule table, from its fields' declarations."""
+    return RuleTable(
+        "reward",
         [
-            requirement(
-                "reward",
-                ("reward",),
-                lambda f: f["reward"].ndim == 1 and f["reward"].numel() > 0,
-                lambda f: (
-                    f"packed fragments must be non-empty and one-dimensional, got shape {list(f['reward'].shape)}"
+            [dense(tuple(specs))],
+            [
+                requirement(
+                    "reward",
+                    ("reward",),
+                    lambda f: f["reward"].ndim == 1 and f["reward"].numel() > 0,
+                    lambda f: (
+                        f"packed fragments must be non-empty and one-dimensional, got shape {list(f['reward'].shape)}"
+                    ),
+                )
+            ],
+            [_aligned_with_reward(name, spec.kind) for name, spec in specs.items()],
+            [
+                _closed(),
+                where_bad(
+                    "terminated",
+                    ("terminated", "boundary"),
+                    lambda f: f["terminated"] & ~f["boundary"],
+                    "a terminal transition must close its trajectory (terminated ⇒ boundary)",
+                    noun="positions",
                 ),
-            )
+                *(_finite_everywhere(name) for name, spec in specs.items() if spec.values == "finite"),
+                where_bad(
+                    "next_value",
+                    ("next_value", "terminated"),
+                    lambda f: ~f["terminated"] & ~torch.isfinite(f["next_value"]),
+                    "must be finite where the transition bootstraps (not terminated)",
+                    noun="positions",
+                ),
+                where_bad(
+                    "trajectory_id",
+                    ("trajectory_id", "boundary"),
+                    lambda f: (f["trajectory_id"][1:] != f["trajectory_id"][:-1]) & ~f["boundary"][:-1],
+                    "a fragment must not mix trajectories: the id changes without a boundary after",
+                    noun="positions",
+                ),
+            ],
         ],
-        [_aligned_with_reward(name, kind) for name, kind in PACKED_LAYOUT.items()],
-        [
-            _closed(),
-            where_bad(
-                "terminated",
-                ("terminated", "boundary"),
-                lambda f: f["terminated"] & ~f["boundary"],
-                "a terminal transition must close its trajectory (terminated ⇒ boundary)",
-                noun="positions",
-            ),
-            where_bad("reward", ("reward",), lambda f: ~torch.isfinite(f["reward"]), "must be finite", "positions"),
-            where_bad("value", ("value",), lambda f: ~torch.isfinite(f["value"]), "must be finite", "positions"),
-            where_bad(
-                "next_value",
-                ("next_value", "terminated"),
-                lambda f: ~f["terminated"] & ~torch.isfinite(f["next_value"]),
-                "must be finite where the transition bootstraps (not terminated)",
-                noun="positions",
-            ),
-            where_bad(
-                "trajectory_id",
-                ("trajectory_id", "boundary"),
-                lambda f: (f["trajectory_id"][1:] != f["trajectory_id"][:-1]) & ~f["boundary"][:-1],
-                "a fragment must not mix trajectories: the id changes without a boundary after",
-                noun="positions",
-            ),
-        ],
-    ],
-)
+    )

@@ -38,12 +38,14 @@ Fields = Mapping[str, Any]
 @dataclass(frozen=True)
 class Rule:
     """One contract rule: the field it names, the fields it reads (it applies when every one is set), its quick
-    host test and its report."""
+    host test and its report; ``summary`` states it in words for the schema and the docs (empty for the shape and
+    kind rules, which the field's declaration states)."""
 
     field: str
     reads: tuple[str, ...]
     passes: Callable[[Fields], bool]
     report: Callable[[Checks, Fields], None]
+    summary: str = ""
 
 
 def where_bad(
@@ -58,7 +60,7 @@ def where_bad(
     def report(checks: Checks, fields: Fields) -> None:
         checks.when_any(bad(fields), field, rule, noun)
 
-    return Rule(field, reads, passes, report)
+    return Rule(field, reads, passes, report, rule)
 
 
 def requirement(
@@ -76,7 +78,13 @@ def requirement(
 
 def needs(field: str, other: str, rule: str) -> Rule:
     """``field`` is only read together with ``other``: giving it alone is a violation."""
-    return requirement(field, (field,), lambda fields: fields[other] is not None, lambda _: rule)
+    return Rule(
+        field,
+        (field,),
+        lambda fields: fields[other] is not None,
+        lambda checks, fields: None if fields[other] is not None else checks.fail(field, rule),
+        f"given only with {other}",
+    )
 
 
 def of_kind(field: str, kind: str) -> Rule:

@@ -1,17 +1,25 @@
-"""Which batch fields a plugin or a whole recipe needs.
+"""Which batch fields a plugin or a whole recipe needs, and the one wording of a field a batch lacks.
 
-The CLI (``show``, ``recipe explain``, ``validate``), the registry's plugin listing, the adapters and the conformance
-kit all ask this question; they ask it here so that every answer is the same. The plugin-level primitive is the
-plugin's own ``required_fields(params)``; this module adds what callers kept re-deriving around it: the default
-parameters when none are given, the fields every policy batch carries anyway, and which stage of a recipe wants what.
+One concept, asked everywhere in the same words: the CLI (``show``, ``recipe explain``, ``validate``), the registry's
+plugin listing, the pipeline's checks, the adapters and the conformance kit. The plugin-level primitive is
+:func:`required_fields` — the optional fields a plugin declares it reads (its ``requires``, possibly a function of
+its parameters); :func:`batch_fields` adds what every batch of the plugin's kind carries; :func:`recipe_needs` says
+which stage of a recipe wants what; :func:`missing_field` and :func:`one_line_each` word what a batch lacks, one line
+per field naming every stage that needs it. What a field *is* (its shape and kind) comes from the contract's own
+declaration (:data:`FIELD_SHAPES`, :meth:`lossplug.PolicyBatch.describe_field`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from lossplug.missing_fields import ON_POLICY_HINT, MissingField, missing_field, one_line_each
-from lossplug.requires import required_fields
+from lossplug.contracts.batch import PackedTransitions, PolicyBatch
+from lossplug.contracts.errors import Violation
+from lossplug.contracts.recipe import Recipe
+
+from .stages import compile_recipe
 
 __all__ = [
     "ALWAYS",
@@ -25,27 +33,35 @@ __all__ = [
     "required_fields",
 ]
 
-#: what each batch field is, for people reading ``recipe explain`` and ``validate`` output
-FIELD_SHAPES = {
-    "logp": "[B, T] float — current policy, carries the gradient",
-    "action_mask": "[B, T] bool — True on policy actions",
-    "old_logp": "[B, T] float — training engine before the update",
-    "behavior_logp": "[B, T] float — rollout engine that sampled the tokens",
-    "ref_logp": "[B, T] float — frozen reference policy",
-    "entropy": "[B, T] float — per-token entropy of the current policy (carries the gradient for a bonus)",
-    "advantage": "[B] or [B, T] float",
-    "reward": "[B] or [B, T] float",
-    "value": "[B, T] float — critic V_old",
-    "group_id": "[B] int — prompt group",
-    "trajectory_id": "[B] int",
-    "terminated": "[B] bool — ended in a terminal state",
-    "final_value": "[B] float — value of the real final observation (truncated rows)",
-    "next_value": "[N] float — V(s_{t+1})",
-    "boundary": "[N] bool — the trace resets after this transition",
+#: what each batch field is, in one line — from the contracts' declarations (a field of both: PolicyBatch's)
+FIELD_SHAPES: dict[str, str] = {
+    **{name: PackedTransitions.describe_field(name) for name in PackedTransitions.FIELD_NAMES},
+    **{name: PolicyBatch.describe_field(name) for name in PolicyBatch.FIELD_NAMES},
 }
 
 #: every PolicyBatch carries these, whatever the recipe
-ALWAYS = ("logp", "action_mask")
+ALWAYS = tuple(name for name, info in PolicyBatch.model_fields.items() if info.is_required())
+
+
+def required_fields(plugin: Any, params: Any | None = None) -> tuple[str, ...]:
+    """The optional batch fields ``plugin`` reads with ``params``, or with its default parameters when none are given.
+
+    ``requires`` may be a function of the parameters. When no parameters are given and the plugin's parameter model
+    has no defaults to build from, only a fixed declaration can be answered; a parameter-dependent one gives ``()``.
+    Objects that only carry a ``requires`` attribute (duck-typed plugins in tests and examples) are answered from it.
+    """
+    if params is not None:
+        if hasattr(plugin, "required_fields"):
+            return tuple(plugin.required_fields(params))
+        requires = getattr(plugin, "requires", ())
+        return tuple(requires(params) if callable(requires) else requires)
+    if not hasattr(plugin, "required_fields"):
+        requires = getattr(plugin, "requires", ())
+        return () if callable(requires) else tuple(requires)
+    try:
+        return tuple(plugin.required_fields(plugin.params()))
+    except Exception:  # a parameter without a default: the defaults cannot be built, let alone judged
+        return () if callable(plugin.requires) else tuple(plugin.requires)
 
 
 def batch_fields(plugin: Any, params: Any | None = None) -> tuple[str, ...]:
@@ -77,9 +93,6 @@ def recipe_needs(recipe: Any) -> dict[str, tuple[str, ...]]:
     people read a recipe (``advantage 'grpo'``, ``gates[1] 'icepop'``, ``regularizers[0] 'kl'``); ``logp`` and ``action_mask`` are needed
     ``always``. Without an advantage stage the advantages come with the batch.
     """
-    from lossplug.contracts import Recipe
-    from lossplug.pipeline import compile_recipe
-
     compiled = compile_recipe(recipe if isinstance(recipe, Recipe) else Recipe.load(recipe))
     needs: dict[str, list[str]] = {field: ["always"] for field in ALWAYS}
 
@@ -107,3 +120,44 @@ def recipe_needs(recipe: Any) -> dict[str, tuple[str, ...]]:
     for field in compiled.reduction.plugin.requires:
         add(field, f"reduction '{compiled.reduction.plugin.name}'")
     return {field: tuple(stages) for field, stages in needs.items()}
+
+
+#: how to give ``old_logp`` when no update has happened yet, said wherever it is missing
+ON_POLICY_HINT = " (for a single on-policy step pass old_logp=logp.detach())"
+
+
+@dataclass(frozen=True)
+class MissingField(Violation):
+    """A field a batch lacks, with every stage that needs it: :func:`one_line_each` merges those of one field into
+    a single line, so that a field two gates read is one problem, not two."""
+
+    #: the stages that need the field, as the message names them (``recipe.gates[0] (ppo_clip)``)
+    needed_by: tuple[str, ...] = ()
+    #: the rest of the sentence: what lacks it (``this PolicyBatch has none``, ``the file has none``)
+    lack: str = ""
+
+
+def missing_field(field: str, needed_by: Sequence[str], lack: str) -> MissingField:
+    """``field: required by A, B, but <lack>`` — the one wording of a missing field, for the Python API and the CLI."""
+    hint = ON_POLICY_HINT if field == "old_logp" and lack.endswith("has none") else ""
+    rule = f"required by {', '.join(needed_by)}, but {lack}{hint}"
+    return MissingField(field, rule, needed_by=tuple(needed_by), lack=lack)
+
+
+def one_line_each(violations: Iterable[Violation]) -> list[Violation]:
+    """``violations`` with one line per problem, in their order: the missing-field violations of one field (and one
+    reason) merged into one naming every stage that needs it, and repeats of a (field, rule) dropped."""
+    merged: dict[tuple[str, str], Violation] = {}
+    for violation in violations:
+        if isinstance(violation, MissingField):
+            key = (violation.field, "missing: " + violation.lack)
+            earlier = merged.get(key)
+            if isinstance(earlier, MissingField):
+                needed_by = tuple(dict.fromkeys(earlier.needed_by + violation.needed_by))
+                violation = missing_field(violation.field, needed_by, violation.lack)
+        else:
+            key = (violation.field, violation.rule)
+            if key in merged:
+                continue
+        merged[key] = violation
+    return list(merged.values())

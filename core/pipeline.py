@@ -17,9 +17,9 @@ The pieces live beside it: :mod:`lossplug.stages` (the compiled recipe, calling 
 
 from __future__ import annotations
 
-import functools
+import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, cast, overload
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 
@@ -31,9 +31,7 @@ from lossplug.contracts import (
     PolicyBatch,
     Recipe,
 )
-from lossplug.contracts.batch_rules import POLICY_LAYOUT
 from lossplug.contracts.errors import LossplugError, PluginError
-from lossplug.contracts.recipe import PluginSpec, installed_catalogue
 
 from . import plugin_registry as _registry
 from .loss_metrics import basic_metrics, full_metrics, gate_report
@@ -42,14 +40,23 @@ from .peers import Peers
 from .plugin import (
     AdvantagePlugin,
     GateInput,
-    GatePlugin,
     Population,
     PopulationScope,
     ReductionPlugin,
     RegularizerParams,
-    RegularizerPlugin,
 )
-from .stages import CompiledRecipe, RegularizerStage, Stage, describe_value, evaluate_declared, run_stage
+from .stages import (
+    CompiledRecipe,
+    ReductionSpec,
+    RegularizerStage,
+    Stage,
+    as_recipe,
+    compile_recipe,
+    compile_reduction,
+    describe_value,
+    evaluate_declared,
+    run_stage,
+)
 from .validation import (
     check_advantage_output,
     check_gate_output,
@@ -62,7 +69,7 @@ from .validation import (
 )
 
 if TYPE_CHECKING:
-    from .plugin_registry import Registry
+    pass
 
 __all__ = [
     "METRIC_LEVELS",
@@ -90,81 +97,6 @@ Validate = Literal["full", "off"]
 #: log themselves, at their cost) · ``full``: also ratio distributions and effective-sample fractions
 MetricLevel = Literal["off", "basic", "full"]
 METRIC_LEVELS = ("off", "basic", "full")
-
-
-@overload
-def _stage(reg: Registry, kind: Literal["advantage"], spec: PluginSpec, where: str) -> Stage[AdvantagePlugin]: ...
-@overload
-def _stage(reg: Registry, kind: Literal["gate"], spec: PluginSpec, where: str) -> Stage[GatePlugin]: ...
-@overload
-def _stage(reg: Registry, kind: Literal["reduction"], spec: PluginSpec, where: str) -> Stage[ReductionPlugin]: ...
-@overload
-def _stage(reg: Registry, kind: Literal["regularizer"], spec: PluginSpec, where: str) -> Stage[RegularizerPlugin]: ...
-
-
-def _stage(reg: Registry, kind: str, spec: PluginSpec, where: str) -> Stage[Any]:
-    plugin = reg.lookup(kind, spec.name, where)
-    return Stage(plugin, plugin.params.model_validate(spec.params), where)
-
-
-def compile_recipe(recipe: Recipe) -> CompiledRecipe:
-    """Resolve the recipe's plugins and parameter models once; cached on the recipe object."""
-    reg = _registry.registry()
-    cached: CompiledRecipe | None = recipe.compiled
-    if cached is not None and cached.generation == reg.generation:
-        return cached
-    pm = _registry.plugin_manager()
-    gates = tuple(_stage(reg, "gate", g, f"recipe.gates[{i}]") for i, g in enumerate(recipe.gates))
-    reduction = _stage(reg, "reduction", recipe.reduction, "recipe.reduction")
-    compiled = CompiledRecipe(
-        recipe=recipe,
-        advantage=_stage(reg, "advantage", recipe.advantage, "recipe.advantage") if recipe.advantage else None,
-        update=gates[0],
-        corrections=gates[1:],
-        reduction=reduction,
-        has_validators=bool(pm.hook.lossplug_validate_batch.get_hookimpls()),
-        has_metric_hooks=bool(pm.hook.lossplug_extra_metrics.get_hookimpls()),
-        generation=reg.generation,
-        regularizers=_regularizer_stages(reg, recipe, reduction, cached),
-    )
-    recipe.keep_compiled(compiled)
-    return compiled
-
-
-def _regularizer_stages(
-    reg: Registry, recipe: Recipe, reduction: Stage[ReductionPlugin], previous: CompiledRecipe | None
-) -> tuple[RegularizerStage, ...]:
-    """The recipe's regularizer stages. A controller is state of the training run: when the registry was rebuilt
-    (a recompile of the same recipe object) the previous compile's controllers are carried over, not re-created."""
-    names = [spec.name for spec in recipe.regularizers]
-    stages = []
-    for i, spec in enumerate(recipe.regularizers):
-        where = f"recipe.regularizers[{i}]"
-        plain = _stage(reg, "regularizer", spec, where)
-        params = cast(RegularizerParams, plain.params)
-        own = compile_reduction(params.reduction, f"{where}.reduction") if params.reduction is not None else reduction
-        kept = previous.regularizers[i] if previous is not None and len(previous.regularizers) > i else None
-        controller = (
-            kept.controller
-            if kept is not None and kept.plugin.name == spec.name and kept.params == plain.params
-            else plain.plugin.make_controller(params)
-        )
-        metric_name = spec.name if names.count(spec.name) == 1 else f"{spec.name}.{i}"
-        stages.append(RegularizerStage(plain.plugin, plain.params, where, own, controller, metric_name))
-    return tuple(stages)
-
-
-@functools.lru_cache(maxsize=64)
-def _recipe_from_name(name: str) -> Recipe:
-    return Recipe.load(name)
-
-
-def as_recipe(recipe: Recipe | str) -> Recipe:
-    if isinstance(recipe, Recipe):
-        return recipe
-    if isinstance(recipe, str):
-        return _recipe_from_name(recipe)
-    return Recipe.load(recipe)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -275,13 +207,35 @@ def policy_loss(
     """
     compiled = compile_recipe(as_recipe(recipe))
     level = metric_level(metrics)
-    if validate == "full":
-        _check_policy_inputs(batch, compiled, normalizer, weight)
-    elif validate != "off":
-        raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
-
     if peers is not None and not isinstance(peers, Peers):
         raise LossplugError(f"policy_loss: peers must be a lossplug.peers.Peers (or None), got {type(peers).__name__}")
+    if validate == "off":
+        return _policy_loss(batch, compiled, normalizer, validate, level, weight, observe, peers)[0]
+    if validate != "full":
+        raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
+    finite_later = _check_policy_inputs(batch, compiled, normalizer, weight)
+    try:
+        result, inp = _policy_loss(batch, compiled, normalizer, validate, level, weight, observe, peers)
+    except LossplugError:
+        if finite_later:  # a plugin may have tripped over a non-finite logp: then that is the error to report
+            batch.check()
+        raise
+    _settle_checks(batch, inp, result, finite_later, normalizer)
+    return result
+
+
+def _policy_loss(
+    batch: PolicyBatch,
+    compiled: CompiledRecipe,
+    normalizer: Normalizer | None,
+    validate: Validate,
+    level: MetricLevel,
+    weight: Tensor | None,
+    observe: bool,
+    peers: Peers | None,
+) -> tuple[LossResult, GateInput]:
+    """:func:`policy_loss`'s computation, once its inputs are checked; also returns the gate input (what the loss
+    pass computed, which the checks it left for later read)."""
     inp = GateInput.from_batch(batch, peers)
     update = compiled.update
     out = run_stage(update, validate, inp)
@@ -327,7 +281,45 @@ def policy_loss(
                 full_metrics(inp, reports, objective, metric_tensors)
             if compiled.has_metric_hooks:
                 metric_tensors.update(_hook_metrics(batch, objective, compiled.recipe))
-    return LossResult.model_construct(loss=loss, metric_tensors=metric_tensors)
+    return LossResult.model_construct(loss=loss, metric_tensors=metric_tensors), inp
+
+
+def _settle_checks(
+    batch: PolicyBatch, inp: GateInput, result: LossResult, finite_later: tuple[str, ...], normalizer: Normalizer | None
+) -> None:
+    """The checks of ``validate="full"`` that read what the loss pass computed, with one host synchronisation: the
+    finiteness on the actions of the fresh log-probs (the contract left it for later: a sum over the actions of the
+    update's log-ratio — ``update/approx_kl``'s — or of the cleaned ``logp`` is finite exactly when every term is),
+    and the Normalizer's coverage of the micro-batch (its action tokens counted by the gate input already)."""
+    probe = None
+    if finite_later:
+        probe = _finiteness_probe(inp, result.metric_tensors)
+        if probe is None:  # the loss pass read logp in no form a sum can be taken of: the contract's full check
+            batch.check()
+    probes = [
+        t.to(torch.float64) for t in (probe, inp.lengths.sum() if normalizer is not None else None) if t is not None
+    ]
+    if not probes:
+        return
+    values = iter(torch.stack(probes).tolist())
+    if probe is not None and not math.isfinite(next(values)):
+        batch.check()  # the report names the field, the rule and the positions (a sum that overflowed passes it)
+    if normalizer is not None:
+        normalizer.check_covers(int(next(values)), batch.batch_size)
+
+
+def _finiteness_probe(inp: GateInput, metrics: Mapping[str, Tensor]) -> Tensor | None:
+    """A 0-d tensor the loss pass made (or one sum of what it made) that is finite exactly when ``logp`` is finite
+    on every action: ``update/approx_kl`` (``old_logp`` is finite there, the contract checked it), else a sum of
+    the update's log-ratio or of the cleaned ``logp``; None when the pass made neither."""
+    approx_kl = metrics.get("update/approx_kl")
+    if approx_kl is not None:
+        return approx_kl
+    ratio = inp.cached_log_ratio("logp", "old_logp")
+    if ratio is not None:
+        return ratio.detach().sum()
+    cleaned = inp.cached_field("logp")
+    return cleaned.detach().sum() if cleaned is not None else None
 
 
 def join_peers(recipe: Recipe | str, peers: Peers, like: Tensor) -> None:
@@ -349,10 +341,10 @@ def join_peers(recipe: Recipe | str, peers: Peers, like: Tensor) -> None:
     # every field of the contract's layout, one masked position (per response: one response) of zeros
     kinds = {"float": like.dtype if like.is_floating_point() else torch.float32, "int": torch.long, "bool": torch.bool}
     fields = {
-        name: torch.zeros((1,) if per_row and not per_token else (1, 1), dtype=kinds[kind], device=like.device)
-        for name, (per_token, per_row, kind) in POLICY_LAYOUT.items()
+        name: torch.zeros((1,) if spec.shape == "row" else (1, 1), dtype=kinds[spec.kind], device=like.device)
+        for name, spec in PolicyBatch.SPECS.items()
     }
-    batch = PolicyBatch.unchecked(logp=torch.zeros((1, 1), dtype=kinds["float"], device=like.device), **fields)
+    batch = PolicyBatch.unchecked(**fields)
     inp = GateInput.from_batch(batch, peers)
     with torch.no_grad():
         for stage in stages:
@@ -361,9 +353,11 @@ def join_peers(recipe: Recipe | str, peers: Peers, like: Tensor) -> None:
 
 def _check_policy_inputs(
     batch: PolicyBatch, compiled: CompiledRecipe, normalizer: Normalizer | None, weight: Tensor | None
-) -> None:
-    """``policy_loss``'s checks under ``validate="full"``: the argument types, the fields the gates and regularizers
-    need, the trainer's weight, the batch's contract and the plugins' validators, the Normalizer's coverage."""
+) -> tuple[str, ...]:
+    """``policy_loss``'s checks under ``validate="full"`` before the loss: the argument types, the fields the gates
+    and regularizers need, the trainer's weight, the batch's contract and the plugins' validators. Returns the fresh
+    fields whose finiteness the contract left to :func:`_settle_checks` (which also checks the Normalizer's
+    coverage, from counts the loss pass makes)."""
     if not isinstance(batch, PolicyBatch):
         raise LossplugError(f"policy_loss: batch must be a lossplug.PolicyBatch, got {type(batch).__name__}")
     if normalizer is not None and not isinstance(normalizer, Normalizer):
@@ -379,9 +373,7 @@ def _check_policy_inputs(
     violations += missing_fields(batch, reduction.requires, f"recipe.reduction ({reduction.name})")
     if weight is not None:
         violations += weight_violations(weight, batch)
-    raise_violations(batch, compiled, violations)
-    if normalizer is not None:
-        normalizer.check_covers(int(torch.count_nonzero(batch.action_mask)), batch.batch_size)
+    return raise_violations(batch, compiled, violations, finite_later=True)
 
 
 def _hook_metrics(batch: PolicyBatch, objective: Tensor, recipe: Recipe) -> dict[str, Tensor]:
@@ -499,29 +491,6 @@ def population_of(
         normalizer.group_tokens,
         of_step=True,
     )
-
-
-ReductionSpec = str | Mapping[str, Any] | PluginSpec
-
-
-def compile_reduction(reduction: ReductionSpec, where: str = "reduction") -> Stage[ReductionPlugin]:
-    """A reduction named the way a recipe names one — ``"token"``, ``{"name": "fixed", "budget": 1024}`` or a
-    :class:`~lossplug.contracts.recipe.PluginSpec` — resolved and its parameters checked; an unknown name or a bad
-    parameter raises a :class:`~lossplug.RecipeError` naming ``where``."""
-    spec = PluginSpec.parse(reduction, where)
-    reg = _registry.registry()
-    key = (spec.name, repr(sorted(spec.params.items())), where)
-    cached = _reduction_stages.get(key)
-    if cached is not None and cached[0] == reg.generation:
-        return cached[1]
-    spec = installed_catalogue().check_stage("reduction", spec, where)
-    stage = _stage(reg, "reduction", spec, where)
-    _reduction_stages[key] = (reg.generation, stage)
-    return stage
-
-
-#: (name, parameters, where) → (registry generation, Stage): tools resolve their reduction once, not per micro-batch
-_reduction_stages: dict[tuple[str, str, str], tuple[int, Stage[ReductionPlugin]]] = {}
 
 
 def reduce(

@@ -220,6 +220,14 @@ class GateInput:
         self._log_ratios[(top, bottom)] = ratio
         return ratio
 
+    def cached_log_ratio(self, top: str, bottom: str) -> Tensor | None:
+        """The ``top − bottom`` log-ratio if something already computed it for this micro-batch, else None."""
+        return self._log_ratios.get((top, bottom))
+
+    def cached_field(self, name: str) -> Tensor | None:
+        """The cleaned field ``name`` if something already read it for this micro-batch, else None."""
+        return cast("Tensor | None", self.__dict__.get(name))
+
     # -- helpers for metrics --------------------------------------------------------------------------------------------
 
     @functools.cached_property

@@ -1,20 +1,24 @@
 """The compiled form of a recipe and how its plugins are called.
 
 A :class:`Stage` is one resolved plugin with its validated parameters and where the recipe names it; a
-:class:`CompiledRecipe` holds a recipe's stages (built by :func:`lossplug.pipeline.compile_recipe`). Plugin code is
+:class:`CompiledRecipe` holds a recipe's stages, built once per recipe by :func:`compile_recipe` (and a lone
+reduction by :func:`compile_reduction`). Plugin code is
 called through :func:`run_stage` and :func:`evaluate_declared`, which report a bug inside a plugin as a
 :class:`~lossplug.PluginError` naming the stage, the plugin and where it came from.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
 
 import torch
 
 from lossplug.contracts import Recipe
 from lossplug.contracts.errors import LossplugError, PluginError
+from lossplug.contracts.recipe import PluginSpec, installed_catalogue
 
 from . import plugin_registry as _registry
 from .plugin import (
@@ -28,6 +32,9 @@ from .plugin import (
     StepController,
     evaluate,
 )
+
+if TYPE_CHECKING:
+    from .plugin_registry import Registry
 
 Tensor = torch.Tensor
 #: the plugin class of a stage: a CompiledRecipe's advantage stage holds an AdvantagePlugin, and so on
@@ -119,3 +126,105 @@ def evaluate_declared(stage: Stage[GatePlugin | RegularizerPlugin], what: str, v
         raise
     except Exception as err:
         raise plugin_failed(stage, err, validate, what=f"evaluating {what}") from err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Compiling a recipe
+
+
+@overload
+def _stage(reg: Registry, kind: Literal["advantage"], spec: PluginSpec, where: str) -> Stage[AdvantagePlugin]: ...
+@overload
+def _stage(reg: Registry, kind: Literal["gate"], spec: PluginSpec, where: str) -> Stage[GatePlugin]: ...
+@overload
+def _stage(reg: Registry, kind: Literal["reduction"], spec: PluginSpec, where: str) -> Stage[ReductionPlugin]: ...
+@overload
+def _stage(reg: Registry, kind: Literal["regularizer"], spec: PluginSpec, where: str) -> Stage[RegularizerPlugin]: ...
+
+
+def _stage(reg: Registry, kind: str, spec: PluginSpec, where: str) -> Stage[Any]:
+    plugin = reg.lookup(kind, spec.name, where)
+    return Stage(plugin, plugin.params.model_validate(spec.params), where)
+
+
+def compile_recipe(recipe: Recipe) -> CompiledRecipe:
+    """Resolve the recipe's plugins and parameter models once; cached on the recipe object."""
+    reg = _registry.registry()
+    cached: CompiledRecipe | None = recipe.compiled
+    if cached is not None and cached.generation == reg.generation:
+        return cached
+    pm = _registry.plugin_manager()
+    gates = tuple(_stage(reg, "gate", g, f"recipe.gates[{i}]") for i, g in enumerate(recipe.gates))
+    reduction = _stage(reg, "reduction", recipe.reduction, "recipe.reduction")
+    compiled = CompiledRecipe(
+        recipe=recipe,
+        advantage=_stage(reg, "advantage", recipe.advantage, "recipe.advantage") if recipe.advantage else None,
+        update=gates[0],
+        corrections=gates[1:],
+        reduction=reduction,
+        has_validators=bool(pm.hook.lossplug_validate_batch.get_hookimpls()),
+        has_metric_hooks=bool(pm.hook.lossplug_extra_metrics.get_hookimpls()),
+        generation=reg.generation,
+        regularizers=_regularizer_stages(reg, recipe, reduction, cached),
+    )
+    recipe.keep_compiled(compiled)
+    return compiled
+
+
+def _regularizer_stages(
+    reg: Registry, recipe: Recipe, reduction: Stage[ReductionPlugin], previous: CompiledRecipe | None
+) -> tuple[RegularizerStage, ...]:
+    """The recipe's regularizer stages. A controller is state of the training run: when the registry was rebuilt
+    (a recompile of the same recipe object) the previous compile's controllers are carried over, not re-created."""
+    names = [spec.name for spec in recipe.regularizers]
+    stages = []
+    for i, spec in enumerate(recipe.regularizers):
+        where = f"recipe.regularizers[{i}]"
+        plain = _stage(reg, "regularizer", spec, where)
+        params = cast(RegularizerParams, plain.params)
+        own = compile_reduction(params.reduction, f"{where}.reduction") if params.reduction is not None else reduction
+        kept = previous.regularizers[i] if previous is not None and len(previous.regularizers) > i else None
+        controller = (
+            kept.controller
+            if kept is not None and kept.plugin.name == spec.name and kept.params == plain.params
+            else plain.plugin.make_controller(params)
+        )
+        metric_name = spec.name if names.count(spec.name) == 1 else f"{spec.name}.{i}"
+        stages.append(RegularizerStage(plain.plugin, plain.params, where, own, controller, metric_name))
+    return tuple(stages)
+
+
+@functools.lru_cache(maxsize=64)
+def _recipe_from_name(name: str) -> Recipe:
+    return Recipe.load(name)
+
+
+def as_recipe(recipe: Recipe | str) -> Recipe:
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str):
+        return _recipe_from_name(recipe)
+    return Recipe.load(recipe)
+
+
+ReductionSpec = str | Mapping[str, Any] | PluginSpec
+
+
+def compile_reduction(reduction: ReductionSpec, where: str = "reduction") -> Stage[ReductionPlugin]:
+    """A reduction named the way a recipe names one — ``"token"``, ``{"name": "fixed", "budget": 1024}`` or a
+    :class:`~lossplug.contracts.recipe.PluginSpec` — resolved and its parameters checked; an unknown name or a bad
+    parameter raises a :class:`~lossplug.RecipeError` naming ``where``."""
+    spec = PluginSpec.parse(reduction, where)
+    reg = _registry.registry()
+    key = (spec.name, repr(sorted(spec.params.items())), where)
+    cached = _reduction_stages.get(key)
+    if cached is not None and cached[0] == reg.generation:
+        return cached[1]
+    spec = installed_catalogue().check_stage("reduction", spec, where)
+    stage = _stage(reg, "reduction", spec, where)
+    _reduction_stages[key] = (reg.generation, stage)
+    return stage
+
+
+#: (name, parameters, where) → (registry generation, Stage): tools resolve their reduction once, not per micro-batch
+_reduction_stages: dict[tuple[str, str, str], tuple[int, Stage[ReductionPlugin]]] = {}

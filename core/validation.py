@@ -23,7 +23,7 @@ from lossplug.contracts import (
 from lossplug.contracts.errors import LossplugError, PluginError, describe_positions
 
 from . import plugin_registry as _registry
-from .missing_fields import missing_field, one_line_each
+from .needs import missing_field, one_line_each
 from .ops import Groups
 from .plugin import AdvantagePlugin, GateOutput, GatePlugin, RegularizerOutput, RegularizerPlugin
 from .stages import CompiledRecipe, RegularizerStage, Stage, describe_value
@@ -90,16 +90,26 @@ def plugin_validator_violations(batch: PolicyBatch | PackedTransitions, recipe: 
 
 
 def raise_violations(
-    batch: PolicyBatch | PackedTransitions, compiled: CompiledRecipe, violations: list[Violation]
-) -> None:
+    batch: PolicyBatch | PackedTransitions,
+    compiled: CompiledRecipe,
+    violations: list[Violation],
+    *,
+    finite_later: bool = False,
+) -> tuple[str, ...]:
     """Check the batch's contract (once per batch object) and the plugins' validators; raise a
-    :class:`~lossplug.BatchValidationError` listing ``violations`` and whatever those add, if any."""
+    :class:`~lossplug.BatchValidationError` listing ``violations`` and whatever those add, if any. ``finite_later``:
+    the caller proves the fresh fields' finiteness itself (see :meth:`lossplug.PolicyBatch.check`); returns their
+    names."""
+    later: tuple[str, ...] = ()
     if not batch.validated:
-        batch.check()
+        later = batch.check(finite_later=True) if finite_later and isinstance(batch, PolicyBatch) else ()
+        if not finite_later or not isinstance(batch, PolicyBatch):
+            batch.check()
     if compiled.has_validators:
         violations.extend(plugin_validator_violations(batch, compiled.recipe))
     if violations:  # (a field two stages need is one line naming both)
         raise BatchValidationError(type(batch).__name__, one_line_each(violations))
+    return later
 
 
 def check_advantage_output(

@@ -672,6 +672,36 @@ def demo_cmd(
     console.print(_text("✓ learned: the reward rose clearly and the held-out score improved", "bold green"))
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# schema
+
+
+class SchemaContract(str, Enum):
+    all = "all"
+    policy = "policy"
+    packed = "packed"
+
+
+@app.command("schema")
+def schema_cmd(
+    contract: SchemaContract = typer.Argument(SchemaContract.all, help="Which batch contract: policy, packed or all."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write the schema to this file, not stdout."),
+) -> None:
+    """The batch contracts as a JSON schema: every field with its description, shape, kind, log-prob source and
+    rules — what a producer in another process or language writes (a JSON batch file for `lossplug validate`)."""
+    from lossplug.contracts.schema import batch_json_schema
+
+    text = json.dumps(batch_json_schema(contract.value), indent=2, ensure_ascii=False) + "\n"
+    if output is None:
+        typer.echo(text, nl=False)
+        return
+    try:
+        output.write_text(text)
+    except OSError as err:
+        _fail(f"cannot write {output}: {err.strerror or err}")
+    _console().print(_text(f"wrote {output}", "green"))
+
+
 def main() -> None:
     app()
 

@@ -30,7 +30,7 @@ def test_help_lists_every_command_with_a_one_line_summary():
     out = run("--help")
     assert out.exit_code == 0
     commands = {line.split()[0] for line in out.output.split("Commands:")[1].splitlines() if line.strip()}
-    assert commands == {"list", "show", "validate", "check", "demo", "recipe", "plot"}
+    assert commands == {"list", "show", "validate", "check", "demo", "recipe", "plot", "schema"}
     assert "--version" in out.output
     assert "explain" in run("recipe", "--help").output
     assert "gates" in run("plot", "--help").output

@@ -10,23 +10,23 @@ from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 from lossplug import BatchValidationError, PackedTransitions, PolicyBatch
-from lossplug.contracts.batch_rules import (
-    OFF_ACTION_REWARD,
-    PACKED_LAYOUT,
-    PACKED_RULES,
-    POLICY_BATCH_RULES,
-    POLICY_LAYOUT,
-    rewards_off_actions,
-)
+from lossplug.contracts.batch_rules import OFF_ACTION_REWARD, rewards_off_actions
 from lossplug.contracts.checks import Checks
 from lossplug.contracts.memo import forget_checked
 
 NAN, INF = float("nan"), float("inf")
 
 
-def test_every_field_has_a_layout_in_declaration_order():
-    assert ("logp", *POLICY_LAYOUT) == PolicyBatch.FIELD_NAMES
-    assert tuple(PACKED_LAYOUT) == PackedTransitions.FIELD_NAMES
+POLICY_BATCH_RULES = PolicyBatch.RULES
+PACKED_RULES = PackedTransitions.RULES
+
+
+def test_every_field_is_declared_once_with_its_layout_in_declaration_order():
+    for contract in (PolicyBatch, PackedTransitions):
+        assert tuple(contract.model_fields) == contract.FIELD_NAMES == tuple(contract.SPECS)
+    # the shape rule of every PolicyBatch field but logp reads its declaration
+    assert {spec.shape for spec in PolicyBatch.SPECS.values()} == {"token", "row", "row_or_token", "columns"}
+    assert {spec.shape for spec in PackedTransitions.SPECS.values()} == {"transition"}
 
 
 def _corrupt(rng: random.Random, t: torch.Tensor) -> torch.Tensor:
@@ -47,8 +47,9 @@ def _policy_fields(rng: random.Random) -> dict[str, torch.Tensor]:
     mask = torch.rand(B, T) < 0.7
     mask[:, 0] = True
     fields = {"logp": -torch.rand(B, T), "action_mask": mask}
-    for name, (per_token, per_row, kind) in POLICY_LAYOUT.items():
-        if name == "action_mask" or rng.random() < 0.6:
+    for name, spec in PolicyBatch.SPECS.items():
+        per_token, per_row, kind = spec.per_token, spec.per_row, spec.kind
+        if name in ("logp", "action_mask") or rng.random() < 0.6:
             continue
         shape = (B, T) if per_token and not (per_row and rng.random() < 0.5) else (B,) if per_row else (B, 3)
         if kind == "bool":

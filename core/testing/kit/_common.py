@@ -21,8 +21,8 @@ import torch
 import lossplug
 from lossplug.contracts import Normalizer, PackedTransitions, PolicyBatch, Recipe
 from lossplug.kinds import KINDS as _KIND_TABLE
+from lossplug.needs import required_fields
 from lossplug.plugin import GateInput, GateOutput, Params, RegularizerOutput, evaluate
-from lossplug.requires import required_fields
 
 from .. import batches
 

@@ -10,8 +10,8 @@ import torch
 
 import lossplug
 from lossplug.contracts import LossplugError, PolicyBatch
+from lossplug.needs import required_fields
 from lossplug.plugin import Params
-from lossplug.requires import required_fields
 
 from .. import batches
 from ._common import (
