@@ -9,7 +9,7 @@ Measures lossplug and the trainers' own code **in the same run**, prints a table
     python -m bench --gpu                # the GPU check instead (bench/gpu.py; its own options)
 
 Items: 1 packed GAE vs a sequential loop · 2 padded GAE vs verl · 3 gate + reduction forward/backward vs TRL and verl ·
-4 contract validation vs the loss step · 5 a tiny TRL training run, native vs lossplug.
+4 validation inside the loss step (policy_loss validate="full") vs the step · 5 a tiny TRL training run, native vs lossplug.
 
 Threads default to 1: the reference machine has 2 cores shared with other jobs, and a second intra-op thread made
 timings bimodal. Both sides always run on the same thread count. Nothing here needs a GPU; none is used.
@@ -168,11 +168,11 @@ def table(results: dict) -> str:
         elif item == "validation":
             rows.append(
                 f"| 4 | validation, {r['case']} ({r['baseline']} tensors) | B={r['B']}, T={r['T']} | "
-                f"{_fmt_s(r['validate']['median_s'])} ({_fmt_s(r['validate_first']['median_s'])} first) | "
-                f"loss step {_fmt_s(r['step_off']['median_s'])} | "
-                f"**{100 * r['fraction_of_step']:.0f}%** of the step ({100 * r['fraction_of_step_no_metrics']:.0f}% "
-                f"without metrics, {100 * r['fraction_of_native_step']:.0f}% of native; first check "
-                f"{100 * r['first_fraction_of_step']:.0f}%) | ≤ 5% | "
+                f"{_fmt_s(r['validate']['median_s'])} in the step | loss step {_fmt_s(r['step_off']['median_s'])} | "
+                f"**{100 * r['fraction_of_step']:.1f}%** of the step ({100 * r['fraction_of_step_no_metrics']:.1f}% "
+                f"without metrics, {100 * r['fraction_of_native_step']:.1f}% of native; full − off step medians "
+                f"{100 * r['validate_full_overhead']:.1f}%; PolicyBatch(...) "
+                f"{100 * r['construct_fraction_of_step']:.0f}%, first {100 * r['first_fraction_of_step']:.0f}%) | ≤ 5% | "
                 f"{'yes' if r['met'] else 'no'} |"
             )
         elif item == "trl_e2e":

@@ -42,7 +42,7 @@ from . import batch_rules
 from .batch_rules import ENTROPY_TOLERANCE, LOGP_TOLERANCE, PROBABILITY_TOLERANCE
 from .checks import Checks
 from .errors import BatchValidationError, Violation, did_you_mean
-from .memo import forget_checked
+from .memo import CHECKED, forget_checked
 from .rules import RuleTable
 
 __all__ = [
@@ -281,6 +281,14 @@ class _TensorModel(BaseModel):
         if not later:
             self._validated = True
         return tuple(later)
+
+    def recheck(self) -> None:
+        """Run the contract afresh, reading every field again — none of them taken from the memo of checked
+        tensors (:mod:`lossplug.contracts.memo`), in case one was written in place since it was checked."""
+        for t in self.fields().values():
+            CHECKED.forget(t)
+        self._validated = False
+        self.check()
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in type(self).model_fields:  # (pydantic would raise its own ValidationError)

@@ -104,20 +104,25 @@ class RuleTable:
     def __init__(self, anchor: str, stages: Iterable[Iterable[Rule]]):
         self.anchor = anchor
         self.stages = tuple(tuple(stage) for stage in stages)
-        self._quick = tuple((rule.reads, rule.passes) for stage in self.stages for rule in stage)
+        self._rules = tuple(rule for stage in self.stages for rule in stage)
+        #: which fields are set (a tuple of bools in the contract's field order) → the quick tests that apply: a
+        #: trainer's micro-batches all set the same fields, so the table is looked up, not re-derived, per batch
+        self._applicable: dict[tuple[bool, ...], tuple[Callable[[Fields], bool], ...]] = {}
 
     def passes(self, fields: Fields) -> bool:
         """True when every rule holds, tested the quick way; False when one fails or the quick path does not apply
         (an accelerator) — :meth:`report` then names what is wrong."""
         if not checks_module.on_host(fields[self.anchor]):
             return False
-        for reads, rule_passes in self._quick:
-            for name in reads:
-                if fields[name] is None:
-                    break
-            else:
-                if not rule_passes(fields):
-                    return False
+        present = tuple([value is not None for value in fields.values()])
+        tests = self._applicable.get(present)
+        if tests is None:
+            tests = self._applicable[present] = tuple(
+                rule.passes for rule in self._rules if all(fields[name] is not None for name in rule.reads)
+            )
+        for rule_passes in tests:
+            if not rule_passes(fields):
+                return False
         return True
 
     def report(self, checks: Checks, fields: Fields) -> None:

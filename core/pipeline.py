@@ -287,25 +287,37 @@ def _policy_loss(
 def _settle_checks(
     batch: PolicyBatch, inp: GateInput, result: LossResult, finite_later: tuple[str, ...], normalizer: Normalizer | None
 ) -> None:
-    """The checks of ``validate="full"`` that read what the loss pass computed, with one host synchronisation: the
-    finiteness on the actions of the fresh log-probs (the contract left it for later: a sum over the actions of the
-    update's log-ratio — ``update/approx_kl``'s — or of the cleaned ``logp`` is finite exactly when every term is),
-    and the Normalizer's coverage of the micro-batch (its action tokens counted by the gate input already)."""
+    """The checks of ``validate="full"`` that read what the loss pass computed:
+
+    * the finiteness on the actions of the fresh log-probs, which the contract left for later: a sum over the
+      actions of the update's log-ratio (``update/approx_kl``'s) or of the cleaned ``logp`` is finite exactly when
+      every term is;
+    * the loss itself: a non-finite loss from a batch the contract passed may come from a tensor written in place
+      since the memo of checked tensors read it — so the batch is checked again without the memo, which names the
+      field and the positions (a loss that is non-finite for another reason is returned as it is);
+    * the Normalizer's coverage of the micro-batch, from the action tokens the gate input counted.
+
+    The values are read with one host synchronisation (on the CPU, ``.item()`` each: no synchronisation at all)."""
     probe = None
     if finite_later:
         probe = _finiteness_probe(inp, result.metric_tensors)
         if probe is None:  # the loss pass read logp in no form a sum can be taken of: the contract's full check
             batch.check()
-    probes = [
-        t.to(torch.float64) for t in (probe, inp.lengths.sum() if normalizer is not None else None) if t is not None
-    ]
-    if not probes:
-        return
-    values = iter(torch.stack(probes).tolist())
-    if probe is not None and not math.isfinite(next(values)):
-        batch.check()  # the report names the field, the rule and the positions (a sum that overflowed passes it)
+    loss = result.loss.detach()
+    # (the metrics' token count when they made one: the contract gave every row an action, so it is the count)
+    count = None
     if normalizer is not None:
-        normalizer.check_covers(int(next(values)), batch.batch_size)
+        count = inp.__dict__.get("action_tokens")
+        count = inp.lengths.sum() if count is None else count
+    wanted = [t for t in (probe, loss, count) if t is not None]
+    if loss.device.type == "cpu":
+        values = [t.item() for t in wanted]
+    else:
+        values = torch.stack([t.to(torch.float64).reshape(()) for t in wanted]).tolist()
+    if not all(math.isfinite(v) for v in values[: len(wanted) - (count is not None)]):
+        batch.recheck()  # raises naming field, rule and positions, unless the batch holds (an overflowing sum)
+    if normalizer is not None:
+        normalizer.check_covers(int(values[-1]), batch.batch_size)
 
 
 def _finiteness_probe(inp: GateInput, metrics: Mapping[str, Tensor]) -> Tensor | None:

@@ -1,8 +1,9 @@
 """Validation reads a step's constant tensors once: slices of a checked base skip the pass, and nothing is missed.
 
-The memo (``contracts.memo.CheckedTensors``) remembers whole-tensor outcomes by object and version. These tests
-count the value passes (``torch.aminmax`` calls) and show that every way a remembered tensor can change — an
-in-place write through any view, a new tensor at the same address, a stricter rule — is still caught.
+The memo (``contracts.memo.CheckedTensors``) remembers whole-tensor outcomes by object. These tests count the value
+passes (``torch.aminmax`` calls) and show that every way a remembered tensor can change — a new tensor at the same
+address, a stricter rule, and an in-place write through any view that the loss would read (``policy_loss`` checks
+again without the memo when its loss is not finite) — is still caught.
 """
 
 import gc
@@ -10,6 +11,7 @@ import gc
 import pytest
 import torch
 
+import lossplug
 from lossplug import BatchValidationError, PolicyBatch
 from lossplug.contracts import memo
 from lossplug.contracts.batch import forget_checked
@@ -84,8 +86,13 @@ def test_an_in_place_write_through_any_view_is_caught(write):
         else:
             target[1 if write == "this_slice" else 0, 0] = float("nan")
     bad = mbs[1] if write != "other_slice" else mbs[0]
+    logp = fresh_logp(bad).nan_to_num().requires_grad_(True)
+    # the remembered base is trusted by the contract's quick path; the loss it would poison is not
+    with pytest.raises(BatchValidationError, match=r"old_logp: must be finite on action positions .*\(row"):
+        lossplug.policy_loss(PolicyBatch.unchecked(logp=logp, **bad), "dapo")
+    forget_checked()  # outside policy_loss: what a caller that writes in place does
     with pytest.raises(BatchValidationError, match="old_logp: must be finite on action positions"):
-        PolicyBatch(logp=fresh_logp(bad).nan_to_num(), **bad)
+        PolicyBatch(logp=logp, **bad)
 
 
 def test_a_new_tensor_at_a_freed_address_is_checked():
@@ -193,7 +200,7 @@ def test_a_fresh_logp_is_never_remembered():
     assert memo.CHECKED.get(logp) is None
     assert len(memo.CHECKED) <= before + 4  # the constant fields' bases only
     with torch.no_grad():
-        logp[0, 0] = float("nan")  # (an in-place write keeps the version counter honest anyway)
+        logp[0, 0] = float("nan")
     with pytest.raises(BatchValidationError, match="logp: must be finite"):
         PolicyBatch(logp=logp, **step)
 
@@ -215,8 +222,8 @@ def test_per_response_fields_are_read_once_per_step(monkeypatch, contract_flag_p
     if contract_flag_path == "host":  # (queued flags on an accelerator are not remembered: one read per batch)
         assert reads.count((B,)) == 1 and (MICRO,) not in reads
     with torch.no_grad():
-        step["advantage"][7] = float("inf")  # micro-batch 3: the base's version changed
+        step["advantage"][7] = float("inf")  # micro-batch 3: written in place after the step's base was checked
     mbs = list(micro_batches(step))
-    PolicyBatch(logp=fresh_logp(mbs[0]), **mbs[0])  # its own slice is finite
+    lossplug.policy_loss(PolicyBatch.unchecked(logp=fresh_logp(mbs[0]), **mbs[0]), "dapo")  # its slice is finite
     with pytest.raises(BatchValidationError, match="advantage: must be finite"):
-        PolicyBatch(logp=fresh_logp(mbs[3]), **mbs[3])
+        lossplug.policy_loss(PolicyBatch.unchecked(logp=fresh_logp(mbs[3]), **mbs[3]), "dapo")
