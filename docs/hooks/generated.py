@@ -9,6 +9,9 @@ drift from it, and links from the docs to files of the repository outside ``docs
 * ``<!-- generated: trl_equivalent -->`` in a page becomes the table of what
   :func:`lossplug.adapters.trl.trl_equivalent` returns for each TRL ``loss_type`` and each loss option (TRL's
   ``GRPOConfig`` defaults otherwise).
+* ``<!-- generated: batch_fields -->`` becomes a table of every field of ``PolicyBatch`` and ``PackedTransitions``
+  (shape, kind, log-prob source, rules, description), from each field's one declaration (its ``TensorField``,
+  ``SPECS``) and the contract's rule table (``field_rules``) — the same source as ``lossplug schema``.
 * mkdocstrings reads the sources statically (griffe), which cannot follow the ``package-dir`` mapping of
   pyproject.toml (``lossplug`` = ``core/``, ``lossplug.contracts`` = ``contracts/``…): :func:`on_config` lays the
   package out as it is installed — a temporary folder of symbolic links — and puts it first on the handler's paths.
@@ -159,6 +162,38 @@ def trl_equivalent_table() -> str:
     return "\n".join(rows)
 
 
+def _cell(text: str) -> str:
+    """``text`` as the content of a Markdown table cell: pipes, emphasis characters and ``<`` escaped."""
+    for char in ("\\", "|", "*", "_", "`"):
+        text = text.replace(char, "\\" + char)
+    return text.replace("<", "&lt;")
+
+
+def batch_fields_table() -> str:
+    """One table per batch contract, a row per field, built from the contract's declaration: ``SPECS`` (each field's
+    :class:`~lossplug.contracts.batch.TensorField`), ``model_fields`` (required or not) and ``field_rules`` (the rule
+    table's words)."""
+    from lossplug.contracts import PackedTransitions, PolicyBatch
+
+    out = []
+    for contract in (PolicyBatch, PackedTransitions):
+        out += [
+            f"**`{contract.__name__}`**",
+            "",
+            "| field | shape | kind | log-prob source | rules | description |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, spec in contract.SPECS.items():
+            required = " (required)" if contract.model_fields[name].is_required() else ""
+            rules = "; ".join(_cell(rule) for rule in contract.field_rules(name)) or "—"
+            out.append(
+                f"| `{name}`{required} | `{spec.shape_text}` | {spec.kind} | {spec.source or '—'} | {rules} | "
+                f"{_cell(spec.description or spec.summary)} |"
+            )
+        out.append("")
+    return "\n".join(out).rstrip("\n")
+
+
 def installed_layout(root: Path) -> Path:
     """A temporary folder holding ``lossplug/`` as it is installed: symbolic links to the files of ``core/`` and to
     the folders that pyproject.toml's ``[tool.setuptools.package-dir]`` maps to subpackages."""
@@ -188,7 +223,7 @@ def on_config(config):
 
 
 GENERATED_PAGES = {"catalogue.md": catalogue_page, "cli.md": cli_page, "api/lossplug.md": api_page}
-PLACEHOLDERS = {"trl_equivalent": trl_equivalent_table}
+PLACEHOLDERS = {"trl_equivalent": trl_equivalent_table, "batch_fields": batch_fields_table}
 
 
 def on_files(files, config):
