@@ -1,10 +1,10 @@
-"""lossplug.contracts — the models every batch, recipe and result is checked against (the batches: frozen dataclasses
-with one rule table each; the rest: pydantic models).
+"""lossplug.contracts — the pydantic models every batch, recipe and result is checked against (the batches: each
+field declared once with a TensorField, their rule tables and JSON schema derived from it).
 
 Imports only torch and pydantic (and, lazily, yaml for recipes).
 """
 
-from .batch import LOGP_TOLERANCE, PackedTransitions, PolicyBatch
+from .batch import LOGP_TOLERANCE, PackedTransitions, PolicyBatch, TensorField
 from .errors import BatchValidationError, LossplugError, PluginError, RecipeError, Violation
 from .normalizer import Normalizer
 from .provenance import LogProbSource, Provenance
@@ -26,5 +26,6 @@ __all__ = [
     "Provenance",
     "Recipe",
     "RecipeError",
+    "TensorField",
     "Violation",
 ]

@@ -13,7 +13,7 @@ None, the required ones given) and then runs the contract — every rule of the 
 checks with a single host synchronisation; every problem is reported at once in a
 :class:`~lossplug.contracts.errors.BatchValidationError` naming field, rule and rows/positions. pydantic's own
 ``ValidationError`` never reaches a user: it is translated into the same error. ``PolicyBatch.unchecked(...)`` (the
-hot path of a trainer's loop) validates the types only — about 2 µs — and leaves the rules to ``check()``, which
+hot path of a trainer's loop) validates the types only — a few µs — and leaves the rules to ``check()``, which
 ``policy_loss(validate="full")`` calls once per micro-batch.
 
 Masked (non-action) positions may hold anything, NaN and inf included: nothing downstream reads them — except a
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import torch
 from pydantic import (
@@ -54,9 +54,6 @@ __all__ = [
     "TensorField",
     "forget_checked",
 ]
-
-if TYPE_CHECKING:
-    from pydantic_core import CoreSchema
 
 Tensor = torch.Tensor
 
@@ -125,7 +122,7 @@ class TensorField:
 
         return nested(depth) if isinstance(depth, int) else {"anyOf": [nested(d) for d in depth]}
 
-    def __get_pydantic_json_schema__(self, core_schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
         """The field in a JSON batch file (what ``lossplug validate`` reads): nested arrays of the field's kind, or
         ``{"data": …, "dtype": "bfloat16"}``; lossplug's metadata under ``x-lossplug``."""
         array = self._json_array()

@@ -1,9 +1,11 @@
-"""The rules of the batch contracts, one table each: :data:`POLICY_BATCH_RULES` and :data:`PACKED_RULES`.
+"""The rules of the batch contracts, one table each, built from the contract's field declarations
+(:class:`lossplug.contracts.batch.TensorField`) by :func:`policy_batch_rules` and :func:`packed_rules`.
 
 Every rule is written once (:mod:`lossplug.contracts.rules`): the quick host test a trainer's hot loop runs and the
 report that names field, rule and positions are two readings of it. The value rules of the per-token and per-row
 float fields read the memo of checked tensors (:mod:`lossplug.contracts.memo`): a slice of an already-checked base
-tensor is not read again, and a log-prob field costs one ``aminmax`` pass.
+tensor is not read again, and a log-prob field costs one ``aminmax`` pass (one integer max over its bits when the
+caller proves its finiteness from a sum of its own, as ``policy_loss`` does).
 
 Masked (non-action) positions may hold anything, NaN and inf included: nothing downstream reads them — except a
 token-level reward, which must be 0 there (:func:`rewards_off_actions`): every estimator credits rewards on action
@@ -222,7 +224,7 @@ def _rows_act() -> Rule:
             return
         checks.when_flag(mask.view(torch.uint8).amax(-1).amin() == 0, lambda: _empty_rows_of(mask))
 
-    return Rule("action_mask", ("action_mask",), passes, report)
+    return Rule("action_mask", ("action_mask",), passes, report, EMPTY_ROW)
 
 
 def _same_elements_checked(fields: Fields, t: Tensor, earlier: tuple[str, ...]) -> bool:
@@ -326,7 +328,11 @@ def dense(names: tuple[str, ...]) -> Rule:
 
     def passes(fields: Fields) -> bool:
         strided = torch.strided
-        return all(fields[name] is None or fields[name].layout == strided for name in names)
+        for name in names:
+            t = fields[name]
+            if t is not None and t.layout != strided:
+                return False
+        return True
 
     def report(checks: Checks, fields: Fields) -> None:
         for name in names:

@@ -5,12 +5,14 @@ correction weights) reduced by the recipe's reduction, and each regularizer's pe
 reduction (the recipe's by default) — never multiplied by the correction weights, as in TRL and verl, where the KL
 and entropy terms are added after the importance weights multiplied the policy term.
 
-``compile_recipe`` resolves a recipe's plugins once (cached on the recipe, invalidated if the registry is rebuilt);
-``policy_loss`` is then plain tensor code per micro-batch. With ``validate="full"`` the batch is checked against the
-contract (once per batch object) and against what the recipe's plugins declare they need; ``validate="off"`` skips
-every check and every host synchronisation.
+``compile_recipe`` (:mod:`lossplug.stages`) resolves a recipe's plugins once (cached on the recipe, invalidated if
+the registry is rebuilt); ``policy_loss`` is then plain tensor code per micro-batch. With ``validate="full"`` the
+batch is checked against the contract and against what the recipe's plugins declare they need — the fresh
+``logp`` read once, for the tolerance, its finiteness proven from the sum the loss pass makes anyway, with the
+loss's own finiteness and the Normalizer's coverage after the loss (:func:`_settle_checks`); ``validate="off"``
+skips every check and every host synchronisation.
 
-The pieces live beside it: :mod:`lossplug.stages` (the compiled recipe, calling plugin code with blame),
+The pieces live beside it: :mod:`lossplug.stages` (compiling a recipe, calling plugin code with blame),
 :mod:`lossplug.validation` (the checks of inputs and plugin outputs) and :mod:`lossplug.loss_metrics` (what
 ``metrics=`` reports).
 """

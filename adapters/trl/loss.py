@@ -23,9 +23,38 @@ from lossplug.pipeline import join_peers
 if TYPE_CHECKING:
     from trl import GRPOTrainer
 
-__all__ = ["FORWARD_KEYS", "StepScaling", "compute_loss", "policy_batch", "step_scaling", "trl_peers"]
+__all__ = [
+    "FORWARD_KEYS",
+    "TRL_CONDITIONAL_FIELDS",
+    "TRL_FIELDS",
+    "StepScaling",
+    "compute_loss",
+    "policy_batch",
+    "step_scaling",
+    "trl_peers",
+]
 
 Tensor = torch.Tensor
+
+#: every PolicyBatch field :func:`policy_batch` fills from TRL's micro-batch, and where it comes from — the one list
+#: the refusals (:mod:`lossplug.adapters.trl.refusals`) read; a test holds it equal to what policy_batch passes
+TRL_FIELDS: dict[str, str] = {
+    "logp": "the forward pass (TRL's _get_per_token_logps_and_entropies)",
+    "action_mask": "completion_mask (times tool_mask where TRL has one)",
+    "old_logp": "old_per_token_logps (logp.detach() when TRL computes none: on-policy)",
+    "behavior_logp": "sampling_per_token_logps",
+    "ref_logp": "ref_per_token_logps",
+    "advantage": "the advantages the adapter computed with the recipe",
+    "group_id": "the prompt groups the adapter numbered",
+    "reward": "TRL's weighted sum of the reward functions",
+    "entropy": "the forward pass's entropies",
+    "reward_components": "one column per reward function",
+}
+#: the fields TRL has only under some settings, and which
+TRL_CONDITIONAL_FIELDS: dict[str, str] = {
+    "ref_logp": "TRL computes reference log-probs only when beta != 0",
+    "behavior_logp": "TRL has rollout log-probs only with use_vllm=True or a rollout_func",
+}
 
 #: multimodal / model keyword inputs TRL forwards to ``_get_per_token_logps_and_entropies``
 FORWARD_KEYS = (

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from lossplug.adapters.trl.equivalent import engine_correction_gate, off_policy_mask_gate, trl_regularizers
+from lossplug.adapters.trl.loss import TRL_CONDITIONAL_FIELDS, TRL_FIELDS
 from lossplug.adapters.trl.state import batch_stages, grpo_config, named_stages
 from lossplug.contracts import LossplugError, Provenance
 from lossplug.needs import required_fields
@@ -37,10 +38,8 @@ __all__ = [
 TESTED_TRL: tuple[str, ...] = ("1.16",)
 ALLOW_UNTESTED_ENV = "LOSSPLUG_TRL_ALLOW_UNTESTED"
 
-#: fields of PolicyBatch the adapter can fill from TRL's batch (ref_logp / behavior_logp conditionally)
-PROVIDED = frozenset(
-    {"logp", "action_mask", "old_logp", "advantage", "group_id", "reward", "entropy", "reward_components"}
-)
+#: fields of PolicyBatch the adapter always fills from TRL's batch (ref_logp / behavior_logp conditionally)
+PROVIDED = frozenset(TRL_FIELDS) - frozenset(TRL_CONDITIONAL_FIELDS)
 #: fields the advantage stage sees (it runs on rewards gathered over processes, before any log-prob exists)
 ADVANTAGE_PROVIDED = frozenset({"reward", "group_id", "reward_components"})
 
@@ -223,10 +222,7 @@ def _fields(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]:
         for name in required_fields(stage.plugin, stage.params):
             if name in provided:
                 continue
-            why = {
-                "ref_logp": "TRL computes reference log-probs only when beta != 0",
-                "behavior_logp": "TRL has rollout log-probs only with use_vllm=True or a rollout_func",
-            }.get(name, "GRPOTrainer has no such field")
+            why = TRL_CONDITIONAL_FIELDS.get(name, "GRPOTrainer has no such field")
             out.append(f"{stage.where} ({stage.plugin.name}) reads {name}: {why}")
     return out
 

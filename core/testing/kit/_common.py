@@ -259,8 +259,8 @@ def check_fields(**kw: Any) -> dict[str, Tensor]:
     return fields
 
 
-#: the per-token fields a check poisons off the actions
-TOKEN_FIELDS = batches.TOKEN_FIELDS + ("entropy", "sum_pi_squared", "teacher_logp")
+#: the per-token fields a check poisons off the actions: every per-token float field of the contract
+TOKEN_FIELDS = PolicyBatch.TOKEN_FLOATS
 
 BUDGET = 16.0  # the fixed token budget per response the checks' Normalizers carry
 
