@@ -33,7 +33,7 @@ from lossplug.contracts import (
     PolicyBatch,
     Recipe,
 )
-from lossplug.contracts.errors import LossplugError, PluginError
+from lossplug.contracts.errors import LossplugError, PluginError, Violation
 
 from . import plugin_registry as _registry
 from .loss_metrics import basic_metrics, full_metrics, gate_report
@@ -378,6 +378,15 @@ def _check_policy_inputs(
         raise LossplugError(
             f"policy_loss: normalizer must be a lossplug.Normalizer (or None), got {type(normalizer).__name__}"
         )
+    values = batch.__dict__
+    violations = [] if all(values.get(name) is not None for name in compiled.loss_fields) else _missing(batch, compiled)
+    if weight is not None:
+        violations += weight_violations(weight, batch)
+    return raise_violations(batch, compiled, violations, finite_later=True)
+
+
+def _missing(batch: PolicyBatch, compiled: CompiledRecipe) -> list[Violation]:
+    """The fields the loss reads that ``batch`` lacks, each blamed on the stages that need it."""
     violations = missing_fields(batch, ("advantage",), "policy_loss (compute it with lossplug.compute_advantages)")
     for stage in compiled.gates:
         violations += missing_fields(batch, stage.plugin.required_fields(stage.params), stage_label(stage))
@@ -385,9 +394,7 @@ def _check_policy_inputs(
         violations += missing_fields(batch, reg_stage.plugin.required_fields(reg_stage.params), stage_label(reg_stage))
     reduction = compiled.reduction.plugin
     violations += missing_fields(batch, reduction.requires, f"recipe.reduction ({reduction.name})")
-    if weight is not None:
-        violations += weight_violations(weight, batch)
-    return raise_violations(batch, compiled, violations, finite_later=True)
+    return violations
 
 
 def _hook_metrics(batch: PolicyBatch, objective: Tensor, recipe: Recipe) -> dict[str, Tensor]:

@@ -82,6 +82,17 @@ class CompiledRecipe:
     def gates(self) -> tuple[Stage[GatePlugin], ...]:
         return (self.update,) + self.corrections
 
+    @functools.cached_property
+    def loss_fields(self) -> tuple[str, ...]:
+        """Every batch field the policy loss reads besides logp and the mask: the advantage, what the gates and
+        regularizers declare with their parameters, what the reduction declares — derived once per compile, so
+        that a micro-batch that has them all is checked with one look at each."""
+        needed = ["advantage"]
+        for stage in (*self.gates, *self.regularizers):
+            needed += stage.plugin.required_fields(stage.params)
+        needed += self.reduction.plugin.requires
+        return tuple(dict.fromkeys(needed))
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Running plugin code: a bug inside a plugin is reported as a PluginError naming the plugin and where it came from

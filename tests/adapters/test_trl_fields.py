@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("trl")
 
-from lossplug import PolicyBatch  # noqa: E402
-from lossplug.adapters.trl import loss, refusals  # noqa: E402
+from lossplug import PolicyBatch
+from lossplug.adapters.trl import loss, refusals
 
 
 def test_every_field_the_adapter_fills_is_a_contract_field():

@@ -4,8 +4,8 @@ import pytest
 
 pytest.importorskip("verl")
 
-from lossplug import PolicyBatch  # noqa: E402
-from lossplug.adapters.verl import advantage  # noqa: E402
+from lossplug import PolicyBatch
+from lossplug.adapters.verl import advantage
 
 
 def test_every_field_read_from_the_data_proto_is_a_contract_field():
