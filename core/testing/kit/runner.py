@@ -196,11 +196,17 @@ def _run_needed(subject: Subject, name: str, requested: bool) -> CheckResult:
     return result
 
 
-def _blocked(name: str, roots: tuple[str, ...], results: Mapping[str, CheckResult]) -> CheckResult:
-    first = results[roots[0]]
-    reason = first.message.split("\n", 1)[0]
-    reason = reason if len(reason) <= 200 else reason[:199] + "…"
-    message = f"blocked by {', '.join(roots)}, which fails: {reason}"
+def _blocked(name: str, roots: tuple[str, ...], results: Mapping[str, CheckResult], reported: set[str]) -> CheckResult:
+    """A check that did not run because ``roots`` failed. When the report shows the roots (``reported``), above it
+    in check order, the row points to them in one line instead of repeating their message on every blocked row;
+    a check run alone (one pytest item) carries the first root's reason, which nothing else shows."""
+    if set(roots) <= reported:
+        where = "which failed (its row is above)" if len(roots) == 1 else "which failed (their rows are above)"
+        message = f"blocked by {', '.join(roots)}, {where}"
+    else:
+        reason = results[roots[0]].message.split("\n", 1)[0]
+        reason = reason if len(reason) <= 200 else reason[:199] + "…"
+        message = f"blocked by {', '.join(roots)}, which fails: {reason}"
     return CheckResult(name, "skipped", message, CHECKS[name].summary, blocked_by=roots)
 
 
@@ -227,7 +233,7 @@ def _run_in_order(
         elif n in closure:
             roots = tuple(dict.fromkeys(r for m in needs_for(n, kind) for r in roots_of.get(m, ())))
             if roots:
-                results[n] = _blocked(n, roots, results)
+                results[n] = _blocked(n, roots, results, set(wanted))
                 roots_of[n] = roots
                 continue
             results[n] = _run_needed(subject, n, requested=n in wanted)

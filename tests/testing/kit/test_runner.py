@@ -57,6 +57,19 @@ def test_an_undetached_correction_weight_fails_detached_alone_and_blocks_what_ru
     assert "  – blocked by detached: metric_levels, requires_declared, masked_poison" in text
 
 
+def test_each_blocked_row_is_one_line_that_names_its_root_without_repeating_its_message():
+    """Issue 30: every blocked row of a report (`lossplug check`'s table) repeated the root failure's text; the root's
+    row says it once, each blocked row one line that points to it."""
+    report = check_plugin(grad_weight)
+    root = only_failure(report, "detached").message
+    for r in report.blocked:
+        assert "\n" not in r.message and r.message == "blocked by detached, which failed (its row is above)"
+        assert root.split(":")[0] not in r.message
+    # run alone, the root is not in the report: the blocked row carries the reason
+    (alone,) = check_plugin(grad_weight, checks=["masked_poison"]).results
+    assert "weight carries gradient" in alone.message
+
+
 def test_a_correction_returning_an_objective_fails_the_output_contract_naming_the_rule_and_the_kit_does_not_raise():
     report = check_plugin(objective_correction)
     failure = only_failure(report, "output_contract")
