@@ -94,7 +94,7 @@ def gate_output_contract(s: Subject) -> None:
     inp, _ = gate_input(f)
     out = call_gate(s, inp, "on an ordinary batch")
     B, T = f["logp"].shape
-    problems = []
+    problems = _broken_zero_off_promise(s, out, f)
     if s.role == "correction":
         weight = checked_weight(out).detach()
         bad = ~torch.isfinite(weight) | (weight < 0)
@@ -115,6 +115,38 @@ def gate_output_contract(s: Subject) -> None:
             )
     if problems:
         raise CheckFailed("; ".join(problems))
+
+
+def _broken_zero_off_promise(s: Subject, out: GateOutput, fields: dict[str, Tensor]) -> list[str]:
+    """What breaks an update gate's ``zero_off_actions=True``: an objective that is not exactly 0 off the actions, or
+    gradient that reaches ``logp`` there, with sequence- then token-level advantages (a ``[B, 1]`` advantage column
+    is not zero off the actions, the cleaned ``[B, T]`` advantage is). The pipeline trusts the promise and skips
+    its own zero-off, so a false one lets the padding into the loss — a problem only this check can name."""
+    if s.plugin.role != "update" or not out.zero_off_actions:
+        return []
+    for token_advantage in (False, True):
+        f = check_fields(token_advantage=token_advantage) if token_advantage else fields
+        inp, leaves = gate_input(f)
+        objective = cast(Tensor, call_gate(s, inp, "on an ordinary batch").objective)
+        off = ~f["action_mask"]
+        (grad,) = torch.autograd.grad(objective.sum(), leaves["logp"], allow_unused=True)
+        grad = torch.zeros_like(leaves["logp"]) if grad is None else grad
+        value = objective.detach()
+        where = off & ((value != 0) | (grad != 0))
+        if bool(where.any()):
+            first = tuple(where.nonzero()[0].tolist())
+            layout = "token-level" if token_advantage else "sequence-level"
+            return [
+                f"GateOutput(zero_off_actions=True) promises an objective that is exactly +0 off the action positions, "
+                f"without gradient there, but with {layout} advantages it is not at {where_rows(where)} (first at "
+                f"{first}: objective {float(value[first]):.6g}, ∂/∂logp {float(grad[first]):.6g}); the pipeline "
+                "trusts the promise and skips its own zero-off, "
+                "so the padding enters the loss. Make every term a product with a factor that is +0 off the actions "
+                "(inp.advantage, the cleaned [B, T] advantage, or inp.on_actions(x); inp.broadcast_advantage() is a "
+                "[B, 1] column for a [B] advantage, not zero there), or drop zero_off_actions (the pipeline then "
+                "zeroes the objective itself)"
+            ]
+    return []
 
 
 def gate_detached(s: Subject) -> None:
