@@ -9,7 +9,7 @@ from .errors import BatchValidationError, LossplugError, PluginError, RecipeErro
 from .normalizer import Normalizer
 from .provenance import LogProbSource, Provenance
 from .recipe import PluginSpec, Recipe
-from .results import AdvantageResult, LossResult
+from .results import AdvantageResult, LossResult, RolloutResult
 
 __all__ = [
     "AdvantageResult",
@@ -26,6 +26,7 @@ __all__ = [
     "Provenance",
     "Recipe",
     "RecipeError",
+    "RolloutResult",
     "TensorField",
     "Violation",
 ]

@@ -1,4 +1,5 @@
-"""Recipes: which advantage, which gates, which reduction and which regularizers, with their parameters.
+"""Recipes: which reward shapers and filters, which advantage, which gates, which reduction and which regularizers,
+with their parameters.
 
 A recipe is data — it parses from a dict, YAML or JSON, is written into every run's record, and is validated the
 moment it is built: every plugin name must be registered, and every parameter must pass the plugin's own pydantic
@@ -7,6 +8,10 @@ the allowed values.
 
 The stages:
 
+* ``shapers`` — optional, the rollout side: each rewrites the reward (KL in the reward, length and overlong
+  penalties, clipping, scaling, running normalisation), in the recipe's order, before the advantage. A list.
+* ``filters`` — optional, the rollout side: each decides which responses and tokens take part in the update,
+  after the shapers and before the advantage; a filtered token leaves every denominator. A list.
 * ``advantage`` — optional: without one, advantages come with the batch.
 * ``gates`` — the first is the **update gate** (turns ratio × advantage into a per-token objective that carries the
   gradient); the rest are **detached corrections** (weights on the engine ratio old/behaviour).
@@ -45,6 +50,8 @@ from .errors import LossplugError, PluginError, RecipeError, did_you_mean
 #: the recipe's keys are read from it, and core binds each kind to its plugin class and registration hook
 #: (``lossplug.kinds.KINDS``, derived from this table).
 PLUGIN_KINDS: Mapping[str, str] = {
+    "shaper": "shapers",
+    "filter": "filters",
     "advantage": "advantage",
     "gate": "gates",
     "reduction": "reduction",
@@ -207,20 +214,21 @@ def _check_gates(gates: Any, errors: _StageErrors) -> tuple[PluginSpec, ...]:
     return tuple(resolved)
 
 
-def _check_regularizers(regularizers: Any, errors: _StageErrors) -> tuple[PluginSpec, ...]:
-    if regularizers is None:
+def _check_list(raw_stages: Any, kind: str, errors: _StageErrors) -> tuple[PluginSpec, ...]:
+    """A stage key that holds a list of ``kind`` plugins (or one): shapers, filters, regularizers."""
+    key = PLUGIN_KINDS[kind]
+    if raw_stages is None:
         return ()
-    if isinstance(regularizers, (str, Mapping)):
-        regularizers = [regularizers]
-    if not isinstance(regularizers, (list, tuple)):
+    if isinstance(raw_stages, (str, Mapping)):
+        raw_stages = [raw_stages]
+    if not isinstance(raw_stages, (list, tuple)):
         raise RecipeError(
-            f"recipe.regularizers: must be a list of regularizers (or one), got "
-            f"{type(regularizers).__name__} {regularizers!r}"
+            f"recipe.{key}: must be a list of {key} (or one), got {type(raw_stages).__name__} {raw_stages!r}"
         )
     resolved = []
-    for i, raw in enumerate(regularizers):
+    for i, raw in enumerate(raw_stages):
         with errors.stage():
-            resolved.append(_check_stage(raw, "regularizer", f"recipe.regularizers[{i}]"))
+            resolved.append(_check_stage(raw, kind, f"recipe.{key}[{i}]"))
     return tuple(resolved)
 
 
@@ -232,6 +240,8 @@ class Recipe(BaseModel):
 
     #: the preset this recipe came from, if any (recorded for provenance)
     name: str | None = None
+    shapers: tuple[PluginSpec, ...] = ()
+    filters: tuple[PluginSpec, ...] = ()
     advantage: PluginSpec | None = None
     gates: tuple[PluginSpec, ...]
     reduction: PluginSpec
@@ -271,6 +281,9 @@ class Recipe(BaseModel):
             raise RecipeError(f"recipe.name: must be a string, got {type(data['name']).__name__} {data['name']!r}")
         out: dict[str, Any] = {"name": data.get("name")}
         errors = _StageErrors()
+        for kind in ("shaper", "filter"):
+            with errors.stage():
+                out[PLUGIN_KINDS[kind]] = _check_list(data.get(PLUGIN_KINDS[kind]), kind, errors)
         if data.get("advantage") is not None:
             with errors.stage():
                 out["advantage"] = _check_stage(data["advantage"], "advantage", "recipe.advantage")
@@ -281,7 +294,7 @@ class Recipe(BaseModel):
                 raise RecipeError("recipe.reduction: required (e.g. token, response, fixed, sequence_sum)")
             out["reduction"] = _check_stage(data["reduction"], "reduction", "recipe.reduction")
         with errors.stage():
-            out["regularizers"] = _check_regularizers(data.get("regularizers"), errors)
+            out["regularizers"] = _check_list(data.get("regularizers"), "regularizer", errors)
         errors.raise_any()
         return out
 
@@ -363,6 +376,10 @@ class Recipe(BaseModel):
         out: dict[str, Any] = {}
         if self.name:
             out["name"] = self.name
+        if self.shapers:
+            out["shapers"] = [s.to_dict() for s in self.shapers]
+        if self.filters:
+            out["filters"] = [f.to_dict() for f in self.filters]
         if self.advantage is not None:
             out["advantage"] = self.advantage.to_dict()
         out["gates"] = [g.to_dict() for g in self.gates]

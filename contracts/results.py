@@ -37,10 +37,29 @@ class LossResult(BaseModel):
 
 
 class AdvantageResult(BaseModel):
-    """Advantages, and the critic targets (returns ``A + V_old``) where the estimator has a critic."""
+    """Advantages, and the critic targets (returns ``A + V_old``) where the estimator has a critic.
+
+    When the recipe has shapers or filters (the rollout side), also the ``reward`` the advantage saw (shaped) and
+    the ``action_mask`` the filters left: an adapter hands that mask back to the trainer, so that what was filtered
+    leaves every denominator of the loss. Responses out of play have advantage 0."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
     advantage: torch.Tensor
     returns: torch.Tensor | None = None
+    metric_tensors: dict[str, torch.Tensor] = {}
+    reward: torch.Tensor | None = None
+    action_mask: torch.Tensor | None = None
+
+
+class RolloutResult(BaseModel):
+    """What a recipe's shapers and filters leave of a rollout batch: the ``reward`` (``[B]`` or ``[B, T]``), the
+    ``action_mask`` ``[B, T]`` narrowed by the filters, the responses still in play (``rows`` ``[B]`` bool: at least
+    one action token left) and the stages' metrics."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    reward: torch.Tensor
+    action_mask: torch.Tensor
+    rows: torch.Tensor
     metric_tensors: dict[str, torch.Tensor] = {}

@@ -44,6 +44,7 @@ _EXPORTS = {
         "Provenance",
         "Recipe",
         "RecipeError",
+        "RolloutResult",
         "Violation",
     ),
     "lossplug.control": (
@@ -56,6 +57,16 @@ _EXPORTS = {
     ),
     "lossplug.peers": ("Peers",),
     "lossplug.pipeline": ("compile_recipe", "compute_advantages", "estimate_advantages", "policy_loss", "reduce"),
+    "lossplug.rollout": ("apply_rollout_stages",),
+    "lossplug.rollout_plugin": (
+        "FilterOutput",
+        "FilterPlugin",
+        "RolloutInput",
+        "ShaperOutput",
+        "ShaperPlugin",
+        "filter",
+        "shaper",
+    ),
     "lossplug.plugin": (
         "AdvantagePlugin",
         "GateInput",
@@ -167,6 +178,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs (_EXPORTS, statically); at run t
         RecipeError as RecipeError,
     )
     from lossplug.contracts import (
+        RolloutResult as RolloutResult,
+    )
+    from lossplug.contracts import (
         Violation as Violation,
     )
     from lossplug.contracts.recipe import Catalogue
@@ -270,4 +284,28 @@ if TYPE_CHECKING:  # for type checkers and IDEs (_EXPORTS, statically); at run t
     )
     from .plugin_registry import (
         unregister_plugin as unregister_plugin,
+    )
+    from .rollout import (
+        apply_rollout_stages as apply_rollout_stages,
+    )
+    from .rollout_plugin import (
+        FilterOutput as FilterOutput,
+    )
+    from .rollout_plugin import (
+        FilterPlugin as FilterPlugin,
+    )
+    from .rollout_plugin import (
+        RolloutInput as RolloutInput,
+    )
+    from .rollout_plugin import (
+        ShaperOutput as ShaperOutput,
+    )
+    from .rollout_plugin import (
+        ShaperPlugin as ShaperPlugin,
+    )
+    from .rollout_plugin import (
+        filter as filter,
+    )
+    from .rollout_plugin import (
+        shaper as shaper,
     )

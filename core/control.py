@@ -44,6 +44,7 @@ from lossplug.contracts import LossplugError
 # classes; this module is their documented home and re-exports them
 from .pipeline import as_recipe, compile_recipe
 from .plugin import AllReduce, Controller, StepController
+from .stages import RegularizerStage, RolloutStage
 
 if TYPE_CHECKING:
     import torch
@@ -166,15 +167,12 @@ class AdaptiveEntropyController(WindowController):
 
 
 def controllers(recipe: Recipe | str) -> dict[str, StepController]:
-    """The live controllers of ``recipe``'s adaptive regularizer stages, by stage (``"regularizers[1]"``): the very
-    objects :func:`lossplug.policy_loss` reads the coefficient from and feeds observations to. Empty when no stage
-    adapts."""
+    """The live controllers of ``recipe``'s stateful stages, by stage (``"shapers[0]"``, ``"regularizers[1]"``): the
+    very objects :func:`lossplug.policy_loss` (a regularizer's) and :func:`lossplug.estimate_advantages` (a shaper's)
+    read the coefficient from and feed observations to. Empty when no stage keeps state."""
     compiled = compile_recipe(as_recipe(recipe))
-    return {
-        stage.where.removeprefix("recipe."): stage.controller
-        for stage in compiled.regularizers
-        if stage.controller is not None
-    }
+    stateful: list[RolloutStage[Any] | RegularizerStage] = [*compiled.shapers, *compiled.regularizers]
+    return {stage.where.removeprefix("recipe."): stage.controller for stage in stateful if stage.controller is not None}
 
 
 def controller_state(recipe: Recipe | str) -> dict[str, dict[str, Any]]:

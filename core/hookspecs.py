@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # annotations only: the hook specs are loaded with the regist
     from lossplug.contracts import PackedTransitions, PolicyBatch, Recipe, Violation
 
     from .plugin import AdvantagePlugin, GatePlugin, ReductionPlugin, RegularizerPlugin
+    from .rollout_plugin import FilterPlugin, ShaperPlugin
 
 hookspec = pluggy.HookspecMarker("lossplug")
 
@@ -39,6 +40,34 @@ class RegisterPreset(Protocol):
     """The ``register`` callback of :func:`lossplug_register_presets`."""
 
     def __call__(self, name: str, recipe: Mapping[str, Any], source: str = "") -> None: ...
+
+
+@hookspec
+def lossplug_register_shapers(register: Callable[[ShaperPlugin], None]) -> None:
+    """Register reward shapers (the rollout side: they rewrite the reward before the advantage).
+
+    Called once each time the plugin registry is built, like :func:`lossplug_register_advantages`. Never per batch.
+
+    :param register: Call ``register(plugin)`` once for each :class:`lossplug.ShaperPlugin` (a function decorated
+        with ``@lossplug.shaper(name, ...)``). Its name is what recipes list under ``shapers:``.
+
+    :return: Nothing. Return values are ignored; a name registered twice, or an implementation that raises, is
+        reported as for :func:`lossplug_register_advantages`.
+    """
+
+
+@hookspec
+def lossplug_register_filters(register: Callable[[FilterPlugin], None]) -> None:
+    """Register batch filters (the rollout side: which responses and tokens take part in the update).
+
+    Called once each time the plugin registry is built, like :func:`lossplug_register_advantages`. Never per batch.
+
+    :param register: Call ``register(plugin)`` once for each :class:`lossplug.FilterPlugin` (a function decorated
+        with ``@lossplug.filter(name, ...)``). Its name is what recipes list under ``filters:``.
+
+    :return: Nothing. Return values are ignored; a name registered twice, or an implementation that raises, is
+        reported as for :func:`lossplug_register_advantages`.
+    """
 
 
 @hookspec

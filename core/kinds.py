@@ -4,7 +4,7 @@ Each :class:`Kind` binds a kind's name to its plugin class, the hook that regist
 recipe key its stages sit under. The names and the recipe keys come from
 :data:`lossplug.contracts.recipe.PLUGIN_KINDS` — ``contracts`` may not import core, yet recipes must know their keys,
 so the table of names lives there — and this module derives the rest: the plugin class is the one whose ``kind``
-is the name, the hook is ``lossplug_register_<name>s``. Both are checked when this module is imported, so a fifth
+is the name, the hook is ``lossplug_register_<name>s``. Both are checked when this module is imported, so a
 kind added to one side and not the other fails at once instead of silently disappearing from a listing.
 """
 
@@ -16,10 +16,25 @@ from lossplug.contracts.recipe import PLUGIN_KINDS
 
 from . import hookspecs
 from .plugin import AdvantagePlugin, GatePlugin, ReductionPlugin, RegularizerPlugin
+from .rollout_plugin import FilterPlugin, ShaperPlugin
 
-PluginClass = type[AdvantagePlugin] | type[GatePlugin] | type[ReductionPlugin] | type[RegularizerPlugin]
+PluginClass = (
+    type[ShaperPlugin]
+    | type[FilterPlugin]
+    | type[AdvantagePlugin]
+    | type[GatePlugin]
+    | type[ReductionPlugin]
+    | type[RegularizerPlugin]
+)
 
-_PLUGIN_CLASSES: tuple[PluginClass, ...] = (AdvantagePlugin, GatePlugin, ReductionPlugin, RegularizerPlugin)
+_PLUGIN_CLASSES: tuple[PluginClass, ...] = (
+    ShaperPlugin,
+    FilterPlugin,
+    AdvantagePlugin,
+    GatePlugin,
+    ReductionPlugin,
+    RegularizerPlugin,
+)
 
 
 @dataclass(frozen=True)
@@ -49,5 +64,6 @@ def _bind() -> dict[str, Kind]:
 #: hooks under an earlier spelling → the kind they register (still called, after the kind's own hook)
 RENAMED_HOOKS: dict[str, str] = {"lossplug_register_regularisers": "regularizer"}
 
-#: kind name → :class:`Kind`, in recipe order (advantage, gate, reduction, regularizer); iterating gives the names
+#: kind name → :class:`Kind`, in recipe order (shaper, filter, advantage, gate, reduction, regularizer); iterating
+#: gives the names
 KINDS: dict[str, Kind] = _bind()

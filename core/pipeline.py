@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
@@ -47,10 +47,12 @@ from .plugin import (
     ReductionPlugin,
     RegularizerParams,
 )
+from .rollout import apply_rollout_stages, select_rows
 from .stages import (
     CompiledRecipe,
     ReductionSpec,
     RegularizerStage,
+    RolloutStage,
     Stage,
     as_recipe,
     compile_recipe,
@@ -128,9 +130,15 @@ def estimate_advantages(
         violations = missing_fields(batch, plugin.required_fields(stage.params), stage_label(stage)) + (
             group_violations(batch, plugin, stage.where) if layout == "padded" else []
         )
+        rollout_stages: tuple[RolloutStage[Any], ...] = (*compiled.shapers, *compiled.filters)
+        for rollout_stage in rollout_stages:
+            needed = ("reward", *rollout_stage.plugin.required_fields(rollout_stage.params))
+            violations += missing_fields(batch, needed, stage_label(rollout_stage))
         raise_violations(batch, compiled, violations)
     elif validate != "off":
         raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
+    if compiled.has_rollout_stages:
+        return _advantages_after_rollout_stages(batch, compiled, stage, validate)
     with torch.no_grad():
         result: AdvantageResult = run_stage(stage, validate, batch)
     if validate == "full":
@@ -138,6 +146,55 @@ def estimate_advantages(
         if result.returns is not None:
             check_advantage_output(result.returns, batch, stage, "returns")
     return result
+
+
+def _advantages_after_rollout_stages(
+    batch: PolicyBatch | PackedTransitions, compiled: CompiledRecipe, stage: Stage[AdvantagePlugin], validate: Validate
+) -> AdvantageResult:
+    """The recipe's shapers and filters, then its advantage on the responses still in play (their group statistics
+    without the filtered ones); a filtered response gets advantage 0."""
+    if isinstance(batch, PackedTransitions):
+        raise LossplugError(
+            "recipe.shapers / recipe.filters run on a PolicyBatch (the padded layout); a PackedTransitions batch "
+            "has no rollout stages yet"
+        )
+    rollout = apply_rollout_stages(batch, compiled, validate=validate)
+    shaped = PolicyBatch.unchecked(**{**batch.fields(), "reward": rollout.reward, "action_mask": rollout.action_mask})
+    everyone = bool(rollout.rows.all())
+    seen = shaped if everyone else select_rows(shaped, rollout.rows)
+    if not everyone and validate == "full":
+        raise_violations(seen, compiled, group_violations(seen, stage.plugin, stage.where))
+    metrics = dict(rollout.metric_tensors)
+    if seen.batch_size == 0:  # every response was filtered out: nothing to estimate, nothing learnt
+        zeros = torch.zeros(batch.batch_size, dtype=batch.logp.dtype, device=batch.logp.device)
+        return AdvantageResult(
+            advantage=zeros, metric_tensors=metrics, reward=rollout.reward, action_mask=rollout.action_mask
+        )
+    with torch.no_grad():
+        result: AdvantageResult = run_stage(stage, validate, seen)
+    if validate == "full":
+        check_advantage_output(result.advantage, seen, stage, "advantages")
+        if result.returns is not None:
+            check_advantage_output(result.returns, seen, stage, "returns")
+    advantage, returns = result.advantage, result.returns
+    if not everyone:
+        advantage = _scatter_rows(advantage, rollout.rows)
+        returns = None if returns is None else _scatter_rows(returns, rollout.rows)
+    metrics.update(result.metric_tensors)
+    return AdvantageResult(
+        advantage=advantage,
+        returns=returns,
+        metric_tensors=metrics,
+        reward=rollout.reward,
+        action_mask=rollout.action_mask,
+    )
+
+
+def _scatter_rows(values: Tensor, rows: Tensor) -> Tensor:
+    """``values`` of the rows in play placed back among all ``rows`` (``[B]`` bool), 0 for the others."""
+    out = values.new_zeros((rows.shape[0], *values.shape[1:]))
+    out[rows] = values
+    return out
 
 
 def compute_advantages(

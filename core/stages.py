@@ -32,13 +32,18 @@ from .plugin import (
     StepController,
     evaluate,
 )
+from .rollout_plugin import FilterPlugin, ShaperPlugin
 
 if TYPE_CHECKING:
     from .plugin_registry import Registry
 
 Tensor = torch.Tensor
 #: the plugin class of a stage: a CompiledRecipe's advantage stage holds an AdvantagePlugin, and so on
-_P = TypeVar("_P", bound=AdvantagePlugin | GatePlugin | ReductionPlugin | RegularizerPlugin, covariant=True)
+_P = TypeVar(
+    "_P",
+    bound=ShaperPlugin | FilterPlugin | AdvantagePlugin | GatePlugin | ReductionPlugin | RegularizerPlugin,
+    covariant=True,
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,16 @@ class RegularizerStage(Stage[RegularizerPlugin]):
 
 
 @dataclass(frozen=True)
+class RolloutStage(Stage[_P]):
+    """A shaper or filter stage: its plugin and parameters, its live controller (a shaper's state across steps;
+    None for a stateless one and for every filter) and the name its metrics go under (``shaper/<name>/``,
+    ``filter/<name>/``; ``<name>.<i>`` when the recipe has the same plugin twice)."""
+
+    controller: StepController | None
+    metric_name: str
+
+
+@dataclass(frozen=True)
 class CompiledRecipe:
     recipe: Recipe
     advantage: Stage[AdvantagePlugin] | None
@@ -77,6 +92,13 @@ class CompiledRecipe:
     has_metric_hooks: bool
     generation: int
     regularizers: tuple[RegularizerStage, ...] = ()
+    shapers: tuple[RolloutStage[ShaperPlugin], ...] = ()
+    filters: tuple[RolloutStage[FilterPlugin], ...] = ()
+
+    @property
+    def has_rollout_stages(self) -> bool:
+        """Whether the recipe shapes or filters the rollout before its advantage."""
+        return bool(self.shapers or self.filters)
 
     @property
     def gates(self) -> tuple[Stage[GatePlugin], ...]:
@@ -87,9 +109,11 @@ class CompiledRecipe:
         """Every batch field the policy loss reads besides logp and the mask: the advantage, what the gates and
         regularizers declare with their parameters, what the reduction declares — derived once per compile, so
         that a micro-batch that has them all is checked with one look at each."""
-        needed = ["advantage"]
-        for stage in (*self.gates, *self.regularizers):
-            needed += stage.plugin.required_fields(stage.params)
+        needed: list[str] = ["advantage"]
+        for gate in self.gates:
+            needed += gate.plugin.required_fields(gate.params)
+        for regularizer in self.regularizers:
+            needed += regularizer.plugin.required_fields(regularizer.params)
         needed += self.reduction.plugin.requires
         return tuple(dict.fromkeys(needed))
 
@@ -177,6 +201,8 @@ def compile_recipe(recipe: Recipe) -> CompiledRecipe:
         has_metric_hooks=bool(pm.hook.lossplug_extra_metrics.get_hookimpls()),
         generation=reg.generation,
         regularizers=_regularizer_stages(reg, recipe, reduction, cached),
+        shapers=_rollout_stages(reg, "shaper", recipe.shapers, cached.shapers if cached else ()),
+        filters=_rollout_stages(reg, "filter", recipe.filters, ()),
     )
     recipe.keep_compiled(compiled)
     return compiled
@@ -202,6 +228,31 @@ def _regularizer_stages(
         )
         metric_name = spec.name if names.count(spec.name) == 1 else f"{spec.name}.{i}"
         stages.append(RegularizerStage(plain.plugin, plain.params, where, own, controller, metric_name))
+    return tuple(stages)
+
+
+def _rollout_stages(
+    reg: Registry, kind: Literal["shaper", "filter"], specs: tuple[PluginSpec, ...], previous: tuple[Any, ...]
+) -> tuple[RolloutStage[Any], ...]:
+    """The recipe's shaper or filter stages; a shaper's controller is carried over from ``previous`` (the same
+    recipe object's earlier compile) as a regularizer's is."""
+    names = [spec.name for spec in specs]
+    key = "shapers" if kind == "shaper" else "filters"
+    stages = []
+    for i, spec in enumerate(specs):
+        where = f"recipe.{key}[{i}]"
+        plugin = reg.lookup(kind, spec.name, where)
+        params = plugin.params.model_validate(spec.params)
+        kept = previous[i] if len(previous) > i else None
+        controller = None
+        if isinstance(plugin, ShaperPlugin):
+            controller = (
+                kept.controller
+                if kept is not None and kept.plugin.name == spec.name and kept.params == params
+                else plugin.make_controller(params)
+            )
+        metric_name = spec.name if names.count(spec.name) == 1 else f"{spec.name}.{i}"
+        stages.append(RolloutStage(plugin, params, where, controller, metric_name))
     return tuple(stages)
 
 

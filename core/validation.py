@@ -26,6 +26,7 @@ from . import plugin_registry as _registry
 from .needs import missing_field, one_line_each
 from .ops import Groups
 from .plugin import AdvantagePlugin, GateOutput, GatePlugin, RegularizerOutput, RegularizerPlugin
+from .rollout_plugin import FilterPlugin, ShaperPlugin
 from .stages import CompiledRecipe, RegularizerStage, Stage, describe_value
 
 Tensor = torch.Tensor
@@ -43,7 +44,9 @@ def missing_fields(batch: PolicyBatch | PackedTransitions, fields: Iterable[str]
     return out
 
 
-def stage_label(stage: Stage[AdvantagePlugin | GatePlugin | RegularizerPlugin]) -> str:
+def stage_label(
+    stage: Stage[AdvantagePlugin | GatePlugin | RegularizerPlugin | ShaperPlugin | FilterPlugin],
+) -> str:
     """'recipe.gates[0] (ppo_clip)', with the parameters that differ from the defaults when those decide what the
     plugin needs (``requires`` given as a function of the parameters)."""
     plugin = stage.plugin

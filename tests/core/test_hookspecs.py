@@ -128,6 +128,27 @@ def registered_advantages(before):
         assert adv.shape[0] == 2 and torch.isfinite(adv).all()
 
 
+def registered_shapers(before):
+    new = added(before, "shaper")
+    assert new, "the example registered no shaper"
+    for row in new:
+        b = batch().replace(terminated=torch.tensor([True, False]))
+        recipe = {**PLAIN, "advantage": "grpo", "shapers": [row["name"]]}
+        result = lossplug.estimate_advantages(b, recipe)
+        assert result.reward is not None and not torch.equal(result.reward, b.reward), "the shaper changed nothing"
+        assert torch.isfinite(result.advantage).all()
+
+
+def registered_filters(before):
+    new = added(before, "filter")
+    assert new, "the example registered no filter"
+    for row in new:
+        recipe = {**PLAIN, "advantage": "grpo", "filters": [{"name": row["name"], "tokens": 3}]}
+        result = lossplug.estimate_advantages(batch(), recipe)
+        assert result.action_mask is not None and result.action_mask.sum() < batch().action_mask.sum()
+        assert float(result.metric_tensors[f"filter/{row['name']}/dropped_responses"]) == 0.5
+
+
 def registered_gates(before):
     new = added(before, "gate")
     assert new, "the example registered no gate"
@@ -181,6 +202,8 @@ def metrics_appear(before):
 
 #: what each hook's example must achieve once registered; a new hook needs an entry here
 EFFECTS: dict[str, Callable[[Before], None]] = {
+    "lossplug_register_shapers": registered_shapers,
+    "lossplug_register_filters": registered_filters,
     "lossplug_register_advantages": registered_advantages,
     "lossplug_register_gates": registered_gates,
     "lossplug_register_reductions": registered_reductions,

@@ -141,8 +141,19 @@ def test_one_table_of_plugin_kinds():
     from lossplug import hookspecs, plugin_registry
     from lossplug.testing import kit
 
-    assert list(KINDS) == list(contract.PLUGIN_KINDS) == ["advantage", "gate", "reduction", "regularizer"]
-    assert contract.STAGES == ("advantage", "gates", "reduction", "regularizers")
+    assert (
+        list(KINDS)
+        == list(contract.PLUGIN_KINDS)
+        == [
+            "shaper",
+            "filter",
+            "advantage",
+            "gate",
+            "reduction",
+            "regularizer",
+        ]
+    )
+    assert contract.STAGES == ("shapers", "filters", "advantage", "gates", "reduction", "regularizers")
     for name, kind in KINDS.items():
         assert kind.name == name and kind.plugin_class.kind == name
         assert kind.recipe_key == contract.PLUGIN_KINDS[name]

@@ -67,6 +67,8 @@ def test_builtins_are_the_lossplug_distributions_own_entry_points():
         if ep.dist is not None and ep.dist.name == "lossplug"
     }
     assert declared == {
+        "shapers": "lossplug.plugins.shapers",
+        "filters": "lossplug.plugins.filters",
         "advantages": "lossplug.plugins.advantages",
         "gates": "lossplug.plugins.gates",
         "reductions": "lossplug.plugins.reductions",

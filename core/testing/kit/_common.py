@@ -186,6 +186,9 @@ class Subject:
             return Recipe.model_validate({"gates": [ref], "reduction": self.spec})
         if self.kind == "regularizer":
             return Recipe.model_validate({"gates": [ref], "reduction": reduction, "regularizers": [self.spec]})
+        if self.kind in ("shaper", "filter"):
+            key = "shapers" if self.kind == "shaper" else "filters"
+            return Recipe.model_validate({key: [self.spec], "advantage": "grpo", "gates": [ref], "reduction": "token"})
         return Recipe.model_validate({"advantage": self.spec, "gates": [ref], "reduction": "token"})
 
     def param_model(self) -> Params:
@@ -384,7 +387,7 @@ def padded_only(subject: Subject) -> None:
 
 
 def advantage_fields(subject: Subject, token_reward: bool = False, **kw: Any) -> dict[str, Tensor]:
-    f = check_fields(group_size=max(3, subject.plugin.min_group_size), **kw)
+    f = check_fields(group_size=max(3, getattr(subject.plugin, "min_group_size", 0)), **kw)
     f.pop("advantage")
     if token_reward:
         g = torch.Generator().manual_seed(11)

@@ -37,9 +37,12 @@ from .advantages import advantage_output_contract
 from .gates import gate_output_contract
 from .reductions import reduction_output_contract
 from .regularizers import regularizer_output_contract
+from .rollout import ROLLOUT_KINDS, rollout_masked_layout, rollout_masked_poison, rollout_of, rollout_output_contract
 
 #: each kind's output contract
 OUTPUT_CONTRACTS: dict[str, Callable[[Subject], None]] = {
+    "shaper": rollout_output_contract,
+    "filter": rollout_output_contract,
     "advantage": advantage_output_contract,
     "gate": gate_output_contract,
     "reduction": reduction_output_contract,
@@ -126,18 +129,20 @@ def output_contract(s: Subject) -> None:
 
 @check(
     "requires_declared",
-    ("gate", "advantage", "regularizer"),
+    ("gate", "advantage", "regularizer", *ROLLOUT_KINDS),
     "the plugin runs on a batch holding only the fields it declares in requires=",
     needs=("output_contract", "metric_levels"),
 )
 def requires_declared(s: Subject) -> None:
-    full = advantage_fields(s) if s.kind == "advantage" else check_fields()
+    full = advantage_fields(s) if s.kind in ("advantage", *ROLLOUT_KINDS) else check_fields()
     keep = {"logp", "action_mask", *s.requires}
     if s.kind in ("gate", "regularizer"):
         keep.add("advantage")
         if s.role == "correction" or s.kind == "regularizer":
             ref = lossplug.registry().plugins["gate"][reference_update_gate()]
             keep |= set(required_fields(ref))
+    elif s.kind in ROLLOUT_KINDS:
+        keep.add("reward")  # what the rollout stages rewrite and filter: always there
     elif s.plugin.min_group_size > 0:
         keep.add("group_id")
     minimal = {k: v for k, v in full.items() if k in keep}
@@ -147,6 +152,8 @@ def requires_declared(s: Subject) -> None:
     def run(fields: Mapping[str, Tensor]) -> None:
         if s.kind in ("gate", "regularizer"):
             run_loss(s, fields)
+        elif s.kind in ROLLOUT_KINDS:
+            rollout_of(s, fields)
         else:
             advantage_of(s, PolicyBatch(**fields))
 
@@ -198,6 +205,9 @@ def _runs(run: Callable[[Mapping[str, Tensor]], None], fields: Mapping[str, Tens
 )
 def masked_poison(s: Subject) -> None:
     padded_only(s)
+    if s.kind in ROLLOUT_KINDS:
+        rollout_masked_poison(s)
+        return
     if s.kind == "advantage":
         clean = advantage_fields(s, token_reward=True)
         mask = clean["action_mask"]
@@ -262,6 +272,9 @@ def masked_poison(s: Subject) -> None:
 )
 def masked_layout(s: Subject) -> None:
     padded_only(s)
+    if s.kind in ROLLOUT_KINDS:
+        rollout_masked_layout(s)
+        return
     before, after = 2, 3
     if s.kind == "advantage":
         clean = advantage_fields(s, token_reward=True)

@@ -1,0 +1,145 @@
+"""The rollout side of a recipe: its shapers and filters, once per rollout batch, in the recipe's order, before the
+advantage.
+
+* A **shaper** rewrites the reward: ``reward ← shaper(batch with the reward so far)``. A ``[B]`` reward may become
+  ``[B, T]`` (KL in the reward puts ``-β·KL`` on every action token and the score on the last one); never the
+  other way round.
+* A **filter** narrows the action mask: ``action_mask ← action_mask & keep`` with ``keep`` ``[B]`` (responses) or
+  ``[B, T]`` (tokens). A response with no action token left is *out of play*: it keeps its row (the trainer's
+  tensors keep their shape) but takes no part in anything after — the advantage's group statistics are computed
+  without it and give it 0, and the mask the adapters hand back to the trainer leaves it out of every denominator
+  (the token mean, the global token and sequence counts under data parallelism and gradient accumulation).
+
+Stateful stages (an adaptive KL coefficient, running statistics) keep their state in the stage's controller
+(:mod:`lossplug.control`): the pipeline feeds it the shaper's ``observation`` and steps it once per rollout batch,
+with ``peers``' sum as the all-reduce, so that it is the same on every rank; ``lossplug.controller_state(recipe)``
+includes it, so it is saved with the trainer's checkpoint and restored on resume like a regularizer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from lossplug.contracts import LossplugError, PluginError, PolicyBatch, RolloutResult
+
+from .peers import LOCAL, Peers
+from .plugin import Lazy, evaluate
+from .rollout_plugin import FilterOutput, FilterPlugin, RolloutInput, ShaperOutput, ShaperPlugin
+from .stages import CompiledRecipe, RolloutStage, run_stage
+
+Tensor = torch.Tensor
+
+__all__ = ["apply_rollout_stages", "select_rows"]
+
+
+def apply_rollout_stages(
+    batch: PolicyBatch, compiled: CompiledRecipe, *, validate: str = "full", peers: Peers | None = None
+) -> RolloutResult:
+    """Run ``compiled``'s shapers, then its filters, on ``batch`` (already checked by the caller); see the module
+    docstring. Returns the reward and action mask they leave, the responses still in play and their metrics."""
+    peers = LOCAL if peers is None else peers
+    reward = batch.reward
+    if reward is None:
+        raise LossplugError(
+            "recipe.shapers / recipe.filters: the batch has no reward (the rollout stages rewrite and filter the "
+            "rewards before the advantage; give PolicyBatch(reward=...))"
+        )
+    metrics: dict[str, Tensor] = {}
+    current = batch
+    for stage in compiled.shapers:
+        reward = _shape(stage, current, validate, peers, metrics)
+        current = PolicyBatch.unchecked(**{**current.fields(), "reward": reward})
+    mask = current.action_mask
+    for filter_stage in compiled.filters:
+        mask = _filter(filter_stage, current, validate, peers, metrics)
+        current = PolicyBatch.unchecked(**{**current.fields(), "action_mask": mask})
+    rows = mask.any(-1)
+    with torch.no_grad():
+        metrics["rollout/kept_responses"] = rows.float().mean()
+        metrics["rollout/kept_tokens"] = mask.sum() / batch.action_mask.sum().clamp(min=1)
+    return RolloutResult(reward=reward, action_mask=mask, rows=rows, metric_tensors=metrics)
+
+
+def _shape(
+    stage: RolloutStage[ShaperPlugin],
+    batch: PolicyBatch,
+    validate: str,
+    peers: Peers,
+    metrics: dict[str, Tensor],
+) -> Tensor:
+    before = batch.reward
+    assert before is not None
+    with torch.no_grad():
+        out: ShaperOutput = run_stage(stage, validate, RolloutInput(batch, stage.controller, peers))
+    reward = out.reward
+    label = f"{stage.where} ({stage.plugin.name})"
+    if validate == "full":
+        _check_reward(reward, before, batch, label)
+    _record(metrics, f"shaper/{stage.metric_name}", out.metrics)
+    if stage.controller is not None:
+        if out.observation is None:
+            raise PluginError(f"{label} has a controller but returned no observation to feed it")
+        stage.controller.observe(out.observation.detach())
+        stage.controller.step(None if peers.local else peers.sum)
+        metrics[f"shaper/{stage.metric_name}/coef"] = torch.tensor(stage.controller.coefficient, dtype=torch.float64)
+    return reward.detach()
+
+
+def _check_reward(reward: object, before: Tensor, batch: PolicyBatch, label: str) -> None:
+    if not isinstance(reward, Tensor):
+        raise PluginError(
+            f"{label} must return the reward as a tensor (or a ShaperOutput), got {type(reward).__name__}"
+        )
+    shapes = [tuple(before.shape)] + ([tuple(batch.logp.shape)] if before.ndim == 1 else [])
+    if tuple(reward.shape) not in shapes:
+        allowed = " or ".join(str(list(s)) for s in shapes)
+        raise PluginError(f"{label} returned a reward of shape {list(reward.shape)}; the batch's is {allowed}")
+    if not reward.is_floating_point():
+        raise PluginError(f"{label} returned a reward of dtype {reward.dtype}; a reward is a float tensor")
+    mask = batch.action_mask
+    bad = ~torch.isfinite(reward) & (mask if reward.ndim == 2 else mask.any(-1))
+    if bool(bad.any()):
+        where = bad.nonzero()[:8].tolist()
+        noun = "positions (row, token)" if reward.ndim == 2 else "rows"
+        raise PluginError(f"{label} returned a reward that is not finite at {noun} {[tuple(w) for w in where]}")
+
+
+def _filter(
+    stage: RolloutStage[FilterPlugin], batch: PolicyBatch, validate: str, peers: Peers, metrics: dict[str, Tensor]
+) -> Tensor:
+    mask = batch.action_mask
+    with torch.no_grad():
+        out: FilterOutput = run_stage(stage, validate, RolloutInput(batch, None, peers))
+    keep = out.keep
+    label = f"{stage.where} ({stage.plugin.name})"
+    if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
+        got = f"dtype {keep.dtype}" if isinstance(keep, Tensor) else type(keep).__name__
+        raise PluginError(f"{label} must return a bool keep mask ([B] or [B, T]), got {got}")
+    if tuple(keep.shape) not in ((mask.shape[0],), tuple(mask.shape)):
+        raise PluginError(
+            f"{label} returned a keep mask of shape {list(keep.shape)}; it must be [B] {[mask.shape[0]]} (responses) "
+            f"or [B, T] {list(mask.shape)} (tokens)"
+        )
+    narrowed = mask & (keep.unsqueeze(-1) if keep.ndim == 1 else keep)
+    name = stage.metric_name
+    _record(metrics, f"filter/{name}", out.metrics)
+    with torch.no_grad():
+        rows_before = mask.any(-1)
+        dropped_rows = rows_before & ~narrowed.any(-1)
+        metrics[f"filter/{name}/dropped_responses"] = dropped_rows.sum() / rows_before.sum().clamp(min=1)
+        metrics[f"filter/{name}/dropped_tokens"] = (mask & ~narrowed).sum() / mask.sum().clamp(min=1)
+    return narrowed
+
+
+def _record(metrics: dict[str, Tensor], prefix: str, declared: Mapping[str, Lazy]) -> None:
+    with torch.no_grad():
+        for key, value in declared.items():
+            metrics[f"{prefix}/{key}"] = evaluate(value).detach()
+
+
+def select_rows(batch: PolicyBatch, rows: Tensor) -> PolicyBatch:
+    """The responses ``rows`` (a ``[B]`` bool mask) of ``batch``: every field's rows (each field's first dimension is
+    the response), unchecked — they are rows of a batch that was checked."""
+    return PolicyBatch.unchecked(**{name: t[rows] for name, t in batch.fields().items()})

@@ -1,0 +1,22 @@
+"""Built-in reward shapers: the rollout side, rewriting the reward before the advantage (KL in the reward, clipping,
+scaling).
+
+This package is the built-in shapers' plugin module: lossplug's ``pyproject.toml`` declares it in the ``lossplug``
+entry-point group, as a third-party package declares its own, and its hook registers every shaper the modules below
+define.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lossplug
+
+
+@lossplug.hookimpl
+def lossplug_register_shapers(register: Callable[[lossplug.ShaperPlugin], None]) -> None:
+    from . import kl_in_reward, reward_transform
+
+    register(kl_in_reward.kl_in_reward)
+    register(reward_transform.reward_clip)
+    register(reward_transform.reward_scale)

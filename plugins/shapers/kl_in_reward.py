@@ -1,0 +1,130 @@
+"""KL in the reward: every action token's reward gains ``−β · kl_t``, the classic RLHF reward of the PPO-for-LLMs
+literature (Ziegler et al. 2019, arXiv:1909.08593; Stiennon et al. 2020), before the advantage::
+
+    kl_t      = kl_penalty(old_logp_t, ref_logp_t, estimator)      on action tokens, 0 elsewhere
+    reward_t  = score_t − β · kl_t                                   [B, T]
+
+with ``score_t`` the batch's reward: a per-token ``[B, T]`` reward as it is (verl's ``token_level_scores``), a
+per-response ``[B]`` score placed on the response's last action token (where verl's reward managers and TRL ≤ 0.11's
+``compute_rewards`` put it). The estimator is taken on the log-probs of the policy that sampled the batch
+(``old_logp``: verl's ``old_log_probs``) against the reference's — rewards are data, no gradient flows.
+
+β is the stage's controller: ``fixed`` (verl's ``FixedKLController``) or ``adaptive`` (verl's and TRL's
+``AdaptiveKLController``, Ziegler et al.): after the batch is shaped with the β in force,
+``β ← β · (1 + clip(d / target − 1, −0.2, 0.2) · n / horizon)`` with ``d`` the batch's mean over responses of each
+response's token-mean KL and ``n`` its number of responses — summed over ranks, so β is the same on every rank — and
+saved with the trainer's checkpoint (``lossplug.controller_state``).
+
+Reference: verl 0.9.1 ``verl.trainer.ppo.ray_trainer.apply_kl_penalty`` (``algorithm.use_kl_in_reward``,
+``algorithm.kl_penalty``, ``algorithm.kl_ctrl.{type, kl_coef, target_kl, horizon}``), ``core_algos.kl_penalty``,
+``FixedKLController`` / ``AdaptiveKLController``; it runs :func:`lossplug.tools.kl.kl_shaped_rewards`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+import lossplug
+from lossplug.control import AllReduce
+from lossplug.tools.kl import FixedKLController, ProportionalKLController, kl_shaped_rewards
+
+Tensor = torch.Tensor
+
+Estimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"]
+
+
+class KLInRewardParams(lossplug.Params):
+    estimator: Estimator = Field(
+        "kl",
+        description="verl's algorithm.kl_penalty: kl/k1, abs, mse/k2, low_var_kl/k3 (a '+' suffix changes only the "
+        "gradient, and rewards carry none: the value is the mode's)",
+    )
+    coef: float = Field(
+        0.001, ge=0, allow_inf_nan=False, description="β, or its initial value when adaptive (verl's kl_ctrl.kl_coef)"
+    )
+    controller: Literal["fixed", "adaptive"] = Field("fixed", description="verl's kl_ctrl.type")
+    target_kl: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="adaptive: the KL the controller steers to (kl_ctrl.target_kl)"
+    )
+    horizon: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="adaptive: responses over which β moves (kl_ctrl.horizon)"
+    )
+
+    @model_validator(mode="after")
+    def _adaptive_needs_its_settings(self) -> KLInRewardParams:
+        if self.controller == "adaptive":
+            missing = [name for name in ("target_kl", "horizon") if getattr(self, name) is None]
+            if missing:
+                raise ValueError(f"controller 'adaptive' needs {' and '.join(missing)} (verl's kl_ctrl)")
+            if self.coef <= 0:
+                raise ValueError("controller 'adaptive' needs coef > 0 (β multiplies itself)")
+        return self
+
+
+class KLRewardController:
+    """β of a KL-in-the-reward stage (a :class:`lossplug.StepController`): fed the batch's ``[Σ per-response KL,
+    responses]`` and stepped once per rollout batch by the pipeline, the window summed over ranks first."""
+
+    def __init__(self, p: KLInRewardParams):
+        self.rule: FixedKLController | ProportionalKLController = (
+            ProportionalKLController(p.coef, p.target_kl, p.horizon)  # type: ignore[arg-type]  # (validated)
+            if p.controller == "adaptive"
+            else FixedKLController(p.coef)
+        )
+        self._window: Tensor | None = None
+
+    @property
+    def coefficient(self) -> float:
+        return self.rule.value
+
+    def observe(self, observation: Tensor) -> None:
+        obs = observation.detach().to(torch.float64)
+        self._window = obs if self._window is None else self._window + obs
+
+    def step(self, all_reduce: AllReduce | None = None) -> float:
+        window, self._window = self._window, None
+        if window is None:
+            return self.coefficient
+        if all_reduce is not None:
+            window = all_reduce(window)
+        total, responses = window.tolist()
+        if responses > 0:
+            self.rule.update(current_kl=total / responses, n_steps=int(responses))
+        return self.coefficient
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.rule.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.rule.load_state_dict(state)
+
+
+@lossplug.shaper(
+    "kl_in_reward",
+    params=KLInRewardParams,
+    requires=("old_logp", "ref_logp"),
+    controller=KLRewardController,
+)
+def kl_in_reward(inp: lossplug.RolloutInput, p: KLInRewardParams) -> lossplug.ShaperOutput:
+    """Every action token's reward gains −β·KL(π_old ‖ π_ref)_t; β fixed or adaptive (verl's apply_kl_penalty)."""
+    batch = inp.batch
+    assert batch.reward is not None and batch.old_logp is not None and batch.ref_logp is not None
+    beta = inp.coefficient
+    assert beta is not None
+    mask = batch.action_mask
+    shaped = kl_shaped_rewards(
+        batch.reward, batch.old_logp, batch.ref_logp, mask, kl_coef=beta, mode=p.estimator.removesuffix("+")
+    )
+    # per response: its token-mean KL (verl's masked_mean over the response), for the controller's mean over responses
+    per_response = shaped.kl.sum(-1) / mask.sum(-1).clamp(min=1)
+    rows = mask.any(-1)
+    observation = torch.stack([per_response[rows].sum().to(torch.float64), rows.sum().to(torch.float64)])
+    return lossplug.ShaperOutput(
+        reward=shaped.rewards,
+        metrics={"kl": shaped.kl_mean, "penalty": lambda: (shaped.non_score_rewards.sum(-1)[rows]).mean()},
+        observation=observation,
+    )
