@@ -33,7 +33,7 @@ from lossplug.contracts import (
     PolicyBatch,
     Recipe,
 )
-from lossplug.contracts.errors import LossplugError, PluginError, Violation
+from lossplug.contracts.errors import BatchValidationError, LossplugError, PluginError, Violation
 
 from . import plugin_registry as _registry
 from .loss_metrics import basic_metrics, full_metrics, gate_report
@@ -162,9 +162,11 @@ def _advantages_after_rollout_stages(
     shaped = PolicyBatch.unchecked(**{**batch.fields(), "reward": rollout.reward, "action_mask": rollout.action_mask})
     everyone = bool(rollout.rows.all())
     seen = shaped if everyone else select_rows(shaped, rollout.rows)
-    if not everyone and validate == "full":
-        raise_violations(seen, compiled, group_violations(seen, stage.plugin, stage.where))
     metrics = dict(rollout.metric_tensors)
+    if seen.batch_size and not everyone and validate == "full":  # (the rows of a checked batch: only the groups)
+        too_small = group_violations(seen, stage.plugin, f"{stage.where}, after the filters,")
+        if too_small:
+            raise BatchValidationError(type(batch).__name__, too_small)
     if seen.batch_size == 0:  # every response was filtered out: nothing to estimate, nothing learnt
         zeros = torch.zeros(batch.batch_size, dtype=batch.logp.dtype, device=batch.logp.device)
         return AdvantageResult(

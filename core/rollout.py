@@ -23,6 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from lossplug.contracts import LossplugError, PluginError, PolicyBatch, RolloutResult
+from lossplug.contracts.errors import describe_positions
 
 from .peers import LOCAL, Peers
 from .plugin import Lazy, evaluate
@@ -73,8 +74,10 @@ def _shape(
     assert before is not None
     with torch.no_grad():
         out: ShaperOutput = run_stage(stage, validate, RolloutInput(batch, stage.controller, peers))
-    reward = out.reward
     label = f"{stage.where} ({stage.plugin.name})"
+    if not isinstance(out, ShaperOutput):
+        raise PluginError(f"{label} must return the reward as a tensor (or a ShaperOutput), got {type(out).__name__}")
+    reward = out.reward
     if validate == "full":
         _check_reward(reward, before, batch, label)
     _record(metrics, f"shaper/{stage.metric_name}", out.metrics)
@@ -101,9 +104,8 @@ def _check_reward(reward: object, before: Tensor, batch: PolicyBatch, label: str
     mask = batch.action_mask
     bad = ~torch.isfinite(reward) & (mask if reward.ndim == 2 else mask.any(-1))
     if bool(bad.any()):
-        where = bad.nonzero()[:8].tolist()
-        noun = "positions (row, token)" if reward.ndim == 2 else "rows"
-        raise PluginError(f"{label} returned a reward that is not finite at {noun} {[tuple(w) for w in where]}")
+        where = describe_positions(bad, noun="positions" if reward.ndim == 2 else "rows")
+        raise PluginError(f"{label} returned a reward that is not finite: {where}")
 
 
 def _filter(
@@ -112,8 +114,12 @@ def _filter(
     mask = batch.action_mask
     with torch.no_grad():
         out: FilterOutput = run_stage(stage, validate, RolloutInput(batch, None, peers))
-    keep = out.keep
     label = f"{stage.where} ({stage.plugin.name})"
+    if not isinstance(out, FilterOutput):
+        raise PluginError(
+            f"{label} must return a bool keep mask ([B] or [B, T]) or a FilterOutput, got {type(out).__name__}"
+        )
+    keep = out.keep
     if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
         got = f"dtype {keep.dtype}" if isinstance(keep, Tensor) else type(keep).__name__
         raise PluginError(f"{label} must return a bool keep mask ([B] or [B, T]), got {got}")
