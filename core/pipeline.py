@@ -108,9 +108,18 @@ METRIC_LEVELS = ("off", "basic", "full")
 
 
 def estimate_advantages(
-    batch: PolicyBatch | PackedTransitions, recipe: Recipe | str, *, validate: Validate = "full"
+    batch: PolicyBatch | PackedTransitions,
+    recipe: Recipe | str,
+    *,
+    validate: Validate = "full",
+    peers: Peers | None = None,
 ) -> AdvantageResult:
-    """Run the recipe's advantage plugin: advantages and, for critic-based estimators, returns ``A + V_old``."""
+    """Run the recipe's advantage plugin: advantages and, for critic-based estimators, returns ``A + V_old``.
+
+    With shapers or filters in the recipe (the rollout side), they run first, once, on ``batch`` (see
+    :mod:`lossplug.rollout`); the result then also carries the shaped ``reward`` and the filtered ``action_mask``.
+    ``peers``: the ranks a shaper's state is all-reduced over when each holds part of the rollout batch (default:
+    this process alone — TRL's advantage seam and verl's driver hold the whole batch)."""
     compiled = compile_recipe(as_recipe(recipe))
     stage = compiled.advantage
     if stage is None:
@@ -138,7 +147,7 @@ def estimate_advantages(
     elif validate != "off":
         raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
     if compiled.has_rollout_stages:
-        return _advantages_after_rollout_stages(batch, compiled, stage, validate)
+        return _advantages_after_rollout_stages(batch, compiled, stage, validate, peers)
     with torch.no_grad():
         result: AdvantageResult = run_stage(stage, validate, batch)
     if validate == "full":
@@ -149,7 +158,11 @@ def estimate_advantages(
 
 
 def _advantages_after_rollout_stages(
-    batch: PolicyBatch | PackedTransitions, compiled: CompiledRecipe, stage: Stage[AdvantagePlugin], validate: Validate
+    batch: PolicyBatch | PackedTransitions,
+    compiled: CompiledRecipe,
+    stage: Stage[AdvantagePlugin],
+    validate: Validate,
+    peers: Peers | None,
 ) -> AdvantageResult:
     """The recipe's shapers and filters, then its advantage on the responses still in play (their group statistics
     without the filtered ones); a filtered response gets advantage 0."""
@@ -158,7 +171,7 @@ def _advantages_after_rollout_stages(
             "recipe.shapers / recipe.filters run on a PolicyBatch (the padded layout); a PackedTransitions batch "
             "has no rollout stages yet"
         )
-    rollout = apply_rollout_stages(batch, compiled, validate=validate)
+    rollout = apply_rollout_stages(batch, compiled, validate=validate, peers=peers)
     shaped = PolicyBatch.unchecked(**{**batch.fields(), "reward": rollout.reward, "action_mask": rollout.action_mask})
     everyone = bool(rollout.rows.all())
     seen = shaped if everyone else select_rows(shaped, rollout.rows)
