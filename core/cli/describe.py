@@ -164,7 +164,8 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
 #: function or convention it reproduces (reductions, engine corrections). The paragraph ends at the next blank line.
 CITATION_LABELS = ("Paper:", "Reference:")
 
-_KIND_TITLES = {"advantage": "Advantages", "gate": "Gates", "reduction": "Reductions", "regularizer": "Regularizers"}
+#: a section title per kind, in recipe order ("Shapers", "Filters", "Advantages", …)
+_KIND_TITLES = {kind: f"{kind.capitalize()}s" for kind in KINDS}
 _ROLES = re.compile(r":(?:class|func|meth|mod|data|attr|obj):`~?([^`]+)`")
 
 

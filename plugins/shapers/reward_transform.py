@@ -7,7 +7,7 @@ A per-token reward is rewritten on the action tokens only (elsewhere it stays 0,
 reward shaping is the two in a row: ``shapers: [{name: reward_scale, bias: b, scale: s}, {name: reward_clip, low:
 -c, high: c}]``.
 
-References: OpenRLHF ``compute_reward`` (OpenRLHF/OpenRLHF 473f61b, ``openrlhf/models/utils.py``:
+Reference: OpenRLHF ``compute_reward`` (OpenRLHF/OpenRLHF 473f61b, ``openrlhf/models/utils.py``:
 ``r.clamp(min=reward_clip_range[0], max=reward_clip_range[1])`` before the KL is added; ``--reward_clip_range``
 defaults to (−10, 10)); ROLL ``reward_postprocess`` (alibaba/ROLL 4142237, ``roll/utils/functionals.py``: the
 response-level rewards clamped to ±``reward_clip`` after their normalisation); AReaL ``PPOActor.compute_advantages``
