@@ -27,6 +27,9 @@ PluginClass = (
     | type[RegularizerPlugin]
 )
 
+#: a plugin of any kind
+AnyPlugin = ShaperPlugin | FilterPlugin | AdvantagePlugin | GatePlugin | ReductionPlugin | RegularizerPlugin
+
 _PLUGIN_CLASSES: tuple[PluginClass, ...] = (
     ShaperPlugin,
     FilterPlugin,

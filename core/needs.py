@@ -67,7 +67,8 @@ def required_fields(plugin: Any, params: Any | None = None) -> tuple[str, ...]:
 def batch_fields(plugin: Any, params: Any | None = None) -> tuple[str, ...]:
     """Every field a batch must carry for ``plugin`` alone (with ``params``, or its defaults), in a stable order.
 
-    A gate also needs the log-probs, the mask and the advantages it weights; a padded advantage estimator the
+    A shaper or a filter needs the log-probs, the mask and the reward it rewrites or filters by; a gate also needs the
+    log-probs, the mask and the advantages it weights; a padded advantage estimator the
     log-probs and the mask of the batch it scores, and ``group_id`` when it works on prompt groups; a regularizer the
     log-probs and the mask and what it declares. A reduction reads what the gates produce, and what it declares (a
     reduction over prompts: ``group_id``).
@@ -79,6 +80,8 @@ def batch_fields(plugin: Any, params: Any | None = None) -> tuple[str, ...]:
         return tuple(dict.fromkeys([*ALWAYS, *requires]))
     if plugin.kind == "reduction":
         return tuple(requires)
+    if plugin.kind in ("shaper", "filter"):  # the rollout side rewrites or filters the batch's rewards
+        return tuple(dict.fromkeys([*ALWAYS, "reward", *requires]))
     if plugin.kind == "advantage":
         base = list(ALWAYS) if "padded" in plugin.layouts else []
         groups = ["group_id"] if plugin.min_group_size > 0 else []
@@ -90,7 +93,8 @@ def recipe_needs(recipe: Any) -> dict[str, tuple[str, ...]]:
     """What a :class:`PolicyBatch` must contain for ``recipe``: field → the stages that need it, in recipe order.
 
     ``recipe`` is a :class:`Recipe`, a preset name or anything ``Recipe.load`` accepts. Stages are described as
-    people read a recipe (``advantage 'grpo'``, ``gates[1] 'icepop'``, ``regularizers[0] 'kl'``); ``logp`` and ``action_mask`` are needed
+    people read a recipe (``shapers[0] 'kl_in_reward'``, ``advantage 'grpo'``, ``gates[1] 'icepop'``,
+    ``regularizers[0] 'kl'``); ``logp`` and ``action_mask`` are needed
     ``always``. Without an advantage stage the advantages come with the batch.
     """
     compiled = compile_recipe(recipe if isinstance(recipe, Recipe) else Recipe.load(recipe))
@@ -101,6 +105,13 @@ def recipe_needs(recipe: Any) -> dict[str, tuple[str, ...]]:
         if who not in stages:
             stages.append(who)
 
+    rollout_stages: list[tuple[str, Any]] = [
+        *((f"shapers[{i}]", stage) for i, stage in enumerate(compiled.shapers)),
+        *((f"filters[{i}]", stage) for i, stage in enumerate(compiled.filters)),
+    ]
+    for where, rollout_stage in rollout_stages:
+        for field in ("reward", *required_fields(rollout_stage.plugin, rollout_stage.params)):
+            add(field, f"{where} '{rollout_stage.plugin.name}'")
     if compiled.advantage is not None:
         adv = compiled.advantage.plugin
         label = f"advantage '{adv.name}'"

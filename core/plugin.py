@@ -21,7 +21,7 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, cast, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
@@ -30,9 +30,6 @@ from lossplug.contracts import AdvantageResult, LossplugError, PackedTransitions
 
 from .ops import action_bits, count_actions, count_true, zero_off, zero_off_fresh, zero_off_uses_bits
 from .peers import LOCAL, Peers
-
-if TYPE_CHECKING:
-    from .rollout_plugin import FilterPlugin, ShaperPlugin
 
 Tensor = torch.Tensor
 
@@ -615,9 +612,3 @@ def regularizer(
             f"got {params!r}"
         )
     return lambda fn: RegularizerPlugin(name, fn, params, _requires(requires), controller, _doc(fn, doc))
-
-
-#: a plugin of any kind (the shapers' and filters' classes live in :mod:`lossplug.rollout_plugin`)
-AnyPlugin: TypeAlias = (
-    "ShaperPlugin | FilterPlugin | AdvantagePlugin | GatePlugin | ReductionPlugin | RegularizerPlugin"
-)

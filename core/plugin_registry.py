@@ -41,8 +41,8 @@ from lossplug.contracts.errors import did_you_mean
 from . import hookspecs
 from . import plugin_discovery as discovery
 from . import plugin_names as names
-from .kinds import KINDS, RENAMED_HOOKS
-from .plugin import AdvantagePlugin, AnyPlugin, GatePlugin, ReductionPlugin, RegularizerPlugin
+from .kinds import KINDS, RENAMED_HOOKS, AnyPlugin
+from .plugin import AdvantagePlugin, GatePlugin, ReductionPlugin, RegularizerPlugin
 from .plugin_names import BUILTIN_PROVIDER, Claim, NameClash
 
 ENTRY_POINT_GROUP, DISABLE_ENV, ALLOW_ENV = discovery.ENTRY_POINT_GROUP, discovery.DISABLE_ENV, discovery.ALLOW_ENV

@@ -17,8 +17,8 @@ from lossplug.needs import FIELD_SHAPES, batch_fields, recipe_needs, required_fi
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
 
+    from lossplug.kinds import AnyPlugin
     from lossplug.pipeline import RegularizerStage, Stage
-    from lossplug.plugin import AnyPlugin
     from lossplug.plugin_registry import Registry
 
 #: pydantic's constraint attributes and how a person reads them
@@ -111,6 +111,8 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
     reg = registry()
     compiled = compile_recipe(recipe)
     stages: list[tuple[str, Stage[AnyPlugin]]] = []
+    stages += [(f"shapers[{i}]", s) for i, s in enumerate(compiled.shapers)]
+    stages += [(f"filters[{i}]", s) for i, s in enumerate(compiled.filters)]
     if compiled.advantage is not None:
         stages.append(("advantage", compiled.advantage))
     stages += [(f"gates[{i}]", s) for i, s in enumerate(compiled.gates)]
@@ -122,6 +124,10 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
         role = f"{p.role} · {p.level}" if p.kind == "gate" else ""  # (only gates have a role)
         if p.kind == "advantage":
             role = "layouts: " + ", ".join(p.layouts)
+        if p.kind == "shaper":
+            role = "rewrites the reward" + (", state across steps" if getattr(stage, "controller", None) else "")
+        if p.kind == "filter":
+            role = "narrows the action mask"
         if p.kind == "regularizer":
             reg_stage = cast("RegularizerStage", stage)
             role = f"+ coef · {reg_stage.reduction.plugin.name}(term)" + (

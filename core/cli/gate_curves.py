@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-    from lossplug.plugin import AnyPlugin, Params
+    from lossplug.kinds import AnyPlugin
+    from lossplug.plugin import Params
     from lossplug.plugin_registry import Registry
 
 

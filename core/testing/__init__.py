@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names are resolved lazily (_LAZY)
-    from lossplug.plugin import AnyPlugin
+    from lossplug.kinds import AnyPlugin
 
     from . import batches, reference, tiny
     from .install import install_isolated

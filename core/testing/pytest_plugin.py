@@ -24,7 +24,7 @@ import pytest
 if TYPE_CHECKING:
     from _pytest._code.code import TerminalRepr, TracebackStyle
 
-    from lossplug.plugin import AnyPlugin
+    from lossplug.kinds import AnyPlugin
     from lossplug.testing.kit import CheckResult
 
 OPTION = "--lossplug-conformance"

@@ -81,6 +81,8 @@ def test_builtins_are_the_lossplug_distributions_own_entry_points():
         for name, value in declared.items()
     }
     assert hooks == {
+        "shapers": ["lossplug_register_shapers"],
+        "filters": ["lossplug_register_filters"],
         "advantages": ["lossplug_register_advantages"],
         "gates": ["lossplug_register_gates"],
         "reductions": ["lossplug_register_reductions"],

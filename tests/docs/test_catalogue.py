@@ -28,7 +28,7 @@ def section(markdown: str, name: str) -> str:
 
 
 def test_there_are_builtins_of_every_kind():
-    assert {kind for kind, _, _ in builtins()} == {"advantage", "gate", "reduction", "regularizer"}
+    assert {kind for kind, _, _ in builtins()} == {"shaper", "filter", "advantage", "gate", "reduction", "regularizer"}
 
 
 def test_every_builtin_has_a_formula_parameter_descriptions_and_a_citation():
@@ -43,6 +43,8 @@ def test_the_page_shows_each_builtin_with_formula_parameters_fields_and_citation
     for row in parameters(plugin):
         assert f"| `{row['name']}` |" in text and row["description"].split("``")[0] in text
     needs = "none: it reads the gates' objective" if kind == "reduction" else "`logp`, `action_mask`"
+    if kind in ("shaper", "filter"):  # the reward they rewrite or filter by
+        needs += ", `reward`"
     if kind == "reduction" and plugin.requires:  # a reduction over prompts reads the batch's group_id
         needs = ", ".join(f"`{f}`" for f in plugin.requires)
     assert f"**Batch fields** — {needs}" in text

@@ -13,7 +13,7 @@ import torch
 import lossplug
 from lossplug.contracts import LossplugError
 from lossplug.kinds import KINDS as KIND_TABLE
-from lossplug.plugin import AnyPlugin
+from lossplug.kinds import AnyPlugin
 
 from . import advantages, every_kind, gates, loss_checks, reductions, regularizers
 from ._common import (
