@@ -114,6 +114,13 @@ def run(items: set[int], quick: bool, repeats: int, threads: int, log=print, cas
             if 4 in items:
                 log(f"[4] validation, {case.name} ({case.trainer}'s tensors) …")
                 results["results"].append(lb.bench_validation(case, t, repeats))
+    if 6 in items:
+        from . import loss_bench as lb
+        from .rollout_bench import bench_rollout_stages
+
+        log("[6] rollout stages (shapers, filters) …")
+        tensors = lb.make_tensors(sizes["loss_B"], sizes["loss_T"])
+        results["results"].append(bench_rollout_stages(tensors, repeats))
     if 5 in items:
         from .trl_bench import bench_trl_e2e
 
@@ -175,6 +182,13 @@ def table(results: dict) -> str:
                 f"{100 * r['construct_fraction_of_step']:.0f}%, first {100 * r['first_fraction_of_step']:.0f}%) | ≤ 5% | "
                 f"{'yes' if r['met'] else 'no'} |"
             )
+        elif item == "rollout_stages":
+            rows.append(
+                f"| 6 | rollout stages (kl_in_reward adaptive, reward_clip, zero_variance) | B={r['B']}, T={r['T']} | "
+                f"{_fmt_s(r['added_s'])} added to the advantage stage ({_fmt_s(r['advantage_alone']['median_s'])} "
+                f"alone) | loss step {_fmt_s(r['loss_step']['median_s'])} | **{100 * r['fraction_of_loss_step']:.1f}%** "
+                f"of the loss step | ≤ 5% | {'yes' if r['met'] else 'no'} |"
+            )
         elif item == "trl_e2e":
             rows.append(
                 f"| 5 | TRL train step ({r['loss_type']}) | {r['size_batch']} compl. × {r['size_completion']} "
@@ -189,7 +203,7 @@ def table(results: dict) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="toy sizes (seconds)")
-    parser.add_argument("--items", default="1,2,3,4,5", help="comma-separated items to run (default: all)")
+    parser.add_argument("--items", default="1,2,3,4,5,6", help="comma-separated items to run (default: all)")
     parser.add_argument(
         "--repeats", type=int, default=None, help="timed repetitions per candidate (default 15, quick 3)"
     )

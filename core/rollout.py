@@ -56,10 +56,11 @@ def apply_rollout_stages(
     for filter_stage in compiled.filters:
         mask = _filter(filter_stage, current, validate, peers, metrics)
         current = PolicyBatch.unchecked(**{**current.fields(), "action_mask": mask})
-    rows = mask.any(-1)
+    rows = mask.any(-1) if compiled.filters else torch.ones_like(mask[:, 0])
     with torch.no_grad():
         metrics["rollout/kept_responses"] = rows.float().mean()
-        metrics["rollout/kept_tokens"] = mask.sum() / batch.action_mask.sum().clamp(min=1)
+        if compiled.filters:
+            metrics["rollout/kept_tokens"] = mask.sum() / batch.action_mask.sum().clamp(min=1)
     return RolloutResult(reward=reward, action_mask=mask, rows=rows, metric_tensors=metrics)
 
 
@@ -102,6 +103,16 @@ def _check_reward(reward: object, before: Tensor, batch: PolicyBatch, label: str
     if not reward.is_floating_point():
         raise PluginError(f"{label} returned a reward of dtype {reward.dtype}; a reward is a float tensor")
     mask = batch.action_mask
+    if reward.ndim == 2:  # finite on the actions, and 0 elsewhere (the contract's rule for a per-token reward)
+        if bool(torch.isfinite(torch.where(mask, reward, 0).sum())) and not bool(reward.masked_fill(mask, 0).any()):
+            return  # (a sum of finite values: finite unless it overflows, which the full test below then rules out)
+        off = reward.masked_fill(mask, 0) != 0
+        if bool(off.any()):
+            raise PluginError(
+                f"{label} returned a per-token reward that is not 0 off the action tokens: {describe_positions(off, noun='positions')}"
+            )
+    elif bool(torch.isfinite(reward).all()):
+        return
     bad = ~torch.isfinite(reward) & (mask if reward.ndim == 2 else mask.any(-1))
     if bool(bad.any()):
         where = describe_positions(bad, noun="positions" if reward.ndim == 2 else "rows")
@@ -128,14 +139,20 @@ def _filter(
             f"{label} returned a keep mask of shape {list(keep.shape)}; it must be [B] {[mask.shape[0]]} (responses) "
             f"or [B, T] {list(mask.shape)} (tokens)"
         )
-    narrowed = mask & (keep.unsqueeze(-1) if keep.ndim == 1 else keep)
     name = stage.metric_name
     _record(metrics, f"filter/{name}", out.metrics)
     with torch.no_grad():
-        rows_before = mask.any(-1)
-        dropped_rows = rows_before & ~narrowed.any(-1)
+        lengths = mask.sum(-1)
+        rows_before = lengths > 0
+        if keep.ndim == 1:  # whole responses: counted from the lengths, the mask is read once
+            narrowed = mask & keep.unsqueeze(-1)
+            left = torch.where(keep, lengths, 0)
+        else:
+            narrowed = mask & keep
+            left = narrowed.sum(-1)
+        dropped_rows = rows_before & (left == 0)
         metrics[f"filter/{name}/dropped_responses"] = dropped_rows.sum() / rows_before.sum().clamp(min=1)
-        metrics[f"filter/{name}/dropped_tokens"] = (mask & ~narrowed).sum() / mask.sum().clamp(min=1)
+        metrics[f"filter/{name}/dropped_tokens"] = 1 - left.sum() / lengths.sum().clamp(min=1)
     return narrowed
 
 
@@ -145,7 +162,10 @@ def _record(metrics: dict[str, Tensor], prefix: str, declared: Mapping[str, Lazy
             metrics[f"{prefix}/{key}"] = evaluate(value).detach()
 
 
-def select_rows(batch: PolicyBatch, rows: Tensor) -> PolicyBatch:
-    """The responses ``rows`` (a ``[B]`` bool mask) of ``batch``: every field's rows (each field's first dimension is
-    the response), unchecked — they are rows of a batch that was checked."""
-    return PolicyBatch.unchecked(**{name: t[rows] for name, t in batch.fields().items()})
+def select_rows(batch: PolicyBatch, rows: Tensor, fields: tuple[str, ...] | None = None) -> PolicyBatch:
+    """The responses ``rows`` (a ``[B]`` bool mask) of ``batch`` (each field's first dimension is the response),
+    unchecked — they are rows of a batch that was checked. ``fields``: only these besides ``logp`` and
+    ``action_mask`` (what the stage that reads the result needs), so that nothing else is copied."""
+    present = batch.fields()
+    names = present if fields is None else ("logp", "action_mask", *(f for f in fields if f in present))
+    return PolicyBatch.unchecked(**{name: present[name][rows] for name in dict.fromkeys(names)})

@@ -205,14 +205,41 @@ class KLShapedRewards:
 
 
 def kl_shaped_rewards(
-    scores: Tensor, logp: Tensor, ref_logp: Tensor, action_mask: Tensor, *, kl_coef: float, mode: str = "kl"
+    scores: Tensor,
+    logp: Tensor,
+    ref_logp: Tensor,
+    action_mask: Tensor,
+    *,
+    kl_coef: float,
+    mode: str = "kl",
+    validate: bool = True,
 ) -> KLShapedRewards:
     """Per-token rewards with the KL penalty folded in (TRL ≤ 0.11's ``compute_rewards``; verl's ``apply_kl_penalty``).
 
     ``scores`` ``[B]`` (one reward-model score per response, added at its last action token) or ``[B, T]``
     (token-level scores, added as they are). ``logp`` is the rollout policy's log-prob (verl: ``old_log_probs``),
-    ``mode`` any of :data:`KL_PENALTY_MODES` (``"kl"`` = k1, TRL's default). Detached.
+    ``mode`` any of :data:`KL_PENALTY_MODES` (``"kl"`` = k1, TRL's default). Detached. ``validate=False`` skips the
+    input checks, for inputs a :class:`~lossplug.PolicyBatch` contract already checked (the ``kl_in_reward``
+    shaper's).
     """
+    if validate:
+        _check_shaped_inputs(scores, logp, ref_logp, action_mask, kl_coef)
+    with torch.no_grad():
+        kl = kl_penalty(logp.detach(), ref_logp.detach(), mode, action_mask, validate=validate)
+        non_score = -kl_coef * kl
+        if scores.ndim == 1:
+            positions = torch.arange(action_mask.shape[-1], device=action_mask.device)
+            last = torch.where(action_mask, positions, -1).amax(-1)
+            placed = torch.zeros_like(non_score).scatter_(-1, last.unsqueeze(-1), scores.unsqueeze(-1).to(kl.dtype))
+        else:
+            placed = torch.where(action_mask, scores.to(kl.dtype), 0.0)
+        rewards = non_score + placed
+        per_response = kl.sum(-1) / action_mask.sum(-1).clamp(min=1)
+        kl_mean = per_response.mean()
+    return KLShapedRewards(rewards=rewards, non_score_rewards=non_score, kl=kl, kl_mean=kl_mean)
+
+
+def _check_shaped_inputs(scores: Any, logp: Any, ref_logp: Any, action_mask: Any, kl_coef: Any) -> None:
     c = Checks("kl_shaped_rewards")
     ok = c.tensor("scores", scores, ndim=(1, 2))
     c.number("kl_coef", kl_coef, ge=0.0)
@@ -243,19 +270,6 @@ def kl_shaped_rewards(
                 noun="rows" if scores.ndim == 1 else "positions",
             )
     c.raise_if_any()
-    with torch.no_grad():
-        kl = kl_penalty(logp.detach(), ref_logp.detach(), mode, action_mask)
-        non_score = -kl_coef * kl
-        if scores.ndim == 1:
-            positions = torch.arange(action_mask.shape[-1], device=action_mask.device)
-            last = torch.where(action_mask, positions, -1).amax(-1)
-            placed = torch.zeros_like(non_score).scatter_(-1, last.unsqueeze(-1), scores.unsqueeze(-1).to(kl.dtype))
-        else:
-            placed = torch.where(action_mask, scores.to(kl.dtype), 0.0)
-        rewards = non_score + placed
-        per_response = kl.sum(-1) / action_mask.sum(-1).clamp(min=1)
-        kl_mean = per_response.mean()
-    return KLShapedRewards(rewards=rewards, non_score_rewards=non_score, kl=kl, kl_mean=kl_mean)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -34,7 +34,10 @@ from lossplug.tools.kl import FixedKLController, ProportionalKLController, kl_sh
 
 Tensor = torch.Tensor
 
-Estimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"]
+#: every mode verl 0.9.1's ``kl_penalty`` accepts (``lossplug.tools.kl.KL_PENALTY_MODES``)
+Estimator = Literal[
+    "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"
+]
 
 
 class KLInRewardParams(lossplug.Params):
@@ -115,16 +118,22 @@ def kl_in_reward(inp: lossplug.RolloutInput, p: KLInRewardParams) -> lossplug.Sh
     assert batch.reward is not None and batch.old_logp is not None and batch.ref_logp is not None
     beta = inp.coefficient
     assert beta is not None
-    mask = batch.action_mask
+    # (the batch's contract checked the inputs: finite log-probs on the actions, a finite reward, an action per row)
     shaped = kl_shaped_rewards(
-        batch.reward, batch.old_logp, batch.ref_logp, mask, kl_coef=beta, mode=p.estimator.removesuffix("+")
+        batch.reward,
+        batch.old_logp,
+        batch.ref_logp,
+        batch.action_mask,
+        kl_coef=beta,
+        mode=p.estimator.removesuffix("+"),
+        validate=False,
     )
-    # per response: its token-mean KL (verl's masked_mean over the response), for the controller's mean over responses
-    per_response = shaped.kl.sum(-1) / mask.sum(-1).clamp(min=1)
-    rows = mask.any(-1)
-    observation = torch.stack([per_response[rows].sum().to(torch.float64), rows.sum().to(torch.float64)])
+    # the controller's window: [n · d, n] with d the mean over the n responses of each one's token-mean KL (verl's
+    # current_kl, in the log-probs' dtype); n · d is exact in float64, so one process divides back to verl's d exactly
+    responses = float(batch.batch_size)
+    observation = torch.stack([shaped.kl_mean.to(torch.float64) * responses, torch.tensor(responses).double()])
     return lossplug.ShaperOutput(
         reward=shaped.rewards,
-        metrics={"kl": shaped.kl_mean, "penalty": lambda: (shaped.non_score_rewards.sum(-1)[rows]).mean()},
+        metrics={"kl": shaped.kl_mean, "penalty": lambda: shaped.non_score_rewards.sum(-1).mean()},
         observation=observation,
     )
