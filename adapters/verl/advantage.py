@@ -5,6 +5,7 @@ batch the advantage stage sees is built in :func:`advantage_batch`."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,14 @@ import lossplug
 from lossplug.adapters.common import ActionRows, warn_once
 from lossplug.adapters.verl.recipes import ADVANTAGE_RECIPE_KEY, keyed, load_recipe
 from lossplug.adapters.verl.registration import MARK, NAME, check_once
+from lossplug.adapters.verl.rollout_stages import (
+    CallingBatch,
+    calling_batch,
+    check_counted_once,
+    check_reaches_the_actor,
+    missing_reference_hint,
+    write_back,
+)
 from lossplug.contracts import LossplugError, PolicyBatch, Recipe, RecipeError
 from lossplug.contracts.batch_rules import rewards_off_actions
 
@@ -100,10 +109,32 @@ def compute_lossplug_advantage(
                     ),
                 )
     extra = {key: value for key, value in kwargs.items() if key in _EXTRA_FIELDS.values() and value is not None}
-    return _estimate(recipe, ADVANTAGE_RECIPE_KEY, token_level_rewards, response_mask, index, extra, from_verl=True)
+    compiled = lossplug.compile_recipe(recipe)
+    calling: CallingBatch | None = None
+    if compiled.has_rollout_stages:
+        # the shapers and filters read and write verl's DataProto (rollout_stages says how and why)
+        check_counted_once(compiled, config, ADVANTAGE_RECIPE_KEY)
+        calling = calling_batch(token_level_rewards)
+        check_reaches_the_actor(compiled, calling, ADVANTAGE_RECIPE_KEY)
+        if calling is not None:
+            extra = {**_held(calling.data.batch), **extra}
+    outcome = _estimate(
+        recipe, ADVANTAGE_RECIPE_KEY, token_level_rewards, response_mask, index, extra, from_verl=calling is None
+    )
+    if calling is not None:
+        write_back(calling.data, outcome.rows, outcome.reward, outcome.action_mask)
+    return outcome.advantages, outcome.returns
 
 
-def compute_advantage(data: Any, recipe: Any, *, reward_keys: Sequence[str] | None = None) -> Any:
+def _held(batch: Any) -> dict[str, Tensor]:
+    """The tensors of ``batch`` (verl's ``data.batch``) under the keys :data:`_EXTRA_FIELDS` reads."""
+    keys = set(batch.keys())
+    return {key: batch[key] for key in _EXTRA_FIELDS.values() if key in keys}
+
+
+def compute_advantage(
+    data: Any, recipe: Any, *, reward_keys: Sequence[str] | None = None, algorithm: Any = None
+) -> Any:
     """The recipe's advantage stage on a verl ``DataProto``, for custom trainers: the explicit path for plugins that
     read more than verl hands a registered estimator (``gae`` reads the critic's ``values``).
 
@@ -114,24 +145,38 @@ def compute_advantage(data: Any, recipe: Any, *, reward_keys: Sequence[str] | No
     ``PolicyBatch.reward_components`` for multi-reward plugins (``gdpo``). Writes ``data.batch["advantages"]`` and ``data.batch["returns"]`` (``[B, T]``, zero off the
     response mask) and returns ``data`` — what ``verl.trainer.ppo.ray_trainer.compute_advantage`` does with verl's
     own estimators. ``recipe``: a :class:`~lossplug.Recipe`, preset name, YAML/JSON path or mapping.
+
+    A recipe with shapers or filters reads the reward from ``token_level_rewards`` (or ``token_level_scores``, the
+    reward manager's, when the trainer has not copied them over yet) and writes back what they change: the shaped
+    reward into ``token_level_rewards`` and the filters' narrowed mask into ``response_mask``, which verl's actor
+    update turns into its ``loss_mask`` — a filtered token leaves the loss and verl's global token count.
+    ``algorithm``: verl's ``algorithm`` config, when the trainer has one: a shaper that puts the reference KL in the
+    reward is refused under its ``use_kl_in_reward``.
     """
     batch = data.batch
     where = "compute_advantage(recipe)"
     recipe = load_recipe(recipe, where)
     _advantage_stage(recipe, where)
+    compiled = lossplug.compile_recipe(recipe)
     keys = set(batch.keys())
+    if compiled.has_rollout_stages:
+        check_counted_once(compiled, algorithm, where)
+        if "token_level_rewards" not in keys and "token_level_scores" in keys:
+            batch["token_level_rewards"] = batch["token_level_scores"]
+            keys.add("token_level_rewards")
     for needed in ("token_level_rewards", "response_mask"):
         if needed not in keys:
             raise LossplugError(f"compute_advantage: data.batch has no '{needed}' (keys: {', '.join(sorted(keys))})")
-    extra = {key: batch[key] for key in _EXTRA_FIELDS.values() if key in keys}
+    extra = _held(batch)
     if reward_keys:
         extra[_REWARD_COMPONENTS] = _reward_components(data, list(reward_keys), batch["token_level_rewards"])
     uid = data.non_tensor_batch.get("uid") if getattr(data, "non_tensor_batch", None) is not None else None
-    adv, ret = _estimate(
+    outcome = _estimate(
         recipe, where, batch["token_level_rewards"], batch["response_mask"], uid, extra, from_verl=False
     )
-    batch["advantages"] = adv
-    batch["returns"] = ret
+    write_back(data, outcome.rows, outcome.reward, outcome.action_mask)
+    batch["advantages"] = outcome.advantages
+    batch["returns"] = outcome.returns
     return data
 
 
@@ -163,6 +208,19 @@ def _reward_components(data: Any, reward_keys: list[str], rewards: Tensor) -> Te
     return torch.stack(columns, -1)
 
 
+@dataclass(frozen=True)
+class _Estimate:
+    """What the advantage seam hands back: ``advantages`` and ``returns`` ``[B, T]`` (zero off the response mask and
+    on the rows without an action token); with shapers or filters, the ``reward`` and ``action_mask`` they left, of
+    the ``rows`` with an action token (None: unchanged)."""
+
+    advantages: Tensor
+    returns: Tensor
+    rows: ActionRows
+    reward: Tensor | None = None
+    action_mask: Tensor | None = None
+
+
 def _estimate(
     recipe: Recipe,
     key: str,
@@ -172,19 +230,18 @@ def _estimate(
     extra_by_verl_key: Mapping[str, Tensor],
     *,
     from_verl: bool,
-) -> tuple[Tensor, Tensor]:
-    """``(advantages, returns)``, ``[B, T]`` and zero off the response mask (and on the rows without an action
-    token, which the advantage stage never sees)."""
-    stage = _advantage_stage(recipe, key)
+) -> _Estimate:
+    """The recipe's shapers, filters and advantage on verl's tensors (see :class:`_Estimate`)."""
+    _advantage_stage(recipe, key)
     mask = response_mask.bool()
     T = mask.shape[1]
     dtype = token_level_rewards.dtype if token_level_rewards.is_floating_point() else torch.float32
     advantages = torch.zeros(*mask.shape, dtype=dtype, device=token_level_rewards.device)
     returns = torch.zeros_like(advantages)
-    extra = _needed_fields(stage, key, extra_by_verl_key, from_verl=from_verl)
+    extra = _needed_fields(recipe, key, extra_by_verl_key, from_verl=from_verl)
     rows = ActionRows(mask)
     if rows.none:
-        return advantages, returns
+        return _Estimate(advantages, returns, rows)
     # the contract's rule, asked here on verl's own tensors: its positions are verl's rows (the rows without an
     # action token are dropped below), and the message names verl's fields
     off_actions = rewards_off_actions(token_level_rewards, mask)
@@ -202,29 +259,53 @@ def _estimate(
     if adv.ndim == 1:
         adv = adv.unsqueeze(-1).expand(-1, T)
     ret = result.returns if result.returns is not None else adv
-    kept_mask = batch.action_mask
+    kept_mask = batch.action_mask if result.action_mask is None else result.action_mask
     adv = torch.where(kept_mask, adv.to(dtype), 0)
     ret = torch.where(kept_mask, ret.to(dtype), 0)
-    return rows.scatter(adv, advantages), rows.scatter(ret, returns)
+    return _Estimate(rows.scatter(adv, advantages), rows.scatter(ret, returns), rows, result.reward, result.action_mask)
 
 
 def _needed_fields(
-    stage: Any, key: str, extra_by_verl_key: Mapping[str, Tensor], *, from_verl: bool
+    recipe: Recipe, key: str, extra_by_verl_key: Mapping[str, Tensor], *, from_verl: bool
 ) -> dict[str, Tensor]:
-    """The batch fields beyond rewards that the advantage plugin requires, by :class:`~lossplug.PolicyBatch` name,
-    from what the caller holds (verl's keys); refused, with the way out, when one is missing."""
+    """The batch fields beyond rewards that the recipe's shapers, filters and advantage plugin require, by
+    :class:`~lossplug.PolicyBatch` name, from what the caller holds (verl's keys); refused, with the way out, when
+    one is missing."""
+    compiled = lossplug.compile_recipe(recipe)
+    extra: dict[str, Tensor] = {}
+    fields_by_key = {**_EXTRA_FIELDS, "reward_components": _REWARD_COMPONENTS}
+    for stage in (*compiled.shapers, *compiled.filters, _advantage_stage(recipe, key)):
+        extra.update(_stage_fields(stage, key, fields_by_key, extra_by_verl_key, from_verl=from_verl))
+    return extra
+
+
+def _stage_fields(
+    stage: Any,
+    key: str,
+    fields_by_key: Mapping[str, str],
+    extra_by_verl_key: Mapping[str, Tensor],
+    *,
+    from_verl: bool,
+) -> dict[str, Tensor]:
     plugin = stage.plugin
+    # "advantage plugin 'gae'", "shaper plugin 'kl_in_reward'", "filter plugin 'zero_variance'"
+    label = f"{stage.where.removeprefix('recipe.').split('[')[0].removesuffix('s')} plugin '{plugin.name}'"
     extra: dict[str, Tensor] = {}
     required = plugin.required_fields(stage.params)
-    fields_by_key = {**_EXTRA_FIELDS, "reward_components": _REWARD_COMPONENTS}
     for name in (f for f in fields_by_key if f in required):
         verl_key = fields_by_key[name]
         value = extra_by_verl_key.get(verl_key)
         if value is not None:
             extra[name] = value
+        elif from_verl and verl_key not in _PASSED_BY_VERL and stage.where != "recipe.advantage":
+            raise LossplugError(
+                f"{key}: {label} needs '{verl_key}', which verl's ray_trainer.compute_advantage holds in its "
+                f"DataProto, and this estimator was not called by it. Next step: run it through verl's "
+                f"compute_advantage, or call lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto"
+            )
         elif from_verl and verl_key not in _PASSED_BY_VERL:
             raise LossplugError(
-                f"{key}: advantage plugin '{plugin.name}' needs '{verl_key}', which verl's "
+                f"{key}: {label} needs '{verl_key}', which verl's "
                 f"ray_trainer.compute_advantage does not pass to a registered estimator (it passes "
                 f"token_level_rewards, response_mask, uid and reward_baselines); under verl's trainer use verl's own "
                 f"estimator for it (e.g. adv_estimator=gae), or in a custom trainer call "
@@ -236,10 +317,8 @@ def _needed_fields(
                 "values": " (a critic-based recipe needs critic.enable=True)",
                 _REWARD_COMPONENTS: " (pass reward_keys=, verl's algorithm.gdpo_reward_keys)",
                 "sum_pi_squared": " (verl computes it with actor.calculate_sum_pi_squared=True)",
-            }.get(verl_key, "")
-            raise LossplugError(
-                f"{key}: advantage plugin '{plugin.name}' needs '{verl_key}', which the batch does not hold{hint}"
-            )
+            }.get(verl_key, missing_reference_hint(verl_key))
+            raise LossplugError(f"{key}: {label} needs '{verl_key}', which the batch does not hold{hint}")
     return extra
 
 

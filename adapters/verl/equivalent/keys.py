@@ -54,6 +54,8 @@ SECTIONS: tuple[tuple[str, tuple[str, ...], str], ...] = (
 )
 #: lossplug's own key in verl's ``algorithm`` section: the recipe whose advantage stage ``adv_estimator=lossplug`` runs
 ALGORITHM_LOSSPLUG_KEY = "lossplug"
+#: lossplug's key in ``algorithm``: resume without the controllers' saved state (:mod:`lossplug.adapters.verl.checkpoint`)
+ALGORITHM_FRESH_CONTROLLERS_KEY = "lossplug_fresh_controllers"
 
 
 def _fields(cls: type) -> set[str]:
@@ -80,7 +82,7 @@ def _verl_keys() -> tuple[str, dict[str, frozenset[str]]] | None:
         # (lossplug's own keys: LossplugPolicyLossConfig is a subclass, but this holds before it is defined)
         "policy_loss": _fields(PolicyLossConfig) | LOSSPLUG_POLICY_LOSS_KEYS,
         "rollout_correction": _fields(RolloutCorrectionConfig),
-        "algorithm": _fields(AlgoConfig) | {ALGORITHM_LOSSPLUG_KEY},
+        "algorithm": _fields(AlgoConfig) | {ALGORITHM_LOSSPLUG_KEY, ALGORITHM_FRESH_CONTROLLERS_KEY},
         "kl_ctrl": _fields(KLControlConfig),
     }
     return f"verl {version('verl')}'s config dataclasses", {name: frozenset(names) for name, names in keys.items()}
@@ -94,7 +96,9 @@ def keys_lossplug_reads() -> dict[str, frozenset[str]]:
             set(ACTOR_DEFAULTS["policy_loss"]) | {"_target_", "rollout_correction"} | LOSSPLUG_POLICY_LOSS_KEYS
         ),
         "rollout_correction": frozenset(set(ROLLOUT_CORRECTION_DEFAULTS) | {"_target_"}),
-        "algorithm": frozenset(set(ALGORITHM_KEYS) | {"_target_", ALGORITHM_LOSSPLUG_KEY}),
+        "algorithm": frozenset(
+            set(ALGORITHM_KEYS) | {"_target_", ALGORITHM_LOSSPLUG_KEY, ALGORITHM_FRESH_CONTROLLERS_KEY}
+        ),
         "kl_ctrl": frozenset(set(KL_CTRL_KEYS) | {"_target_"}),
     }
 

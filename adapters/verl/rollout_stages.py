@@ -1,0 +1,156 @@
+"""A recipe's shapers and filters inside verl's driver, at ``algorithm.adv_estimator=lossplug``.
+
+verl 0.9.1's ``ray_trainer.compute_advantage(data, …)`` hands a registered estimator only ``token_level_rewards``,
+``response_mask``, ``index`` (uid) and ``config`` (the ``algorithm`` section), and keeps what the estimator returns
+as ``advantages`` / ``returns``. The rollout stages need more: a KL shaper reads ``old_log_probs`` and
+``ref_log_prob``, and what they change must go back to the trainer — the shaped reward into
+``token_level_rewards`` (verl's reward metrics read it) and a filter's narrowed mask into ``response_mask``, which
+``RayPPOTrainer._update_actor`` turns into the actor's ``loss_mask`` (``left_right_2_no_padding``): the FSDP engine
+counts ``batch_num_tokens`` from it and ``ppo_loss`` aggregates with it, so a filtered token leaves verl's loss and
+its global token count.
+
+The seam (:func:`calling_batch`): the estimator reads the ``DataProto`` that ``compute_advantage`` was called with
+from its caller's frame — only when that caller is ``verl.trainer.ppo.ray_trainer.compute_advantage`` and its
+``data.batch["token_level_rewards"]`` is the very tensor the estimator was handed, so a changed verl is refused,
+never guessed at. Every trainer that calls verl's ``compute_advantage`` is covered, by configuration alone.
+
+What reaches verl's actor, by trainer (verl 0.9.1):
+
+* ``trainer.use_v1=false`` (``RayPPOTrainer``) and the trainers built on it: the ``DataProto`` written here is the
+  one the actor update gets — shapers and filters work;
+* ``trainer.use_v1=true`` (the TransferQueue trainer, ``verl.trainer.ppo.v1``): its ``_compute_advantage`` writes
+  back only ``advantages`` and ``returns`` (``response_mask`` only under rollout correction, and never the
+  ``loss_mask`` its engine counts tokens with) — shapers work (the advantages see the shaped reward; verl's reward
+  metrics do not), a filter is refused (its responses would stay in verl's denominators).
+
+Counted once: a shaper that reads ``ref_logp`` puts a reference KL in the reward, which verl's own
+``algorithm.use_kl_in_reward`` (``apply_kl_penalty``, before the estimator) also does — refused when both are on.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lossplug.adapters.common import ActionRows
+from lossplug.contracts import LossplugError
+
+__all__ = ["CallingBatch", "calling_batch", "check_counted_once", "check_reaches_the_actor", "write_back"]
+
+Tensor = torch.Tensor
+
+#: where verl 0.9.1's driver computes advantages; the only caller whose ``data`` the estimator reads
+VERL_COMPUTE_ADVANTAGE = ("verl.trainer.ppo.ray_trainer", "compute_advantage")
+#: the package of verl's TransferQueue trainer (``trainer.use_v1=true``)
+VERL_V1_PACKAGE = "verl.trainer.ppo.v1"
+#: the config lines that make verl's reference policy compute ``ref_log_prob`` without verl's own KL in the reward
+_REFERENCE_WITHOUT_KL_IN_REWARD = "actor_rollout_ref.actor.use_kl_loss=true actor_rollout_ref.actor.kl_loss_coef=0"
+
+
+@dataclass(frozen=True)
+class CallingBatch:
+    """The ``DataProto`` verl's ``compute_advantage`` was called with, and whether verl's TransferQueue trainer (which
+    writes back only the advantages) called it."""
+
+    data: Any
+    under_v1: bool
+
+
+def calling_batch(token_level_rewards: Tensor, depth: int = 2) -> CallingBatch | None:
+    """The ``DataProto`` of the ``ray_trainer.compute_advantage`` call that called the estimator (``depth`` frames up
+    from this function), or None when the estimator was called some other way."""
+    try:
+        frame = sys._getframe(depth)
+    except ValueError:  # pragma: no cover - a stack shallower than the estimator's caller
+        return None
+    if (frame.f_globals.get("__name__"), frame.f_code.co_name) != VERL_COMPUTE_ADVANTAGE:
+        return None
+    data = frame.f_locals.get("data")
+    batch = getattr(data, "batch", None)
+    if (
+        batch is None
+        or "token_level_rewards" not in batch.keys()
+        or batch["token_level_rewards"] is not token_level_rewards
+    ):
+        return None
+    above = frame.f_back
+    under_v1 = above is not None and str(above.f_globals.get("__name__", "")).startswith(VERL_V1_PACKAGE)
+    return CallingBatch(data, under_v1)
+
+
+def _reads_the_reference(stage: Any) -> bool:
+    return "ref_logp" in stage.plugin.required_fields(stage.params)
+
+
+def check_counted_once(compiled: Any, algorithm: Any, key: str) -> None:
+    """Refuse a recipe that puts a reference KL in the reward when verl's ``algorithm.use_kl_in_reward`` does too."""
+    if not _setting(algorithm, "use_kl_in_reward"):
+        return
+    shapers = [s for s in compiled.shapers if _reads_the_reference(s)]
+    if not shapers:
+        return
+    named = ", ".join(f"{key}{s.where.removeprefix('recipe')} ({s.plugin.name})" for s in shapers)
+    raise LossplugError(
+        f"{named} puts the KL to the reference policy in the reward, and algorithm.use_kl_in_reward=True makes "
+        f"verl's apply_kl_penalty put it there too, before the estimator: it would be counted twice. Next step: set "
+        f"algorithm.use_kl_in_reward=false and keep the shaper (verl_equivalent(algorithm_config=...) writes verl's "
+        f"kl_penalty and kl_ctrl as this shaper), or drop the shaper from {key} to keep verl's; without "
+        f"use_kl_in_reward verl computes ref_log_prob only for the actor's KL loss: {_REFERENCE_WITHOUT_KL_IN_REWARD} "
+        f"if the actor has none"
+    )
+
+
+def missing_reference_hint(verl_key: str) -> str:
+    """Why verl's batch may lack ``verl_key`` and what to set (empty when there is nothing to say)."""
+    if verl_key != "ref_log_prob":
+        return ""
+    return (
+        f" (verl computes ref_log_prob only when algorithm.use_kl_in_reward or actor.use_kl_loss is set. Next step: "
+        f"{_REFERENCE_WITHOUT_KL_IN_REWARD} — the reference policy without a KL term)"
+    )
+
+
+def check_reaches_the_actor(compiled: Any, calling: CallingBatch | None, key: str) -> None:
+    """Refuse filters whose narrowed mask cannot reach verl's actor: their responses would stay in its denominators."""
+    if not compiled.filters:
+        return
+    named = ", ".join(f"{key}{s.where.removeprefix('recipe')} ({s.plugin.name})" for s in compiled.filters)
+    if calling is None:
+        raise LossplugError(
+            f"{named}: a filter's narrowed mask must reach verl's actor as response_mask, and this estimator was not "
+            f"called by verl's ray_trainer.compute_advantage, whose DataProto it writes. Next step: run it through "
+            f"verl's compute_advantage, or call lossplug.adapters.verl.compute_advantage(data, recipe) on the "
+            f"DataProto (it writes response_mask)"
+        )
+    if calling.under_v1:
+        raise LossplugError(
+            f"{named}: verl's TransferQueue trainer (trainer.use_v1=true) writes back only the advantages of its "
+            f"estimator, never response_mask nor the loss_mask its engine counts tokens with, so the filtered "
+            f"responses would stay in the actor's denominators. Next step: trainer.use_v1=false (verl's "
+            f"RayPPOTrainer hands the actor the response_mask written here), or drop the filters"
+        )
+
+
+def write_back(data: Any, rows: ActionRows, reward: Tensor | None, action_mask: Tensor | None) -> None:
+    """The shaped reward (``[B, T]`` of the rows with an action token) into ``data.batch["token_level_rewards"]`` and
+    the narrowed mask into ``data.batch["response_mask"]``, in verl's dtypes; the rows without an action token keep
+    theirs. Both are new tensors: ``token_level_scores`` and ``attention_mask``, which verl's may share storage
+    with, keep their values."""
+    batch = data.batch
+    if reward is not None:
+        before = batch["token_level_rewards"]
+        batch["token_level_rewards"] = rows.scatter(reward.to(before.dtype), before.clone())
+    if action_mask is not None:
+        before = batch["response_mask"]
+        batch["response_mask"] = rows.scatter(action_mask.to(before.dtype), torch.zeros_like(before))
+
+
+def _setting(config: Any, key: str) -> Any:
+    if config is None:
+        return None
+    if hasattr(config, "get"):
+        return config.get(key)
+    return getattr(config, key, None)
