@@ -219,12 +219,6 @@ def test_defaults_are_verl_algo_config_defaults():
         ({"adv_estimator": "gdpo"}, "algorithm.gdpo_reward_keys"),
         ({"adv_estimator": "gdpo", "gdpo_reward_keys": KEYS, "gdpo_reward_weights": [1.0]}, "gdpo_reward_weights"),
         ({"adv_estimator": "ppo"}, "algorithm.adv_estimator=ppo"),
-        ({"adv_estimator": "grpo", "use_kl_in_reward": True}, "algorithm.use_kl_in_reward"),
-        ({"adv_estimator": "gae", "use_kl_in_reward": True, "kl_penalty": "low_var_kl"}, "algorithm.kl_penalty"),
-        (
-            {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive", "kl_coef": 0.1}},
-            "algorithm.kl_ctrl.type",
-        ),
     ],
 )
 def test_unsupported_settings_are_refused_by_name(algorithm, setting):
@@ -302,7 +296,7 @@ def test_mapped_spec_through_the_adapters_compute_advantage_equals_verl(case):
 
 
 @pytest.mark.parametrize("beta", [0.001, 0.2])
-def test_kl_in_reward_maps_to_gae_kl_coef(beta):
+def test_kl_in_reward_maps_to_the_kl_shaper_before_gae(beta):
     from verl.trainer.ppo.core_algos import FixedKLController
     from verl.trainer.ppo.ray_trainer import apply_kl_penalty
 
@@ -314,7 +308,11 @@ def test_kl_in_reward_maps_to_gae_kl_coef(beta):
         "kl_penalty": "kl",
         "kl_ctrl": {"type": "fixed", "kl_coef": beta},
     }
-    assert advantage_stage(algorithm)["kl_coef"] == beta
+    from lossplug.adapters.verl.equivalent.rollout_side import reward_shapers
+
+    (shaper,) = reward_shapers(algorithm)
+    assert shaper == {"name": "kl_in_reward", "estimator": "kl", "coef": beta, "controller": "fixed"}
+    assert "kl_coef" not in advantage_stage(algorithm)  # the shaper, not the estimator, puts the KL in the reward
     data = data_proto(7)
     g = torch.Generator().manual_seed(7)
     noise = 0.3 * torch.randn(data.batch["old_log_probs"].shape, generator=g, dtype=F64)
@@ -326,7 +324,7 @@ def test_kl_in_reward_maps_to_gae_kl_coef(beta):
     data, _ = apply_kl_penalty(data, FixedKLController(beta), kl_penalty="kl")
     expect = theirs(data, algorithm)
     recipe = lossplug.Recipe.model_validate(
-        {"advantage": advantage_stage(algorithm), "gates": ["ppo_clip"], "reduction": "token"}
+        {"shapers": [shaper], "advantage": advantage_stage(algorithm), "gates": ["ppo_clip"], "reduction": "token"}
     )
     result = lossplug.estimate_advantages(batch, recipe)
     assert relative_difference(data, (result.advantage, result.returns), expect) <= TOL

@@ -270,3 +270,75 @@ def test_a_checkpoint_without_the_controllers_is_refused_unless_a_fresh_start_is
     config.algorithm.lossplug_fresh_controllers = True
     Trainer(config)._load_checkpoint()
     assert _beta(spec) == ADAPTIVE["kl_coef"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# verl_equivalent: the reward side of verl's algorithm section
+
+
+def test_verl_equivalent_writes_use_kl_in_reward_as_the_shaper_and_the_recipe_runs_as_verl_does():
+    from lossplug.adapters.verl import verl_equivalent
+
+    verls = {
+        "adv_estimator": "grpo",
+        "use_kl_in_reward": True,
+        "kl_penalty": "low_var_kl",
+        "kl_ctrl": {"type": "adaptive", "kl_coef": 0.2, "target_kl": 0.01, "horizon": 64},
+    }
+    spec = verl_equivalent(algorithm_config=verls).to_dict()
+    assert spec["shapers"] == [
+        {"name": "kl_in_reward", "estimator": "low_var_kl", "coef": 0.2, "controller": "adaptive"}
+        | {"target_kl": 0.01, "horizon": 64.0}
+    ]
+    spec["name"] += f"-{next(_names)}"
+    verl_ctrl = core_algos.get_kl_controller(OmegaConf.create(verls["kl_ctrl"]))
+    for step in range(3):  # verl with its own KL in the reward; lossplug's recipe with verl's switched off
+        theirs, _ = apply_kl_penalty(make_data(step), kl_ctrl=verl_ctrl, kl_penalty="low_var_kl")
+        theirs = run_verl(theirs, "grpo", algorithm("grpo"))
+        ours = run_verl(make_data(step), "lossplug", algorithm("lossplug", lossplug=spec, use_kl_in_reward=False))
+        mask = theirs.batch["response_mask"].bool()
+        assert torch.where(mask, ours.batch["advantages"] - theirs.batch["advantages"], 0).abs().max() <= TOL
+    assert _beta(spec) == pytest.approx(verl_ctrl.value, rel=1e-9, abs=0)
+
+
+@pytest.mark.parametrize("penalty", ["kl", "abs", "mse", "low_var_kl", "k3+"])
+def test_verl_equivalent_fixed_kl_controller_with_verls_defaults(penalty):
+    from lossplug.adapters.verl import verl_equivalent
+
+    spec = verl_equivalent(algorithm_config={"adv_estimator": "gae", "use_kl_in_reward": True, "kl_penalty": penalty})
+    (shaper,) = spec.to_dict()["shapers"]
+    assert shaper == {"name": "kl_in_reward", "estimator": penalty, "coef": 0.001, "controller": "fixed"} | {
+        "target_kl": None,  # (an adaptive controller's settings)
+        "horizon": None,
+    }
+    assert spec.advantage.params["kl_coef"] is None  # the KL is in the reward once: the shaper's
+
+
+def test_verl_equivalent_writes_filter_groups_on_the_reward_as_zero_variance():
+    from lossplug.adapters.verl import verl_equivalent
+
+    spec = verl_equivalent(
+        algorithm_config={"adv_estimator": "grpo", "filter_groups": {"enable": True, "metric": "reward"}}
+    )
+    assert spec.to_dict()["filters"] == [{"name": "zero_variance", "drop_singletons": False}]  # verl keeps groups of 1
+    assert not verl_equivalent(algorithm_config={"adv_estimator": "grpo", "filter_groups": {"enable": False}}).filters
+
+
+@pytest.mark.parametrize(
+    "verls, named",
+    [
+        ({"filter_groups": {"enable": True, "metric": "acc"}}, "algorithm.filter_groups.metric='acc'"),
+        (
+            {"filter_groups": {"enable": True, "metric": "reward"}, "use_kl_in_reward": True},
+            "algorithm.filter_groups with use_kl_in_reward=True",
+        ),
+        ({"use_kl_in_reward": True, "kl_penalty": "full"}, "algorithm.kl_penalty='full'"),
+        ({"use_kl_in_reward": True, "kl_ctrl": {"type": "pid"}}, "algorithm.kl_ctrl.type='pid'"),
+    ],
+)
+def test_verl_equivalent_refuses_what_has_no_equivalent_by_name(verls, named):
+    from lossplug.adapters.verl import verl_equivalent
+
+    with pytest.raises(LossplugError) as err:
+        verl_equivalent(algorithm_config={"adv_estimator": "grpo", **verls})
+    assert named in str(err.value)

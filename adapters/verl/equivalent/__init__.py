@@ -3,6 +3,8 @@
 * :mod:`.policy_losses` — ``actor.policy_loss.loss_mode`` (and the parameters each mode reads) → the gates;
 * :mod:`.advantages` — ``algorithm.adv_estimator`` (with its options) → the advantage stage;
 * :mod:`.rollout_correction` — ``algorithm.rollout_correction`` → correction gates;
+* :mod:`.rollout_side` — ``algorithm.use_kl_in_reward`` / ``kl_penalty`` / ``kl_ctrl`` → the ``kl_in_reward``
+  shaper, ``algorithm.filter_groups`` → the ``zero_variance`` filter;
 * :mod:`.keys` — the valid keys of each section read (verl's own config dataclasses): an unknown key is refused;
 * :mod:`.settings` — what they share: verl's defaults, the ``loss_agg_mode`` and ``kl_loss_type`` tables,
   :func:`as_plain` (a leaf: the modules import it, never this one, so no two of them import each other).
@@ -23,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lossplug.adapters.verl.equivalent import advantages, keys, policy_losses, rollout_correction
+from lossplug.adapters.verl.equivalent import advantages, keys, policy_losses, rollout_correction, rollout_side
 from lossplug.adapters.verl.equivalent.settings import (
     ACTOR_DEFAULTS,
     KL_ESTIMATORS,
@@ -107,8 +109,13 @@ def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None, *, w
     ``kl_loss_coef``, ``kl_loss_type``) that verl's ``ppo_loss`` adds around the policy loss.
 
     ``algorithm_config``: verl's ``algorithm`` → the advantage stage of ``adv_estimator`` (with
-    ``norm_adv_by_std_in_grpo``, ``gamma``, ``lam`` and its own options), and the correction gates of
-    ``rollout_correction`` (after the update gate).
+    ``norm_adv_by_std_in_grpo``, ``gamma``, ``lam`` and its own options), the correction gates of
+    ``rollout_correction`` (after the update gate), the ``kl_in_reward`` shaper of ``use_kl_in_reward`` (with
+    ``kl_penalty`` and ``kl_ctrl.{type, kl_coef, target_kl, horizon}``) and the ``zero_variance`` filter of
+    ``filter_groups`` (``metric: reward``; the filtering only — verl's re-sampling of prompts to refill the batch
+    has no recipe equivalent). Running the recipe under verl (``adv_estimator=lossplug``), its shaper replaces
+    verl's: set ``algorithm.use_kl_in_reward=false`` (both on is refused, the KL would be counted twice), and keep
+    verl's reference policy with ``actor.use_kl_loss=true`` (``kl_loss_coef=0`` when the actor has no KL loss).
 
     Either may be omitted. Without ``algorithm_config`` the recipe has no advantage stage (the advantages come with
     the batch, as they reach verl's actor). A recipe always has an update gate, so without ``actor_config`` the
@@ -184,6 +191,16 @@ def verl_equivalent(actor_config: Any = None, algorithm_config: Any = None, *, w
         if algorithm.get("adv_estimator") is not None:
             recipe["advantage"] = advantages.advantage_stage(algorithm)
             recipe["name"] += f"+{algorithm['adv_estimator']}"
+        shapers, filters = rollout_side.reward_shapers(algorithm), rollout_side.batch_filters(algorithm)
+        if (shapers or filters) and "advantage" not in recipe:
+            raise LossplugError(
+                "verl_equivalent: algorithm.use_kl_in_reward / filter_groups shape and filter the rewards before the "
+                "advantage: give algorithm.adv_estimator too"
+            )
+        if shapers:
+            recipe["shapers"] = shapers
+        if filters:
+            recipe["filters"] = filters
     recipe["gates"] = gates
     recipe["reduction"] = reduction
     if regularizers:

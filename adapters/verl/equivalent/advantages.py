@@ -14,10 +14,8 @@ only, ``lam`` by ``gae`` only.
 
 verl ``adv_estimator`` → lossplug advantage spec:
 
-* ``gae`` → ``{name: gae, gamma, lam, whiten: true}`` (``use_pf_ppo`` refused); with ``use_kl_in_reward`` (a fixed
-  ``kl_ctrl`` and ``kl_penalty`` ``kl``/``k1``) also ``kl_coef: kl_ctrl.kl_coef`` — gae's KL-shaped reward is verl's
-  ``apply_kl_penalty``; ``use_kl_in_reward`` with any other estimator, an adaptive controller or another
-  ``kl_penalty`` is refused
+* ``gae`` → ``{name: gae, gamma, lam, whiten: true}`` (``use_pf_ppo`` refused); ``use_kl_in_reward`` is not the
+  estimator's, for any estimator: it becomes the recipe's ``kl_in_reward`` shaper (:mod:`.rollout_side`)
 * ``grpo`` → ``{name: grpo, scale: group | none, std: sample, eps: 1e-6, eps_mode: add}``
 * ``grpo_vectorized`` → ``{name: grpo, scale: group, std: sample, eps: 1e-6, eps_mode: add}``
 * ``rloo``, ``rloo_vectorized`` → ``{name: rloo}``
@@ -84,12 +82,13 @@ ALGORITHM_KEYS: tuple[str, ...] = (
     "use_kl_in_reward",
     "kl_penalty",
     "kl_ctrl",
+    "filter_groups",
     "use_pf_ppo",
     "gdpo_reward_keys",
     "gdpo_reward_weights",
     "rollout_correction",
 )
-KL_CTRL_KEYS: tuple[str, ...] = ("type", "kl_coef")
+KL_CTRL_KEYS: tuple[str, ...] = ("type", "kl_coef", "target_kl", "horizon")
 
 _OPTIMAL_BASELINE_REFUSAL = (
     "algorithm.rollout_correction.rollout_is={rollout_is!r} with adv_estimator={name}: no lossplug equivalent — "
@@ -104,32 +103,6 @@ def _get(algorithm: Mapping[str, Any], key: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _kl_in_reward(algorithm: Mapping[str, Any], name: str) -> float | None:
-    """gae's ``kl_coef`` for verl's ``use_kl_in_reward`` (None when off); refuses what gae cannot reproduce."""
-    if not _get(algorithm, "use_kl_in_reward", False):
-        return None
-    if name != "gae":
-        raise LossplugError(
-            f"algorithm.use_kl_in_reward=True with adv_estimator={name}: no lossplug equivalent — verl subtracts "
-            f"β·KL(old ‖ ref) from the token rewards before the estimator; lossplug folds that KL-shaped reward into "
-            f"gae only (kl_coef). Use actor.use_kl_loss (a kl regularizer) instead"
-        )
-    penalty = str(_get(algorithm, "kl_penalty", "kl"))
-    if penalty not in ("kl", "k1"):
-        raise LossplugError(
-            f"algorithm.kl_penalty={penalty!r} with use_kl_in_reward=True: gae's KL-shaped reward is k1 "
-            f"(old_logp − ref_logp) only; set algorithm.kl_penalty=kl"
-        )
-    ctrl = _get(algorithm, "kl_ctrl", {})
-    kind = str(_get(ctrl, "type", "fixed"))
-    if kind != "fixed":
-        raise LossplugError(
-            f"algorithm.kl_ctrl.type={kind!r} with use_kl_in_reward=True: an adaptive coefficient changes every step; "
-            f"gae's kl_coef is fixed (set algorithm.kl_ctrl.type=fixed)"
-        )
-    return float(_get(ctrl, "kl_coef", 0.001))
-
-
 def advantage_stage(algorithm: Mapping[str, Any]) -> dict[str, Any]:
     """The lossplug advantage spec equivalent to verl's ``algorithm`` config (see the module's table).
 
@@ -142,15 +115,13 @@ def advantage_stage(algorithm: Mapping[str, Any]) -> dict[str, Any]:
     norm_by_std = bool(_get(algorithm, "norm_adv_by_std_in_grpo", True))
     grpo = {"name": "grpo", "std": "sample", "eps": VERL_GROUP_EPS, "eps_mode": "add"}
 
-    kl_coef = _kl_in_reward(algorithm, name)
     if name == "gae":
         if _get(algorithm, "use_pf_ppo", False):
             raise LossplugError(
                 "algorithm.use_pf_ppo=True: no lossplug equivalent — PF-PPO reweights and resamples the batch by "
                 "reward after GAE (compute_pf_ppo_reweight_data), which is not an advantage; set it to False"
             )
-        spec: dict[str, Any] = {"name": "gae", "gamma": gamma, "lam": lam, "whiten": True}
-        return spec if kl_coef is None else spec | {"kl_coef": kl_coef}
+        return {"name": "gae", "gamma": gamma, "lam": lam, "whiten": True}
     if name == "grpo":
         return grpo | {"scale": "group" if norm_by_std else "none"}
     if name == "grpo_vectorized":  # compute_advantage does not pass norm_adv_by_std_in_grpo: verl always divides
