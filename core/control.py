@@ -181,13 +181,48 @@ def controller_state(recipe: Recipe | str) -> dict[str, dict[str, Any]]:
 
 
 def load_controller_state(recipe: Recipe | str, state: Mapping[str, Mapping[str, Any]]) -> None:
-    """Restore what :func:`controller_state` saved. A stage in ``state`` that the recipe has no controller for, or
-    a controller without saved state, is a :class:`LossplugError` (a checkpoint of another recipe)."""
+    """Restore what :func:`controller_state` saved. A stage in ``state`` that the recipe has no controller for, a
+    controller without saved state (its stage would silently start afresh), or saved state its controller cannot
+    take is a :class:`LossplugError` naming the stage and its plugin; nothing is loaded then. To start a stage afresh
+    on purpose, load ``{**controller_state(recipe), **saved}``."""
+    compiled = compile_recipe(as_recipe(recipe))
+    stateful: list[RolloutStage[Any] | RegularizerStage] = [*compiled.shapers, *compiled.regularizers]
+    labels = {
+        stage.where.removeprefix("recipe."): f"{stage.where.removeprefix('recipe.')} ({stage.plugin.name})"
+        for stage in stateful
+        if stage.controller is not None
+    }
     live = controllers(recipe)
     if set(state) != set(live):
+        missing = [labels[where] for where in live if where not in state]
+        unknown = sorted(where for where in state if where not in live)
+        problems = []
+        if missing:
+            problems.append(
+                f"it has no state for {', '.join(missing)}, which would restart from its initial settings "
+                "(a checkpoint saved by another recipe, or without lossplug's state)"
+            )
+        if unknown:
+            problems.append(f"the recipe has no adaptive stage {', '.join(unknown)} (a checkpoint of another recipe)")
+        fresh = (
+            "; to start a stage afresh on purpose, load {**lossplug.controller_state(recipe), **saved}"
+            if missing
+            else ""
+        )
         raise LossplugError(
             f"load_controller_state: the checkpoint has controller state for {sorted(state)}, but the recipe's "
-            f"adaptive stages are {sorted(live)}"
+            f"adaptive stages are {sorted(live)}: {'; '.join(problems)}. Next step: resume with the recipe that "
+            f"saved the checkpoint{fresh}"
         )
+    before = {where: controller.state_dict() for where, controller in live.items()}
     for where, controller in live.items():
-        controller.load_state_dict(state[where])
+        try:
+            controller.load_state_dict(state[where])
+        except (LossplugError, KeyError, TypeError, ValueError) as err:
+            for restored, previous in before.items():  # all or nothing: no stage keeps a half-loaded checkpoint
+                live[restored].load_state_dict(previous)
+            reason = f"missing key {err}" if isinstance(err, KeyError) else str(err)
+            raise LossplugError(
+                f"load_controller_state: {labels[where]}: the checkpoint's state {state[where]!r} does not fit "
+                f"its controller ({reason}); it saves {sorted(before[where])}"
+            ) from err

@@ -22,6 +22,7 @@ Reference: verl 0.9.1 ``verl.trainer.ppo.ray_trainer.apply_kl_penalty`` (``algor
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -103,7 +104,20 @@ class KLRewardController:
         return self.rule.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.rule.load_state_dict(state)
+        value = state["value"]
+        adaptive = isinstance(self.rule, ProportionalKLController)  # β multiplies itself: 0 would stay 0
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value < 0
+            or (adaptive and value == 0)
+        ):
+            raise lossplug.LossplugError(
+                f"'value' (β) must be a finite number {'> 0' if adaptive else '>= 0'}, got {value!r}"
+            )
+        self.rule.load_state_dict({"value": float(value)})
+        self._window = None  # (what was observed before the checkpoint was loaded belongs to another run)
 
 
 @lossplug.shaper(
