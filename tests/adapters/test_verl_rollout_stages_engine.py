@@ -1,0 +1,222 @@
+"""The zero-variance filter through verl's advantage seam, then verl 0.9.1's real actor update at dp 1 and 2.
+
+The driver's step as ``RayPPOTrainer.fit`` runs it: ``ray_trainer.compute_advantage(adv_estimator=lossplug)`` with a
+recipe that filters zero-variance groups (the estimator writes the narrowed ``response_mask`` into the
+``DataProto``), then ``RayPPOTrainer._update_actor`` → verl's FSDP2 engine → verl's own ``ppo_loss`` (built-in
+``vanilla``). The oracle drops the filtered rows first and runs verl's own GRPO and the same update on the smaller
+batch (its mini-batch the kept rows). This file is also the worker: the test runs it once per rank
+(``_verl_engine_worker.py`` says what makes verl run on CPU).
+
+* ``token-mean``: the parameters equal the oracle's — the filtered tokens left verl's loss and its global token count
+  (``batch_num_tokens``, all-reduced over the ranks).
+* ``seq-mean-token-mean``: verl divides by ``global_batch_size``, which ``_update_actor`` sets to the configured
+  mini-batch size (``ppo_mini_batch_size × rollout.n``), filtered responses included — as for the responses its own
+  rollout rejection sampling masks out. The update is the oracle's times kept / configured responses (12 / 16 here,
+  exact with plain SGD): a masked response still counts in verl's sequence denominator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__)
+WORKER = HERE.with_name("_verl_engine_worker.py")
+#: rows 4-7 (the second prompt's group) all score 1.0: the zero-variance filter drops them
+FILTERED = range(4, 8)
+GROUP = 4
+AGG_MODES = ("token-mean", "seq-mean-token-mean")
+
+
+def _engine_worker() -> Any:
+    spec = importlib.util.spec_from_file_location("_verl_engine_worker", WORKER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    pytest.importorskip("verl")
+    pytest.importorskip("hydra")
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from lossplug.testing.tiny import tiny_model_and_tokenizer
+
+    root = tmp_path_factory.mktemp("verl_rollout_stages")
+    tiny_model_and_tokenizer(root / "model")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env |= {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = []
+    for world in (1, 2):
+        port = str(_free_port())
+        for rank in range(world):
+            command = [sys.executable, str(HERE), "--rank", str(rank), "--world", str(world)]
+            command += ["--model", str(root / "model"), "--out", str(root)]
+            procs.append(
+                (
+                    world,
+                    rank,
+                    subprocess.Popen(
+                        command,
+                        env={**env, "MASTER_PORT": port},
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                    ),
+                )
+            )
+    logs = []
+    try:
+        for _, _, p in procs:
+            logs.append(p.communicate(timeout=600)[0])
+    finally:
+        for _, _, p in procs:
+            if p.poll() is None:
+                p.kill()
+    failed = [(w, r, p.returncode, log) for (w, r, p), log in zip(procs, logs) if p.returncode != 0]
+    assert not failed, "\n".join(f"--- dp {w} rank {r} (exit {c})\n{log[-4000:]}" for w, r, c, log in failed)
+    out = {w: json.loads((root / f"rollout_stages_dp{w}.json").read_text()) for w in (1, 2)}
+    for w, result in out.items():
+        print(f"\ndp{w}: " + json.dumps(result))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", [1, 2])
+def test_the_filter_leaves_verls_token_mean_loss_as_dropping_the_rows(results: dict[int, Any], dp: int) -> None:
+    entry = results[dp]["token-mean"]
+    assert entry["moved"] > 1e-3  # the update under test is not empty
+    assert entry["max_abs_diff"] <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", [1, 2])
+def test_under_seq_mean_token_mean_verl_still_counts_the_filtered_responses(results: dict[int, Any], dp: int) -> None:
+    entry = results[dp]["seq-mean-token-mean"]
+    kept, configured = 16 - len(FILTERED), 16
+    assert entry["update_ratio"] == pytest.approx(kept / configured, rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", [1, 2])
+def test_the_mask_reached_the_actor(results: dict[int, Any], dp: int) -> None:
+    assert results[dp]["response_mask_rows_zeroed"] == list(FILTERED)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the worker (one rank)
+
+
+def _scores(batch: Any) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    n, T = batch.batch["responses"].shape
+    score = torch.randint(0, 2, (n,), generator=g).float() + 0.25 * torch.rand(n, generator=g)
+    score[list(FILTERED)] = 1.0
+    mask = batch.batch["response_mask"].bool()
+    last = torch.where(mask, torch.arange(T), -1).amax(-1)
+    token = torch.zeros(n, T)
+    token[torch.arange(n), last] = score
+    return token
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("--rank", "--world"):
+        parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    import torch
+    import torch.distributed as dist
+
+    sys.modules["trl"] = None  # type: ignore[assignment]  # verl must see no TRL (_verl_engine_worker.py)
+    os.environ["VERL_ENGINE_DEVICE"] = "cuda"
+    os.environ.update(
+        RANK=str(args.rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(args.rank), LOCAL_WORLD_SIZE=str(args.world)
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+    engine = _engine_worker()
+    engine.install_cpu_platform()
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    full = engine.make_batch(args.model)
+    full.batch["token_level_scores"] = _scores(full)
+    full.batch["token_level_rewards"] = full.batch["token_level_scores"]
+    n = full.batch["responses"].shape[0]
+    grpo = {"name": "grpo", "scale": "group", "std": "sample", "eps": 1e-6, "eps_mode": "add"}
+    recipe = {"advantage": grpo, "gates": ["ppo_clip"], "reduction": "token", "filters": ["zero_variance"]}
+    ours = compute_advantage(
+        copy.deepcopy(full),
+        adv_estimator="lossplug",
+        num_repeat=GROUP,
+        config=OmegaConf.create({"adv_estimator": "lossplug", "lossplug": recipe}),
+    )
+    kept = [i for i in range(n) if i not in FILTERED]
+    dropped = compute_advantage(
+        copy.deepcopy(full).select_idxs(kept),
+        adv_estimator="grpo",
+        num_repeat=GROUP,
+        config=OmegaConf.create({"adv_estimator": "grpo"}),
+    )
+    zeroed = [i for i in range(n) if not ours.batch["response_mask"][i].any() and full.batch["response_mask"][i].any()]
+
+    def mine(data: Any) -> Any:
+        return data.chunk(args.world)[args.rank] if args.world > 1 else data  # verl's dispatch: contiguous chunks
+
+    base = engine.compose(args.model)
+    actor = engine.Actor(base)
+    result: dict[str, Any] = {"response_mask_rows_zeroed": zeroed}
+    for mode in AGG_MODES:
+        agg = [f"actor_rollout_ref.actor.loss_agg_mode={mode}", *engine.VANILLA]
+        # one optimizer step over the whole batch: ours 16 responses (4 prompts), the oracle the 12 kept (3 prompts)
+        ours_config = engine.configure(base, [*agg, f"actor_rollout_ref.actor.ppo_mini_batch_size={n // GROUP}"])
+        oracle_config = engine.configure(
+            base, [*agg, f"actor_rollout_ref.actor.ppo_mini_batch_size={len(kept) // GROUP}"]
+        )
+        ours_params, _ = actor.run(ours_config, mine(ours))
+        oracle_params, _ = actor.run(oracle_config, mine(dropped))
+        moved = {k: oracle_params[k] - actor.initial_full[k] for k in oracle_params}
+        ours_moved = {k: ours_params[k] - actor.initial_full[k] for k in ours_params}
+        num = sum(float((ours_moved[k] * moved[k]).sum()) for k in moved)
+        den = sum(float((moved[k] * moved[k]).sum()) for k in moved)
+        result[mode] = {
+            "max_abs_diff": engine.max_abs_diff(ours_params, oracle_params),
+            "moved": max(float(v.abs().max()) for v in moved.values()),
+            "update_ratio": num / den,  # least-squares factor: ours = ratio × the oracle's update
+        }
+    if args.rank == 0:
+        Path(args.out, f"rollout_stages_dp{args.world}.json").write_text(json.dumps(result))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
