@@ -8,12 +8,22 @@ al. 2025, arXiv:2503.14476, §3.2)::
 with ``score_i`` the response's reward (a per-token reward summed over the response, as verl's ``filter_groups``
 takes ``token_level_rewards.sum(-1)``). A group of one response is kept, as verl keeps it (``len(metric_vals) ==
 1``); ``drop_singletons: true`` drops those too. Only the responses still in play count (an earlier filter's
-drops are not part of the group).
+drops are not part of the group). Filtering equals dropping the rows before verl's advantage and loss, under
+``token-mean`` and ``seq-mean-token-mean`` (``tests/plugins/filters/test_zero_variance.py``), provided the step's
+population counts only the responses left.
 
-Reference: verl 0.9.1 ``recipe/dapo`` ``RayDAPOTrainer.fit`` (``algorithm.filter_groups``: ``metric: seq_final_reward``
-— ``np.std(metric_vals) > 0 or len(metric_vals) == 1``); ROLL ``dynamic_sampling`` with ``query_filter_config.type:
-mean_filter``. It runs :func:`lossplug.tools.dynamic_sampling.keep_mixed_groups` (the groups' constancy test) where
-more than one response is in play.
+One difference: "all equal" is tested exactly (the group's largest reward equals its smallest). verl tests
+``np.std(scores) > 0``, which rounding can make true for equal rewards whose floating-point mean is not exactly
+their value — three rewards of 0.1 have ``np.std`` ≈ 1.4e-17 — and then keeps a group whose advantages are rounding
+noise; the filter drops it.
+
+Reference: verl 0.9.1 ``verl/trainer/ppo/v1/replay_buffer.py`` ``ReplayBuffer._dapo_filtered_keys`` (a group is
+evicted iff ``len(values) > 1 and np.std(values) == 0``, ``values`` each response's summed ``rm_scores``) and the
+DAPO recipe's ``RayDAPOTrainer.fit`` (``algorithm.filter_groups``: ``np.std(metric_vals) > 0 or
+len(metric_vals) == 1``; github.com/verl-project/verl-recipe ``dapo/dapo_ray_trainer.py`` at commit dd811fe49f89,
+formerly volcengine/verl ``recipe/dapo/dapo_ray_trainer.py`` at 53971be5b682); ROLL ``dynamic_sampling`` with
+``query_filter_config.type: mean_filter``. It runs :func:`lossplug.tools.dynamic_sampling.keep_mixed_groups` (the
+groups' constancy test) where more than one response is in play.
 """
 
 from __future__ import annotations
