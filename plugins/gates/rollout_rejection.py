@@ -255,6 +255,32 @@ def _criterion_metrics(
     return metrics, details
 
 
+def survivors(
+    inp: lossplug.GateInput, p: RolloutRSParams
+) -> tuple[Tensor, dict[str, Callable[[], Tensor]], dict[str, Callable[[], Tensor]]]:
+    """``(keep [B, T], metrics, details)``: the tokens every criterion keeps (True off the actions too: the caller
+    masks), and each criterion's metrics — the ``rollout_rs`` gate's weight, the ``mismatch_rejection`` filter's
+    mask (one implementation)."""
+    log_ratio = clamp_exact(inp.engine_log_ratio(), -rs.SAFETY_BOUND, rs.SAFETY_BOUND)
+    token_stats = _statistics(log_ratio)
+    keep = torch.ones_like(inp.mask)
+    metrics: dict[str, Callable[[], Tensor]] = {}
+    details: dict[str, Callable[[], Tensor]] = {}
+    for c in criteria(p.options, p.threshold):
+        if c.scope == "token":
+            stat = token_stats[c.estimator]
+            kept = _keep(stat, c)
+            keep = keep & kept
+        else:
+            stat = _per_response(inp, token_stats[c.estimator], c.scope)
+            kept = _keep(stat, c)
+            keep = keep & kept.unsqueeze(-1)
+        m, d = _criterion_metrics(inp, c, stat, kept)
+        metrics.update(m)
+        details.update(d)
+    return keep, metrics, details
+
+
 @lossplug.gate(
     "rollout_rs", params=RolloutRSParams, requires=("old_logp", "behavior_logp"), role="correction", level="token"
 )
@@ -263,25 +289,8 @@ def rollout_rs(inp: lossplug.GateInput, p: RolloutRSParams) -> lossplug.GateOutp
     its response, else 0; k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ, ρ = π_old/π_behaviour, per token or
     summed / averaged / maxed over the response."""
     with torch.no_grad():
-        log_ratio = clamp_exact(inp.engine_log_ratio(), -rs.SAFETY_BOUND, rs.SAFETY_BOUND)
-        token_stats = _statistics(log_ratio)
-        keep = torch.ones_like(inp.mask)
-        metrics: dict[str, Callable[[], Tensor]] = {}
-        details: dict[str, Callable[[], Tensor]] = {}
-        for c in criteria(p.options, p.threshold):
-            if c.scope == "token":
-                stat = token_stats[c.estimator]
-                kept = _keep(stat, c)
-                keep = keep & kept
-            else:
-                stat = _per_response(inp, token_stats[c.estimator], c.scope)
-                kept = _keep(stat, c)
-                keep = keep & kept.unsqueeze(-1)
-            m, d = _criterion_metrics(inp, c, stat, kept)
-            metrics.update(m)
-            details.update(d)
-        survives = keep
-        dtype = log_ratio.dtype
+        survives, metrics, details = survivors(inp, p)
+        dtype = inp.compute_dtype
         metrics["masked_fraction"] = lambda: rs.token_mean(inp, (~survives).to(dtype))
         # verl: the fraction of all rows (not only those with an action token) with a rejected action token
         metrics["seq_masked_fraction"] = lambda: (~survives & inp.mask).any(-1).float().mean()
