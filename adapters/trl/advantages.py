@@ -1,11 +1,37 @@
-"""The advantage seam: the recipe's advantage stage on the rewards TRL gathered over all processes, where every
-prompt group is still complete (:func:`group_advantages`), and the per-row tensors that travel with TRL's batch
-(:func:`add_recipe_advantages`)."""
+"""The advantage seam: the recipe's shapers, filters and advantage stage on the rewards TRL gathered over all
+processes, where every prompt group is still complete (:func:`gathered_advantages`), and what goes back into TRL's
+batch (:func:`add_recipe_advantages`).
+
+The rollout side in TRL
+-----------------------
+TRL gathers the rewards of every process before its advantage, so a recipe's shapers and filters run there, on the
+gathered batch, identically on every process (a shaper's state then needs no all-reduce: every process stepped it on
+the same batch). They see what the advantage stage sees — one position per completion (``[N, 1]``), its reward,
+prompt group and per-function rewards — so a stage that declares any other field (``kl_in_reward``: the old and the
+reference log-probs, per token) is refused (:mod:`~lossplug.adapters.trl.refusals`). What they change goes back
+into TRL's batch:
+
+* the shaped reward becomes ``lossplug_reward`` (what a gate or regularizer reading ``reward`` gets);
+* a filtered completion gets advantage 0, its rows of TRL's ``completion_mask`` are zeroed (the attention mask and
+  the loss mask of TRL's ``_compute_loss``, as TRL's own ``mask_truncated_completions`` does), and
+  ``num_items_in_batch`` — the loss tokens of the generation batch over all processes, which TRL counted before
+  scoring — is counted again without them; ``lossplug_in_play`` (per row) and ``lossplug_kept_sequences`` /
+  ``lossplug_kept_groups`` (over all processes) let the loss seam leave them out of its sequence and group counts
+  too (:func:`~lossplug.adapters.trl.loss.step_scaling`). A filtered completion thus leaves every denominator,
+  where a completion TRL itself emptied (``mask_truncated_completions``) stays in TRL's sequence mean, as in TRL;
+* their metrics are logged as ``lossplug/shaper/<name>/…``, ``lossplug/filter/<name>/…`` and
+  ``lossplug/rollout/…``.
+
+Evaluation never moves a shaper's state (TRL's rule for adaptive coefficients: train mode only): the state is put
+back after an evaluation batch.
+"""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import MutableSequence
+from collections.abc import Iterator, MutableSequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -19,18 +45,45 @@ from lossplug.needs import required_fields
 if TYPE_CHECKING:
     from trl import GRPOTrainer
 
-__all__ = ["add_recipe_advantages", "advantage_batch", "group_advantages"]
+__all__ = ["GatheredAdvantages", "add_recipe_advantages", "advantage_batch", "gathered_advantages", "group_advantages"]
+
+Tensor = torch.Tensor
+
+#: metric prefixes of the rollout stages (:mod:`lossplug.rollout`), logged as they are (not under ``advantage/``)
+_ROLLOUT_METRICS = ("shaper/", "filter/", "rollout/")
+
+
+@dataclass(frozen=True)
+class GatheredAdvantages:
+    """What the recipe made of TRL's gathered rewards, for every row of the generation batch (all processes)."""
+
+    #: ``[N]``, None without a recipe advantage stage (TRL's are kept)
+    advantages: Tensor | None
+    #: ``[N]``: TRL's weighted reward, as the recipe's shapers left it (NaN where unscorable)
+    rewards: Tensor
+    group_ids: Tensor
+    metrics: dict[str, Tensor]
+    #: ``[N]`` bool, False for the completions a filter dropped; None when the recipe has no filter
+    in_play: Tensor | None = None
 
 
 def group_advantages(
     trainer: GRPOTrainer, rewards_per_func: torch.Tensor, num_generations: int
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """``(advantages, rewards, group_ids, metrics)`` for the rows TRL gathered over all processes.
+    """``(advantages, rewards, group_ids, metrics)`` of :func:`gathered_advantages`."""
+    out = gathered_advantages(trainer, rewards_per_func, num_generations)
+    return out.advantages, out.rewards, out.group_ids, out.metrics
+
+
+def gathered_advantages(
+    trainer: GRPOTrainer, rewards_per_func: torch.Tensor, num_generations: int, *, train: bool = True
+) -> GatheredAdvantages:
+    """The recipe's shapers, filters and advantage for the rows TRL gathered over all processes.
 
     ``rewards``: TRL's weighted sum of the reward functions (NaN where every function returned ``None``); groups are
     consecutive runs of ``num_generations`` rows (TRL's sampler). Unscorable rows are left out of the advantage
-    batch (TRL's nan-mean/nan-std ignore them) and get advantage 0. Without a recipe advantage stage ``advantages``
-    is ``None``.
+    batch (TRL's nan-mean/nan-std ignore them) and get advantage 0; the shapers and filters do not see them either
+    (they stay in TRL's denominators, as in TRL). ``train=False`` (evaluation) leaves the shapers' state as it was.
     """
     st = adapter_state(trainer)
     device = rewards_per_func.device
@@ -43,25 +96,32 @@ def group_advantages(
     group_ids = st.rounds * groups_per_round + torch.arange(n, device=device) // num_generations
     st.rounds += 1
     metrics: dict[str, torch.Tensor] = {}
-    if st.compiled.advantage is None:
-        return None, rewards, group_ids, metrics
-    min_size = st.compiled.advantage.plugin.min_group_size
+    compiled = st.compiled
+    if compiled.advantage is None:
+        return GatheredAdvantages(None, rewards, group_ids, metrics)
+    min_size = compiled.advantage.plugin.min_group_size
     some_unscorable = bool(unscorable.any())
     valid, too_small = _estimable_rows(st, group_ids, unscorable, some_unscorable)
     everything = not some_unscorable and not bool(too_small.any())  # the usual case: no row left out
     advantages = torch.zeros_like(rewards)
+    in_play = torch.ones_like(valid) if compiled.filters else None
     if everything or bool(valid.any()):
         rows = None if everything else valid
         batch = advantage_batch(trainer, st, rewards, group_ids, rewards_per_func, rows)
-        result = lossplug.estimate_advantages(batch, st.recipe, validate=st.validate)
+        with _shaper_state_kept(st, keep=not train):
+            result = lossplug.estimate_advantages(batch, st.recipe, validate=st.validate)
         adv = result.advantage
         if adv.ndim == 2:  # a token-level estimator over the single placeholder position
             adv = adv[:, 0]
-        if everything:
-            advantages = adv.to(advantages.dtype)
-        else:
-            advantages[valid] = adv.to(advantages.dtype)
-        metrics.update({f"advantage/{k}": v for k, v in result.metric_tensors.items()})
+        _scatter(advantages, adv, rows)
+        if compiled.shapers and result.reward is not None:  # [n] or [n, 1] (one position per completion)
+            shaped = result.reward if result.reward.ndim == 1 else result.reward.sum(-1)
+            rewards = rewards.clone()
+            _scatter(rewards, shaped, rows)
+        if in_play is not None and result.action_mask is not None:
+            _scatter(in_play, result.action_mask.any(-1), rows)
+        for key, value in result.metric_tensors.items():
+            metrics[key if key.startswith(_ROLLOUT_METRICS) else f"advantage/{key}"] = value
     with torch.no_grad():
         metrics["advantage/mean"] = advantages.mean()
         metrics["advantage/std"] = advantages.std() if n > 1 else torch.zeros((), device=device)
@@ -69,7 +129,30 @@ def group_advantages(
         metrics["reward/unscorable_frac"] = unscorable.float().mean()
         if min_size > 1:
             metrics["reward/too_small_group_frac"] = too_small.float().mean()
-    return advantages, rewards, group_ids, metrics
+    return GatheredAdvantages(advantages, rewards, group_ids, metrics, in_play)
+
+
+def _scatter(into: Tensor, values: Tensor, rows: Tensor | None) -> None:
+    """``into[rows] = values`` (every row when ``rows`` is None), in ``into``'s dtype."""
+    if rows is None:
+        into.copy_(values.to(into.dtype))
+    else:
+        into[rows] = values.to(into.dtype)
+
+
+@contextmanager
+def _shaper_state_kept(st: AdapterState, *, keep: bool) -> Iterator[None]:
+    """With ``keep``: the recipe's shapers' state is put back as it was afterwards (an evaluation batch never moves
+    it, as TRL never moves an adaptive coefficient in eval)."""
+    if not keep or not any(s.controller is not None for s in st.compiled.shapers):
+        yield
+        return
+    saved = [(s.controller, s.controller.state_dict()) for s in st.compiled.shapers if s.controller is not None]
+    try:
+        yield
+    finally:
+        for controller, state in saved:
+            controller.load_state_dict(state)
 
 
 def _estimable_rows(
@@ -112,14 +195,16 @@ def advantage_batch(
     assert st.compiled.advantage is not None
     r, ids = (rewards, group_ids) if rows is None else (rewards[rows], group_ids[rows])
     components = None
-    if "reward_components" in required_fields(st.compiled.advantage.plugin, st.compiled.advantage.params):
+    stages: tuple[Any, ...] = (*st.compiled.shapers, *st.compiled.filters, st.compiled.advantage)
+    readers = [s for s in stages if "reward_components" in required_fields(s.plugin, s.params)]
+    if readers:
         components = rewards_per_func if rows is None else rewards_per_func[rows]
         unscored = torch.isnan(components)
         if bool(unscored.any()):
             bad = unscored.any(-1).nonzero().squeeze(-1).tolist()[:8]
             funcs = sorted({trainer.reward_func_names[k] for k in unscored.nonzero()[:, 1].tolist()})
             raise LossplugError(
-                f"recipe.advantage ({st.compiled.advantage.plugin.name}) reads reward_components, but reward "
+                f"{readers[0].where} ({readers[0].plugin.name}) reads reward_components, but reward "
                 f"function(s) {funcs} returned None for some completions (rows {bad} of the scorable ones): "
                 "lossplug's per-function rewards must all be scored (TRL's NaN-aware per-function means are not "
                 "reproduced); return a number from every reward function or use sum_then_normalize"
@@ -135,12 +220,14 @@ def advantage_batch(
 
 def add_recipe_advantages(trainer: GRPOTrainer, output: dict[str, Any], rewards_per_func: torch.Tensor) -> None:
     """After TRL's ``_generate_and_score_completions``: replace TRL's advantages of this process's rows with the
-    recipe's (when it has an advantage stage) and add the per-row tensors that must survive TRL's shuffle and split
-    into micro-batches — ``lossplug_group_id``, ``lossplug_reward`` and ``lossplug_reward_components``."""
+    recipe's (when it has an advantage stage), hand back what its filters dropped (see the module docstring) and add
+    the per-row tensors that must survive TRL's shuffle and split into micro-batches — ``lossplug_group_id``,
+    ``lossplug_reward`` and ``lossplug_reward_components`` (and ``lossplug_in_play`` with filters)."""
     mode = "train" if trainer.model.training else "eval"  # type: ignore[union-attr]  # (TRL: Optional)
     # (num_generations_eval: Optional in GRPOConfig, set to num_generations by GRPOTrainer when None)
     num_generations = cast(int, trainer.num_generations if mode == "train" else trainer.num_generations_eval)
-    advantages, rewards, group_ids, metrics = group_advantages(trainer, rewards_per_func, num_generations)
+    gathered = gathered_advantages(trainer, rewards_per_func, num_generations, train=mode == "train")
+    advantages, rewards, group_ids = gathered.advantages, gathered.rewards, gathered.group_ids
     n_local = output["completion_ids"].shape[0]
     local = slice(trainer.accelerator.process_index * n_local, (trainer.accelerator.process_index + 1) * n_local)
     if advantages is not None:
@@ -151,8 +238,28 @@ def add_recipe_advantages(trainer: GRPOTrainer, output: dict[str, Any], rewards_
         values = advantages.tolist()[-len(logged) :] if len(logged) else []
         for i, v in enumerate(values):
             logged[len(logged) - len(values) + i] = v
+    if gathered.in_play is not None:
+        _drop_filtered(trainer, output, gathered.in_play, group_ids, local)
     output["lossplug_group_id"] = group_ids[local]
     output["lossplug_reward"] = rewards[local]
     # one column per reward function, unweighted (NaN where a function returned None): TRL's rewards_per_func
     output["lossplug_reward_components"] = rewards_per_func[local]
-    log_metrics(trainer, mode, metrics)
+    log_metrics(trainer, mode, gathered.metrics)
+
+
+def _drop_filtered(
+    trainer: GRPOTrainer, output: dict[str, Any], in_play: Tensor, group_ids: Tensor, local: slice
+) -> None:
+    """The filtered completions out of TRL's batch: their rows of ``completion_mask`` zeroed, ``num_items_in_batch``
+    counted again over all processes (the same collective TRL counted it with, so every process takes part), and
+    the counts of the responses and groups still in play."""
+    mine = in_play[local].to(output["completion_mask"].device)
+    completion_mask = output["completion_mask"] * mine.unsqueeze(-1).to(output["completion_mask"].dtype)
+    output["completion_mask"] = completion_mask
+    tool_mask = output.get("tool_mask")
+    loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
+    trl_count = output["num_items_in_batch"]
+    output["num_items_in_batch"] = trainer.accelerator.gather(loss_mask.sum()).sum().to(trl_count.dtype)
+    output["lossplug_in_play"] = mine
+    output["lossplug_kept_sequences"] = in_play.sum()
+    output["lossplug_kept_groups"] = torch.tensor(torch.unique(group_ids[in_play]).numel(), device=in_play.device)

@@ -1,23 +1,35 @@
-"""The recipe's step controllers (adaptive regularizer coefficients) in a TRL run: stepped at each optimizer step
-(:func:`step_controllers`), written into every checkpoint folder and restored on resume, as TRL does with its own
-``entropy_ctrl_state.json``."""
+"""The recipe's controllers in a TRL run — adaptive regularizer coefficients, stepped at each optimizer step
+(:func:`step_controllers`), and the shapers' state across steps, stepped once per generation batch where the
+advantage runs (:mod:`~lossplug.adapters.trl.advantages`) — written into every checkpoint folder and restored on
+resume, as TRL does with its own ``entropy_ctrl_state.json``. A checkpoint without that file, resumed by a recipe
+with controllers, is refused unless the user asks for a fresh start (:data:`FRESH_CONTROLLERS_ENV`)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lossplug
 from lossplug.adapters.trl.state import AdapterState, adapter_state
+from lossplug.contracts import LossplugError
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer
 
-__all__ = ["CONTROLLER_STATE_FILE", "load_controller_state", "save_controller_state", "step_controllers"]
+__all__ = [
+    "CONTROLLER_STATE_FILE",
+    "FRESH_CONTROLLERS_ENV",
+    "load_controller_state",
+    "save_controller_state",
+    "step_controllers",
+]
 
 #: the file, in each checkpoint folder, holding the recipe's controller state (adaptive coefficients)
 CONTROLLER_STATE_FILE = "lossplug_controllers.json"
+#: set to 1 to resume from a checkpoint without :data:`CONTROLLER_STATE_FILE` with the controllers' initial state
+FRESH_CONTROLLERS_ENV = "LOSSPLUG_TRL_FRESH_CONTROLLERS"
 
 
 def step_controllers(trainer: GRPOTrainer, st: AdapterState, mode: str) -> None:
@@ -55,11 +67,25 @@ def save_controller_state(trainer: GRPOTrainer, trial: Any) -> None:
 
 
 def load_controller_state(trainer: GRPOTrainer, checkpoint: Any) -> None:
-    """Restore the recipe's controller state from a checkpoint folder (when it has one)."""
+    """Restore the recipe's controller state from a checkpoint folder. A recipe with controllers and a folder
+    without :data:`CONTROLLER_STATE_FILE` is a :class:`~lossplug.LossplugError` (the run would go on with another
+    coefficient or other statistics than the one it resumes) unless ``LOSSPLUG_TRL_FRESH_CONTROLLERS=1``."""
     if checkpoint is None:
+        return
+    from lossplug.control import controller_state
+    from lossplug.control import load_controller_state as restore
+
+    recipe = adapter_state(trainer).recipe
+    stateful = sorted(controller_state(recipe))
+    if not stateful:
         return
     path = Path(checkpoint) / CONTROLLER_STATE_FILE
     if path.is_file():
-        from lossplug.control import load_controller_state as restore
-
-        restore(adapter_state(trainer).recipe, json.loads(path.read_text()))
+        restore(recipe, json.loads(path.read_text()))
+    elif os.environ.get(FRESH_CONTROLLERS_ENV) != "1":
+        raise LossplugError(
+            f"resuming from {checkpoint}: the recipe's {', '.join(stateful)} keep state across steps and the "
+            f"checkpoint holds no {CONTROLLER_STATE_FILE} (it was saved without lossplug's state, e.g. by a plain "
+            f"GRPOTrainer). Next step: resume from a checkpoint a lossplug trainer saved with this recipe, or set "
+            f"{FRESH_CONTROLLERS_ENV}=1 to start that state afresh"
+        )

@@ -199,16 +199,25 @@ def step_scaling(trainer: GRPOTrainer, st: AdapterState, mode: str, action: Tens
         accumulation = trainer.current_gradient_accumulation_steps
     else:
         steps, accumulation = 1, 1
+    # every row counts, as in TRL's means (a row TRL emptied too), except the completions a recipe filter dropped:
+    # they leave every denominator (lossplug_in_play / lossplug_kept_*, written with the filtered completion_mask)
+    in_play = inputs.get("lossplug_in_play")
+    num_generations = trainer.num_generations if mode == "train" else trainer.num_generations_eval
     sequences = action.shape[0] * steps * processes
+    groups = sequences // num_generations if sequences % num_generations == 0 else None
     if st.population == "generation":
         tokens = int(inputs["num_items_in_batch"])
+        if in_play is not None:
+            sequences, groups = int(inputs["lossplug_kept_sequences"]), int(inputs["lossplug_kept_groups"])
     else:
         tokens = int(action.sum()) * steps * processes
-    num_generations = trainer.num_generations if mode == "train" else trainer.num_generations_eval
+        if in_play is not None:
+            sequences = int(in_play.sum()) * steps * processes
+            groups = sequences // num_generations if sequences % num_generations == 0 else None
     normalizer = Normalizer(
         action_tokens=max(tokens, 1),
-        sequences=sequences,
-        groups=sequences // num_generations if sequences % num_generations == 0 else None,
+        sequences=max(sequences, 1),  # (every completion filtered out: the loss is 0 whatever the count)
+        groups=groups or None,
         budget=float(trainer.max_completion_length),  # type: ignore[arg-type]
         # TRL's per-micro-batch means (its entropy bonus) each weigh 1 / accumulation, and DDP averages the
         # processes: with the adapter's scale, 1 / (steps × processes) of a micro-batch's own mean, whatever

@@ -28,6 +28,7 @@ __all__ = [
     "ADVANTAGE_PROVIDED",
     "ALLOW_UNTESTED_ENV",
     "PROVIDED",
+    "ROLLOUT_UNFED",
     "TESTED_TRL",
     "check_trl_version",
     "refusals",
@@ -42,6 +43,22 @@ ALLOW_UNTESTED_ENV = "LOSSPLUG_TRL_ALLOW_UNTESTED"
 PROVIDED = frozenset(TRL_FIELDS) - frozenset(TRL_CONDITIONAL_FIELDS)
 #: fields the advantage stage sees (it runs on rewards gathered over processes, before any log-prob exists)
 ADVANTAGE_PROVIDED = frozenset({"reward", "group_id", "reward_components"})
+#: fields a shaper or filter may declare that TRL's advantage seam (where they run: TRL's gathered rewards, one
+#: position per completion) cannot feed: why, and the next step
+ROLLOUT_UNFED: dict[str, str] = {
+    "ref_logp": (
+        "TRL computes reference log-probs per process and only when beta != 0, never gathered with the rewards, and "
+        "a KL in the reward is per token, where TRL's advantage has one reward per completion; lossplug's TRL "
+        "adapter does not compute them at the advantage. Next step: put the KL in the loss as TRL does — "
+        "regularizers: [..., {name: kl, coef: β, estimator: k3}] with beta=β (what trl_equivalent writes) — or run "
+        "this recipe in verl (algorithm.adv_estimator=lossplug), whose driver hands the shaper ref_log_prob"
+    ),
+    "old_logp": (
+        "TRL computes the sampling policy's per-token log-probs per process, and only when num_iterations > 1, "
+        "accumulation is misaligned or vLLM's correction is on; they are never gathered with the rewards. Next step: "
+        "read old_logp in a gate or regularizer (the loss has it), or run this recipe in verl"
+    ),
+}
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -99,6 +116,7 @@ def refusals(trainer: GRPOTrainer, compiled: CompiledRecipe, provenance: Provena
     out += _kl_and_entropy(trainer, compiled)
     out += _fields(trainer, compiled)
     out += _advantage_stage(compiled)
+    out += _rollout_stages(compiled)
     reads = {f for stage in batch_stages(compiled) for f in required_fields(stage.plugin, stage.params)}
     if "behavior_logp" in reads and not any("behavior_logp" in m for m in out) and has_behavior_logp(trainer):
         try:
@@ -242,4 +260,33 @@ def _advantage_stage(compiled: CompiledRecipe) -> list[str]:
         )
     if "padded" not in adv_stage.plugin.layouts:
         out.append(f"recipe.advantage ({adv_stage.plugin.name}) works on the packed layout only")
+    return out
+
+
+def _rollout_stages(compiled: CompiledRecipe) -> list[str]:
+    """Shapers and filters: they run before the recipe's advantage, on TRL's gathered rewards (one position per
+    completion), so they need an advantage stage and may read only what that batch carries."""
+    stages: tuple[Any, ...] = (*compiled.shapers, *compiled.filters)
+    if not stages:
+        return []
+    out = []
+    if compiled.advantage is None:
+        named = ", ".join(f"{s.where} ({s.plugin.name})" for s in stages)
+        out.append(
+            f"{named}: shapers and filters run before the recipe's advantage, and the recipe has none (TRL's own "
+            "advantage would ignore them). Next step: add advantage: grpo (trl_equivalent(args) gives TRL's own "
+            "advantage as a recipe stage)"
+        )
+    for stage in stages:
+        missing = [f for f in required_fields(stage.plugin, stage.params) if f not in ADVANTAGE_PROVIDED]
+        if not missing:
+            continue
+        # one reason, the most specific: the reference first (a KL shaper reads old_logp too)
+        known = [f for f in ROLLOUT_UNFED if f in missing]
+        why = ROLLOUT_UNFED[known[0]] if known else "Next step: drop the stage, or run this recipe in verl"
+        out.append(
+            f"{stage.where} ({stage.plugin.name}) reads {', '.join(missing)}: in TRL shapers and filters run where "
+            f"TRL gathers the rewards of all processes, and see only the rewards, the per-function rewards and the "
+            f"prompt groups (one position per completion). {why}"
+        )
     return out
