@@ -6,7 +6,10 @@ Path A, lossplug: ``estimate_advantages(batch, recipe)`` with ``filters: [zero_v
 does (``adapters/verl/policy_loss.compute_policy_loss_lossplug``), the rows without an action token are left out
 (``ActionRows``), the step's population comes from ``verl_normalizer(global_batch_info, mask)`` and the loss is
 multiplied by ``dp_size``. The counts handed in are those of the filtered batch: what verl's engine counts when the
-rows are gone (``batch_num_tokens``: the loss mask's tokens; ``global_batch_size``: the responses).
+rows are gone (``batch_num_tokens``: the loss mask's tokens; ``global_batch_size``: the responses). Inside verl's
+trainer, where the filtered rows stay in the batch, verl hands the adapter ``global_batch_size = ppo_mini_batch_size ×
+rollout.n``, which still counts them: there the sequence-normalised modes need the adapter to count the responses
+left (``token-mean``'s ``batch_num_tokens`` comes from the narrowed loss mask and is right as it is).
 
 Path B, verl: DAPO's rule drops the groups first (``keep ⇔ np.std(scores) > 0 or len == 1``, scores the responses'
 summed token rewards — verl 0.9.1 ``verl/trainer/ppo/v1/replay_buffer.py`` ``_dapo_filtered_keys`` and the DAPO
