@@ -12,7 +12,8 @@ advantage.
 
 Stateful stages (an adaptive KL coefficient, running statistics) keep their state in the stage's controller
 (:mod:`lossplug.control`): the pipeline feeds it the shaper's ``observation`` and steps it once per rollout batch,
-with ``peers``' sum as the all-reduce, so that it is the same on every rank; ``lossplug.controller_state(recipe)``
+with ``peers``' sum as the all-reduce, so that it is the same on every rank (a shaper that needs the updated state
+for its own output — running statistics that include the batch — steps it itself, with ``inp.all_reduce``); ``lossplug.controller_state(recipe)``
 includes it, so it is saved with the trainer's checkpoint and restored on resume like a regularizer's.
 """
 
@@ -83,10 +84,12 @@ def _shape(
         _check_reward(reward, before, batch, label)
     _record(metrics, f"shaper/{stage.metric_name}", out.metrics)
     if stage.controller is not None:
-        if out.observation is None:
-            raise PluginError(f"{label} has a controller but returned no observation to feed it")
-        stage.controller.observe(out.observation.detach())
-        stage.controller.step(None if peers.local else peers.sum)
+        # after the batch is shaped with the state in force (verl's KL controller); a shaper whose output needs the
+        # updated state (running statistics that include this batch) steps its controller itself and returns no
+        # observation
+        if out.observation is not None:
+            stage.controller.observe(out.observation.detach())
+            stage.controller.step(None if peers.local else peers.sum)
         metrics[f"shaper/{stage.metric_name}/coef"] = torch.tensor(stage.controller.coefficient, dtype=torch.float64)
     return reward.detach()
 

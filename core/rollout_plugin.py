@@ -61,6 +61,12 @@ class RolloutInput:
         return self.batch.action_mask.any(-1)
 
     @property
+    def all_reduce(self) -> Callable[[Tensor], Tensor] | None:
+        """The sum over the peers (None when this process holds the whole batch): what a shaper that steps its own
+        controller passes to ``step``."""
+        return None if self.peers.local else self.peers.sum
+
+    @property
     def coefficient(self) -> float | None:
         """The stage's coefficient in force (its controller's), or None without a controller."""
         return None if self.controller is None else self.controller.coefficient
@@ -75,7 +81,9 @@ class ShaperOutput:
       score at the last action token, ``-β·KL`` on every action token). Detached; finite on the rows in play.
     * ``metrics``: declared diagnostics (0-d tensors or functions returning one), logged as ``shaper/<name>/<key>``.
     * ``observation``: a detached tensor fed to the stage's controller (``observe``), which the pipeline then
-      steps once — a shaper runs once per rollout batch, so its controller steps once per batch."""
+      steps once, after the batch was shaped with the state in force — a shaper runs once per rollout batch, so its
+      controller steps once per batch. None: the shaper stepped its controller itself (before shaping, when its
+      output needs the updated state), or keeps none."""
 
     reward: Tensor
     metrics: Mapping[str, Lazy] = field(default_factory=dict)
