@@ -335,7 +335,7 @@ class FakeAllReduce:
 
     def __init__(self, size: int):
         self.size = size
-        self.barrier = threading.Barrier(size)
+        self.barrier = threading.Barrier(size, timeout=20)  # a rank that fails breaks it: the others raise, no hang
         self.slots: list[torch.Tensor | None] = [None] * size
 
     def peers(self, rank: int) -> lossplug.Peers:
@@ -355,7 +355,7 @@ class FakeAllReduce:
 
 @pytest.mark.parametrize("estimator", ["k1", "k3", "abs"])
 def test_two_ranks_each_with_half_the_batch_keep_the_whole_batchs_beta(estimator):
-    """verl's driver shapes the whole batch; here each rank holds half of it (``apply_rollout_stages`` with the
+    """verl's driver shapes the whole batch; here each rank holds half of it (``estimate_advantages`` with the
     peers' sum): β after every step is the single process's and verl's, and the halves' rewards are the whole's."""
     entry, kl_ctrl = kl_settings(estimator, "adaptive")
     whole = kl_recipe(entry)
@@ -372,15 +372,20 @@ def test_two_ranks_each_with_half_the_batch_keep_the_whole_batchs_beta(estimator
 
         def run(rank: int, network: FakeAllReduce = network, batch: PolicyBatch = batch, results=results) -> None:
             half = PolicyBatch.unchecked(**{name: t[halves[rank]] for name, t in batch.fields().items()})
-            compiled = lossplug.compile_recipe(ranks[rank])
-            results[rank] = lossplug.apply_rollout_stages(half, compiled, peers=network.peers(rank))
+            try:
+                results[rank] = lossplug.estimate_advantages(half, ranks[rank], peers=network.peers(rank))
+            except BaseException as err:  # (handed to the test's thread, which raises it)
+                results[rank] = err
 
-        threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+        threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=30)
-        assert all(res is not None for res in results), "a rank failed (see the thread's exception above)"
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+        assert all(res is not None for res in results), "a rank hung"
         # (the same β, up to its rounding after step 0: the same rewards up to that rounding)
         torch.testing.assert_close(torch.cat([res.reward for res in results]), expected, rtol=DP_BETA_RTOL, atol=1e-15)
         assert beta(whole) == kl_ctrl.value, f"step {step}"
