@@ -39,6 +39,8 @@ from .plugin import (
 )
 
 Tensor = torch.Tensor
+#: a reward's layout: per response (``[B]``) or per token (``[B, T]``)
+RewardLayout = Literal["response", "token"]
 
 
 class RolloutInput:
@@ -104,6 +106,8 @@ class ShaperPlugin(_RequiresMixin):
     doc: str
     kind: Literal["shaper"] = "shaper"
     role: None = None
+    #: the reward layouts it takes: ``"response"`` (``[B]``), ``"token"`` (``[B, T]``)
+    rewards: tuple[RewardLayout, ...] = ("response", "token")
 
     def __call__(self, inp: RolloutInput, p: Params) -> ShaperOutput:
         out = self.fn(inp, p)
@@ -120,14 +124,16 @@ def shaper(
     params: type[Params] = NoParams,
     requires: Requires = (),
     controller: ControllerFactory | None = None,
+    rewards: tuple[RewardLayout, ...] = ("response", "token"),
     doc: str | None = None,
 ) -> Callable[[ShaperFn], ShaperPlugin]:
     """Declare a reward shaper: ``fn(inp: RolloutInput, p)`` returns the rewritten reward (or a
     :class:`ShaperOutput`). ``requires`` names the optional batch fields it reads besides ``reward`` (or is a
     function of the parameters returning them); ``controller`` is a function of the parameters returning the
     stage's :class:`~lossplug.control.StepController` — its state across steps (an adaptive coefficient, running
-    statistics), saved with the trainer's checkpoint — or None."""
-    return lambda fn: ShaperPlugin(name, fn, params, _requires(requires), controller, _doc(fn, doc))
+    statistics), saved with the trainer's checkpoint — or None; ``rewards``: the reward layouts it takes
+    (``"response"``: ``[B]``, ``"token"``: ``[B, T]``) — another one is refused before it runs, naming it."""
+    return lambda fn: ShaperPlugin(name, fn, params, _requires(requires), controller, _doc(fn, doc), rewards=rewards)
 
 
 @dataclass(frozen=True)

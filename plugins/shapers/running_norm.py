@@ -86,16 +86,11 @@ class RunningMoments:
         self.count, self.std = float(state["count"]), float(state["std"])
 
 
-@lossplug.shaper("running_norm", params=RunningNormParams, controller=RunningMoments)
+@lossplug.shaper("running_norm", params=RunningNormParams, controller=RunningMoments, rewards=("response",))
 def running_norm(inp: lossplug.RolloutInput, p: RunningNormParams) -> lossplug.ShaperOutput:
     """r ← (r − μ) / (σ + 1e-6) with μ, σ running over every batch so far, this one included (ROLL's running norm)."""
     reward = inp.batch.reward
-    assert reward is not None
-    if reward.ndim != 1:
-        raise lossplug.LossplugError(
-            "running_norm normalises per-response rewards ([B]), got a per-token reward: put it before the shapers "
-            "that make one (kl_in_reward), as ROLL normalises response-level rewards before the KL"
-        )
+    assert reward is not None and reward.ndim == 1  # (rewards=("response",): the pipeline refused the others)
     moments = inp.controller
     assert isinstance(moments, RunningMoments)
     r = reward.to(torch.float64)

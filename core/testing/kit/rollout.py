@@ -34,11 +34,17 @@ def rollout_fields(s: Subject, token_reward: bool = False) -> dict[str, Tensor]:
     return advantage_fields(s, token_reward=token_reward)
 
 
+def _reward_layouts(s: Subject) -> tuple[bool, ...]:
+    """Whether to test with a per-token reward, for each reward layout the stage takes (a filter: both)."""
+    layouts = getattr(s.plugin, "rewards", ("response", "token"))
+    return tuple(layout == "token" for layout in layouts)
+
+
 def rollout_output_contract(s: Subject) -> None:
     """A shaper's reward: a float tensor of the batch reward's shape (or ``[B, T]`` from ``[B]``), without gradient,
     finite; a filter's keep mask: bool ``[B]`` or ``[B, T]``. The pipeline's own checks name the plugin when it
     does not; here the kit says what the kind promises."""
-    for token_reward in (False, True):
+    for token_reward in _reward_layouts(s):
         f = rollout_fields(s, token_reward=token_reward)
         f["logp"] = f["logp"].clone().requires_grad_(True)
         try:
@@ -54,7 +60,7 @@ def rollout_output_contract(s: Subject) -> None:
 
 def rollout_masked_poison(s: Subject) -> None:
     """Poisoning the per-token fields off the actions changes neither the reward nor the mask on the actions."""
-    for token_reward in (False, True):
+    for token_reward in _reward_layouts(s):
         clean = rollout_fields(s, token_reward=token_reward)
         mask = clean["action_mask"]
         dirty = dict(clean)
@@ -74,11 +80,12 @@ def rollout_masked_poison(s: Subject) -> None:
 def rollout_masked_layout(s: Subject) -> None:
     """Masked columns in front and behind change nothing on the action tokens."""
     before, after = 2, 3
-    clean = rollout_fields(s, token_reward=True)
+    clean = rollout_fields(s, token_reward=True in _reward_layouts(s))
     wide = batches.insert_masked_columns(clean, before, after)
-    wide["reward"] = batches.insert_masked_columns(
-        {"reward": clean["reward"], "action_mask": clean["action_mask"]}, before, after, fill=0.0
-    )["reward"]
+    if clean["reward"].ndim == 2:  # a per-token reward stays 0 off the actions (the contract's rule)
+        wide["reward"] = batches.insert_masked_columns(
+            {"reward": clean["reward"], "action_mask": clean["action_mask"]}, before, after, fill=0.0
+        )["reward"]
     a, b = _result(s, rollout_of(s, clean)), _result(s, rollout_of(s, wide))
     if a.ndim == 2:
         b = b[:, before : before + a.shape[1]]

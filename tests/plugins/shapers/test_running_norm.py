@@ -95,5 +95,5 @@ def test_a_resumed_run_normalises_as_an_uninterrupted_one():
 def test_a_per_token_reward_is_refused_with_the_order_to_use():
     b = next(batches(1))
     token = b.replace(reward=torch.where(b.action_mask, 0.5, 0.0).double())
-    with pytest.raises(lossplug.LossplugError, match="before the shapers that make one"):
+    with pytest.raises(lossplug.LossplugError, match=r"recipe.shapers\[0\] \(running_norm\) takes response rewards"):
         lossplug.estimate_advantages(token, RECIPE)
