@@ -91,13 +91,14 @@ def _shape(
         _check_reward(reward, before, batch, label)
     _record(metrics, f"shaper/{stage.metric_name}", out.metrics)
     if stage.controller is not None:
-        # after the batch is shaped with the state in force (verl's KL controller); a shaper whose output needs the
-        # updated state (running statistics that include this batch) steps its controller itself and returns no
-        # observation
+        # the coefficient the batch was shaped with (verl's reward_kl_penalty_coeff), then the step: after the batch
+        # is shaped with the state in force (verl's KL controller); a shaper whose output needs the updated state
+        # (running statistics that include this batch) steps its controller itself and returns no observation
+        used = stage.controller.coefficient
+        metrics[f"shaper/{stage.metric_name}/coef"] = torch.tensor(used, dtype=torch.float64)
         if out.observation is not None:
             stage.controller.observe(out.observation.detach())
             stage.controller.step(None if peers.local else peers.sum)
-        metrics[f"shaper/{stage.metric_name}/coef"] = torch.tensor(stage.controller.coefficient, dtype=torch.float64)
     return reward.detach()
 
 
