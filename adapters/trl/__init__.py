@@ -16,6 +16,10 @@ Both run the same overrides (``attach`` puts them on the instance and leaves its
 * **advantage** comes from the recipe's advantage plugin, computed in ``_generate_and_score_completions`` on the
   rewards TRL gathered over all processes — where every prompt group is still complete — and then sliced to this
   process's rows, exactly where TRL computes its own (a recipe without an advantage stage keeps TRL's);
+* **rollout side**: the recipe's shapers and filters run just before that advantage, on the same gathered batch
+  (one position per completion: reward, prompt group, per-function rewards), identically on every process; a
+  filtered completion gets advantage 0 and leaves TRL's ``completion_mask``, ``num_items_in_batch`` and the
+  adapter's sequence counts, exactly as if its rows were dropped (:mod:`~lossplug.adapters.trl.advantages`);
 * **loss** (``_compute_loss``) is the recipe's gates, reduction and regularizers (KL, entropy). Where the recipe has
   no KL regularizer TRL's ``beta`` term is added by the adapter (reduced with :func:`lossplug.reduce`, the policy
   term's denominators); where it has no entropy regularizer TRL's static ``entropy_coef`` bonus is. TRL's own
@@ -42,7 +46,9 @@ function returned ``None``) and ``lossplug_reward_components`` (``[N, K]``: TRL'
 per reward function, unweighted, NaN where a function returned ``None``) — so that they survive TRL's shuffle and
 split into micro-batches. The advantage stage sees all three on the gathered batch (``reward_components`` when its
 plugin reads them: TRL's ``normalize_then_sum`` weights each function's normalised reward, so the weights are the
-plugin's parameter, not folded into the components).
+plugin's parameter, not folded into the components). With shapers, ``lossplug_reward`` is the shaped reward; with
+filters, ``lossplug_in_play`` (per row) and ``lossplug_kept_sequences`` / ``lossplug_kept_groups`` (0-d, over all
+processes) travel too, and the ``"generation"`` population below counts the kept responses only.
 
 The micro-batch TRL hands to ``_compute_loss`` becomes a :class:`lossplug.PolicyBatch`:
 
@@ -172,6 +178,13 @@ Only what is genuinely outside the loss, or a recipe that would change TRL's mea
   without ``beta``, ``behavior_logp`` without vLLM or a ``rollout_func``);
 * behaviour log-probs of a different convention than the training log-probs (``Provenance.check``) when the
   recipe reads them;
+* a shaper or filter that reads more than the gathered rewards, prompt groups and per-function rewards —
+  ``kl_in_reward`` (per-token old and reference log-probs, which TRL computes per process and, for the reference,
+  only when ``beta != 0``; put the KL in the loss with a ``kl`` regularizer and ``beta``, or run the recipe in
+  verl) — and shapers or filters without a recipe advantage stage (TRL's own advantage would ignore them);
+* resuming from a checkpoint without :data:`CONTROLLER_STATE_FILE` when the recipe keeps state across steps
+  (an adaptive coefficient, a shaper's statistics), unless ``LOSSPLUG_TRL_FRESH_CONTROLLERS=1``
+  (:data:`FRESH_CONTROLLERS_ENV`) asks for a fresh start;
 * in :func:`trl_equivalent`: ``use_adaptive_entropy`` with ``top_entropy_quantile < 1`` (TRL's
   controller observes the high-entropy tokens only, which the entropy regularizer cannot select).
 
@@ -225,7 +238,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lossplug.adapters.trl.advantages import group_advantages
-from lossplug.adapters.trl.controllers import CONTROLLER_STATE_FILE
+from lossplug.adapters.trl.controllers import CONTROLLER_STATE_FILE, FRESH_CONTROLLERS_ENV
 from lossplug.adapters.trl.equivalent import Population, trl_equivalent
 from lossplug.adapters.trl.record import trl_provenance, write_record
 from lossplug.adapters.trl.refusals import ALLOW_UNTESTED_ENV, TESTED_TRL, check_trl_version
@@ -238,6 +251,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ALLOW_UNTESTED_ENV",
     "CONTROLLER_STATE_FILE",
+    "FRESH_CONTROLLERS_ENV",
     "TESTED_TRL",
     "AdapterState",
     "LossplugGRPOTrainer",
