@@ -10,7 +10,9 @@ score sits. Computed in the reward's dtype in verl's order (``−exceed / buffer
 
 Reference: verl 0.9.1 ``verl.workers.reward_manager.dapo.DAPORewardManager.__call__``
 (``reward_model.overlong_buffer.{enable, len, penalty_factor}``, ``max_resp_len`` =
-``data.max_response_length``).
+``data.max_response_length``); AReaL 1.0.4 ``areal.utils.functional.functional.reward_overlong_penalty``
+(``overlong_reward_penalty``, ``overlong_tokens``, ``overlong_penalty_factor``: the same formula, the length the
+loss-mask count).
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@ a stand-in tokenizer and score function), per response and at the response's las
 
 from __future__ import annotations
 
+import ast
+import typing
+
 import numpy as np
 import pytest
 import torch
@@ -103,3 +106,27 @@ def test_a_buffer_longer_than_the_limit_is_refused():
         lossplug.Recipe.model_validate(
             {**RECIPE, "shapers": [{"name": "overlong_penalty", "max_response_length": 4, "buffer": 8}]}
         )
+
+
+def _areal_function(origins, path: str, name: str):
+    """One function of AReaL's published wheel, compiled alone from its source (its module imports AReaL's whole
+    runtime; the function needs only torch)."""
+    source = (origins.package("areal") / path).read_text()
+    (node,) = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name]
+    namespace = {"torch": torch, "Any": typing.Any}
+    exec(compile(ast.Module([node], type_ignores=[]), f"areal/{path}", "exec"), namespace)
+    return namespace[name]
+
+
+def test_it_is_areals_reward_overlong_penalty(origins):
+    """AReaL's own function, from its published wheel: the same formula, the length being the loss-mask count."""
+    reward_overlong_penalty = _areal_function(origins, "utils/functional/functional.py", "reward_overlong_penalty")
+    b = batch(SCORES, LENGTHS)
+    data = {
+        "rewards": b.reward.clone(),
+        "input_ids": torch.zeros(len(SCORES), MAX_LEN, dtype=torch.long),
+        "loss_mask": b.action_mask.long(),
+    }
+    expected = reward_overlong_penalty(data, BUFFER, FACTOR, MAX_LEN)["rewards"]
+    shaped = lossplug.estimate_advantages(b, RECIPE).reward
+    assert torch.equal(shaped, expected)
