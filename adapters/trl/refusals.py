@@ -28,6 +28,7 @@ __all__ = [
     "ADVANTAGE_PROVIDED",
     "ALLOW_UNTESTED_ENV",
     "PROVIDED",
+    "ROLLOUT_TOKEN_READERS",
     "ROLLOUT_UNFED",
     "TESTED_TRL",
     "check_trl_version",
@@ -57,6 +58,17 @@ ROLLOUT_UNFED: dict[str, str] = {
         "TRL computes the sampling policy's per-token log-probs per process, and only when num_iterations > 1, "
         "accumulation is misaligned or vLLM's correction is on; they are never gathered with the rewards. Next step: "
         "read old_logp in a gate or regularizer (the loss has it), or run this recipe in verl"
+    ),
+}
+
+#: built-in shapers and filters that read each completion's tokens through its action mask (which declares nothing):
+#: in TRL they would see the one position per completion of the gathered batch — why, and the next step
+ROLLOUT_TOKEN_READERS: dict[str, str] = {
+    "overlong_penalty": (
+        "it reads each completion's length from its action mask, and TRL's gathered rewards carry one position per "
+        "completion. Next step: add TRL's own reward function for it, reward_funcs=[..., trl.rewards."
+        "get_soft_overlong_punishment(max_completion_len=<max_response_length>, soft_punish_cache=<buffer>)] "
+        "(DAPO's soft overlong punishment with factor 1), or run this recipe in verl"
     ),
 }
 
@@ -278,6 +290,9 @@ def _rollout_stages(compiled: CompiledRecipe) -> list[str]:
             "advantage as a recipe stage)"
         )
     for stage in stages:
+        if stage.plugin.name in ROLLOUT_TOKEN_READERS:
+            out.append(f"{stage.where} ({stage.plugin.name}): {ROLLOUT_TOKEN_READERS[stage.plugin.name]}")
+            continue
         missing = [f for f in required_fields(stage.plugin, stage.params) if f not in ADVANTAGE_PROVIDED]
         if not missing:
             continue

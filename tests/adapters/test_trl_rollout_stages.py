@@ -244,8 +244,12 @@ def test_a_stateful_shaper_resumes_exactly(tmp_path, running_scale_registered, m
             {"filters": ["zero_variance"], "gates": ["ppo_clip"], "reduction": "token"},
             r"filters\[0\] \(zero_variance\).*has none.*Next step: add advantage: grpo",
         ),
+        (
+            {"advantage": "grpo", "shapers": ["overlong_penalty"], "gates": ["ppo_clip"], "reduction": "token"},
+            r"shapers\[0\] \(overlong_penalty\): it reads each completion's length.*get_soft_overlong_punishment",
+        ),
     ],
-    ids=["kl_in_reward", "no_advantage"],
+    ids=["kl_in_reward", "no_advantage", "overlong_penalty"],
 )
 def test_what_trl_cannot_feed_is_refused_with_a_next_step(tmp_path, recipe, message):
     from trl import GRPOTrainer
