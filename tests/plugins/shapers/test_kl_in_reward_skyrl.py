@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lossplug
-from tests.plugins.gates._field_origins import skyrl_ppo_utils
+from ..gates._field_origins import skyrl_ppo_utils
 
 B, T = 6, 9
 #: SkyRL's kl_estimator_type → lossplug's (verl's) estimator of the same formula and clamps
