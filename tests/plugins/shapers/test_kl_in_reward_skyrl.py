@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import lossplug
+
 from ..gates._field_origins import skyrl_ppo_utils
 
 B, T = 6, 9
