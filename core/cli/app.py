@@ -405,12 +405,12 @@ def _validate_report(
 
 def _check_file(file: Path, contract: str, recipe: str | None) -> tuple[dict[str, Any], Recipe | None, BatchCheck]:
     """(tensors, recipe, check) — or a _ValidateError naming what could not be read or run."""
-    from lossplug.cli.batch_files import UnreadableFile, check_batch, infer_contract, load_batch_file
+    from lossplug.cli.batch_files import UnreadableFile, check_batch, infer_contract, read_batch_file
     from lossplug.contracts import PluginError
 
     try:
-        tensors = load_batch_file(file)
-        model = infer_contract(set(tensors), contract)
+        read = read_batch_file(file)
+        model = infer_contract(read.field_names, contract)
     except UnreadableFile as err:
         raise _ValidateError("unreadable_file", str(err)) from None
     try:
@@ -418,7 +418,7 @@ def _check_file(file: Path, contract: str, recipe: str | None) -> tuple[dict[str
     except _lossplug_error() as err:
         raise _ValidateError("bad_recipe", str(err)) from None
     try:
-        return tensors, recipe_obj, check_batch(tensors, model, recipe_obj)
+        return read.tensors, recipe_obj, check_batch(read.tensors, model, recipe_obj, unreadable=read.problems)
     except PluginError as err:  # a plugin's own validator failed: its verdict is unknown, not negative
         raise _ValidateError("plugin_failed", str(err)) from None
 
@@ -438,14 +438,18 @@ def validate_cmd(
         None, "--recipe", "-r", metavar="PRESET|FILE", help="Also check the fields this recipe's plugins need."
     ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output, errors included."),
+    strict: bool = typer.Option(
+        False, "--strict", help="Exit 1 on warnings too (for CI: a valid batch that warns fails)."
+    ),
 ) -> None:
     """Check a batch dump against the contracts; exit 1 naming every violation (field, rule, rows).
 
-    Exit codes: 0 — the batch is valid; 1 — it has violations; 2 — it could not be judged (the file is unreadable
-    or not a batch dump, the recipe is bad, or a plugin's validator failed). Warnings — e.g. groups of a single
-    rollout under a group-relative advantage (grpo, dapo), which get advantage 0 — are printed on stderr (and listed
-    under "warnings" with --json) and never change the exit code. With --json every outcome, errors included, is
-    one JSON object on stdout with the same keys.
+    Exit codes: 0 — the batch is valid; 1 — it has violations (or, with --strict, warnings); 2 — it could not be
+    judged (the file is unreadable or not a batch dump, the recipe is bad, or a plugin's validator failed). Warnings —
+    valid but probably unintended: groups of a single rollout under a group-relative advantage (grpo, dapo), which get
+    advantage 0; log-probs of one policy that look passed for another's (ref_logp equal to old_logp) — are printed
+    on stderr, each line starting "warning:" (and listed under "warnings" with --json), and keep exit code 0 unless
+    --strict. With --json every outcome, errors included, is one JSON object on stdout with the same keys.
     """
     try:
         tensors, recipe_obj, check = _check_file(file, contract.value, recipe)
@@ -455,9 +459,10 @@ def validate_cmd(
         _fail(str(err))
     for warning in check.warnings:
         _warn(f"{warning.where or warning.field}: {warning.message}")
+    failed = not check.valid or (strict and bool(check.warnings))
     if as_json:
         typer.echo(json.dumps(_validate_report(file, recipe, check, tensors), indent=2))
-        raise typer.Exit(0 if check.valid else 1)
+        raise typer.Exit(1 if failed else 0)
 
     from rich.table import Table
 
@@ -475,7 +480,12 @@ def validate_cmd(
         batch = check.batch
         if batch is not None and hasattr(batch, "action_mask"):
             extra = f" (B={batch.batch_size}, {int(batch.action_mask.sum())} action tokens)"
-        console.print(_text(f"✓ valid against {against}{extra}", "bold green"))
+        n = len(check.warnings)
+        warned = f", {n} warning{'s' if n != 1 else ''} (on stderr)" if n else ""
+        if failed:
+            console.print(_text(f"✗ valid against {against}{extra}{warned}: failed under --strict", "bold red"))
+            raise typer.Exit(1)
+        console.print(_text(f"✓ valid against {against}{extra}{warned}", "bold green"))
         return
     violations = check.violations
     table = Table(
