@@ -537,13 +537,18 @@ def check_cmd(
         mark, style = (
             ("– blocked", "yellow") if r.blocked else ("! kit error", "bold red") if r.kit_error else marks[r.status]
         )
+        if r.warnings and r.status == "passed":
+            mark, style = "⚠ warning", "yellow"
         table.add_row(_text(r.check, "bold"), _text(mark, style), _text(r.message or r.summary))
     console.print(table)
+    for check_name, message in report.warnings:  # findings that fail nothing, e.g. a gate without `active`
+        console.print(_text(f"⚠ {check_name}: {message}", "yellow"))
     if not report.ok:
         blocked = f", {len(report.blocked)} blocked by a failure" if report.blocked else ""
         console.print(_text(f"✗ {len(report.failures)} check(s) failed{blocked}", "bold red"))
         raise typer.Exit(1)
-    console.print(_text(f"✓ {report.name} conforms", "bold green"))
+    noted = f", with {len(report.warnings)} warning(s) above" if report.warnings else ""
+    console.print(_text(f"✓ {report.name} conforms{noted}", "bold green"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
