@@ -146,10 +146,14 @@ def _is_group_choice(override: str, folders: Sequence[Path]) -> bool:
     return bool(key) and any((folder / key).is_dir() for folder in folders)
 
 
-def compose_config(config: str | Path, overrides: Sequence[str] = (), *, schema: bool = False) -> DictConfig:
+def compose_config(
+    config: str | Path, overrides: Sequence[str] = (), *, schema: bool = False, lenient: bool = False
+) -> DictConfig:
     """``config`` (a YAML file or a verl config name) composed with verl's Hydra config and ``overrides``, as verl's
     ``main_ppo`` would. ``schema``: the same composition without the user's values — only its ``defaults`` list and the
-    overrides that pick config groups — i.e. the keys verl knows here. Raises :class:`ConfigError` naming what failed."""
+    overrides that pick config groups — i.e. the keys verl knows here. ``lenient``: an override of a key the config does
+    not have (which Hydra refuses without ``+``) adds it, for :func:`unknown_key_problems` to name with the closest
+    valid key. Raises :class:`ConfigError` naming what failed."""
     content, home = _primary(config)
     folders = [f for f in (home, VERL_CONFIG_DIR) if f is not None]
     if schema:
@@ -157,22 +161,39 @@ def compose_config(config: str | Path, overrides: Sequence[str] = (), *, schema:
         overrides = [o for o in overrides if _is_group_choice(o, folders)]
     theirs = list((content.get("hydra") or {}).get("searchpath") or [])
     searchpath = ",".join(f"'{p}'" for p in [*theirs, *(f"file://{f}" for f in folders)])
+    overrides = list(overrides)
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / f"{_PRIMARY}.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(content)))
+        while True:
+            try:
+                with initialize_config_dir(config_dir=folder, version_base=None):
+                    return compose(config_name=_PRIMARY, overrides=[f"hydra.searchpath=[{searchpath}]", *overrides])
+            except (HydraException, OmegaConfBaseException, ValueError) as err:
+                message = " ".join(str(err).split())
+                missing = re.search(r"Could not override '([^']+)'", message)
+                index = _override_of(overrides, missing.group(1)) if missing and lenient else None
+                if index is None:
+                    raise ConfigError(f"{config}: {_unparsable(overrides)}{message}") from None
+                # composed with the key added, so that the key check names it with the closest valid key
+                overrides[index] = "+" + overrides[index]
+
+
+def _unparsable(overrides: Sequence[str]) -> str:
+    """``"the override '…': "`` for the first override Hydra's grammar cannot parse (its message does not say which)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for override in overrides:
         try:
-            with initialize_config_dir(config_dir=folder, version_base=None):
-                return compose(config_name=_PRIMARY, overrides=[f"hydra.searchpath=[{searchpath}]", *overrides])
-        except (HydraException, OmegaConfBaseException, ValueError) as err:
-            raise ConfigError(f"{config}: {_hydra_message(err, overrides)}") from None
+            parser.parse_override(override)
+        except HydraException:
+            return f"the override {override!r}: "
+    return ""
 
 
-def _hydra_message(err: Exception, overrides: Sequence[str]) -> str:
-    """Hydra's message, with the closest existing key when an override names a key verl's config does not have."""
-    message = " ".join(str(err).split())
-    found = re.search(r"Could not override '([^']+)'", message)
-    if found:
-        message += f" — {found.group(1)} is not a key of this config"
-    return message
+def _override_of(overrides: Sequence[str], key: str) -> int | None:
+    """The index of the plain ``key=value`` override of ``key``."""
+    return next((i for i, o in enumerate(overrides) if o.split("=", 1)[0] == key), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -523,12 +544,15 @@ def check_config(
     report what verl or lossplug would refuse or get wrong (the module docstring lists it). ``verl_actor``: also build
     verl's ``ActorConfig`` (its batch-size checks). Raises :class:`ConfigError` when nothing can be composed, and
     :class:`~lossplug.LossplugError` for a recipe that does not load."""
-    report = CheckReport(config=compose_config(config, overrides))
+    report = CheckReport(config=compose_config(config, overrides, lenient=True))
     if recipe is not None:
         lines, problems, notes = recipe_overrides(recipe, report.config)
         before = report.config
         report = CheckReport(
-            config=compose_config(config, [*overrides, *lines]), problems=problems, notes=notes, overrides=lines
+            config=compose_config(config, [*overrides, *lines], lenient=True),
+            problems=problems,
+            notes=notes,
+            overrides=lines,
         )
         for item in lines:
             key = item.lstrip("+").split("=", 1)[0]

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
+from lossplug.cli.verl_commands import verl_app
+
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.text import Text
@@ -75,6 +77,7 @@ plot_app = typer.Typer(
 )
 app.add_typer(recipe_app, name="recipe")
 app.add_typer(plot_app, name="plot")
+app.add_typer(verl_app, name="verl")
 
 KIND_HELP = "A plugin kind (`lossplug list` names them) or 'preset'"
 
