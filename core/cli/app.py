@@ -9,7 +9,8 @@ Every command imports what it needs when it runs (torch, the registry, safetenso
 instant. Text that comes from plugins (docstrings, summaries) is printed without rich markup: ``[B, T]`` stays
 ``[B, T]``. Exit codes: 0 — fine; 1 — a check failed (contract violations, a failing conformance check, an unknown
 name); 2 — the input could not be read or understood (a file that is not a batch dump, a bad recipe, bad usage).
-Warnings go to stderr and never change the exit code.
+Warnings go to stderr and never change the exit code. A command that needs an optional package that is not installed
+says so in one line naming the extra that installs it (``pip install 'lossplug[demo]'``), with exit code 2.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
+from typer.core import TyperGroup
 
 from lossplug.cli.verl_commands import verl_app
 
@@ -27,12 +29,41 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.text import Text
     from torch import Tensor
+    from typer._click.core import Context  # (typer vendors click: TyperGroup.invoke takes this Context)
 
     from lossplug.cli.batch_files import BatchCheck
     from lossplug.contracts import LossplugError, Recipe
     from lossplug.plugin_registry import Registry
 
+
+class _Commands(TyperGroup):
+    """A group of commands where a missing optional package, met anywhere in a command, is one line naming the extra
+    that installs it (exit 2), not a traceback; other errors pass through unchanged."""
+
+    def invoke(self, ctx: Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as err:
+            from lossplug.extras import EXTRA_OF, missing_extra
+
+            package = getattr(err, "package", None) or (err.name or "").partition(".")[0]
+            extra = getattr(err, "extra", None) or EXTRA_OF.get(package)
+            if extra is None:
+                raise
+            _fail(str(missing_extra(package, extra, _command_words(ctx))))
+
+
+def _command_words(ctx: Context) -> str:
+    """``lossplug recipe explain``: the command as typed, whatever the program was called (``python -m …``)."""
+    words = [ctx.invoked_subcommand or ""]
+    while ctx.parent is not None:
+        words.append(ctx.info_name or "")
+        ctx = ctx.parent
+    return " ".join(["lossplug", *reversed([w for w in words if w])])
+
+
 app = typer.Typer(
+    cls=_Commands,
     help="lossplug — a pluggable, validated loss layer for LLM RL inside TRL and verl.\n\n"
     "Plugins (advantages, gates, reductions) are selected by name in a recipe; batches are checked against "
     "one schema.",
@@ -70,10 +101,16 @@ def _options(
 
 
 recipe_app = typer.Typer(
-    help="Resolve recipes and say what a batch must contain for them.", no_args_is_help=True, rich_markup_mode=None
+    cls=_Commands,
+    help="Resolve recipes and say what a batch must contain for them.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
 )
 plot_app = typer.Typer(
-    help="Plot the plugins' behaviour (PNG; needs matplotlib).", no_args_is_help=True, rich_markup_mode=None
+    cls=_Commands,
+    help="Plot the plugins' behaviour (PNG; needs lossplug[plot]: matplotlib).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
 )
 app.add_typer(recipe_app, name="recipe")
 app.add_typer(plot_app, name="plot")
@@ -583,10 +620,9 @@ def plot_gates_cmd(
     ratio_max: float = typer.Option(4.0, "--ratio-max", min=1.1, help="Right end of the ratio axis."),
 ) -> None:
     """A PNG of each gate's gradient coefficient ∂J/∂logp against the ratio, for A > 0 and A < 0."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        _fail("plotting needs matplotlib: pip install matplotlib")
+    from lossplug.extras import require
+
+    require("plot", "lossplug plot gates")  # before the registry is built and the curves computed
     from lossplug.cli.gate_curves import plot_gates
 
     specs = _gate_specs(gate)
@@ -643,8 +679,11 @@ def demo_cmd(
     Writes recipe.yaml, provenance.json, versions.json, metrics.jsonl, summary.json and curves.png to the run
     folder. Exit 1 if a run did not learn (reward up by less than 0.2 or no held-out gain).
     """
+    from lossplug.extras import require
+
+    require("demo", "lossplug demo")  # TRL and matplotlib, before anything is built (curves.png comes at the end)
     import lossplug.demo as demo  # lazy: torch, transformers and TRL load only when the demo runs
-    from lossplug.contracts import LossplugError
+    from lossplug.contracts import LossplugError, MissingExtra
 
     settings = (demo.FAST if fast else demo.DEFAULT).replace(steps=steps, seed=seed)
     console = _console()
@@ -658,6 +697,8 @@ def demo_cmd(
         else:
             runs = [demo.run_demo(recipe, settings, out, quiet=quiet, console=console)]
             path = None
+    except MissingExtra:
+        raise  # the command group's one line, which names this command
     except (LossplugError, ValueError) as err:
         _fail(str(err))
 

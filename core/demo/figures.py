@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+from lossplug.extras import requires_extra
+
 from .gate_metrics import GateFraction, effective_rate_note, gate_fractions
 
 #: the smallest top of a gate-fraction axis: all-zero fractions still get a readable scale
@@ -134,6 +136,7 @@ def _gate_panel(ax: Axes, rows: list[dict[str, Any]], gates: Sequence[str] | Non
         ax.legend(handles + more_handles, labels + more_labels, fontsize=legend_size, loc="upper center", ncol=2)
 
 
+@requires_extra("plot", "lossplug.demo.run_figure")
 def run_figure(rows: list[dict[str, Any]], title: str = "lossplug demo", gates: Sequence[str] | None = None) -> Figure:
     """The figure of ``curves.png``: learning signal, gate activity, throughput and held-out score, each on its own
     panel. ``gates``: the recipe's gate names (None: every gate in the rows). The caller closes it."""
@@ -181,6 +184,7 @@ def run_figure(rows: list[dict[str, Any]], title: str = "lossplug demo", gates: 
     return fig
 
 
+@requires_extra("plot", "lossplug.demo.plot_run")
 def plot_run(
     rows: list[dict[str, Any]], path: str | Path, title: str = "lossplug demo", gates: Sequence[str] | None = None
 ) -> Path:
@@ -188,6 +192,7 @@ def plot_run(
     return _write(run_figure(rows, title, gates), path)
 
 
+@requires_extra("plot", "lossplug.demo.compare_figure")
 def compare_figure(
     runs: dict[str, list[dict[str, Any]]],
     title: str = "lossplug demo · recipes compared",
@@ -228,6 +233,7 @@ def compare_figure(
     return fig
 
 
+@requires_extra("plot", "lossplug.demo.plot_compare")
 def plot_compare(
     runs: dict[str, list[dict[str, Any]]],
     path: str | Path,

@@ -54,6 +54,8 @@ The pieces, for tests that need more control:
 
 Importing this module is cheap: transformers, tokenizers, datasets and TRL are imported inside the functions, and
 ``import lossplug.testing`` (loaded by every pytest run through lossplug's pytest plugin) does not import it.
+Without TRL (or what it brings) every helper but :class:`TinyRollout` and :func:`offline` raises
+:class:`~lossplug.MissingExtra` naming the package and ``pip install 'lossplug[trl]'``, before it builds anything.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from lossplug.extras import requires_extra
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -107,6 +111,7 @@ def offline() -> None:
         os.environ.setdefault(key, value)
 
 
+@requires_extra("trl")
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A word-level ``PreTrainedTokenizerFast`` over :data:`VOCAB`: words split on whitespace, unknown words map to
     ``<unk>``, left padding with ``<pad>``, eos ``<eos>``, no chat template (prompts are plain text)."""
@@ -124,6 +129,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
+@requires_extra("trl")
 def tiny_model(
     tok: PreTrainedTokenizerBase, *, hidden_size: int = 32, layers: int = 2, seed: int = 0
 ) -> PreTrainedModel:
@@ -160,6 +166,7 @@ def tiny_model(
     return as_float
 
 
+@requires_extra("trl")
 def tiny_model_and_tokenizer(
     path: str | Path | None = None, *, hidden_size: int = 32, layers: int = 2, seed: int = 0
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
@@ -193,6 +200,7 @@ PROMPTS = [
 ]
 
 
+@requires_extra("trl")
 def tiny_dataset(n: int = 8) -> Dataset:
     """A ``datasets.Dataset`` with a ``prompt`` column (plain text, no chat template)."""
     offline()
@@ -220,6 +228,7 @@ def digit_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
 _SCHEDULE_FIELDS = ("num_iterations", "steps_per_generation", "generation_batch_size")
 
 
+@requires_extra("trl")
 def tiny_grpo_config(output_dir: str | Path, **overrides: Any) -> GRPOConfig:
     """A ``GRPOConfig`` that runs on CPU in seconds: 4 completions of at most 8 tokens per prompt, micro-batches of
     4, float32, no gradient checkpointing, no reporting, no checkpoints. ``overrides`` win.
@@ -260,6 +269,7 @@ def tiny_grpo_config(output_dir: str | Path, **overrides: Any) -> GRPOConfig:
     return GRPOConfig(**kwargs)
 
 
+@requires_extra("trl")
 def tiny_grpo_trainer(
     recipe: Any,
     output_dir: str | Path,

@@ -1,8 +1,11 @@
 """The `lossplug` command line: list, show, validate, recipe explain, check, plot gates."""
 
 import json
+import os
 import pickle
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -512,3 +515,83 @@ def test_plot_gate_coefficients_are_the_gradients():
     assert gate_coefficients({"name": "tis", "cap": 1.2}, r, 1.0).tolist() == pytest.approx([0.5, 0.9, 1.0, 1.1, 1.2])
     out = run("plot", "gates", "--gate", "no_such_gate", "--out", "/dev/null")
     assert out.exit_code == 2 and "unknown gate plugin 'no_such_gate'" in out.output
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a missing optional extra: one line naming it, exit 2, no traceback
+
+
+def _without(monkeypatch, *modules):
+    for module in modules:
+        monkeypatch.setitem(sys.modules, module, None)  # `import module` raises, as where it is not installed
+
+
+@pytest.mark.parametrize(
+    ("args", "hidden", "line"),
+    [
+        (("demo", "--fast"), "trl", "lossplug demo needs trl, which is not installed: pip install 'lossplug[demo]'"),
+        (
+            ("demo", "--compare", "grpo,dapo"),
+            "transformers",
+            "lossplug demo needs transformers, which is not installed: pip install 'lossplug[demo]'",
+        ),
+        (
+            ("demo", "--fast"),
+            "matplotlib",  # checked before training, not after minutes of it when curves.png is drawn
+            "lossplug demo needs matplotlib, which is not installed: pip install 'lossplug[demo]'",
+        ),
+        (
+            ("plot", "gates"),
+            "matplotlib",
+            "lossplug plot gates needs matplotlib, which is not installed: pip install 'lossplug[plot]'",
+        ),
+    ],
+)
+def test_a_command_without_its_extra_names_it_in_one_line(monkeypatch, tmp_path, args, hidden, line):
+    _without(monkeypatch, hidden)
+    out = run(*args, "--out", str(tmp_path / "out"))
+    assert (out.exit_code, out.stderr.strip(), out.stdout) == (2, f"error: {line}", "")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_extra_met_anywhere_in_a_command_is_one_line(monkeypatch):
+    from lossplug.cli import describe
+
+    def needs_verl(recipe):
+        import verl  # noqa: F401
+
+    monkeypatch.setattr(describe, "explain_recipe", needs_verl)
+    _without(monkeypatch, "verl")
+    out = run("recipe", "explain", "dapo")
+    assert out.exit_code == 2
+    assert out.stderr.strip() == (
+        "error: lossplug recipe explain needs verl, which is not installed: pip install 'lossplug[verl]'"
+    )
+
+
+def test_an_import_error_that_is_no_extra_is_not_disguised_as_one(monkeypatch):
+    from lossplug.cli import describe
+
+    def broken(recipe):
+        import lossplug_no_such_module  # noqa: F401
+
+    monkeypatch.setattr(describe, "explain_recipe", broken)
+    result = CliRunner().invoke(app, ["recipe", "explain", "dapo"], env=WIDE)
+    assert isinstance(result.exception, ModuleNotFoundError) and "pip install" not in result.output
+
+
+@pytest.mark.slow
+def test_lossplug_demo_without_trl_prints_one_line_and_exits_2(tmp_path):
+    """The issue as a user met it: `lossplug demo` where TRL is not installed printed a 40-line traceback."""
+    code = (
+        "import sys\n"
+        "sys.modules['trl'] = None  # as where TRL is not installed\n"
+        "sys.argv = ['lossplug', 'demo', '--fast', '--out', sys.argv[1]]\n"
+        "from lossplug.cli import main\n"
+        "main()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True, env={**os.environ, **WIDE}
+    )
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == "error: lossplug demo needs trl, which is not installed: pip install 'lossplug[demo]'\n"
