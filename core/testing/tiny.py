@@ -8,36 +8,37 @@ gradient accumulation and logging — and that its metrics reach TRL's logs. The
 (``num_iterations=2``): the second optimizer step re-uses the first one's rollouts, so its ratios move away from 1 and
 a clip or a correction acts.
 
-A plugin author's test (needs ``lossplug[trl]``)::
+A plugin author's test (needs ``lossplug[trl]``): a gate, checked by the conformance kit, then run inside TRL.
 
-    import torch, lossplug
-    from lossplug.testing.tiny import tiny_grpo_trainer
-
-    @lossplug.gate("soft_cut", requires=("old_logp",))
-    def soft_cut(inp, p):
-        '''A·r, with the ratio bending smoothly towards 1.3 above 1.3.'''
-        ratio = (inp.logp - inp.old_logp).exp()
-        bent = torch.where(ratio > 1.3, 1.3 + 0.1 * torch.tanh((ratio - 1.3) / 0.1), ratio)
-        cut = ((ratio > 1.3) & inp.mask).sum() / inp.mask.sum().clamp(min=1)
-        return lossplug.GateOutput(objective=inp.advantage * bent, metrics={"soft_cut_frac": cut})
-
-    class SoftCutPlugin:
-        @lossplug.hookimpl
-        def lossplug_register_gates(self, register):
-            register(soft_cut)
-
-    def test_soft_cut_runs_inside_trl(tmp_path):
-        plugin = SoftCutPlugin()
-        lossplug.register_plugin(plugin, "soft_cut")
-        try:
-            trainer = tiny_grpo_trainer({"advantage": "grpo", "gates": ["soft_cut"], "reduction": "token"},
-                                        tmp_path, max_steps=2)
-            trainer.train()
-        finally:
-            lossplug.unregister_plugin(plugin)
-        logs = [row for row in trainer.state.log_history if "loss" in row]
-        assert len(logs) == 2 and all("lossplug/soft_cut/soft_cut_frac" in row for row in logs)
-        assert logs[1]["lossplug/soft_cut/soft_cut_frac"] > 0  # step 2 re-uses step 1's rollouts: ratios moved
+>>> import torch, lossplug
+>>> from lossplug.testing import check_plugin
+>>> from lossplug.testing.tiny import tiny_grpo_trainer
+>>> @lossplug.gate("soft_cut", requires=("old_logp",))
+... def soft_cut(inp, p):
+...     '''A·r, with the ratio bending smoothly towards 1.3 above 1.3.'''
+...     ratio = inp.update_log_ratio().clamp(-20, 20).exp()  # unclamped, exp overflows and 0·inf is a NaN gradient
+...     bent = torch.where(ratio > 1.3, 1.3 + 0.1 * torch.tanh((ratio - 1.3) / 0.1), ratio)
+...     cut = inp.mask & (ratio > 1.3)  # the bend damps their gradient towards 0: counted as cut
+...     return lossplug.GateOutput(objective=inp.advantage * bent, active=lambda: inp.mask & ~cut,
+...                                metrics={"soft_cut_frac": lambda: inp.token_fraction(cut)})
+>>> print(check_plugin(soft_cut))
+gate 'soft_cut' (unregistered, checked in-process) passes all 12 conformance checks
+>>> class SoftCutPlugin:
+...     @lossplug.hookimpl
+...     def lossplug_register_gates(self, register):
+...         register(soft_cut)
+>>> def test_soft_cut_runs_inside_trl(tmp_path):
+...     plugin = SoftCutPlugin()
+...     lossplug.register_plugin(plugin, "soft_cut")
+...     try:
+...         trainer = tiny_grpo_trainer({"advantage": "grpo", "gates": ["soft_cut"], "reduction": "token"},
+...                                     tmp_path, max_steps=2)
+...         trainer.train()
+...     finally:
+...         lossplug.unregister_plugin(plugin)
+...     logs = [row for row in trainer.state.log_history if "loss" in row]
+...     assert len(logs) == 2 and all("lossplug/soft_cut/soft_cut_frac" in row for row in logs)
+...     assert logs[1]["lossplug/soft_cut/soft_cut_frac"] > 0  # step 2 re-uses step 1's rollouts: ratios moved
 
 The pieces, for tests that need more control:
 
