@@ -513,6 +513,8 @@ def validate_cmd(
         table.add_column(col)
     for k, v in tensors.items():
         table.add_row(_text(k, "bold"), _text(str(list(v.shape))), _text(str(v.dtype).replace("torch.", "")))
+    for k in check.unreadable:
+        table.add_row(_text(k, "bold red"), _text("—"), _text("not read (below)"))
     console.print(table)
     against = model.__name__ + (f" and recipe '{recipe_obj.name or recipe}'" if recipe_obj else "")
     if check.valid:
@@ -523,7 +525,13 @@ def validate_cmd(
         n = len(check.warnings)
         warned = f", {n} warning{'s' if n != 1 else ''} (on stderr)" if n else ""
         if failed:
-            console.print(_text(f"✗ valid against {against}{extra}{warned}: failed under --strict", "bold red"))
+            console.print(
+                _text(
+                    f"✗ {n} warning{'s' if n != 1 else ''} (on stderr) under --strict: the batch is valid "
+                    f"against {against}{extra}",
+                    "bold red",
+                )
+            )
             raise typer.Exit(1)
         console.print(_text(f"✓ valid against {against}{extra}{warned}", "bold green"))
         return

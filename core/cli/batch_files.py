@@ -215,6 +215,8 @@ class BatchCheck:
     violations: list[Violation] = field(default_factory=list)
     warnings: list[BatchWarning] = field(default_factory=list)
     batch: Any = None
+    #: the fields the file holds but that could not be read as tensors (their problems lead ``violations``)
+    unreadable: tuple[str, ...] = ()
 
     @property
     def valid(self) -> bool:
@@ -349,8 +351,8 @@ _SOURCE_WORDS = {
     "teacher": "the teacher",
 }
 #: how many times farther from its anchor a log-prob must be than a different policy's for a warning: two orders of
-#: magnitude. An engine mismatch (bf16 rollout against the training engine) moves log-probs by ~1e-3–1e-2 per token;
-#: the reference is a different policy everywhere but at the first steps
+#: magnitude, so that an engine mismatch (a rollout engine against the training engine, one policy) is never taken
+#: for the distance to the reference, which is a different policy everywhere but at the first steps
 SWAP_RATIO = 100.0
 #: (anchor, near, far): ``near`` is the anchor's policy (another engine, or the same weights earlier in the step),
 #: ``far`` a different policy; ``near`` far from the anchor while ``far`` sits next to it is a swap of the two
@@ -496,7 +498,7 @@ def check_batch(
         *_known_field_problems(unreadable, contract),
         *(v for v in violations if not (v.field in broken and v.rule == "is required")),
     ]
-    result = BatchCheck(contract, violations, batch=batch)
+    result = BatchCheck(contract, violations, batch=batch, unreadable=tuple(dict.fromkeys(v.field for v in unreadable)))
     needs = recipe_needs(recipe) if recipe is not None and contract is PolicyBatch else None
     if contract is PolicyBatch:
         result.warnings += logprob_swap_warnings(tensors, set(needs) if needs is not None else None)

@@ -248,6 +248,7 @@ def test_a_ragged_json_file_names_every_problem_with_its_json_path(tmp_path):
     for text in (out + err, json.dumps(data)):
         assert "expected sequence" not in text and "dim 1" not in text and "invalid data type" not in text
     assert "✗ 4 violations of PolicyBatch" in out
+    assert out.count("not read (below)") == 4  # the field table lists what the file holds, read or not
 
 
 def test_a_list_torch_would_silently_truncate_is_ragged(tmp_path):
@@ -308,8 +309,8 @@ def test_ref_logp_bitwise_equal_to_old_logp_warns_naming_both_when_the_recipe_re
     )
     assert "warning: ref_logp: bitwise equal to logp" in err and "passed for the other" not in out
     assert "✓ valid against PolicyBatch and recipe" in out and "1 warning (on stderr)" in out
-    code, _, out, _ = run_validate(path, "--recipe", save_recipe(tmp_path, KL_RECIPE), "--strict")
-    assert code == 1 and "--strict" in out
+    code, data, out, _ = run_validate(path, "--recipe", save_recipe(tmp_path, KL_RECIPE), "--strict")
+    assert code == 1 and data["valid"] and "✗ 1 warning (on stderr) under --strict: the batch is valid against" in out
     # dapo reads old_logp but never ref_logp: the copy is harmless there
     _, data, _, _ = run_validate(path, "--recipe", "dapo")
     assert data["warnings"] == []
