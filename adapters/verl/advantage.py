@@ -12,8 +12,10 @@ import torch
 
 import lossplug
 from lossplug.adapters.common import ActionRows, warn_once
+from lossplug.adapters.unfed import Unfed
 from lossplug.adapters.verl.recipes import ADVANTAGE_RECIPE_KEY, keyed, load_recipe
 from lossplug.adapters.verl.registration import MARK, NAME, check_once
+from lossplug.adapters.verl.unfed import ADVANTAGE_PROVIDED, ADVANTAGE_UNFED
 from lossplug.contracts import LossplugError, PolicyBatch, Recipe, RecipeError
 from lossplug.contracts.batch_rules import rewards_off_actions
 
@@ -39,8 +41,6 @@ _EXTRA_FIELDS = {
     "reward_baseline": "reward_baselines",
     "sum_pi_squared": "sum_pi_squared",
 }
-#: the DataProto keys ``ray_trainer.compute_advantage`` hands a registered estimator (besides rewards, mask, uid)
-_PASSED_BY_VERL = frozenset({"reward_baselines"})
 
 
 def _algorithm_value(config: Any, key: str) -> Any:
@@ -212,35 +212,40 @@ def _needed_fields(
     stage: Any, key: str, extra_by_verl_key: Mapping[str, Tensor], *, from_verl: bool
 ) -> dict[str, Tensor]:
     """The batch fields beyond rewards that the advantage plugin requires, by :class:`~lossplug.PolicyBatch` name,
-    from what the caller holds (verl's keys); refused, with the way out, when one is missing."""
+    from what the caller holds (verl's keys); every missing one refused at once, each with its next step (the rows
+    of :data:`~lossplug.adapters.verl.unfed.ADVANTAGE_UNFED` where verl cannot hand it over)."""
     plugin = stage.plugin
     extra: dict[str, Tensor] = {}
-    required = plugin.required_fields(stage.params)
     fields_by_key = {**_EXTRA_FIELDS, "reward_components": _REWARD_COMPONENTS}
-    for name in (f for f in fields_by_key if f in required):
-        verl_key = fields_by_key[name]
-        value = extra_by_verl_key.get(verl_key)
+    problems = []
+    for name in plugin.required_fields(stage.params):
+        if name in ADVANTAGE_PROVIDED:
+            continue
+        verl_key = fields_by_key.get(name)
+        value = extra_by_verl_key.get(verl_key) if verl_key is not None else None
         if value is not None:
             extra[name] = value
-        elif from_verl and verl_key not in _PASSED_BY_VERL:
-            raise LossplugError(
-                f"{key}: advantage plugin '{plugin.name}' needs '{verl_key}', which verl's "
-                f"ray_trainer.compute_advantage does not pass to a registered estimator (it passes "
-                f"token_level_rewards, response_mask, uid and reward_baselines); under verl's trainer use verl's own "
-                f"estimator for it (e.g. adv_estimator=gae), or in a custom trainer call "
-                f"lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto, which reads '{verl_key}' "
-                f"from data.batch"
-            )
+        elif verl_key is None or from_verl:  # not a DataProto key the adapter reads, or verl does not pass it
+            row = ADVANTAGE_UNFED[name]
+            problems.append(f"advantage plugin '{plugin.name}' needs '{verl_key or name}': {row.why}. {_next(row)}")
         else:
-            hint = {
-                "values": " (a critic-based recipe needs critic.enable=True)",
-                _REWARD_COMPONENTS: " (pass reward_keys=, verl's algorithm.gdpo_reward_keys)",
-                "sum_pi_squared": " (verl computes it with actor.calculate_sum_pi_squared=True)",
-            }.get(verl_key, "")
-            raise LossplugError(
-                f"{key}: advantage plugin '{plugin.name}' needs '{verl_key}', which the batch does not hold{hint}"
+            step = {
+                "values": "set critic.enable=True (a critic-based recipe needs the critic's values)",
+                _REWARD_COMPONENTS: "pass reward_keys= (verl's algorithm.gdpo_reward_keys)",
+                "sum_pi_squared": "set actor.calculate_sum_pi_squared=True (verl then computes it)",
+            }.get(verl_key, f"put '{verl_key}' in data.batch")
+            problems.append(
+                f"advantage plugin '{plugin.name}' needs '{verl_key}', which the batch does not hold. Next step: {step}"
             )
+    if len(problems) == 1:
+        raise LossplugError(f"{key}: {problems[0]}")
+    if problems:
+        raise LossplugError(f"{key}: the advantage stage cannot run:\n  - " + "\n  - ".join(problems))
     return extra
+
+
+def _next(row: Unfed) -> str:
+    return f"Next step: {row.next_step}"
 
 
 def advantage_batch(
