@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import verl
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
@@ -125,14 +126,15 @@ def _primary(config: str | Path) -> tuple[dict[str, Any], Path | None]:
     if path.is_file():
         try:
             content = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-        except (OSError, ValueError, OmegaConfBaseException) as err:
-            raise ConfigError(f"{path}: cannot read it as YAML: {err}") from None
+        except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as err:
+            raise ConfigError(f"{path}: cannot read it as YAML: {' '.join(str(err).split())}") from None
         if content is None:
             content = {}
         if not isinstance(content, dict):
             raise ConfigError(f"{path}: a verl config is a YAML mapping, got a {type(content).__name__}")
-        content.setdefault("defaults", [DEFAULT_CONFIG, "_self_"])
-        return content, path.resolve().parent
+        primary = {str(k): v for k, v in content.items()}
+        primary.setdefault("defaults", [DEFAULT_CONFIG, "_self_"])
+        return primary, path.resolve().parent
     names = sorted(p.stem for p in VERL_CONFIG_DIR.glob("*.yaml") if not p.stem.startswith("_"))
     if str(config) in names:
         return {"defaults": [str(config), "_self_"]}, None

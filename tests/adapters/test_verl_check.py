@@ -168,6 +168,8 @@ def test_settings_that_take_lossplug_out_of_the_loop(tmp_path):
 def test_what_cannot_be_composed_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         check_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="cannot read it as YAML"):
+        check_config(write(tmp_path, "actor_rollout_ref: [unclosed\n", "broken.yaml"))
     with pytest.raises(ConfigError, match="YAML mapping"):
         check_config(write(tmp_path, "- a\n- b\n"))
     with pytest.raises(ConfigError, match="algorithm.gamma"):
