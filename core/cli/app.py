@@ -210,8 +210,9 @@ def list_cmd(
         mine = [r for r in rows if r["kind"] == k]
         console.print(_text(f"{k}s ({len(mine)})", "bold underline"))
         grid = Table.grid(padding=(0, 2), pad_edge=True)
-        grid.add_column(no_wrap=True, style="bold cyan")
-        grid.add_column(ratio=1)
+        # rich wraps and folds, never cuts: a long plugin name or description is printed whole
+        grid.add_column(style="bold cyan", overflow="fold")
+        grid.add_column(ratio=1, overflow="fold")
         for r in mine:
             detail = _text("")
             facts = []
@@ -365,9 +366,10 @@ def _print_explain(console: Console, data: dict[str, Any]) -> None:
     console.print(_text(data["yaml"].rstrip()))
     console.print(_text("\nstages", "bold"))
     grid = Table.grid(padding=(0, 2), pad_edge=True)
-    grid.add_column(no_wrap=True)
-    grid.add_column(no_wrap=True, style="bold cyan")
-    grid.add_column(ratio=1)
+    # rich wraps and folds, never cuts: a long plugin name or description is printed whole
+    grid.add_column(overflow="fold")
+    grid.add_column(style="bold cyan", overflow="fold")
+    grid.add_column(ratio=1, overflow="fold")
     for s in data["stages"]:
         detail = _text("")
         if s["role"]:

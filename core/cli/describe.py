@@ -106,7 +106,7 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
     """A recipe resolved: its stages (plugin, parameters, role, source, summary), the batch fields it needs and the
     normaliser it expects."""
     from lossplug.pipeline import compile_recipe
-    from lossplug.plugin_registry import registry
+    from lossplug.plugin_registry import doc_summary, registry
 
     reg = registry()
     compiled = compile_recipe(recipe)
@@ -134,7 +134,7 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
                 "params": stage.params.model_dump(),
                 "role": role,
                 "source": distribution(reg.origin(p.kind, p.name)),
-                "summary": p.doc.splitlines()[0] if p.doc else "",
+                "summary": doc_summary(p.doc),
             }
         )
     red = compiled.reduction

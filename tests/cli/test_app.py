@@ -6,6 +6,7 @@ import pickle
 import struct
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def test_help_lists_every_command_with_a_one_line_summary():
     out = run("--help")
     assert out.exit_code == 0
     commands = {line.split()[0] for line in out.output.split("Commands:")[1].splitlines() if line.strip()}
-    assert commands == {"list", "show", "validate", "check", "demo", "recipe", "plot", "schema"}
+    assert commands == {"list", "show", "validate", "check", "demo", "recipe", "plot", "schema", "verl"}
     assert "--version" in out.output
     assert "explain" in run("recipe", "--help").output
     assert "gates" in run("plot", "--help").output
@@ -422,6 +423,67 @@ def test_recipe_explain_errors_are_messages(tmp_path):
     path.write_text("gates: [{name: ppo_clip, eps_hgh: 0.3}]\nreduction: token\n")
     out = run("recipe", "explain", str(path))
     assert out.exit_code == 2 and "did you mean 'eps_high'" in out.output
+
+
+#: a third-party gate's description: a first paragraph of several lines, as docstrings are written
+LONG_DESCRIPTION = (
+    "Soft trust band: A times the ratio inside the band, bending smoothly towards its edge outside it so that no "
+    "token loses its gradient at once; the band widens with the advantage's magnitude and narrows for tokens the "
+    "policy already finds likely, as the second table of the paper describes for each of its settings."
+)
+
+
+def _soft_band_gate(name="soft_trust_band"):
+    doc = textwrap.fill(LONG_DESCRIPTION, 70) + "\n\nPaper: none; a test gate."
+
+    @lossplug.gate(name, requires=("old_logp",), role="correction", doc=doc)
+    def soft_trust_band(inp, p):
+        return lossplug.GateOutput(weight=(inp.logp - inp.old_logp).detach().exp().clamp(max=2.0))
+
+    return soft_trust_band
+
+
+def _printed_whole(text: str, expected: str) -> bool:
+    """``expected`` appears in ``text`` word for word, however rich wrapped it."""
+    return " ".join(expected.split()) in " ".join(text.split())
+
+
+@pytest.mark.parametrize("columns", ["60", "200"])
+def test_recipe_explain_prints_a_plugin_description_whole_at_any_width(register_gates, tmp_path, columns):
+    register_gates(_soft_band_gate())
+    path = tmp_path / "recipe.yaml"
+    path.write_text("gates: [{name: ppo_clip}, {name: soft_trust_band}]\nreduction: token\n")
+    out = run("recipe", "explain", str(path), env={"COLUMNS": columns})
+    assert out.exit_code == 0
+    assert _printed_whole(out.output, LONG_DESCRIPTION)
+    # a built-in's first paragraph runs over two lines of its docstring too
+    assert _printed_whole(out.output, "for A < 0; with ``delta``: min(min(r, δ)·A, clip(r)·A).")
+    stages = out.output.split("\nstages\n")[1].split("the batch")[0]
+    assert "…" not in stages
+
+
+def test_recipe_explain_folds_a_long_plugin_name_instead_of_cutting_it(register_gates, tmp_path):
+    name = "soft_trust_band_with_a_name_longer_than_the_column"
+    register_gates(_soft_band_gate(name))
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"gates: [{{name: ppo_clip}}, {{name: {name}}}]\nreduction: token\n")
+    out = run("recipe", "explain", str(path), env={"COLUMNS": "50"})
+    assert out.exit_code == 0
+    lines = out.output.split("\nstages\n")[1].split("the batch")[0].splitlines()
+    assert not any("…" in line for line in lines)
+    row = next(i for i, line in enumerate(lines) if "gates[1]" in line)
+    start = lines[row].index(name[:8])
+    width = len(lines[row][start:].split()[0])
+    column = [line[start : start + width].strip() for line in lines[row:]]
+    assert "".join(column[: column.index("")] if "" in column else column) == name  # folded, every letter kept
+
+
+def test_list_prints_each_plugin_summary_whole(register_gates):
+    register_gates(_soft_band_gate())
+    out = run("list", "--kind", "gate", env={"COLUMNS": "80"})
+    assert out.exit_code == 0
+    assert _printed_whole(out.output, LONG_DESCRIPTION)
+    assert _printed_whole(out.output, "for A < 0; with ``delta``: min(min(r, δ)·A, clip(r)·A).")
 
 
 def test_check_runs_the_conformance_kit():

@@ -42,3 +42,14 @@ def test_explain_recipe_lists_stages_fields_and_normaliser():
     assert fields["reward"]["needed_by"].startswith("advantage") and fields["old_logp"]["shape"]
     assert data["needs"] == recipe_fields(lossplug.Recipe.preset("dapo"))
     assert "Normalizer" in data["normalizer"]
+
+
+def test_explain_recipe_summarises_each_stage_with_its_whole_first_paragraph():
+    data = explain_recipe(lossplug.Recipe.preset("dapo"))
+    summary = {s["plugin"]: s["summary"] for s in data["stages"]}
+    # ppo_clip's first paragraph runs over two docstring lines: the summary used to stop at "…for A < 0; with"
+    assert summary["ppo_clip"] == (
+        "PPO clip: min(r·A, clip(r, 1−eps_low, 1+eps_high)·A), optional dual-clip max(·, c·A) for A < 0; with "
+        "``delta``: min(min(r, δ)·A, clip(r)·A)."
+    )
+    assert "\n" not in summary["grpo"] and summary["grpo"].endswith("exactly 0 for groups of equal rewards.")
