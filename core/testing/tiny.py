@@ -10,6 +10,7 @@ a clip or a correction acts.
 
 A plugin author's test (needs ``lossplug[trl]``): a gate, checked by the conformance kit, then run inside TRL.
 
+```pycon
 >>> import torch, lossplug
 >>> from lossplug.testing import check_plugin
 >>> from lossplug.testing.tiny import tiny_grpo_trainer
@@ -39,6 +40,8 @@ gate 'soft_cut' (unregistered, checked in-process) passes all 12 conformance che
 ...     logs = [row for row in trainer.state.log_history if "loss" in row]
 ...     assert len(logs) == 2 and all("lossplug/soft_cut/soft_cut_frac" in row for row in logs)
 ...     assert logs[1]["lossplug/soft_cut/soft_cut_frac"] > 0  # step 2 re-uses step 1's rollouts: ratios moved
+
+```
 
 The pieces, for tests that need more control:
 
