@@ -539,7 +539,7 @@ def list_plugins() -> list[dict[str, Any]]:
         for name, plugin in sorted(reg.plugins[kind].items()):
             params = {
                 pname: {
-                    "default": f.default if not f.is_required() else None,
+                    "default": f.get_default(call_default_factory=True) if not f.is_required() else None,
                     "required": f.is_required(),
                     "type": getattr(f.annotation, "__name__", str(f.annotation)),
                 }

@@ -64,7 +64,7 @@ def parameters(plugin: AnyPlugin) -> list[dict[str, Any]]:
             "name": name,
             "type": type_name(f.annotation),
             "required": f.is_required(),
-            "default": None if f.is_required() else f.default,
+            "default": None if f.is_required() else f.get_default(call_default_factory=True),
             "constraint": constraints(f),
             "description": f.description or "",
         }

@@ -53,3 +53,11 @@ def test_explain_recipe_summarises_each_stage_with_its_whole_first_paragraph():
         "``delta``: min(min(r, δ)·A, clip(r)·A)."
     )
     assert "\n" not in summary["grpo"] and summary["grpo"].endswith("exactly 0 for groups of equal rewards.")
+
+
+def test_a_default_made_by_a_factory_is_shown_as_its_value():
+    plugin = lossplug.registry().plugins["gate"]["bypass_rs"]
+    rows = {r["name"]: r for r in parameters(plugin)}
+    assert rows["rules"]["required"] is False and rows["rules"]["default"] == []  # was 'PydanticUndefined'
+    listed = next(r for r in lossplug.list_plugins() if r["kind"] == "gate" and r["name"] == "bypass_rs")
+    assert listed["params"]["rules"]["default"] == []
