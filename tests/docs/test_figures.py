@@ -1,7 +1,7 @@
 """The figures the README and the docs state stay true (``docs/hooks/figures.py``): every ``<!-- figure: NAME -->``
 is a known figure whose committed value is the one computed from the repository; the README's test count is checked
-by every run of the whole suite and by no run of a subset; a count written in prose (verl's estimators) is the real
-one; every install command takes the lock."""
+by every run of the whole suite and by no run of a subset; the counts written in prose (verl's estimators and loss
+modes) are verl's; every install command takes the lock."""
 
 from __future__ import annotations
 
@@ -96,11 +96,18 @@ def test_a_count_other_than_the_readme_figure_fails_a_whole_run_and_says_how_to_
     assert subset.exitstatus == 0 and quiet.problem is None
 
 
-def test_the_verl_page_counts_verls_estimators():
+NUMBERS = {"ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14, "fifteen": 15, "sixteen": 16}
+
+
+def test_the_verl_page_counts_verls_estimators_and_loss_modes():
     core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
-    stated = re.search(r"verl's (\d+) estimators", (ROOT / "docs" / "verl.md").read_text())
-    assert stated, "docs/verl.md states how many advantage estimators verl has ('verl's N estimators')"
-    assert int(stated.group(1)) == len(core_algos.AdvantageEstimator)
+    page = (ROOT / "docs" / "verl.md").read_text()
+    estimators = re.search(r"verl's (\d+) estimators", page)
+    modes = re.search(r"verl's (\w+) loss modes", page)
+    assert estimators and modes, "docs/verl.md states how many estimators and loss modes verl has"
+    assert int(estimators.group(1)) == len(core_algos.AdvantageEstimator)
+    verls_own = set(core_algos.POLICY_LOSS_REGISTRY) - {"lossplug"}  # lossplug registers itself when verl loads it
+    assert NUMBERS.get(modes.group(1), modes.group(1)) == len(verls_own), sorted(verls_own)
 
 
 def test_every_install_command_in_the_docs_takes_the_lock():
