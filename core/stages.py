@@ -87,9 +87,11 @@ class CompiledRecipe:
         """Every batch field the policy loss reads besides logp and the mask: the advantage, what the gates and
         regularizers declare with their parameters, what the reduction declares — derived once per compile, so
         that a micro-batch that has them all is checked with one look at each."""
-        needed = ["advantage"]
-        for stage in (*self.gates, *self.regularizers):
-            needed += stage.plugin.required_fields(stage.params)
+        needed: list[str] = ["advantage"]
+        for gate in self.gates:
+            needed += gate.plugin.required_fields(gate.params)
+        for regularizer in self.regularizers:
+            needed += regularizer.plugin.required_fields(regularizer.params)
         needed += self.reduction.plugin.requires
         return tuple(dict.fromkeys(needed))
 
