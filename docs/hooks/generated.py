@@ -24,6 +24,10 @@ drift from it, and links from the docs to files of the repository outside ``docs
   becomes its plain text otherwise.
 
 Written for mkdocs ≥ 1.6 (``File.generated``): one file and no plugin dependency, rather than mkdocs-gen-files.
+
+A figure that committed Markdown states — the README's test count, its benchmark figures — cannot wait for a build,
+since the README is read where it lies: it is written ``<!-- figure: NAME -->VALUE<!-- /figure -->`` and checked by
+``figures.py`` beside this file (the standard library only, so that ``tests/conftest.py`` can load it without mkdocs).
 """
 
 from __future__ import annotations
