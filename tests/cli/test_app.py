@@ -624,6 +624,17 @@ def test_a_command_without_its_extra_names_it_in_one_line(monkeypatch, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+def test_the_gate_plot_helper_without_matplotlib_names_the_plot_extra(monkeypatch, tmp_path):
+    from lossplug.cli.gate_curves import plot_gates
+
+    _without(monkeypatch, "matplotlib")
+    with pytest.raises(lossplug.MissingExtra) as info:
+        plot_gates(tmp_path / "gates.png", [{"name": "ppo_clip"}])
+    assert str(info.value) == (
+        "lossplug.cli.gate_curves.plot_gates needs matplotlib, which is not installed: pip install 'lossplug[plot]'"
+    )
+
+
 def test_a_missing_extra_met_anywhere_in_a_command_is_one_line(monkeypatch):
     from lossplug.cli import describe
 
