@@ -155,7 +155,8 @@ def _lossplug_error() -> type[LossplugError]:
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
-    _console(stderr=True).print(_text(f"error: {message}", "bold red"))
+    # soft wrap: the terminal wraps a long line, rich does not break it (a `pip install '…'` stays copy-pasteable)
+    _console(stderr=True).print(_text(f"error: {message}", "bold red"), soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -672,7 +672,10 @@ def test_lossplug_demo_without_trl_prints_one_line_and_exits_2(tmp_path):
         "main()\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True, env={**os.environ, **WIDE}
+        [sys.executable, "-c", code, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "60", "NO_COLOR": "1"},  # narrower than the line: not broken, copy-pasteable
     )
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr == "error: lossplug demo needs trl, which is not installed: pip install 'lossplug[demo]'\n"
