@@ -5,7 +5,7 @@ Imports only torch and pydantic (and, lazily, yaml for recipes).
 """
 
 from .batch import LOGP_TOLERANCE, PackedTransitions, PolicyBatch, TensorField
-from .errors import BatchValidationError, LossplugError, PluginError, RecipeError, Violation
+from .errors import BatchValidationError, LossplugError, MissingExtra, PluginError, RecipeError, Violation
 from .normalizer import Normalizer
 from .provenance import LogProbSource, Provenance
 from .recipe import PluginSpec, Recipe
@@ -18,6 +18,7 @@ __all__ = [
     "LogProbSource",
     "LossResult",
     "LossplugError",
+    "MissingExtra",
     "Normalizer",
     "PackedTransitions",
     "PluginError",

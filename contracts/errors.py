@@ -51,6 +51,23 @@ class PluginError(LossplugError):
     """A plugin could not be loaded or registered (import error, bad hook, duplicate name)."""
 
 
+class MissingExtra(LossplugError, ModuleNotFoundError):
+    """An optional package a helper or command needs is not installed; the message names it and the extra that
+    installs it: ``lossplug.demo.run_demo needs trl, which is not installed: pip install 'lossplug[demo]'``.
+
+    Also a ``ModuleNotFoundError`` (``name`` is the package), so code that guards an optional import with
+    ``except ImportError`` keeps working."""
+
+    def __init__(self, package: str, extra: str, needed_by: str):
+        super().__init__(f"{needed_by} needs {package}, which is not installed: pip install 'lossplug[{extra}]'")
+        self.name = package
+        self.package, self.extra, self.needed_by = package, extra, needed_by
+
+    def __reduce__(self) -> tuple[type[MissingExtra], tuple[str, str, str]]:
+        # pickled as its fields, not its message: an error raised in a Ray worker reaches the driver whole
+        return type(self), (self.package, self.extra, self.needed_by)
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """A ' (did you mean 'x'?)' suffix for typos, or ''."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)

@@ -36,6 +36,7 @@ _EXPORTS = {
         "LogProbSource",
         "LossResult",
         "LossplugError",
+        "MissingExtra",
         "Normalizer",
         "PackedTransitions",
         "PluginError",
@@ -152,6 +153,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs (_EXPORTS, statically); at run t
     )
     from lossplug.contracts import (
         LossResult as LossResult,
+    )
+    from lossplug.contracts import (
+        MissingExtra as MissingExtra,
     )
     from lossplug.contracts import (
         Normalizer as Normalizer,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata as md
+import re
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -514,6 +515,13 @@ def unregister_plugin(plugin: object) -> None:
         reset()
 
 
+def doc_summary(doc: str) -> str:
+    """The first paragraph of a plugin's docstring, on one line: by convention its formula, which often runs over
+    several lines of the docstring. What ``lossplug list`` and ``lossplug recipe explain`` print (whole)."""
+    first = re.split(r"\n[ \t]*\n", doc.strip(), maxsplit=1)[0]
+    return " ".join(line.strip() for line in first.splitlines())
+
+
 def _default_requirements(plugin: AnyPlugin) -> tuple[str, ...]:
     """The batch fields a registered plugin reads with its default parameters. Asked of the plugin itself, not of
     :mod:`lossplug.needs`: that module answers for whole compiled recipes, which are built from this registry."""
@@ -531,7 +539,7 @@ def list_plugins() -> list[dict[str, Any]]:
         for name, plugin in sorted(reg.plugins[kind].items()):
             params = {
                 pname: {
-                    "default": f.default if not f.is_required() else None,
+                    "default": f.get_default(call_default_factory=True) if not f.is_required() else None,
                     "required": f.is_required(),
                     "type": getattr(f.annotation, "__name__", str(f.annotation)),
                 }
@@ -544,7 +552,7 @@ def list_plugins() -> list[dict[str, Any]]:
                     "qualified": reg.qualified_name(kind, name),
                     "source": reg.origin(kind, name),
                     "params": params,
-                    "summary": plugin.doc.splitlines()[0] if plugin.doc else "",
+                    "summary": doc_summary(plugin.doc),
                     "role": getattr(plugin, "role", None),
                     "level": getattr(plugin, "level", None),
                     "requires": list(_default_requirements(plugin)),

@@ -1,6 +1,8 @@
+import importlib.util
 import os
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +167,16 @@ BUILTIN_GATES = frozenset(
 def builtin_gates() -> frozenset[str]:
     """The names of every built-in gate (one list for every test that must cover them all)."""
     return BUILTIN_GATES
+
+
+# The README's test count (docs/hooks/figures.py): a run of the whole suite fails when the README's figure is not the
+# number of tests it collected; a run of a subset compares nothing.
+_FIGURES_SPEC = importlib.util.spec_from_file_location(
+    "docs_hooks_figures", Path(__file__).resolve().parents[1] / "docs" / "hooks" / "figures.py"
+)
+_figures = importlib.util.module_from_spec(_FIGURES_SPEC)
+_FIGURES_SPEC.loader.exec_module(_figures)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_figures.ReadmeTestCount(), "lossplug-readme-test-count")

@@ -243,7 +243,7 @@ from lossplug.adapters.trl.equivalent import Population, trl_equivalent
 from lossplug.adapters.trl.record import trl_provenance, write_record
 from lossplug.adapters.trl.refusals import ALLOW_UNTESTED_ENV, TESTED_TRL, check_trl_version
 from lossplug.adapters.trl.state import AdapterState, RecipeLike
-from lossplug.contracts import LossplugError
+from lossplug.extras import require
 
 if TYPE_CHECKING:
     from lossplug.adapters.trl.trainer import LossplugGRPOTrainer, attach
@@ -272,10 +272,7 @@ _NEED_TRL = ("LossplugGRPOTrainer", "attach")
 def __getattr__(name: str) -> Any:
     if name not in _NEED_TRL:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        from lossplug.adapters.trl import trainer
-    except ModuleNotFoundError as err:
-        if err.name != "trl":
-            raise
-        raise LossplugError("lossplug.adapters.trl needs TRL: pip install 'lossplug[trl]'") from err
+    require("trl", f"{__name__}.{name}")  # MissingExtra naming the package and pip install 'lossplug[trl]'
+    from lossplug.adapters.trl import trainer
+
     return getattr(trainer, name)

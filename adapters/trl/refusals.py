@@ -1,9 +1,11 @@
-"""What the TRL adapter refuses, with a message that says what to set: TRL versions it was not tested with, and a
-recipe that would change the meaning of a trainer's TRL settings (:func:`refusals`).
+"""What the TRL adapter refuses, each line with its next step: TRL versions it was not tested with, and a recipe
+that would change the meaning of a trainer's TRL settings (:func:`refusals`).
 
 TRL options that weight the policy term are the recipe's, never the adapter's: when TRL's option is set the recipe
 must carry the same gate with the same settings. KL and entropy are counted once. A recipe may read only the fields
-TRL provides. The rules are in :mod:`lossplug.adapters.trl`.
+TRL provides: what it cannot feed, why and what to do instead is one table (:data:`UNFED` for the loss stage,
+:data:`UNFED_AT_ADVANTAGE` for the advantage stage), which the refusals quote and docs/trl.md's "What TRL cannot
+feed" is generated from (:func:`unfed_markdown`). The rules are in :mod:`lossplug.adapters.trl`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 from lossplug.adapters.trl.equivalent import engine_correction_gate, off_policy_mask_gate, trl_regularizers
 from lossplug.adapters.trl.loss import TRL_CONDITIONAL_FIELDS, TRL_FIELDS
 from lossplug.adapters.trl.state import batch_stages, grpo_config, named_stages
+from lossplug.adapters.unfed import Unfed, readers, unfed_line
 from lossplug.contracts import LossplugError, Provenance
 from lossplug.needs import required_fields
 
@@ -30,9 +33,13 @@ __all__ = [
     "PROVIDED",
     "ROLLOUT_TOKEN_READERS",
     "ROLLOUT_UNFED",
+    "TEACHERS_AND_TURNS",
     "TESTED_TRL",
+    "UNFED",
+    "UNFED_AT_ADVANTAGE",
     "check_trl_version",
     "refusals",
+    "unfed_markdown",
     "version_tuple",
 ]
 
@@ -70,6 +77,91 @@ ROLLOUT_TOKEN_READERS: dict[str, str] = {
         "get_soft_overlong_punishment(max_completion_len=<max_response_length>, soft_punish_cache=<buffer>)] "
         "(DAPO's soft overlong punishment with factor 1), or run this recipe in verl"
     ),
+}
+
+#: the issue where a teacher's log-probs and multi-turn ids are planned to reach the recipe
+TEACHERS_AND_TURNS = "planned: issue 'Teachers and turns'"
+_CRITIC = Unfed(
+    "GRPOTrainer trains no critic (value model)",
+    "run it under verl with a critic (critic.enable=True): verl's own adv_estimator=gae, or "
+    "lossplug.adapters.verl.compute_advantage(data, recipe) in a custom trainer, which reads values from the "
+    "DataProto; in TRL, a critic-free estimator (grpo, rloo, reinforce_plus_plus_baseline)",
+)
+_TRANSITIONS = Unfed(
+    "GRPOTrainer trains no critic and packs no transitions",
+    "no trainer adapter feeds it: run the estimator outside a trainer, lossplug.estimate_advantages on "
+    "PackedTransitions you build (terminated and final_value are the packed GAE's bookkeeping)",
+)
+_TURNS = Unfed(
+    "GRPOTrainer's batches are single-turn prompt groups, with no trajectory or anchor-state id per row, and "
+    "neither adapter reads one from a trainer yet",
+    f"{TEACHERS_AND_TURNS} (per-row ids from a rollout_func's extra fields); today the estimator runs outside a "
+    "trainer: lossplug.estimate_advantages on a PolicyBatch you build with trajectory_id and anchor_id",
+)
+_VERSIONS = Unfed(
+    "TRL generates synchronously: its batches carry no policy version per token",
+    "no trainer adapter feeds policy versions (asynchronous rollouts): approximate π_prox without them — "
+    "decoupled_ppo with prox_logp: recompute (old_logp) or rollout (behavior_logp)",
+)
+_BEFORE_LOGPROBS = (
+    "in TRL the advantage stage runs on the rewards gathered over the processes, where the adapter has the rewards, "
+    "the per-function rewards and the prompt groups only"
+)
+#: the fields GRPOTrainer's batch lacks (always, or under the settings named): why, and what to do instead
+UNFED: dict[str, Unfed] = {
+    "ref_logp": Unfed(
+        TRL_CONDITIONAL_FIELDS["ref_logp"],
+        "set beta != 0 in GRPOConfig (with a recipe kl regularizer: beta = its coef; the recipe's KL then replaces "
+        "TRL's)",
+    ),
+    "behavior_logp": Unfed(
+        TRL_CONDITIONAL_FIELDS["behavior_logp"],
+        "set use_vllm=True (vLLM's log-probs of the completions), or pass GRPOTrainer(rollout_func=...) whose "
+        "result carries logprobs",
+    ),
+    "value": _CRITIC,
+    "terminated": _TRANSITIONS,
+    "final_value": _TRANSITIONS,
+    "teacher_logp": Unfed(
+        "GRPOTrainer runs no teacher model (TRL keeps distillation in its experimental trainers), and neither "
+        "adapter feeds a teacher's log-probs yet",
+        f"{TEACHERS_AND_TURNS} (a teacher's log-probs of the completions, e.g. from a rollout_func's extra field); "
+        "today the estimator runs outside a trainer: lossplug.estimate_advantages on a PolicyBatch you build with "
+        "teacher_logp",
+    ),
+    "trajectory_id": _TURNS,
+    "anchor_id": _TURNS,
+    "sum_pi_squared": Unfed(
+        "TRL's forward pass computes no Σπ² (the sum of the squared token probabilities)",
+        "run it under verl with actor.calculate_sum_pi_squared=True: verl's own adv_estimator="
+        "optimal_token_baseline (which lossplug's reproduces), or lossplug.adapters.verl.compute_advantage(data, "
+        "recipe) in a custom trainer",
+    ),
+    "reward_baseline": Unfed(
+        "GRPOTrainer generates no greedy baseline response per prompt",
+        "run it under verl with its own adv_estimator=remax, which generates the greedy baselines (lossplug's remax "
+        "reproduces it); in TRL, a group baseline (grpo, rloo)",
+    ),
+    "behavior_version": _VERSIONS,
+    "policy_version": _VERSIONS,
+}
+#: the fields TRL's loss stage has (some under settings) that its advantage stage lacks
+UNFED_AT_ADVANTAGE: dict[str, Unfed] = {
+    "old_logp": Unfed(
+        _BEFORE_LOGPROBS,
+        f"{TEACHERS_AND_TURNS} (the advantage stage reading TRL's log-probs); under verl, "
+        "lossplug.adapters.verl.compute_advantage(data, recipe) in a custom trainer reads old_log_probs",
+    ),
+    "behavior_logp": Unfed(
+        _BEFORE_LOGPROBS,
+        f"{TEACHERS_AND_TURNS} (the advantage stage reading TRL's log-probs); under verl, "
+        "lossplug.adapters.verl.compute_advantage(data, recipe) in a custom trainer reads rollout_log_probs",
+    ),
+    "ref_logp": Unfed(
+        _BEFORE_LOGPROBS + " (TRL puts no KL in the reward)",
+        "put the KL in the loss instead: a kl regularizer, with beta = its coef",
+    ),
+    "entropy": Unfed(_BEFORE_LOGPROBS, "read the entropies in a gate or a regularizer (the loss stage has TRL's)"),
 }
 
 
@@ -134,7 +226,10 @@ def refusals(trainer: GRPOTrainer, compiled: CompiledRecipe, provenance: Provena
         try:
             provenance.check()
         except LossplugError as err:
-            out.append(f"the recipe reads behavior_logp, but {err}")
+            out.append(
+                f"the recipe reads behavior_logp, but {err}. Next step: sample with unprocessed log-probs "
+                "(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0), or drop the stages that read behavior_logp"
+            )
     return out
 
 
@@ -144,7 +239,7 @@ def _liger(trainer: GRPOTrainer) -> list[str]:
     if grpo_config(trainer).use_liger_kernel and version_tuple(trl.__version__) < (1, 14):
         return [
             "use_liger_kernel=True: on TRL < 1.14 Liger's GRPO loss bypasses _compute_loss, so the recipe "
-            "would never run"
+            f"would never run. Next step: set use_liger_kernel=False, or use TRL {', '.join(TESTED_TRL)}"
         ]
     return []
 
@@ -166,7 +261,8 @@ def _policy_weights(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]
             }
             if not same_params(compiled.update, vespo):
                 out.append(
-                    f"{what}: with a vespo update gate TRL folds its IS ratio into the gamma weight; set the gate's "
+                    f"{what}: with a vespo update gate TRL folds its IS ratio into the gamma weight. Next step: set the "
+                    f"gate's "
                     f"engine_correction: {vespo['engine_correction']}, engine_ratio_min: {vespo['engine_ratio_min']}, "
                     f"engine_ratio_max: {vespo['engine_ratio_max']} (or vllm_importance_sampling_correction=False)"
                 )
@@ -195,7 +291,7 @@ def _policy_weights(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]
     for what, gate, unset in wanted:
         if not any(same_params(s, gate) for s in named_stages(compiled.gates[1:], gate["name"])):
             out.append(
-                f"{what} is a recipe gate in lossplug (which never applies TRL's own): add gates: [..., "
+                f"{what} is a recipe gate in lossplug (which never applies TRL's own). Next step: add gates: [..., "
                 f"{stage_spec(gate)}] (what trl_equivalent maps it to; a gate of other settings would silently change "
                 f"TRL's) or set {unset}"
             )
@@ -213,13 +309,13 @@ def _kl_and_entropy(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]
         if trainer.beta == 0.0:
             out.append(
                 f"the recipe has a KL regularizer, but beta=0: TRL computes reference log-probs only when beta != 0. "
-                f"Set beta={coef} (the recipe's KL coefficient): the recipe's KL then replaces TRL's"
+                f"Next step: set beta={coef} (the recipe's KL coefficient): the recipe's KL then replaces TRL's"
             )
         elif abs(coef - trainer.beta) > 1e-12 * max(abs(coef), abs(trainer.beta)):
             out.append(
                 f"the recipe has a KL regularizer (coef {coef}) and TRL's beta={trainer.beta} is another: the KL would "
-                f"be set twice. Set beta={coef} (it then only switches TRL's reference log-probs on; the recipe's KL "
-                "replaces TRL's) or drop the recipe's KL stage"
+                f"be set twice. Next step: set beta={coef} (it then only switches TRL's reference log-probs on; the "
+                "recipe's KL replaces TRL's) or drop the recipe's KL stage"
             )
     entropy_stages = named_stages(compiled.regularizers, "entropy")
     trl_entropy = trl_terms.get("entropy")
@@ -229,12 +325,13 @@ def _kl_and_entropy(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]
             out.append(
                 f"the recipe has an entropy regularizer and TRL's entropy bonus is on as well (entropy_coef="
                 f"{args.entropy_coef}, use_adaptive_entropy={args.use_adaptive_entropy}, top_entropy_quantile="
-                f"{args.top_entropy_quantile}) with other settings: it would be counted twice. Set entropy_coef=0 "
+                f"{args.top_entropy_quantile}) with other settings: it would be counted twice. Next step: set "
+                "entropy_coef=0 "
                 f"and use_adaptive_entropy=False (the recipe's replaces TRL's){same}"
             )
     elif args.use_adaptive_entropy:
         out.append(
-            f"use_adaptive_entropy=True: the adaptive coefficient is a recipe regularizer in lossplug; add "
+            f"use_adaptive_entropy=True: the adaptive coefficient is a recipe regularizer in lossplug. Next step: add "
             f"regularizers: [..., {stage_spec(cast(dict[str, Any], trl_entropy))}] (what trl_equivalent maps it to)"
         )
     return out
@@ -247,14 +344,12 @@ def _fields(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]:
         provided.add("ref_logp")
     if has_behavior_logp(trainer):
         provided.add("behavior_logp")
-    out = []
-    for stage in batch_stages(compiled):
-        for name in required_fields(stage.plugin, stage.params):
-            if name in provided:
-                continue
-            why = TRL_CONDITIONAL_FIELDS.get(name, "GRPOTrainer has no such field")
-            out.append(f"{stage.where} ({stage.plugin.name}) reads {name}: {why}")
-    return out
+    return [
+        unfed_line(stage.where, stage.plugin.name, name, UNFED[name])
+        for stage in batch_stages(compiled)
+        for name in required_fields(stage.plugin, stage.params)
+        if name not in provided
+    ]
 
 
 def _advantage_stage(compiled: CompiledRecipe) -> list[str]:
@@ -262,16 +357,17 @@ def _advantage_stage(compiled: CompiledRecipe) -> list[str]:
     adv_stage = compiled.advantage
     if adv_stage is None:
         return []
-    out = []
-    missing = [f for f in required_fields(adv_stage.plugin, adv_stage.params) if f not in ADVANTAGE_PROVIDED]
-    if missing:
-        out.append(
-            f"recipe.advantage ({adv_stage.plugin.name}) reads {', '.join(missing)}: in TRL the advantage "
-            "stage sees only the rewards, the per-function rewards and the prompt groups (no critic, no token "
-            "rewards)"
-        )
+    name = adv_stage.plugin.name
+    out = [
+        unfed_line("recipe.advantage", name, f, UNFED_AT_ADVANTAGE.get(f) or UNFED[f])
+        for f in required_fields(adv_stage.plugin, adv_stage.params)
+        if f not in ADVANTAGE_PROVIDED
+    ]
     if "padded" not in adv_stage.plugin.layouts:
-        out.append(f"recipe.advantage ({adv_stage.plugin.name}) works on the packed layout only")
+        out.append(
+            f"recipe.advantage ({name}) works on the packed layout only, and TRL's batches are padded. Next step: "
+            "run it outside a trainer, lossplug.estimate_advantages on PackedTransitions you build"
+        )
     return out
 
 
@@ -305,3 +401,28 @@ def _rollout_stages(compiled: CompiledRecipe) -> list[str]:
             f"prompt groups (one position per completion). {why}"
         )
     return out
+
+
+def unfed_markdown() -> str:
+    """docs/trl.md's table of what TRL cannot feed: a row per field (the loss stage's, then the advantage stage's),
+    the built-in plugins that read it, why TRL cannot feed it and the next step — from :data:`UNFED` and
+    :data:`UNFED_AT_ADVANTAGE`, the rows the refusals quote."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    def row(name: str, where: str, kinds: tuple[str, ...], unfed: Unfed) -> str:
+        plugins = ", ".join(f"`{label}`" for label in readers(name, kinds)) or "none built in"
+        return f"| `{name}`{where} | {plugins} | {cell(unfed.why)} | {cell(unfed.next_step)} |"
+
+    rows = [
+        "| field | built-in plugins that read it | why TRL cannot feed it | next step |",
+        "|---|---|---|---|",
+    ]
+    every_kind = ("advantage", "gate", "regularizer", "reduction")
+    # a field with a row of its own at the advantage stage: this row lists the loss stage's readers only
+    rows += [
+        row(name, "", every_kind[1:] if name in UNFED_AT_ADVANTAGE else every_kind, u) for name, u in UNFED.items()
+    ]
+    rows += [row(name, " (advantage stage)", ("advantage",), u) for name, u in UNFED_AT_ADVANTAGE.items()]
+    return "\n".join(rows)

@@ -251,24 +251,27 @@ def _check_trainer_class(trainer: Any) -> None:
     if isinstance(trainer, trl.RLOOTrainer):
         raise LossplugError(
             "RLOOTrainer is not supported: its batches carry per-sequence summed old log-probs (old_logps [B]) and a "
-            "KL folded into the reward, so lossplug's token-level gates cannot run on them without forking it. Use "
-            "LossplugGRPOTrainer (or attach to a GRPOTrainer) with recipe 'rloo' for a leave-one-out baseline."
+            "KL folded into the reward, so lossplug's token-level gates cannot run on them without forking it. Next "
+            "step: use LossplugGRPOTrainer (or attach to a GRPOTrainer) with recipe 'rloo' for a leave-one-out baseline."
         )
     if not isinstance(trainer, trl.GRPOTrainer):
         raise LossplugError(
-            f"lossplug.adapters.trl supports GRPOTrainer (and its subclasses), got {type(trainer).__name__}"
+            f"lossplug.adapters.trl supports GRPOTrainer (and its subclasses), got {type(trainer).__name__}. Next "
+            "step: build a LossplugGRPOTrainer(..., recipe=...), or attach to a GRPOTrainer"
         )
     owner = next(c for c in type(trainer).__mro__ if "_compute_loss" in c.__dict__ and c is not _Mixin)
     if owner is not trl.GRPOTrainer and not issubclass(owner, _Mixin):  # a user class between us and GRPOTrainer
         raise LossplugError(
             f"{owner.__name__} overrides _compute_loss: lossplug replaces _compute_loss and would "
-            "silently discard that code; attach to a class that does not override it"
+            "silently discard that code. Next step: attach to a class that does not override it, with that code as "
+            "a recipe stage (a gate, regularizer or reduction plugin)"
         )
     own = vars(trainer).get("_compute_loss")
     if own is not None and not isinstance(own, _InstanceOverride):  # a method the user put on this trainer
         raise LossplugError(
             "this trainer has its own _compute_loss (an instance attribute): lossplug replaces _compute_loss and "
-            "would silently discard that code"
+            "would silently discard that code. Next step: del trainer._compute_loss, with that code as a recipe stage "
+            "(a gate, regularizer or reduction plugin)"
         )
 
 

@@ -75,6 +75,11 @@ that is verl's own value (times the share of rows with an action token, which ve
 
 from __future__ import annotations
 
+from lossplug.extras import require
+
+# before the imports below: without verl, one MissingExtra naming pip install 'lossplug[verl]', not verl's own failure
+require("verl", __name__)
+
 from lossplug.adapters.verl.advantage import compute_advantage, compute_lossplug_advantage, group_ids
 from lossplug.adapters.verl.config import (
     ADVANTAGE_RECIPE_KEY,

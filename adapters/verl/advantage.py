@@ -13,6 +13,7 @@ import torch
 
 import lossplug
 from lossplug.adapters.common import ActionRows, warn_once
+from lossplug.adapters.unfed import Unfed
 from lossplug.adapters.verl.recipes import ADVANTAGE_RECIPE_KEY, keyed, load_recipe
 from lossplug.adapters.verl.registration import MARK, NAME, check_once
 from lossplug.adapters.verl.rollout_stages import (
@@ -23,6 +24,7 @@ from lossplug.adapters.verl.rollout_stages import (
     missing_reference_hint,
     write_back,
 )
+from lossplug.adapters.verl.unfed import ADVANTAGE_PROVIDED, ADVANTAGE_UNFED
 from lossplug.contracts import LossplugError, PolicyBatch, Recipe, RecipeError
 from lossplug.contracts.batch_rules import rewards_off_actions
 
@@ -48,8 +50,6 @@ _EXTRA_FIELDS = {
     "reward_baseline": "reward_baselines",
     "sum_pi_squared": "sum_pi_squared",
 }
-#: the DataProto keys ``ray_trainer.compute_advantage`` hands a registered estimator (besides rewards, mask, uid)
-_PASSED_BY_VERL = frozenset({"reward_baselines"})
 
 
 def _algorithm_value(config: Any, key: str) -> Any:
@@ -287,39 +287,57 @@ def _stage_fields(
     *,
     from_verl: bool,
 ) -> dict[str, Tensor]:
+    """The batch fields beyond rewards that a stage (a shaper, a filter or the advantage plugin) requires, by
+    :class:`~lossplug.PolicyBatch` name, from what the caller holds (verl's keys); every missing one refused at once,
+    each with its next step (for the advantage stage, the rows of :data:`~lossplug.adapters.verl.unfed.ADVANTAGE_UNFED`
+    where verl cannot hand it over)."""
     plugin = stage.plugin
     # "advantage plugin 'gae'", "shaper plugin 'kl_in_reward'", "filter plugin 'zero_variance'"
     label = f"{stage.where.removeprefix('recipe.').split('[')[0].removesuffix('s')} plugin '{plugin.name}'"
+    rollout_stage = stage.where != "recipe.advantage"
     extra: dict[str, Tensor] = {}
-    required = plugin.required_fields(stage.params)
-    for name in (f for f in fields_by_key if f in required):
-        verl_key = fields_by_key[name]
-        value = extra_by_verl_key.get(verl_key)
+    problems = []
+    for name in plugin.required_fields(stage.params):
+        if name in ADVANTAGE_PROVIDED:
+            continue
+        verl_key = fields_by_key.get(name)
+        value = extra_by_verl_key.get(verl_key) if verl_key is not None else None
         if value is not None:
             extra[name] = value
-        elif from_verl and verl_key not in _PASSED_BY_VERL and stage.where != "recipe.advantage":
-            raise LossplugError(
-                f"{key}: {label} needs '{verl_key}', which verl's ray_trainer.compute_advantage holds in its "
-                f"DataProto, and this estimator was not called by it. Next step: run it through verl's "
-                f"compute_advantage, or call lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto"
+        elif rollout_stage and verl_key is not None and from_verl and verl_key not in _PASSED_BY_VERL:
+            problems.append(
+                f"{label} needs '{verl_key}', which verl's ray_trainer.compute_advantage holds in its DataProto, and "
+                "this estimator was not called by it. Next step: run it through verl's compute_advantage, or call "
+                "lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto"
             )
-        elif from_verl and verl_key not in _PASSED_BY_VERL:
-            raise LossplugError(
-                f"{key}: {label} needs '{verl_key}', which verl's "
-                f"ray_trainer.compute_advantage does not pass to a registered estimator (it passes "
-                f"token_level_rewards, response_mask, uid and reward_baselines); under verl's trainer use verl's own "
-                f"estimator for it (e.g. adv_estimator=gae), or in a custom trainer call "
-                f"lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto, which reads '{verl_key}' "
-                f"from data.batch"
-            )
+        elif verl_key is None or from_verl:  # not a DataProto key the adapter reads, or verl does not pass it
+            row = ADVANTAGE_UNFED.get(name)
+            if row is not None:
+                problems.append(f"{label} needs '{verl_key or name}': {row.why}. {_next(row)}")
+            else:
+                problems.append(
+                    f"{label} needs '{name}', which verl's batch does not carry. Next step: drop the stage, or call "
+                    "lossplug.estimate_advantages on a PolicyBatch you build with it"
+                )
         else:
-            hint = {
-                "values": " (a critic-based recipe needs critic.enable=True)",
-                _REWARD_COMPONENTS: " (pass reward_keys=, verl's algorithm.gdpo_reward_keys)",
-                "sum_pi_squared": " (verl computes it with actor.calculate_sum_pi_squared=True)",
-            }.get(verl_key, missing_reference_hint(verl_key))
-            raise LossplugError(f"{key}: {label} needs '{verl_key}', which the batch does not hold{hint}")
+            step = {
+                "values": "set critic.enable=True (a critic-based recipe needs the critic's values)",
+                _REWARD_COMPONENTS: "pass reward_keys= (verl's algorithm.gdpo_reward_keys)",
+                "sum_pi_squared": "set actor.calculate_sum_pi_squared=True (verl then computes it)",
+            }.get(verl_key)
+            hint = f" Next step: {step}" if step else missing_reference_hint(verl_key) or (
+                f" Next step: put '{verl_key}' in data.batch"
+            )
+            problems.append(f"{label} needs '{verl_key}', which the batch does not hold.{hint}")
+    if len(problems) == 1:
+        raise LossplugError(f"{key}: {problems[0]}")
+    if problems:
+        raise LossplugError(f"{key}: the {label} cannot run:\n  - " + "\n  - ".join(problems))
     return extra
+
+
+def _next(row: Unfed) -> str:
+    return f"Next step: {row.next_step}"
 
 
 def advantage_batch(

@@ -28,6 +28,7 @@ from lossplug.adapters.verl.recipes import POLICY_RECIPE_KEY, frozen, load_recip
 from lossplug.adapters.verl.registration import MODULE, NAME, check_registration
 from lossplug.adapters.verl.regularizers import VerlTerms, policy_term
 from lossplug.adapters.verl.rollout import without_verls_correction
+from lossplug.adapters.verl.unfed import policy_refusals
 from lossplug.contracts import LossplugError, Recipe
 from lossplug.pipeline import CompiledRecipe, MetricLevel, Validate, metric_level
 
@@ -133,6 +134,11 @@ class PolicyPlan:
         if call.has_weights or not call.has_engine_logp:
             term = without_verls_correction(term, self.rollout_correction, has_weights=call.has_weights)
         compiled = lossplug.compile_recipe(term)
+        unfed = policy_refusals(compiled, has_engine_logp=call.has_engine_logp)
+        if unfed:  # refused here, once, in words that say what to do — not by the batch contract at every call
+            raise LossplugError(
+                f"{POLICY_RECIPE_KEY}: verl's policy loss cannot feed this recipe:\n  - " + "\n  - ".join(unfed)
+            )
         reduction: Any = compiled.reduction.params  # (the reduction's own model: FixedParams for 'fixed')
         name = compiled.reduction.plugin.name
         return PolicyTerm(

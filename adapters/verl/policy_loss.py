@@ -123,7 +123,7 @@ def _step_population(
         )
     if reduction == "fixed" and term.fixed_budget is None and (normalizer is None or normalizer.budget is None):
         raise LossplugError(
-            f"{POLICY_RECIPE_KEY}: reduction 'fixed' needs a budget: set "
+            f"{POLICY_RECIPE_KEY}: reduction 'fixed' needs a budget. Next step: set "
             f"actor_rollout_ref.actor.loss_scale_factor=<max response length> (verl's "
             f"seq-mean-token-sum-norm constant) or give the recipe one ({{name: fixed, budget: N}})"
         )

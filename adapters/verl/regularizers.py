@@ -112,11 +112,11 @@ def _check_they_are_verls(recipe: Recipe, verl_adds: list[dict[str, Any]], agg: 
         as_stages(verl_regularizers(wanted, agg))
     )
     if wanted is not None and fits:
-        fix = "Set: " + " ".join(f"actor_rollout_ref.actor.{k}={v}" for k, v in wanted.items())
+        fix = "Next step: set: " + " ".join(f"actor_rollout_ref.actor.{k}={v}" for k, v in wanted.items())
     else:
         fix = (
             "No verl setting adds these terms (verl adds one static entropy bonus and one KL of its "
-            "kl_penalty modes, reduced with loss_agg_mode): change the recipe's regularizers, or run it where "
+            "kl_penalty modes, reduced with loss_agg_mode). Next step: change the recipe's regularizers, or run it where "
             "lossplug computes the whole loss (TRL, plain PyTorch)"
         )
     raise LossplugError(

@@ -90,10 +90,11 @@ def without_verls_correction(recipe: Recipe, forwarded: Mapping[str, Any] | None
     names = ", ".join(f"recipe.gates[{i}] ({s.plugin.name})" for i, s in engine_side)
     lines = _verl_lines(ours)
     wanted = (
-        f"forward algorithm.rollout_correction to the actor and set it to the recipe's corrections: {_FORWARD_LINE} "
+        f"Next step: forward algorithm.rollout_correction to the actor and set it to the recipe's corrections: "
+        f"{_FORWARD_LINE} "
         f"{lines}"
         if lines is not None
-        else "verl's rollout correction has no setting for them: drop them from the recipe (and use verl's "
+        else "verl's rollout correction has no setting for them. Next step: drop them from the recipe (and use verl's "
         f"{_RC}.rollout_is / rollout_rs, which reach lossplug as rollout_is_weights and response_mask)"
     )
     where = (

@@ -9,7 +9,8 @@ Every command imports what it needs when it runs (torch, the registry, safetenso
 instant. Text that comes from plugins (docstrings, summaries) is printed without rich markup: ``[B, T]`` stays
 ``[B, T]``. Exit codes: 0 — fine; 1 — a check failed (contract violations, a failing conformance check, an unknown
 name); 2 — the input could not be read or understood (a file that is not a batch dump, a bad recipe, bad usage).
-Warnings go to stderr and never change the exit code.
+Warnings go to stderr and never change the exit code. A command that needs an optional package that is not installed
+says so in one line naming the extra that installs it (``pip install 'lossplug[demo]'``), with exit code 2.
 """
 
 from __future__ import annotations
@@ -20,17 +21,49 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
+from typer.core import TyperGroup
+
+from lossplug.cli.verl_commands import verl_app
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.text import Text
     from torch import Tensor
+    from typer._click.core import Context  # (typer vendors click: TyperGroup.invoke takes this Context)
 
     from lossplug.cli.batch_files import BatchCheck
     from lossplug.contracts import LossplugError, Recipe
     from lossplug.plugin_registry import Registry
 
+
+class _Commands(TyperGroup):
+    """A group of commands where a missing optional package, met anywhere in a command, is one line naming the extra
+    that installs it (exit 2), not a traceback; other errors pass through unchanged."""
+
+    def invoke(self, ctx: Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as err:
+            from lossplug.extras import EXTRA_OF, missing_extra
+
+            package = getattr(err, "package", None) or (err.name or "").partition(".")[0]
+            extra = getattr(err, "extra", None) or EXTRA_OF.get(package)
+            if extra is None:
+                raise
+            _fail(str(missing_extra(package, extra, _command_words(ctx))))
+
+
+def _command_words(ctx: Context) -> str:
+    """``lossplug recipe explain``: the command as typed, whatever the program was called (``python -m …``)."""
+    words = [ctx.invoked_subcommand or ""]
+    while ctx.parent is not None:
+        words.append(ctx.info_name or "")
+        ctx = ctx.parent
+    return " ".join(["lossplug", *reversed([w for w in words if w])])
+
+
 app = typer.Typer(
+    cls=_Commands,
     help="lossplug — a pluggable, validated loss layer for LLM RL inside TRL and verl.\n\n"
     "Plugins (advantages, gates, reductions) are selected by name in a recipe; batches are checked against "
     "one schema.",
@@ -68,13 +101,20 @@ def _options(
 
 
 recipe_app = typer.Typer(
-    help="Resolve recipes and say what a batch must contain for them.", no_args_is_help=True, rich_markup_mode=None
+    cls=_Commands,
+    help="Resolve recipes and say what a batch must contain for them.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
 )
 plot_app = typer.Typer(
-    help="Plot the plugins' behaviour (PNG; needs matplotlib).", no_args_is_help=True, rich_markup_mode=None
+    cls=_Commands,
+    help="Plot the plugins' behaviour (PNG; needs lossplug[plot]: matplotlib).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
 )
 app.add_typer(recipe_app, name="recipe")
 app.add_typer(plot_app, name="plot")
+app.add_typer(verl_app, name="verl")
 
 KIND_HELP = "A plugin kind (`lossplug list` names them) or 'preset'"
 
@@ -115,7 +155,8 @@ def _lossplug_error() -> type[LossplugError]:
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
-    _console(stderr=True).print(_text(f"error: {message}", "bold red"))
+    # soft wrap: the terminal wraps a long line, rich does not break it (a `pip install '…'` stays copy-pasteable)
+    _console(stderr=True).print(_text(f"error: {message}", "bold red"), soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -170,8 +211,9 @@ def list_cmd(
         mine = [r for r in rows if r["kind"] == k]
         console.print(_text(f"{k}s ({len(mine)})", "bold underline"))
         grid = Table.grid(padding=(0, 2), pad_edge=True)
-        grid.add_column(no_wrap=True, style="bold cyan")
-        grid.add_column(ratio=1)
+        # rich wraps and folds, never cuts: a long plugin name or description is printed whole
+        grid.add_column(style="bold cyan", overflow="fold")
+        grid.add_column(ratio=1, overflow="fold")
         for r in mine:
             detail = _text("")
             facts = []
@@ -325,9 +367,10 @@ def _print_explain(console: Console, data: dict[str, Any]) -> None:
     console.print(_text(data["yaml"].rstrip()))
     console.print(_text("\nstages", "bold"))
     grid = Table.grid(padding=(0, 2), pad_edge=True)
-    grid.add_column(no_wrap=True)
-    grid.add_column(no_wrap=True, style="bold cyan")
-    grid.add_column(ratio=1)
+    # rich wraps and folds, never cuts: a long plugin name or description is printed whole
+    grid.add_column(overflow="fold")
+    grid.add_column(style="bold cyan", overflow="fold")
+    grid.add_column(ratio=1, overflow="fold")
     for s in data["stages"]:
         detail = _text("")
         if s["role"]:
@@ -405,12 +448,12 @@ def _validate_report(
 
 def _check_file(file: Path, contract: str, recipe: str | None) -> tuple[dict[str, Any], Recipe | None, BatchCheck]:
     """(tensors, recipe, check) — or a _ValidateError naming what could not be read or run."""
-    from lossplug.cli.batch_files import UnreadableFile, check_batch, infer_contract, load_batch_file
+    from lossplug.cli.batch_files import UnreadableFile, check_batch, infer_contract, read_batch_file
     from lossplug.contracts import PluginError
 
     try:
-        tensors = load_batch_file(file)
-        model = infer_contract(set(tensors), contract)
+        read = read_batch_file(file)
+        model = infer_contract(read.field_names, contract)
     except UnreadableFile as err:
         raise _ValidateError("unreadable_file", str(err)) from None
     try:
@@ -418,7 +461,7 @@ def _check_file(file: Path, contract: str, recipe: str | None) -> tuple[dict[str
     except _lossplug_error() as err:
         raise _ValidateError("bad_recipe", str(err)) from None
     try:
-        return tensors, recipe_obj, check_batch(tensors, model, recipe_obj)
+        return read.tensors, recipe_obj, check_batch(read.tensors, model, recipe_obj, unreadable=read.problems)
     except PluginError as err:  # a plugin's own validator failed: its verdict is unknown, not negative
         raise _ValidateError("plugin_failed", str(err)) from None
 
@@ -438,14 +481,18 @@ def validate_cmd(
         None, "--recipe", "-r", metavar="PRESET|FILE", help="Also check the fields this recipe's plugins need."
     ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output, errors included."),
+    strict: bool = typer.Option(
+        False, "--strict", help="Exit 1 on warnings too (for CI: a valid batch that warns fails)."
+    ),
 ) -> None:
     """Check a batch dump against the contracts; exit 1 naming every violation (field, rule, rows).
 
-    Exit codes: 0 — the batch is valid; 1 — it has violations; 2 — it could not be judged (the file is unreadable
-    or not a batch dump, the recipe is bad, or a plugin's validator failed). Warnings — e.g. groups of a single
-    rollout under a group-relative advantage (grpo, dapo), which get advantage 0 — are printed on stderr (and listed
-    under "warnings" with --json) and never change the exit code. With --json every outcome, errors included, is
-    one JSON object on stdout with the same keys.
+    Exit codes: 0 — the batch is valid; 1 — it has violations (or, with --strict, warnings); 2 — it could not be
+    judged (the file is unreadable or not a batch dump, the recipe is bad, or a plugin's validator failed). Warnings —
+    valid but probably unintended: groups of a single rollout under a group-relative advantage (grpo, dapo), which get
+    advantage 0; log-probs of one policy that look passed for another's (ref_logp equal to old_logp) — are printed
+    on stderr, each line starting "warning:" (and listed under "warnings" with --json), and keep exit code 0 unless
+    --strict. With --json every outcome, errors included, is one JSON object on stdout with the same keys.
     """
     try:
         tensors, recipe_obj, check = _check_file(file, contract.value, recipe)
@@ -455,9 +502,10 @@ def validate_cmd(
         _fail(str(err))
     for warning in check.warnings:
         _warn(f"{warning.where or warning.field}: {warning.message}")
+    failed = not check.valid or (strict and bool(check.warnings))
     if as_json:
         typer.echo(json.dumps(_validate_report(file, recipe, check, tensors), indent=2))
-        raise typer.Exit(0 if check.valid else 1)
+        raise typer.Exit(1 if failed else 0)
 
     from rich.table import Table
 
@@ -468,6 +516,8 @@ def validate_cmd(
         table.add_column(col)
     for k, v in tensors.items():
         table.add_row(_text(k, "bold"), _text(str(list(v.shape))), _text(str(v.dtype).replace("torch.", "")))
+    for k in check.unreadable:
+        table.add_row(_text(k, "bold red"), _text("—"), _text("not read (below)"))
     console.print(table)
     against = model.__name__ + (f" and recipe '{recipe_obj.name or recipe}'" if recipe_obj else "")
     if check.valid:
@@ -475,7 +525,18 @@ def validate_cmd(
         batch = check.batch
         if batch is not None and hasattr(batch, "action_mask"):
             extra = f" (B={batch.batch_size}, {int(batch.action_mask.sum())} action tokens)"
-        console.print(_text(f"✓ valid against {against}{extra}", "bold green"))
+        n = len(check.warnings)
+        warned = f", {n} warning{'s' if n != 1 else ''} (on stderr)" if n else ""
+        if failed:
+            console.print(
+                _text(
+                    f"✗ {n} warning{'s' if n != 1 else ''} (on stderr) under --strict: the batch is valid "
+                    f"against {against}{extra}",
+                    "bold red",
+                )
+            )
+            raise typer.Exit(1)
+        console.print(_text(f"✓ valid against {against}{extra}{warned}", "bold green"))
         return
     violations = check.violations
     table = Table(
@@ -527,13 +588,18 @@ def check_cmd(
         mark, style = (
             ("– blocked", "yellow") if r.blocked else ("! kit error", "bold red") if r.kit_error else marks[r.status]
         )
+        if r.warnings and r.status == "passed":
+            mark, style = "⚠ warning", "yellow"
         table.add_row(_text(r.check, "bold"), _text(mark, style), _text(r.message or r.summary))
     console.print(table)
+    for check_name, message in report.warnings:  # findings that fail nothing, e.g. a gate without `active`
+        console.print(_text(f"⚠ {check_name}: {message}", "yellow"))
     if not report.ok:
         blocked = f", {len(report.blocked)} blocked by a failure" if report.blocked else ""
         console.print(_text(f"✗ {len(report.failures)} check(s) failed{blocked}", "bold red"))
         raise typer.Exit(1)
-    console.print(_text(f"✓ {report.name} conforms", "bold green"))
+    noted = f", with {len(report.warnings)} warning(s) above" if report.warnings else ""
+    console.print(_text(f"✓ {report.name} conforms{noted}", "bold green"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -565,10 +631,9 @@ def plot_gates_cmd(
     ratio_max: float = typer.Option(4.0, "--ratio-max", min=1.1, help="Right end of the ratio axis."),
 ) -> None:
     """A PNG of each gate's gradient coefficient ∂J/∂logp against the ratio, for A > 0 and A < 0."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        _fail("plotting needs matplotlib: pip install matplotlib")
+    from lossplug.extras import require
+
+    require("plot", "lossplug plot gates")  # before the registry is built and the curves computed
     from lossplug.cli.gate_curves import plot_gates
 
     specs = _gate_specs(gate)
@@ -625,8 +690,11 @@ def demo_cmd(
     Writes recipe.yaml, provenance.json, versions.json, metrics.jsonl, summary.json and curves.png to the run
     folder. Exit 1 if a run did not learn (reward up by less than 0.2 or no held-out gain).
     """
+    from lossplug.extras import require
+
+    require("demo", "lossplug demo")  # TRL and matplotlib, before anything is built (curves.png comes at the end)
     import lossplug.demo as demo  # lazy: torch, transformers and TRL load only when the demo runs
-    from lossplug.contracts import LossplugError
+    from lossplug.contracts import LossplugError, MissingExtra
 
     settings = (demo.FAST if fast else demo.DEFAULT).replace(steps=steps, seed=seed)
     console = _console()
@@ -640,6 +708,8 @@ def demo_cmd(
         else:
             runs = [demo.run_demo(recipe, settings, out, quiet=quiet, console=console)]
             path = None
+    except MissingExtra:
+        raise  # the command group's one line, which names this command
     except (LossplugError, ValueError) as err:
         _fail(str(err))
 

@@ -9,6 +9,8 @@ Heavy imports (torch, safetensors) happen inside the functions.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -45,8 +47,8 @@ class UnreadableFile(LossplugError):
 # Reading
 
 
-def _load_json(path: Path) -> dict[str, Any]:
-    import torch
+def _load_json(path: Path) -> BatchFile:
+    from lossplug.cli.json_batch import field_tensor
 
     try:
         data = json.loads(path.read_text())
@@ -56,27 +58,13 @@ def _load_json(path: Path) -> dict[str, Any]:
         raise UnreadableFile(
             f"{path}: expected a JSON object mapping field names to (nested) lists, got {type(data).__name__}"
         )
-    out = {}
+    read = BatchFile({})
     for name, value in data.items():
-        dtype = None
-        if isinstance(value, dict):
-            if "data" not in value:
-                raise UnreadableFile(f"{path}: field '{name}': an object needs 'data' (and optionally 'dtype')")
-            dtype_name = value.get("dtype")
-            if dtype_name is not None:
-                dtype = getattr(torch, str(dtype_name), None)
-                if not isinstance(dtype, torch.dtype):
-                    raise UnreadableFile(f"{path}: field '{name}': unknown dtype {dtype_name!r}")
-            value = value["data"]
-        if value is None:
-            continue
-        try:
-            out[name] = torch.tensor(value, dtype=dtype)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise UnreadableFile(
-                f"{path}: field '{name}' is not a rectangular array of numbers/booleans ({err})"
-            ) from None
-    return out
+        tensor, problems = field_tensor(name, value)
+        if tensor is not None:
+            read.tensors[name] = tensor
+        read.problems += problems
+    return read
 
 
 def _looks_pickled(head: bytes) -> bool:
@@ -130,11 +118,26 @@ def _load_safetensors(path: Path) -> dict[str, Any]:
         raise UnreadableFile(f"{path}: safetensors could not read it: {err}") from None
 
 
-def load_batch_file(path: Path) -> dict[str, Any]:
-    """The tensors of a batch dump: safetensors, or JSON for small ones. Never unpickles.
+@dataclass
+class BatchFile:
+    """What a batch dump holds: the tensors read, and the fields it holds that could not be read as tensors — a
+    JSON field with ragged rows, uneven nesting, a string among its numbers… — each a violation naming the field,
+    the rule and the JSON path. A safetensors file has none: its tensors are rectangular by construction."""
 
-    Raises :class:`UnreadableFile` saying what is wrong with the file (missing, a directory, a pickle, truncated,
-    not rectangular...).
+    tensors: dict[str, Any]
+    problems: list[Violation] = field(default_factory=list)
+
+    @property
+    def field_names(self) -> set[str]:
+        """Every field the file holds, read or not."""
+        return set(self.tensors) | {v.field for v in self.problems}
+
+
+def read_batch_file(path: Path | str) -> BatchFile:
+    """The tensors of a batch dump, and the fields that could not be read (see :class:`BatchFile`). Never unpickles.
+
+    Raises :class:`UnreadableFile` when the file as a whole cannot be read: missing, a directory, a pickle,
+    truncated, not safetensors, not JSON, not a JSON object.
     """
     path = Path(path)
     if not path.exists():
@@ -147,7 +150,22 @@ def load_batch_file(path: Path) -> dict[str, Any]:
         first = fh.read(64).lstrip()
     if path.suffix.lower() == ".json" or first[:1] == b"{":
         return _load_json(path)
-    return _load_safetensors(path)
+    return BatchFile(_load_safetensors(path))
+
+
+def load_batch_file(path: Path | str) -> dict[str, Any]:
+    """The tensors of a batch dump: safetensors, or JSON for small ones. Never unpickles.
+
+    Raises :class:`UnreadableFile` saying what is wrong with the file (missing, a directory, a pickle, truncated…),
+    or naming every field that cannot be read as a tensor, with its JSON path. :func:`read_batch_file` returns those
+    fields' problems beside the tensors instead.
+    """
+    read = read_batch_file(path)
+    if read.problems:
+        n = len(read.problems)
+        lines = "\n".join(f"  - {v}" for v in read.problems)
+        raise UnreadableFile(f"{path}: {n} problem{'s' if n != 1 else ''} in its fields:\n{lines}")
+    return read.tensors
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -197,6 +215,8 @@ class BatchCheck:
     violations: list[Violation] = field(default_factory=list)
     warnings: list[BatchWarning] = field(default_factory=list)
     batch: Any = None
+    #: the fields the file holds but that could not be read as tensors (their problems lead ``violations``)
+    unreadable: tuple[str, ...] = ()
 
     @property
     def valid(self) -> bool:
@@ -228,7 +248,45 @@ def _contract_violations(tensors: dict[str, Any], contract: Contract) -> tuple[l
             contract(**retry)
         except BatchValidationError as err:
             violations.extend(v for v in err.violations if v not in violations)
+    if not _anchor_usable(tensors, contract):
+        violations.extend(v for v in own_field_violations(tensors, contract) if v not in violations)
     return violations, None
+
+
+def _anchor_usable(tensors: dict[str, Any], contract: Contract) -> bool:
+    """Whether the contract's cross-field rules ran: they measure every field by one (logp; reward when packed), and
+    only once that field has its rank and at least one row."""
+    import torch
+
+    from lossplug.contracts.batch import SHAPES
+
+    anchor = contract.RULES.anchor
+    t = tensors.get(anchor)
+    depth = SHAPES[contract.SPECS[anchor].shape][1]
+    return t is not None and t.layout == torch.strided and t.ndim == depth and t.shape[0] > 0
+
+
+def own_field_violations(tensors: dict[str, Any], contract: Contract) -> list[Violation]:
+    """Each field's rank and dtype kind, checked against its declaration alone, in the contract's field order.
+
+    The contract measures the fields by one of them (``logp``; ``reward`` when packed) and stops when that one is
+    missing or of the wrong rank; these checks need no other field, so that a 3-D ``logp`` does not hide a 1-D
+    ``action_mask``. The measuring field's own rank is left to the contract, which names it first.
+    """
+    from lossplug.contracts.batch import SHAPES
+    from lossplug.contracts.checks import Checks
+
+    checks = Checks(contract.__name__)
+    for name in contract.FIELD_NAMES:
+        t = tensors.get(name)
+        if t is None:
+            continue
+        spec = contract.SPECS[name]
+        depth = SHAPES[spec.shape][1]
+        if name != contract.RULES.anchor and t.ndim not in (depth if isinstance(depth, tuple) else (depth,)):
+            checks.fail(name, f"must be {spec.shape_text}, got shape {list(t.shape)}")
+        checks.dtype(name, t, spec.kind)
+    return checks.violations
 
 
 def _usable_ids(group_id: Any) -> TypeGuard[Tensor]:
@@ -281,10 +339,151 @@ def singleton_group_warning(
     )
 
 
-def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Recipe | None = None) -> BatchCheck:
+#: the log-prob sources that may rightly hold equal values: on a single on-policy step the policy before the update is
+#: the current one (TRL's ``old_logp = logp.detach()``), and without a separate rollout engine it sampled the tokens
+_ONE_POLICY = frozenset({"current", "old", "behavior"})
+#: whose log-probs each source is, as a warning says it
+_SOURCE_WORDS = {
+    "current": "the current policy",
+    "old": "the policy before this update",
+    "behavior": "the rollout engine's policy",
+    "ref": "the frozen reference",
+    "teacher": "the teacher",
+}
+#: how many times farther from its anchor a log-prob must be than a different policy's for a warning: two orders of
+#: magnitude, so that an engine mismatch (a rollout engine against the training engine, one policy) is never taken
+#: for the distance to the reference, which is a different policy everywhere but at the first steps
+SWAP_RATIO = 100.0
+#: (anchor, near, far): ``near`` is the anchor's policy (another engine, or the same weights earlier in the step),
+#: ``far`` a different policy; ``near`` far from the anchor while ``far`` sits next to it is a swap of the two
+_DISTANCES = (("old_logp", "behavior_logp", "ref_logp"), ("logp", "old_logp", "ref_logp"))
+
+
+def _logprobs_on_actions(tensors: dict[str, Any]) -> dict[str, Tensor]:
+    """Each log-prob field's values on the action positions, for the fields whose shape and kind allow reading them
+    (the contract names the others); empty without a usable ``action_mask`` or any action."""
+    import torch
+
+    from lossplug.contracts import PolicyBatch
+
+    mask = tensors.get("action_mask")
+    if mask is None or mask.ndim != 2 or mask.is_complex() or mask.is_floating_point():
+        return {}
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            return {}
+        mask = mask.bool()
+    if not bool(mask.any()):
+        return {}
+    out = {}
+    for name in PolicyBatch.LOGPROBS:
+        t = tensors.get(name)
+        if t is not None and t.shape == mask.shape and t.is_floating_point():
+            out[name] = t.detach()[mask]
+    return out
+
+
+def _source(name: str) -> str:
+    from lossplug.contracts import PolicyBatch
+
+    return PolicyBatch.SPECS[name].source or ""
+
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    """Bitwise equal, in the coarser dtype of the two when they differ: a bf16 copy of float32 log-probs is a copy."""
+    import torch
+
+    if a.dtype != b.dtype:
+        coarser = a.dtype if torch.finfo(a.dtype).eps >= torch.finfo(b.dtype).eps else b.dtype
+        a, b = a.to(coarser), b.to(coarser)
+    return torch.equal(a, b)
+
+
+def _equal_logprob_warnings(values: dict[str, Tensor], reads: set[str] | None) -> list[BatchWarning]:
+    """One warning per field bitwise equal to fields of other policies (all of them named)."""
+    found = []
+    names = list(values)
+    for i, name in enumerate(names):
+        equal = [
+            other
+            for other in names[:i]
+            if not {_source(name), _source(other)} <= _ONE_POLICY
+            and (reads is None or {name, other} <= reads)
+            and _same_values(values[other], values[name])
+        ]
+        if not equal:
+            continue
+        sources = {_source(name), *map(_source, equal)}
+        early = (
+            " (expected only at the first step, while the policy is still the reference)" if "ref" in sources else ""
+        )
+        others = " and ".join(f"{other} ({_SOURCE_WORDS[_source(other)]})" for other in equal)
+        found.append(
+            BatchWarning(
+                name,
+                f"bitwise equal to {others} on every action position ({values[name].numel()} tokens), yet it should "
+                f"hold {_SOURCE_WORDS[_source(name)]}'s log-probs: one was probably passed for the other{early}",
+            )
+        )
+    return found
+
+
+def _distant_logprob_warnings(values: dict[str, Tensor], reads: set[str] | None) -> list[BatchWarning]:
+    found = []
+    for anchor, near, far in _DISTANCES:
+        if not {anchor, near, far} <= values.keys() or (reads is not None and not {near, far} & reads):
+            continue
+        if _same_values(values[far], values[anchor]):  # a copy: the warning above says it
+            continue
+        base = values[anchor].double()
+        to_near = float((values[near].double() - base).abs().mean())
+        to_far = float((values[far].double() - base).abs().mean())
+        if not (0 < to_far < math.inf and to_near >= SWAP_RATIO * to_far):
+            continue
+        words = {name: _SOURCE_WORDS[_source(name)] for name in (anchor, near, far)}
+        found.append(
+            BatchWarning(
+                near,
+                f"{to_near / to_far:.0f}× farther from {anchor} than {far} is (mean |Δ| on the actions {to_near:.3g} "
+                f"against {to_far:.3g}), yet {near} ({words[near]}) should sit close to {anchor} ({words[anchor]}) "
+                f"and {far} ({words[far]}) farther: {near} and {far} look swapped (unless this is one of the first "
+                "steps, while the policy is still close to the reference)",
+            )
+        )
+    return found
+
+
+def logprob_swap_warnings(tensors: dict[str, Any], reads: set[str] | None = None) -> list[BatchWarning]:
+    """Warnings that log-probs of one policy were passed for another's — valid batches that train on the wrong
+    numbers. ``reads``: the fields the recipe reads (None without a recipe: every field given counts as read).
+
+    * two fields of different policies bitwise equal on every action position (``ref_logp`` a copy of
+      ``old_logp``), when both are read. Fields of the one policy being trained (``logp``, ``old_logp``,
+      ``behavior_logp``) may rightly be equal;
+    * a field :data:`SWAP_RATIO` times farther (mean absolute difference on the actions) from the field of its own
+      policy than a different policy's field is: ``behavior_logp`` far from ``old_logp`` while ``ref_logp`` sits next
+      to it, or ``old_logp`` far from ``logp`` while ``ref_logp`` sits next to it — the two look swapped.
+
+    For the validate command and tools that inspect dumps; ``policy_loss`` never runs it (it reads whole tensors).
+    """
+    values = _logprobs_on_actions(tensors)
+    return _equal_logprob_warnings(values, reads) + _distant_logprob_warnings(values, reads)
+
+
+def check_batch(
+    tensors: dict[str, Any],
+    contract: Contract,
+    recipe: Recipe | None = None,
+    *,
+    unreadable: Sequence[Violation] = (),
+) -> BatchCheck:
     """Every violation of ``contract`` at once, then what ``recipe`` (a :class:`Recipe` or None) adds: the fields
     its stages need, its advantage's group-size rule, its plugins' own validators — and warnings that do not make
-    the batch invalid (groups of one rollout under a group-relative advantage).
+    the batch invalid (groups of one rollout under a group-relative advantage, log-probs of one policy passed for
+    another's).
+
+    ``unreadable``: the problems of fields the file holds but that could not be read as tensors
+    (:attr:`BatchFile.problems`): they come first, and such a field is not called missing.
 
     Raises a :class:`PluginError` when a plugin validator fails, naming the plugin.
     """
@@ -293,16 +492,24 @@ def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Recipe | No
     from lossplug.pipeline import compile_recipe
     from lossplug.validation import group_violations, plugin_validator_violations
 
+    broken = {v.field for v in unreadable}
     violations, batch = _contract_violations(tensors, contract)
-    result = BatchCheck(contract, violations, batch=batch)
+    violations = [
+        *_known_field_problems(unreadable, contract),
+        *(v for v in violations if not (v.field in broken and v.rule == "is required")),
+    ]
+    result = BatchCheck(contract, violations, batch=batch, unreadable=tuple(dict.fromkeys(v.field for v in unreadable)))
+    needs = recipe_needs(recipe) if recipe is not None and contract is PolicyBatch else None
+    if contract is PolicyBatch:
+        result.warnings += logprob_swap_warnings(tensors, set(needs) if needs is not None else None)
     if recipe is None:
         return result
     compiled = compile_recipe(recipe)
     adv = compiled.advantage
-    if contract is PolicyBatch:
-        for field_name, stages in recipe_needs(recipe).items():
+    if needs is not None:
+        for field_name, stages in needs.items():
             # (the contract names a missing logp or action_mask already: every recipe needs them)
-            if field_name not in tensors and field_name not in ALWAYS:
+            if field_name not in tensors and field_name not in ALWAYS and field_name not in broken:
                 violations.append(missing_field(field_name, stages, "the file has none"))
         if batch is not None and adv is not None and batch.group_id is not None:
             violations += group_violations(batch, adv.plugin, "recipe.advantage")
@@ -310,7 +517,7 @@ def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Recipe | No
         if adv is not None and _usable_ids(group_id):  # worth saying even when other fields are broken
             warning = singleton_group_warning(group_id, adv.plugin, adv.params)
             if warning is not None:
-                result.warnings.append(warning)
+                result.warnings.insert(0, warning)
     elif adv is None or "packed" not in adv.plugin.layouts:
         what = (
             f"advantage '{adv.plugin.name}' works on {', '.join(adv.plugin.layouts)} batches"
@@ -324,9 +531,29 @@ def check_batch(tensors: dict[str, Any], contract: Contract, recipe: Recipe | No
         violations += [
             missing_field(f, (f"advantage '{adv.plugin.name}'",), "the file has none")
             for f in required_fields(adv.plugin, adv.params)
-            if f not in tensors
+            if f not in tensors and f not in broken
         ]
     if batch is not None and not violations and compiled.has_validators:
         violations += plugin_validator_violations(batch, recipe)
     result.violations = one_line_each(violations)
     return result
+
+
+def _known_field_problems(unreadable: Sequence[Violation], contract: Contract) -> list[Violation]:
+    """The read problems of the contract's fields; a field it does not know is one line saying so instead (its
+    value does not matter), as the contract says it of a field that was read."""
+    from lossplug.contracts import Violation
+    from lossplug.contracts.errors import did_you_mean
+
+    names = contract.FIELD_NAMES
+    out: list[Violation] = []
+    for v in unreadable:
+        if v.field in names:
+            out.append(v)
+        else:
+            unknown = Violation(
+                v.field, "unknown field" + did_you_mean(v.field, names), f"fields are: {', '.join(names)}"
+            )
+            if unknown not in out:
+                out.append(unknown)
+    return out

@@ -64,7 +64,7 @@ def parameters(plugin: AnyPlugin) -> list[dict[str, Any]]:
             "name": name,
             "type": type_name(f.annotation),
             "required": f.is_required(),
-            "default": None if f.is_required() else f.default,
+            "default": None if f.is_required() else f.get_default(call_default_factory=True),
             "constraint": constraints(f),
             "description": f.description or "",
         }
@@ -106,7 +106,7 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
     """A recipe resolved: its stages (plugin, parameters, role, source, summary), the batch fields it needs and the
     normaliser it expects."""
     from lossplug.pipeline import compile_recipe
-    from lossplug.plugin_registry import registry
+    from lossplug.plugin_registry import doc_summary, registry
 
     reg = registry()
     compiled = compile_recipe(recipe)
@@ -140,7 +140,7 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
                 "params": stage.params.model_dump(),
                 "role": role,
                 "source": distribution(reg.origin(p.kind, p.name)),
-                "summary": p.doc.splitlines()[0] if p.doc else "",
+                "summary": doc_summary(p.doc),
             }
         )
     red = compiled.reduction

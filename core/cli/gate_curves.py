@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lossplug.extras import requires_extra
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
@@ -152,6 +154,7 @@ def gate_coefficients(spec: dict[str, Any], ratios: npt.ArrayLike, advantage: fl
     return (-n * grad).reshape(-1).detach().numpy()
 
 
+@requires_extra("plot")
 def plot_gates(path: Path, specs: list[dict[str, Any]], ratio_max: float = 4.0, points: int = 321) -> Path:
     """A PNG at ``path``: one panel per gate spec, the coefficient for A = +1 and A = −1 against the ratio."""
     import matplotlib

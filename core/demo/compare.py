@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lossplug.extras import requires_extra
+
 from .display import LiveDisplay
 from .figures import plot_compare
 from .record import RunResult, default_out_dir, recipe_label
@@ -40,6 +42,7 @@ def preflight(recipes: Sequence[tuple[str, Any]], settings: DemoSettings) -> Non
                 raise LossplugError(f"recipe {label!r}: {err}") from None
 
 
+@requires_extra("demo", "lossplug.demo.run_compare")
 def run_compare(
     recipes: Sequence[Any],
     settings: DemoSettings = DEFAULT,

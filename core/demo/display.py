@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from rich.console import Console, RenderableType
     from rich.live import Live
 
-from .gate_metrics import gate_fractions
+from .gate_metrics import effective_rate_note, gate_fractions
 from .record import mean
 from .settings import DemoSettings
 
@@ -157,10 +157,11 @@ class LiveDisplay:
                 Text(f"{gate}: {' · '.join(sides)}" if sides else gate, style="dim"),
             )
         if "lossplug/effective/token_frac" in last:
+            note = effective_rate_note(last, self.gates)  # gates whose cuts it counts as kept
             table.add_row(
                 "effective rate",
                 f"{fmt('lossplug/effective/token_frac')} {fmt('lossplug/effective/seq_frac')}",
-                Text("token · sequence", style="dim"),
+                Text("token · sequence" + (f" ({note})" if note else ""), style="yellow" if note else "dim"),
             )
         if "lossplug/ratio/update/p50" in last:
             table.add_row(

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-from .gate_metrics import GateFraction, gate_fractions
+from lossplug.extras import requires_extra
+
+from .gate_metrics import GateFraction, effective_rate_note, gate_fractions
 
 #: the smallest top of a gate-fraction axis: all-zero fractions still get a readable scale
 FRACTION_AXIS_FLOOR = 0.01
@@ -102,12 +104,15 @@ def _gate_panel(ax: Axes, rows: list[dict[str, Any]], gates: Sequence[str] | Non
     ax.set_ylabel("fraction of action tokens cut")
 
     rates = ax.twinx()
-    for key, color, label in (
-        ("lossplug/effective/token_frac", "black", "effective sample rate (tokens)"),
-        ("lossplug/effective/seq_frac", "tab:orange", "effective sample rate (sequences)"),
+    # a gate that declares no `active` has its cuts counted as kept: the label says so instead of a silent 1.0
+    note = effective_rate_note({k for r in rows for k in r}, gates)
+    for key, color, what in (
+        ("lossplug/effective/token_frac", "black", "tokens"),
+        ("lossplug/effective/seq_frac", "tab:orange", "sequences"),
     ):
         gx, gy = _series(rows, key)
         if gy:
+            label = f"effective sample rate ({what}; {note})" if note else f"effective sample rate ({what})"
             rates.plot(gx, gy, color=color, lw=1.2, ls="--", label=label)
     gate_means = sorted({k for r in rows for k in r if k.startswith("lossplug/") and k.endswith("/gate_mean")})
     for key in gate_means:  # smooth gates (SAPO): the mean gate weight, a share kept rather than a fraction cut
@@ -131,6 +136,7 @@ def _gate_panel(ax: Axes, rows: list[dict[str, Any]], gates: Sequence[str] | Non
         ax.legend(handles + more_handles, labels + more_labels, fontsize=legend_size, loc="upper center", ncol=2)
 
 
+@requires_extra("plot", "lossplug.demo.run_figure")
 def run_figure(rows: list[dict[str, Any]], title: str = "lossplug demo", gates: Sequence[str] | None = None) -> Figure:
     """The figure of ``curves.png``: learning signal, gate activity, throughput and held-out score, each on its own
     panel. ``gates``: the recipe's gate names (None: every gate in the rows). The caller closes it."""
@@ -178,6 +184,7 @@ def run_figure(rows: list[dict[str, Any]], title: str = "lossplug demo", gates: 
     return fig
 
 
+@requires_extra("plot", "lossplug.demo.plot_run")
 def plot_run(
     rows: list[dict[str, Any]], path: str | Path, title: str = "lossplug demo", gates: Sequence[str] | None = None
 ) -> Path:
@@ -185,6 +192,7 @@ def plot_run(
     return _write(run_figure(rows, title, gates), path)
 
 
+@requires_extra("plot", "lossplug.demo.compare_figure")
 def compare_figure(
     runs: dict[str, list[dict[str, Any]]],
     title: str = "lossplug demo · recipes compared",
@@ -225,6 +233,7 @@ def compare_figure(
     return fig
 
 
+@requires_extra("plot", "lossplug.demo.plot_compare")
 def plot_compare(
     runs: dict[str, list[dict[str, Any]]],
     path: str | Path,

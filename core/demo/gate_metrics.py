@@ -85,3 +85,26 @@ def gate_fractions(keys: Iterable[str], gates: Sequence[str] | None = None) -> l
             f.side or "",
         ),
     )
+
+
+def gates_without_active(keys: Iterable[str], gates: Sequence[str] | None = None) -> list[str]:
+    """The gates whose cuts the effective sample rate (``effective/token_frac``, ``seq_frac``) does not see: among
+    ``keys`` (one logged row), a cut fraction of theirs but no kept fraction. The pipeline logs a gate's kept fraction
+    (``active_token_frac`` / ``active_seq_frac``) beside the effective rate exactly when the gate declares
+    ``GateOutput.active``; one that does not counts every token as kept, so the rate overstates what trains.
+    Empty when the row has no effective rate (``metrics`` below ``"full"``)."""
+    keys = list(keys)
+    if PREFIX + "effective/token_frac" not in keys:
+        return []
+    fractions = gate_fractions(keys, gates)
+    kept = {f.gate for f in fractions if f.kept}
+    return sorted({f.gate for f in fractions if not f.kept} - kept)
+
+
+def effective_rate_note(keys: Iterable[str], gates: Sequence[str] | None = None) -> str:
+    """What a plot or a table of the effective sample rate adds to its label: the gates it does not see, or ''."""
+    unseen = gates_without_active(keys, gates)
+    if not unseen:
+        return ""
+    verb = "declares" if len(unseen) == 1 else "declare"
+    return f"{', '.join(unseen)} {verb} no `active`: counted as kept"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
+from lossplug.extras import requires_extra
 from lossplug.testing import tiny
 
 from .display import LiveDisplay
@@ -208,6 +209,7 @@ def build_trainer(
     return trainer, callback, task
 
 
+@requires_extra("demo", "lossplug.demo.run_demo")
 def run_demo(
     recipe: Any = DEFAULT_RECIPE,
     settings: DemoSettings = DEFAULT,
@@ -221,7 +223,9 @@ def run_demo(
     :class:`lossplug.Recipe`) and write the run folder (default ``runs/<timestamp>-<recipe>/``).
 
     ``quiet``: no live display, one plain line per held-out evaluation. Raises :class:`lossplug.LossplugError` for a
-    recipe that does not load or that TRL cannot run (nothing is left on disk then)."""
+    recipe that does not load or that TRL cannot run (nothing is left on disk then), and
+    :class:`lossplug.MissingExtra` before anything is built where TRL or matplotlib is not installed (``pip install
+    'lossplug[demo]'``)."""
     with quiet_libraries():
         return _run_demo(recipe, settings, out_dir, quiet=quiet, console=console, label=label)
 

@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names are resol
         CheckResult,
         ConformanceError,
         ConformanceReport,
+        ConformanceWarning,
         assert_conforms,
         check_plugin,
         checks_for,
@@ -66,6 +67,7 @@ _LAZY = {  # imported on first use, so that loading the pytest plugin costs noth
     "CheckResult": "kit",
     "ConformanceError": "kit",
     "ConformanceReport": "kit",
+    "ConformanceWarning": "kit",
     "assert_conforms": "kit",
     "check_plugin": "kit",
     "checks_for": "kit",
@@ -133,7 +135,8 @@ def run_as_test(
     skip_reason: str | None = None,
 ) -> CheckResult:
     """Run one check as the body of a pytest test: skipped with a reason, or raising
-    :class:`ConformanceError` with the whole report when it fails. Returns the :class:`CheckResult`."""
+    :class:`ConformanceError` with the whole report when it fails; its warnings are emitted as
+    :class:`ConformanceWarning` (pytest's warnings summary). Returns the :class:`CheckResult`."""
     import pytest
 
     from .kit import ConformanceError, check_plugin
@@ -146,6 +149,7 @@ def run_as_test(
         pytest.skip(result.message)
     if result.status == "failed":
         raise ConformanceError(report)
+    report.emit_warnings()
     return result
 
 
@@ -155,6 +159,7 @@ __all__ = [
     "CheckResult",
     "ConformanceError",
     "ConformanceReport",
+    "ConformanceWarning",
     "assert_conforms",
     "check_plugin",
     "checks_for",

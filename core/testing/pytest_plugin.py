@@ -94,6 +94,7 @@ class ConformanceItem(pytest.Item):
             pytest.skip(result.message)
         if result.status == "failed":
             raise ConformanceError(report)
+        report.emit_warnings()
 
     def repr_failure(
         self, excinfo: pytest.ExceptionInfo[BaseException], style: TracebackStyle | None = None

@@ -8,36 +8,40 @@ gradient accumulation and logging — and that its metrics reach TRL's logs. The
 (``num_iterations=2``): the second optimizer step re-uses the first one's rollouts, so its ratios move away from 1 and
 a clip or a correction acts.
 
-A plugin author's test (needs ``lossplug[trl]``)::
+A plugin author's test (needs ``lossplug[trl]``): a gate, checked by the conformance kit, then run inside TRL.
 
-    import torch, lossplug
-    from lossplug.testing.tiny import tiny_grpo_trainer
+```pycon
+>>> import torch, lossplug
+>>> from lossplug.testing import check_plugin
+>>> from lossplug.testing.tiny import tiny_grpo_trainer
+>>> @lossplug.gate("soft_cut", requires=("old_logp",))
+... def soft_cut(inp, p):
+...     '''A·r, with the ratio bending smoothly towards 1.3 above 1.3.'''
+...     ratio = inp.update_log_ratio().clamp(-20, 20).exp()  # unclamped, exp overflows and 0·inf is a NaN gradient
+...     bent = torch.where(ratio > 1.3, 1.3 + 0.1 * torch.tanh((ratio - 1.3) / 0.1), ratio)
+...     cut = inp.mask & (ratio > 1.3)  # the bend damps their gradient towards 0: counted as cut
+...     return lossplug.GateOutput(objective=inp.advantage * bent, active=lambda: inp.mask & ~cut,
+...                                metrics={"soft_cut_frac": lambda: inp.token_fraction(cut)})
+>>> print(check_plugin(soft_cut))
+gate 'soft_cut' (unregistered, checked in-process) passes all 12 conformance checks
+>>> class SoftCutPlugin:
+...     @lossplug.hookimpl
+...     def lossplug_register_gates(self, register):
+...         register(soft_cut)
+>>> def test_soft_cut_runs_inside_trl(tmp_path):
+...     plugin = SoftCutPlugin()
+...     lossplug.register_plugin(plugin, "soft_cut")
+...     try:
+...         trainer = tiny_grpo_trainer({"advantage": "grpo", "gates": ["soft_cut"], "reduction": "token"},
+...                                     tmp_path, max_steps=2)
+...         trainer.train()
+...     finally:
+...         lossplug.unregister_plugin(plugin)
+...     logs = [row for row in trainer.state.log_history if "loss" in row]
+...     assert len(logs) == 2 and all("lossplug/soft_cut/soft_cut_frac" in row for row in logs)
+...     assert logs[1]["lossplug/soft_cut/soft_cut_frac"] > 0  # step 2 re-uses step 1's rollouts: ratios moved
 
-    @lossplug.gate("soft_cut", requires=("old_logp",))
-    def soft_cut(inp, p):
-        '''A·r, with the ratio bending smoothly towards 1.3 above 1.3.'''
-        ratio = (inp.logp - inp.old_logp).exp()
-        bent = torch.where(ratio > 1.3, 1.3 + 0.1 * torch.tanh((ratio - 1.3) / 0.1), ratio)
-        cut = ((ratio > 1.3) & inp.mask).sum() / inp.mask.sum().clamp(min=1)
-        return lossplug.GateOutput(objective=inp.advantage * bent, metrics={"soft_cut_frac": cut})
-
-    class SoftCutPlugin:
-        @lossplug.hookimpl
-        def lossplug_register_gates(self, register):
-            register(soft_cut)
-
-    def test_soft_cut_runs_inside_trl(tmp_path):
-        plugin = SoftCutPlugin()
-        lossplug.register_plugin(plugin, "soft_cut")
-        try:
-            trainer = tiny_grpo_trainer({"advantage": "grpo", "gates": ["soft_cut"], "reduction": "token"},
-                                        tmp_path, max_steps=2)
-            trainer.train()
-        finally:
-            lossplug.unregister_plugin(plugin)
-        logs = [row for row in trainer.state.log_history if "loss" in row]
-        assert len(logs) == 2 and all("lossplug/soft_cut/soft_cut_frac" in row for row in logs)
-        assert logs[1]["lossplug/soft_cut/soft_cut_frac"] > 0  # step 2 re-uses step 1's rollouts: ratios moved
+```
 
 The pieces, for tests that need more control:
 
@@ -54,6 +58,8 @@ The pieces, for tests that need more control:
 
 Importing this module is cheap: transformers, tokenizers, datasets and TRL are imported inside the functions, and
 ``import lossplug.testing`` (loaded by every pytest run through lossplug's pytest plugin) does not import it.
+Without TRL (or what it brings) every helper but :class:`TinyRollout` and :func:`offline` raises
+:class:`~lossplug.MissingExtra` naming the package and ``pip install 'lossplug[trl]'``, before it builds anything.
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from lossplug.extras import requires_extra
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -107,6 +115,7 @@ def offline() -> None:
         os.environ.setdefault(key, value)
 
 
+@requires_extra("trl")
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A word-level ``PreTrainedTokenizerFast`` over :data:`VOCAB`: words split on whitespace, unknown words map to
     ``<unk>``, left padding with ``<pad>``, eos ``<eos>``, no chat template (prompts are plain text)."""
@@ -124,6 +133,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
+@requires_extra("trl")
 def tiny_model(
     tok: PreTrainedTokenizerBase, *, hidden_size: int = 32, layers: int = 2, seed: int = 0
 ) -> PreTrainedModel:
@@ -160,6 +170,7 @@ def tiny_model(
     return as_float
 
 
+@requires_extra("trl")
 def tiny_model_and_tokenizer(
     path: str | Path | None = None, *, hidden_size: int = 32, layers: int = 2, seed: int = 0
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
@@ -193,6 +204,7 @@ PROMPTS = [
 ]
 
 
+@requires_extra("trl")
 def tiny_dataset(n: int = 8) -> Dataset:
     """A ``datasets.Dataset`` with a ``prompt`` column (plain text, no chat template)."""
     offline()
@@ -220,6 +232,7 @@ def digit_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
 _SCHEDULE_FIELDS = ("num_iterations", "steps_per_generation", "generation_batch_size")
 
 
+@requires_extra("trl")
 def tiny_grpo_config(output_dir: str | Path, **overrides: Any) -> GRPOConfig:
     """A ``GRPOConfig`` that runs on CPU in seconds: 4 completions of at most 8 tokens per prompt, micro-batches of
     4, float32, no gradient checkpointing, no reporting, no checkpoints. ``overrides`` win.
@@ -260,6 +273,7 @@ def tiny_grpo_config(output_dir: str | Path, **overrides: Any) -> GRPOConfig:
     return GRPOConfig(**kwargs)
 
 
+@requires_extra("trl")
 def tiny_grpo_trainer(
     recipe: Any,
     output_dir: str | Path,

@@ -12,6 +12,8 @@ drift from it, and links from the docs to files of the repository outside ``docs
 * ``<!-- generated: batch_fields -->`` becomes a table of every field of ``PolicyBatch`` and ``PackedTransitions``
   (shape, kind, log-prob source, rules, description), from each field's one declaration (its ``TensorField``,
   ``SPECS``) and the contract's rule table (``field_rules``) — the same source as ``lossplug schema``.
+* ``<!-- generated: trl_unfed -->`` becomes the table of what TRL cannot feed a recipe, from the rows the TRL
+  adapter's refusals quote (:func:`lossplug.adapters.trl.refusals.unfed_markdown`).
 * mkdocstrings reads the sources statically (griffe), which cannot follow the ``package-dir`` mapping of
   pyproject.toml (``lossplug`` = ``core/``, ``lossplug.contracts`` = ``contracts/``…): :func:`on_config` lays the
   package out as it is installed — a temporary folder of symbolic links — and puts it first on the handler's paths.
@@ -22,6 +24,10 @@ drift from it, and links from the docs to files of the repository outside ``docs
   becomes its plain text otherwise.
 
 Written for mkdocs ≥ 1.6 (``File.generated``): one file and no plugin dependency, rather than mkdocs-gen-files.
+
+A figure that committed Markdown states — the README's test count, its benchmark figures — cannot wait for a build,
+since the README is read where it lies: it is written ``<!-- figure: NAME -->VALUE<!-- /figure -->`` and checked by
+``figures.py`` beside this file (the standard library only, so that ``tests/conftest.py`` can load it without mkdocs).
 """
 
 from __future__ import annotations
@@ -222,8 +228,18 @@ def on_config(config):
     return config
 
 
+def trl_unfed_table() -> str:
+    from lossplug.adapters.trl.refusals import unfed_markdown
+
+    return unfed_markdown()
+
+
 GENERATED_PAGES = {"catalogue.md": catalogue_page, "cli.md": cli_page, "api/lossplug.md": api_page}
-PLACEHOLDERS = {"trl_equivalent": trl_equivalent_table, "batch_fields": batch_fields_table}
+PLACEHOLDERS = {
+    "trl_equivalent": trl_equivalent_table,
+    "batch_fields": batch_fields_table,
+    "trl_unfed": trl_unfed_table,
+}
 
 
 def on_files(files, config):

@@ -3,15 +3,26 @@
 verl computes ``rollout_is_weights`` and the ``rollout_rs`` rejection once per rollout batch, in the driver, before
 the batch is split into mini- and micro-batches; ``rollout_is_batch_normalize`` divides by a mean over that whole
 batch. A gate in a recipe sees one micro-batch. For the population-dependent option, run the corrections here once
-per rollout batch and hand each micro-batch its rows, as verl hands its loss ``rollout_is_weights``::
+per rollout batch and hand each micro-batch its rows, as verl hands its loss ``rollout_is_weights``:
 
-    corrected = whole_batch_weight(rollout_batch, [{"name": "tis_seq", "cap": 2.0, "batch_normalize": True},
-                                                   {"name": "rollout_rs", "options": "seq_mean_k3",
-                                                    "threshold": 0.01}])
-    normalizer = lossplug.Normalizer.for_masks([corrected.kept_mask])      # verl's counts after rejection
-    for rows in micro_batches:                 # each: the rows with a surviving token, action_mask = kept_mask
-        micro = lossplug.PolicyBatch(..., action_mask=corrected.kept_mask[rows])
-        lossplug.policy_loss(micro, recipe_without_corrections, normalizer, weight=corrected.weight[rows])
+>>> import lossplug
+>>> from lossplug.plugins.gates import whole_batch_weight
+>>> from lossplug.testing.batches import policy_fields
+>>> rollout = policy_fields(B=6, T=10, log_ratio_scale=0.25)   # one rollout batch's fields, as verl's driver has them
+>>> corrected = whole_batch_weight(lossplug.PolicyBatch(**rollout),
+...                                [{"name": "tis_seq", "cap": 2.0, "batch_normalize": True},
+...                                 {"name": "rollout_rs", "options": "seq_mean_k3", "threshold": 0.01}])
+>>> corrected.kept_mask.any(-1).tolist()                      # rollout_rs rejected responses 0 and 2
+[False, True, False, True, True, True]
+>>> normalizer = lossplug.Normalizer.for_masks([corrected.kept_mask])       # verl's counts after rejection
+>>> recipe_without_corrections = lossplug.Recipe.model_validate({"gates": ["ppo_clip"], "reduction": "token"})
+>>> for rows in ([1, 3], [4, 5]):          # each micro-batch: rows with a surviving token, action_mask = kept_mask
+...     micro = lossplug.PolicyBatch(**{k: v[rows] for k, v in rollout.items()}
+...                                  | {"action_mask": corrected.kept_mask[rows]})
+...     result = lossplug.policy_loss(micro, recipe_without_corrections, normalizer, weight=corrected.weight[rows])
+...     print(bool(result.loss.isfinite()))
+True
+True
 
 ``weight`` is the product of the gates' weights ``[B, T]`` (0 off the actions; a sequence-level weight repeated over
 its response) and ``kept_mask`` the action mask with the ``rollout_rs`` rejections removed — verl's modified

@@ -187,9 +187,11 @@ def test_verls_compute_advantage_cannot_supply_the_fields_of_opd_and_gigpo_and_s
     from lossplug.adapters.verl import compute_advantage
 
     data, *_ = outcome_proto(verl_proto)
-    with pytest.raises(BatchValidationError) as err:
+    with pytest.raises(LossplugError) as err:
         compute_advantage(data, {"advantage": advantage, "gates": ["ppo_clip"], "reduction": "token"})
-    assert all(f"{field}: required by recipe.advantage ({advantage})" in str(err.value) for field in fields)
+    # refused by the adapter, with the next step, before the batch contract would say only what is missing
+    assert all(f"advantage plugin '{advantage}' needs '{field}'" in str(err.value) for field in fields)
+    assert "Next step: planned: issue 'Teachers and turns'" in str(err.value)
 
 
 def test_the_nll_regularizer_under_verls_policy_loss_is_refused_with_the_reason(verl_proto):

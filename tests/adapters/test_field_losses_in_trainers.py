@@ -173,5 +173,5 @@ def test_prompt_mean_is_refused_by_name_where_the_seam_has_no_prompt_groups():
     pytest.importorskip("verl")
     x = verl_inputs(seed=0)
     config = verl_actor_config({"gates": ["importance_sampling"], "reduction": "prompt_mean"}, MICRO)
-    with pytest.raises(lossplug.BatchValidationError, match=r"group_id.*prompt_mean|prompt_mean.*group_id"):
+    with pytest.raises(lossplug.LossplugError, match=r"recipe.reduction \(prompt_mean\) reads group_id: .*Next step"):
         verl_policy_loss(config, x)

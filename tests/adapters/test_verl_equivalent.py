@@ -410,7 +410,7 @@ def test_regularizers_verl_does_not_add_are_refused_under_verl() -> None:
 
     # the exact override lines that make verl add the recipe's terms
     lines = (
-        r"Set: actor_rollout_ref.actor.entropy_coeff=0.0 actor_rollout_ref.actor.use_kl_loss=True "
+        r"set: actor_rollout_ref.actor.entropy_coeff=0.0 actor_rollout_ref.actor.use_kl_loss=True "
         r"actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.kl_loss_coef=0.05"
     )
     with pytest.raises(LossplugError, match=r"use_kl_loss=False.*" + lines):

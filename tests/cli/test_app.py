@@ -1,8 +1,12 @@
 """The `lossplug` command line: list, show, validate, recipe explain, check, plot gates."""
 
 import json
+import os
 import pickle
 import struct
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -30,7 +34,7 @@ def test_help_lists_every_command_with_a_one_line_summary():
     out = run("--help")
     assert out.exit_code == 0
     commands = {line.split()[0] for line in out.output.split("Commands:")[1].splitlines() if line.strip()}
-    assert commands == {"list", "show", "validate", "check", "demo", "recipe", "plot", "schema"}
+    assert commands == {"list", "show", "validate", "check", "demo", "recipe", "plot", "schema", "verl"}
     assert "--version" in out.output
     assert "explain" in run("recipe", "--help").output
     assert "gates" in run("plot", "--help").output
@@ -271,8 +275,16 @@ def test_validate_missing_file_bad_json_and_unknown_contract(tmp_path):
     assert "no such file" in run("validate", str(tmp_path / "nope.safetensors")).output
     bad = tmp_path / "bad.json"
     bad.write_text('{"logp": [[-1.0, -2.0], [-1.0]]}')
-    out = run("validate", str(bad))
-    assert out.exit_code == 2 and "field 'logp' is not a rectangular array" in out.output
+    out = run("validate", str(bad), "--json")  # a field that is no array is a violation, in lossplug's words
+    assert out.exit_code == 1 and "expected sequence" not in out.output
+    assert json.loads(out.stdout)["violations"] == [
+        {
+            "field": "logp",
+            "rule": "must be a rectangular array: every list at one depth has the same length",
+            "where": "$.logp[1] has 1 element where $.logp[0] has 2",
+        },
+        {"field": "action_mask", "rule": "is required", "where": ""},
+    ]
     odd = tmp_path / "odd.json"
     odd.write_text('{"score": [1.0]}')
     out = run("validate", str(odd))
@@ -353,7 +365,7 @@ def test_validate_help_documents_the_exit_codes():
         "0 — the batch is valid",
         "1 — it has violations",
         "2 — it could not be judged",
-        "never change the exit code",
+        "keep exit code 0 unless --strict",
     ):
         assert phrase in text
 
@@ -411,6 +423,67 @@ def test_recipe_explain_errors_are_messages(tmp_path):
     path.write_text("gates: [{name: ppo_clip, eps_hgh: 0.3}]\nreduction: token\n")
     out = run("recipe", "explain", str(path))
     assert out.exit_code == 2 and "did you mean 'eps_high'" in out.output
+
+
+#: a third-party gate's description: a first paragraph of several lines, as docstrings are written
+LONG_DESCRIPTION = (
+    "Soft trust band: A times the ratio inside the band, bending smoothly towards its edge outside it so that no "
+    "token loses its gradient at once; the band widens with the advantage's magnitude and narrows for tokens the "
+    "policy already finds likely, as the second table of the paper describes for each of its settings."
+)
+
+
+def _soft_band_gate(name="soft_trust_band"):
+    doc = textwrap.fill(LONG_DESCRIPTION, 70) + "\n\nPaper: none; a test gate."
+
+    @lossplug.gate(name, requires=("old_logp",), role="correction", doc=doc)
+    def soft_trust_band(inp, p):
+        return lossplug.GateOutput(weight=(inp.logp - inp.old_logp).detach().exp().clamp(max=2.0))
+
+    return soft_trust_band
+
+
+def _printed_whole(text: str, expected: str) -> bool:
+    """``expected`` appears in ``text`` word for word, however rich wrapped it."""
+    return " ".join(expected.split()) in " ".join(text.split())
+
+
+@pytest.mark.parametrize("columns", ["60", "200"])
+def test_recipe_explain_prints_a_plugin_description_whole_at_any_width(register_gates, tmp_path, columns):
+    register_gates(_soft_band_gate())
+    path = tmp_path / "recipe.yaml"
+    path.write_text("gates: [{name: ppo_clip}, {name: soft_trust_band}]\nreduction: token\n")
+    out = run("recipe", "explain", str(path), env={"COLUMNS": columns})
+    assert out.exit_code == 0
+    assert _printed_whole(out.output, LONG_DESCRIPTION)
+    # a built-in's first paragraph runs over two lines of its docstring too
+    assert _printed_whole(out.output, "for A < 0; with ``delta``: min(min(r, δ)·A, clip(r)·A).")
+    stages = out.output.split("\nstages\n")[1].split("the batch")[0]
+    assert "…" not in stages
+
+
+def test_recipe_explain_folds_a_long_plugin_name_instead_of_cutting_it(register_gates, tmp_path):
+    name = "soft_trust_band_with_a_name_longer_than_the_column"
+    register_gates(_soft_band_gate(name))
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"gates: [{{name: ppo_clip}}, {{name: {name}}}]\nreduction: token\n")
+    out = run("recipe", "explain", str(path), env={"COLUMNS": "50"})
+    assert out.exit_code == 0
+    lines = out.output.split("\nstages\n")[1].split("the batch")[0].splitlines()
+    assert not any("…" in line for line in lines)
+    row = next(i for i, line in enumerate(lines) if "gates[1]" in line)
+    start = lines[row].index(name[:8])
+    width = len(lines[row][start:].split()[0])
+    column = [line[start : start + width].strip() for line in lines[row:]]
+    assert "".join(column[: column.index("")] if "" in column else column) == name  # folded, every letter kept
+
+
+def test_list_prints_each_plugin_summary_whole(register_gates):
+    register_gates(_soft_band_gate())
+    out = run("list", "--kind", "gate", env={"COLUMNS": "80"})
+    assert out.exit_code == 0
+    assert _printed_whole(out.output, LONG_DESCRIPTION)
+    assert _printed_whole(out.output, "for A < 0; with ``delta``: min(min(r, δ)·A, clip(r)·A).")
 
 
 def test_check_runs_the_conformance_kit():
@@ -512,3 +585,97 @@ def test_plot_gate_coefficients_are_the_gradients():
     assert gate_coefficients({"name": "tis", "cap": 1.2}, r, 1.0).tolist() == pytest.approx([0.5, 0.9, 1.0, 1.1, 1.2])
     out = run("plot", "gates", "--gate", "no_such_gate", "--out", "/dev/null")
     assert out.exit_code == 2 and "unknown gate plugin 'no_such_gate'" in out.output
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a missing optional extra: one line naming it, exit 2, no traceback
+
+
+def _without(monkeypatch, *modules):
+    for module in modules:
+        monkeypatch.setitem(sys.modules, module, None)  # `import module` raises, as where it is not installed
+
+
+@pytest.mark.parametrize(
+    ("args", "hidden", "line"),
+    [
+        (("demo", "--fast"), "trl", "lossplug demo needs trl, which is not installed: pip install 'lossplug[demo]'"),
+        (
+            ("demo", "--compare", "grpo,dapo"),
+            "transformers",
+            "lossplug demo needs transformers, which is not installed: pip install 'lossplug[demo]'",
+        ),
+        (
+            ("demo", "--fast"),
+            "matplotlib",  # checked before training, not after minutes of it when curves.png is drawn
+            "lossplug demo needs matplotlib, which is not installed: pip install 'lossplug[demo]'",
+        ),
+        (
+            ("plot", "gates"),
+            "matplotlib",
+            "lossplug plot gates needs matplotlib, which is not installed: pip install 'lossplug[plot]'",
+        ),
+    ],
+)
+def test_a_command_without_its_extra_names_it_in_one_line(monkeypatch, tmp_path, args, hidden, line):
+    _without(monkeypatch, hidden)
+    out = run(*args, "--out", str(tmp_path / "out"))
+    assert (out.exit_code, out.stderr.strip(), out.stdout) == (2, f"error: {line}", "")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_gate_plot_helper_without_matplotlib_names_the_plot_extra(monkeypatch, tmp_path):
+    from lossplug.cli.gate_curves import plot_gates
+
+    _without(monkeypatch, "matplotlib")
+    with pytest.raises(lossplug.MissingExtra) as info:
+        plot_gates(tmp_path / "gates.png", [{"name": "ppo_clip"}])
+    assert str(info.value) == (
+        "lossplug.cli.gate_curves.plot_gates needs matplotlib, which is not installed: pip install 'lossplug[plot]'"
+    )
+
+
+def test_a_missing_extra_met_anywhere_in_a_command_is_one_line(monkeypatch):
+    from lossplug.cli import describe
+
+    def needs_verl(recipe):
+        import verl  # noqa: F401
+
+    monkeypatch.setattr(describe, "explain_recipe", needs_verl)
+    _without(monkeypatch, "verl")
+    out = run("recipe", "explain", "dapo")
+    assert out.exit_code == 2
+    assert out.stderr.strip() == (
+        "error: lossplug recipe explain needs verl, which is not installed: pip install 'lossplug[verl]'"
+    )
+
+
+def test_an_import_error_that_is_no_extra_is_not_disguised_as_one(monkeypatch):
+    from lossplug.cli import describe
+
+    def broken(recipe):
+        import lossplug_no_such_module  # noqa: F401
+
+    monkeypatch.setattr(describe, "explain_recipe", broken)
+    result = CliRunner().invoke(app, ["recipe", "explain", "dapo"], env=WIDE)
+    assert isinstance(result.exception, ModuleNotFoundError) and "pip install" not in result.output
+
+
+@pytest.mark.slow
+def test_lossplug_demo_without_trl_prints_one_line_and_exits_2(tmp_path):
+    """The issue as a user met it: `lossplug demo` where TRL is not installed printed a 40-line traceback."""
+    code = (
+        "import sys\n"
+        "sys.modules['trl'] = None  # as where TRL is not installed\n"
+        "sys.argv = ['lossplug', 'demo', '--fast', '--out', sys.argv[1]]\n"
+        "from lossplug.cli import main\n"
+        "main()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "60", "NO_COLOR": "1"},  # narrower than the line: not broken, copy-pasteable
+    )
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == "error: lossplug demo needs trl, which is not installed: pip install 'lossplug[demo]'\n"

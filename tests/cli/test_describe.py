@@ -42,3 +42,22 @@ def test_explain_recipe_lists_stages_fields_and_normaliser():
     assert fields["reward"]["needed_by"].startswith("advantage") and fields["old_logp"]["shape"]
     assert data["needs"] == recipe_fields(lossplug.Recipe.preset("dapo"))
     assert "Normalizer" in data["normalizer"]
+
+
+def test_explain_recipe_summarises_each_stage_with_its_whole_first_paragraph():
+    data = explain_recipe(lossplug.Recipe.preset("dapo"))
+    summary = {s["plugin"]: s["summary"] for s in data["stages"]}
+    # ppo_clip's first paragraph runs over two docstring lines: the summary used to stop at "…for A < 0; with"
+    assert summary["ppo_clip"] == (
+        "PPO clip: min(r·A, clip(r, 1−eps_low, 1+eps_high)·A), optional dual-clip max(·, c·A) for A < 0; with "
+        "``delta``: min(min(r, δ)·A, clip(r)·A)."
+    )
+    assert "\n" not in summary["grpo"] and summary["grpo"].endswith("exactly 0 for groups of equal rewards.")
+
+
+def test_a_default_made_by_a_factory_is_shown_as_its_value():
+    plugin = lossplug.registry().plugins["gate"]["bypass_rs"]
+    rows = {r["name"]: r for r in parameters(plugin)}
+    assert rows["rules"]["required"] is False and rows["rules"]["default"] == []  # was 'PydanticUndefined'
+    listed = next(r for r in lossplug.list_plugins() if r["kind"] == "gate" and r["name"] == "bypass_rs")
+    assert listed["params"]["rules"]["default"] == []

@@ -166,3 +166,168 @@ def test_estimate_advantages_refuses_a_token_reward_off_the_actions():
     with pytest.raises(BatchValidationError) as info:
         lossplug.compute_advantages(batch, "grpo")
     assert [str(v) for v in info.value.violations] == [f"reward: {OFF_ACTION_REWARD} — (row 1, pos 0); the first is 2"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every problem in one run: each field's rank on its own, a JSON file's nesting in lossplug's words
+
+
+def run_validate(path, *args):
+    """``(exit code, JSON report, human output, human stderr)`` of ``lossplug validate PATH ARGS``."""
+    runner = CliRunner()
+    env = {"COLUMNS": "250", "NO_COLOR": "1"}
+    data = json.loads(runner.invoke(app, ["validate", str(path), *args, "--json"], env=env).stdout)
+    human = runner.invoke(app, ["validate", str(path), *args], env=env)
+    return human.exit_code, data, human.stdout, human.stderr
+
+
+def test_a_3d_logp_does_not_hide_a_1d_mask(tmp_path):
+    fields = tensors(logp=torch.full((B, T, 2), -1.0), action_mask=torch.ones(B, dtype=torch.bool))
+    code, lines, _ = validate(tmp_path, fields)
+    assert code == 1
+    assert lines[:2] == [
+        ("logp", "must be [B, T], got shape (4, 3, 2)", ""),
+        ("action_mask", "must be [B, T], got shape [4]", ""),
+    ]
+
+
+def test_without_a_usable_logp_every_other_field_is_checked_on_its_own(tmp_path):
+    fields = tensors(
+        logp=torch.full((B, T, 2), -1.0),
+        action_mask=torch.ones(B, T, dtype=torch.int8),  # right rank, wrong kind
+        old_logp=torch.full((B,), -1.0),  # per token, given per row
+        advantage=torch.ones(B, T, 2),  # [B] or [B, T]
+        group_id=torch.zeros(B, 1, dtype=torch.int64),
+    )
+    _, lines, _ = validate(tmp_path, fields)
+    assert lines == [
+        ("logp", "must be [B, T], got shape (4, 3, 2)", ""),
+        (
+            "action_mask",
+            "must be a bool tensor, got torch.int8 (convert with .bool() once you know it holds only 0/1)",
+            "",
+        ),
+        ("old_logp", "must be [B, T], got shape [4]", ""),
+        ("advantage", "must be [B] or [B, T], got shape [4, 3, 2]", ""),
+        ("group_id", "must be [B], got shape [4, 1]", ""),
+    ]
+
+
+def test_a_ragged_json_file_names_every_problem_with_its_json_path(tmp_path):
+    path = tmp_path / "batch.json"
+    path.write_text(
+        json.dumps(
+            {
+                "logp": [[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0], [-1.0]],  # row 3 is short
+                "old_logp": [[-1.0, "x"], [-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]],  # a string
+                "action_mask": [[True, True], [True, [True]], [True, True], True],  # nesting differs
+                "reward": {"data": [1.0, 0.0, 1.0, 0.0], "dtype": "float33"},
+                "group_id": [0, 0, 1, 1],
+            }
+        )
+    )
+    code, data, out, err = run_validate(path)
+    assert code == 1 and data["error"] is None and not data["valid"]
+    assert [(v["field"], v["where"]) for v in data["violations"]] == [
+        ("logp", "$.logp[3] has 1 element where $.logp[0] has 2"),
+        ("old_logp", "$.old_logp[0][1] is a string"),
+        (
+            "action_mask",
+            "$.action_mask[1][1] is a list where $.action_mask[0][0] is a boolean, "
+            "$.action_mask[3] is a boolean where $.action_mask[0] is a list",
+        ),
+        ("reward", "$.reward.dtype"),
+    ]
+    rules = [v["rule"] for v in data["violations"]]
+    assert rules[:3] == [
+        "must be a rectangular array: every list at one depth has the same length",
+        "elements must be numbers or booleans",
+        "must nest evenly: every element at one depth a list, or every one a value",
+    ]
+    assert rules[3].startswith("unknown dtype 'float33' (did you mean 'float32'?)")
+    for text in (out + err, json.dumps(data)):
+        assert "expected sequence" not in text and "dim 1" not in text and "invalid data type" not in text
+    assert "✗ 4 violations of PolicyBatch" in out
+    assert out.count("not read (below)") == 4  # the field table lists what the file holds, read or not
+
+
+def test_a_list_torch_would_silently_truncate_is_ragged(tmp_path):
+    """``torch.tensor([[], [1.0]])`` is a [2, 0] tensor: the 1.0 would be dropped without a word."""
+    path = tmp_path / "batch.json"
+    path.write_text(json.dumps({"logp": [[], [-1.0]], "action_mask": [[], [True]]}))
+    _, data, _, _ = run_validate(path)
+    assert [(v["field"], v["where"]) for v in data["violations"]] == [
+        ("logp", "$.logp[1] has 1 element where $.logp[0] has 0"),
+        ("action_mask", "$.action_mask[1] has 1 element where $.action_mask[0] has 0"),
+    ]
+
+
+def test_a_declared_integer_dtype_refuses_values_it_would_change(tmp_path):
+    path = tmp_path / "batch.json"
+    fields = {k: v.tolist() for k, v in tensors().items()}
+    fields["group_id"] = {"data": [0, 0, 1.5, 1], "dtype": "int64"}
+    path.write_text(json.dumps(fields))
+    _, data, _, _ = run_validate(path)
+    assert [(v["field"], v["rule"], v["where"]) for v in data["violations"]] == [
+        ("group_id", "values must be representable as int64", "$.group_id.data[2] is 1.5")
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Log-probs of one policy passed for another's: warnings, not violations (unless --strict)
+
+KL_RECIPE = {"advantage": "grpo", "gates": ["ppo_clip", "tis"], "regularizers": ["kl"], "reduction": "token"}
+
+
+def logprob_tensors(*, behavior_shift, ref_shift):
+    """old_logp with behavior_logp and ref_logp at the given distances (mean |Δ| on the actions)."""
+    old = -torch.rand(B, T, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3 - 1
+    return tensors(logp=old.clone(), old_logp=old, behavior_logp=old - behavior_shift, ref_logp=old - ref_shift)
+
+
+def save_recipe(tmp_path, recipe):
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(recipe))
+    return str(path)
+
+
+def test_ref_logp_bitwise_equal_to_old_logp_warns_naming_both_when_the_recipe_reads_both(tmp_path):
+    fields = logprob_tensors(behavior_shift=1e-3, ref_shift=0.5)
+    fields["ref_logp"] = fields["old_logp"].clone()
+    path = tmp_path / "batch.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(fields, str(path))
+    code, data, out, err = run_validate(path, "--recipe", save_recipe(tmp_path, KL_RECIPE))
+    assert code == 0 and data["valid"] and data["violations"] == []
+    (warning,) = data["warnings"]
+    assert warning["field"] == "ref_logp"
+    assert warning["message"].startswith(
+        "bitwise equal to logp (the current policy) and old_logp (the policy before this update) on every action "
+        "position (12 tokens), yet it should hold the frozen reference's log-probs: one was probably passed for the "
+        "other"
+    )
+    assert "warning: ref_logp: bitwise equal to logp" in err and "passed for the other" not in out
+    assert "✓ valid against PolicyBatch and recipe" in out and "1 warning (on stderr)" in out
+    code, data, out, _ = run_validate(path, "--recipe", save_recipe(tmp_path, KL_RECIPE), "--strict")
+    assert code == 1 and data["valid"] and "✗ 1 warning (on stderr) under --strict: the batch is valid against" in out
+    # dapo reads old_logp but never ref_logp: the copy is harmless there
+    _, data, _, _ = run_validate(path, "--recipe", "dapo")
+    assert data["warnings"] == []
+
+
+def test_behavior_logp_orders_of_magnitude_farther_from_old_than_ref_warns(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "batch.safetensors"
+    recipe = save_recipe(tmp_path, KL_RECIPE)
+    save_file(logprob_tensors(behavior_shift=1e-3, ref_shift=0.5), str(path))  # as it should be
+    code, data, _, _ = run_validate(path, "--recipe", recipe)
+    assert code == 0 and data["warnings"] == []
+    save_file(logprob_tensors(behavior_shift=0.5, ref_shift=1e-3), str(path))  # the two swapped
+    code, data, _, err = run_validate(path, "--recipe", recipe)
+    assert code == 0
+    (warning,) = data["warnings"]
+    assert warning["field"] == "behavior_logp"
+    assert warning["message"].startswith("500× farther from old_logp than ref_logp is (mean |Δ| on the actions 0.5 ")
+    assert "look swapped" in warning["message"] and "look swapped" in err

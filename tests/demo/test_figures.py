@@ -10,7 +10,8 @@ from lossplug.demo.figures import FRACTION_AXIS_FLOOR, compare_figure, fraction_
 
 
 def synthetic_rows(steps: int = 20) -> list[dict]:
-    """A run of a recipe whose gates are ppo_clip and a third-party ``soft_cut``: small fractions, rates near 1."""
+    """A run of a recipe whose gates are ppo_clip and a third-party ``soft_cut``: small fractions, rates near 1 (both
+    declare ``active``: their kept fractions are logged)."""
     rows = [{"step": 0, "heldout/score": 0.0}]
     for s in range(2, 2 * steps + 1, 2):
         rows.append(
@@ -21,6 +22,8 @@ def synthetic_rows(steps: int = 20) -> list[dict]:
                 "lossplug/ppo_clip/clip_frac_low": 0.001 * (s % 7),
                 "lossplug/ppo_clip/clip_frac_high": 0.03 * s / (2 * steps),
                 "lossplug/soft_cut/soft_cut_frac": 0.02,
+                "lossplug/ppo_clip/active_token_frac": 0.99,
+                "lossplug/soft_cut/active_token_frac": 0.98,
                 "lossplug/effective/token_frac": 0.97,
                 "lossplug/effective/seq_frac": 0.99,
                 "lossplug/reward/unscorable_frac": 0.5,
@@ -55,7 +58,12 @@ def test_the_gate_panel_plots_a_third_party_gates_fraction_on_a_fitted_axis():
         assert "soft_cut/soft_cut_frac" in legend and "effective sample rate (tokens)" in legend
         # the shares kept, near 1, are on the panel's second axis, which stays 0–1
         (rates,) = [other for other in fig.axes if other is not ax and other.bbox.bounds == ax.bbox.bounds]
-        assert line_labels(rates) == ["effective sample rate (tokens)", "effective sample rate (sequences)"]
+        assert line_labels(rates) == [
+            "effective sample rate (tokens)",
+            "effective sample rate (sequences)",
+            "ppo_clip/active_token_frac",  # with two gates, each one's kept fraction tells them apart
+            "soft_cut/active_token_frac",
+        ]
         assert rates.get_ylim()[1] > 1
         assert "unscorable" not in " ".join(legend)  # lossplug's own reward metric is no gate's
     finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -49,16 +48,10 @@ def test_the_tokenizer_and_model_are_built_locally_and_deterministic():
 
 
 def docstring_example() -> str:
-    """The indented block after "A plugin author's test" in the module docstring."""
-    doc = tiny.__doc__
-    start = doc.index("A plugin author's test")
-    block = doc[doc.index("::\n", start) + 3 :]
-    lines = []
-    for line in block.splitlines():
-        if line and not line.startswith("    "):
-            break
-        lines.append(line)
-    return textwrap.dedent("\n".join(lines))
+    """The module docstring's example (a doctest, run as one by tests/plugins/test_docstring_examples.py), as code."""
+    import doctest
+
+    return "".join(example.source for example in doctest.DocTestParser().get_examples(tiny.__doc__))
 
 
 @pytest.mark.slow

@@ -10,9 +10,12 @@ checks that inspect a gate's raw output call it directly on the pipeline's own :
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -54,6 +57,37 @@ class CheckSkipped(Exception):
     """Raised inside a check when it does not apply to this plugin."""
 
 
+class ConformanceWarning(UserWarning):
+    """A finding that fails no check: the plugin conforms, but what it declares (or leaves out) misleads what reads
+    it — e.g. a gate without ``active``, whose cuts the effective sample rate does not see. :meth:`ConformanceReport.
+    emit_warnings` raises it as a Python warning (pytest lists it in its warnings summary)."""
+
+
+#: the warnings of the check running now (set by the runner around each check)
+_RUNNING_CHECK_WARNINGS: ContextVar[list[str] | None] = ContextVar("lossplug_kit_warnings", default=None)
+
+
+def warn(message: str) -> None:
+    """Record a warning for the check that is running: reported with its result (:attr:`CheckResult.warnings`),
+    neither failing nor blocking anything."""
+    found = _RUNNING_CHECK_WARNINGS.get()
+    if found is None:  # a check function called outside the runner: a warning is all it can be
+        warnings.warn(ConformanceWarning(message), stacklevel=2)
+    elif message not in found:
+        found.append(message)
+
+
+@contextlib.contextmanager
+def collecting_warnings() -> Iterator[list[str]]:
+    """A fresh list that :func:`warn` appends to inside the block (the runner wraps each check in one)."""
+    found: list[str] = []
+    token = _RUNNING_CHECK_WARNINGS.set(found)
+    try:
+        yield found
+    finally:
+        _RUNNING_CHECK_WARNINGS.reset(token)
+
+
 class KitError(Exception):
     """Raised by the kit when its own setup is wrong (not the plugin's output): reported as a kit error."""
 
@@ -82,6 +116,8 @@ class CheckResult:
     kit_error: bool = False
     #: a failure that keeps the checks needing this one from running (see CheckFailed's ``blocking``)
     blocking: bool = True
+    #: findings that fail nothing (see :class:`ConformanceWarning`)
+    warnings: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -116,14 +152,30 @@ class ConformanceReport:
         return [r for r in self.results if r.blocked]
 
     @property
+    def warnings(self) -> list[tuple[str, str]]:
+        """``(check, message)`` for every warning of the reported checks (they fail nothing)."""
+        return [(r.check, w) for r in self.results for w in r.warnings]
+
+    @property
     def title(self) -> str:
         params = f" with {self.params}" if self.params else ""
         return f"{self.kind} '{self.name}'{params} ({self.source})"
 
+    def emit_warnings(self) -> None:
+        """Each warning as a Python :class:`ConformanceWarning` (how a test run shows them)."""
+        for check_name, message in self.warnings:
+            warnings.warn(ConformanceWarning(f"{self.title}, {check_name}: {message}"), stacklevel=2)
+
     def __str__(self) -> str:
         n_fail, n_blocked, n = len(self.failures), len(self.blocked), len(self.results)
+        noted = [f"  ⚠ {check_name}: {message}" for check_name, message in self.warnings]
         if not n_fail and not n_blocked:
-            return f"{self.title} passes all {n} conformance checks"
+            if not noted:
+                return f"{self.title} passes all {n} conformance checks"
+            plural = "s" if len(noted) > 1 else ""
+            return "\n".join(
+                [f"{self.title} passes all {n} conformance checks, with {len(noted)} warning{plural}:"] + noted
+            )
         if n_fail:
             more = f"; {n_blocked} more did not run, blocked by a failure" if n_blocked else ""
             lines = [f"{self.title} failed {n_fail} of {n} conformance checks{more}:"]
@@ -142,11 +194,13 @@ class ConformanceReport:
                 lines.append(f"  – blocked by {', '.join(roots)}: {names}")
             else:
                 lines.append(f"  – {names}: {blocked[0].message}")
-        return "\n".join(lines)
+        return "\n".join(lines + noted)
 
     def raise_for_failures(self) -> ConformanceReport:
+        """Raise :class:`ConformanceError` when a check failed or was blocked; else emit the warnings and return."""
         if not self.ok:
             raise ConformanceError(self)
+        self.emit_warnings()
         return self
 
 

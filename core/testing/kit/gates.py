@@ -22,6 +22,7 @@ from ._common import (
     metrics_with_gradient,
     normalizer_for,
     run_loss,
+    warn,
     where_rows,
 )
 
@@ -103,10 +104,17 @@ def gate_output_contract(s: Subject) -> None:
         if bool(bad.any()):
             problems.append(f"the weight must be finite and ≥ 0 on action tokens; it is not at {where_rows(bad)}")
     values, active = declared_metrics(out)
-    if active is not None:
-        if not isinstance(active, Tensor) or active.dtype != torch.bool or tuple(active.shape) not in ((B, T), (B,)):
-            what = f"{active.dtype} {list(active.shape)}" if isinstance(active, Tensor) else type(active).__name__
-            problems.append(f"active must be a bool [B, T] or [B] tensor (or a function returning one), got {what}")
+    if active is None:
+        warn(
+            "the gate declares no `active`: the pipeline then counts every action token as still carrying "
+            "gradient after it, so effective/token_frac and effective/seq_frac (the effective sample rate the demo "
+            "plots) overstate what trains wherever the gate cuts. Declare GateOutput(active=...): a bool [B, T] "
+            "(or [B] at sequence level), or a function returning one, True where a token still carries gradient "
+            "after this gate — `lambda: inp.mask` if it never cuts"
+        )
+    elif not isinstance(active, Tensor) or active.dtype != torch.bool or tuple(active.shape) not in ((B, T), (B,)):
+        what = f"{active.dtype} {list(active.shape)}" if isinstance(active, Tensor) else type(active).__name__
+        problems.append(f"active must be a bool [B, T] or [B] tensor (or a function returning one), got {what}")
     for key, value in values.items():
         if not isinstance(key, str) or not isinstance(value, Tensor) or value.ndim != 0:
             problems.append(

@@ -64,6 +64,17 @@ EXTREME_ROWS = (  # (logp, old_logp, behavior_logp): update and engine log-ratio
 )
 
 
+#: why a gradient is NaN where the loss is finite, and the fix (torch.nan_to_num is what one reaches for first)
+NON_FINITE_GRADIENT = (
+    "an intermediate overflowed to inf (exp of a log-ratio above ~88 in fp32) and a zero derivative after it — a "
+    "saturated tanh or sigmoid, a clamp, the unselected branch of torch.where — multiplied it in the backward pass: "
+    "0·inf = NaN. Clamp the log-ratio before exp (inp.update_log_ratio().clamp(-20, 20).exp(), or a "
+    "log_ratio_clamp parameter, as the built-in gates have) so that every intermediate stays finite. torch.nan_to_num "
+    "on the result mends the value only: "
+    "exp's backward multiplies by its own overflowed output, so the gradient stays NaN"
+)
+
+
 @check(
     "metric_levels",
     ("gate", "regularizer"),
@@ -154,7 +165,10 @@ def extreme_ratios(s: Subject) -> None:
             grad = run.logp_grad
             bad = ~torch.isfinite(grad)
             if bool(bad.any()):
-                raise CheckFailed(f"gradient is not finite in {dtype} for log-ratios up to ±1000 at {where_rows(bad)}")
+                raise CheckFailed(
+                    f"gradient is not finite in {dtype} for log-ratios up to ±1000 at {where_rows(bad)}, while the "
+                    f"loss is finite ({float(run.loss):.6g}): {NON_FINITE_GRADIENT}"
+                )
             nan = sorted(k for k, v in run.metrics.items() if bool(torch.isnan(v).any()))
             if nan:
                 raise CheckFailed(f"metric(s) {', '.join(nan)} are NaN in {dtype} for extreme log-ratios")

@@ -24,6 +24,7 @@ from ._common import (
     CheckSkipped,
     ConformanceReport,
     Subject,
+    collecting_warnings,
     format_exception,
     raised_in_kit,
     reference_update_gate,
@@ -155,21 +156,22 @@ def _run_one(subject: Subject, name: str) -> CheckResult:
     bug: every plugin output is checked against its kind's contract before the kit reads it) is reported as one."""
     check = CHECKS[name]
     torch.manual_seed(0)  # each check draws the same numbers whatever ran before it (so a needed check's result keeps)
-    try:
-        check.fn(subject)
-    except CheckSkipped as skip:
-        return CheckResult(name, "skipped", str(skip), check.summary)
-    except CheckFailed as fail:
-        return CheckResult(name, "failed", str(fail), check.summary, blocking=fail.blocking)
-    except Exception as err:
-        if raised_in_kit(err):
-            message = (
-                f"the conformance kit itself raised {format_exception(err)}: a bug in lossplug.testing, not a "
-                "verdict on the plugin — please report it with this message"
-            )
-            return CheckResult(name, "failed", message, check.summary, kit_error=True)
-        return CheckResult(name, "failed", f"raised {format_exception(err)}", check.summary)
-    return CheckResult(name, "passed", "", check.summary)
+    with collecting_warnings() as found:
+        try:
+            check.fn(subject)
+        except CheckSkipped as skip:
+            return CheckResult(name, "skipped", str(skip), check.summary)
+        except CheckFailed as fail:
+            return CheckResult(name, "failed", str(fail), check.summary, blocking=fail.blocking, warnings=tuple(found))
+        except Exception as err:
+            if raised_in_kit(err):
+                message = (
+                    f"the conformance kit itself raised {format_exception(err)}: a bug in lossplug.testing, not a "
+                    "verdict on the plugin — please report it with this message"
+                )
+                return CheckResult(name, "failed", message, check.summary, kit_error=True)
+            return CheckResult(name, "failed", f"raised {format_exception(err)}", check.summary, warnings=tuple(found))
+    return CheckResult(name, "passed", "", check.summary, warnings=tuple(found))
 
 
 #: every check's last result, by (check, plugin, parameters, reference gate): a check run alone (one pytest item per

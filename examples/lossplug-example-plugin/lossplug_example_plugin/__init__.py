@@ -37,7 +37,7 @@ def tanh_clip(inp: lossplug.GateInput, p: TanhClipParams) -> lossplug.GateOutput
     def saturated_frac() -> torch.Tensor:  # declared: the pipeline calls it only when metrics are asked for
         return inp.token_fraction(torch.where(adv >= 0, ratio > 1 + p.eps_high, ratio < 1 - p.eps_low))
 
-    return lossplug.GateOutput(objective=objective, metrics={"saturated_frac": saturated_frac})
+    return lossplug.GateOutput(objective=objective, metrics={"saturated_frac": saturated_frac}, active=lambda: inp.mask)
 
 
 @lossplug.hookimpl

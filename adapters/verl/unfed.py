@@ -1,0 +1,151 @@
+"""What verl cannot feed a recipe, and what to do instead: one row per batch field (:class:`~lossplug.adapters.unfed.
+Unfed`) for each of verl's two seams — the policy loss (:data:`POLICY_UNFED`: verl's ``ppo_loss`` hands a policy
+loss ``old_log_prob``, ``log_prob``, ``advantages`` and ``response_mask`` only) and the registered advantage estimator
+(:data:`ADVANTAGE_UNFED`: ``ray_trainer.compute_advantage`` hands it ``token_level_rewards``, ``response_mask``,
+``uid`` and ``reward_baselines`` only). The policy loss's plan and the estimator refuse a recipe with these rows,
+before any batch is checked (:func:`policy_refusals`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lossplug.adapters.unfed import Unfed, unfed_line
+from lossplug.needs import required_fields
+from lossplug.pipeline import CompiledRecipe
+
+__all__ = ["ADVANTAGE_PROVIDED", "ADVANTAGE_UNFED", "POLICY_PROVIDED", "POLICY_UNFED", "policy_refusals"]
+
+#: the issue where a teacher's log-probs and multi-turn ids are planned to reach the recipe
+TEACHERS_AND_TURNS = "planned: issue 'Teachers and turns'"
+#: what the policy loss gets from verl's ppo_loss (behavior_logp only where verl passes rollout_log_probs)
+POLICY_PROVIDED = frozenset({"logp", "action_mask", "old_logp", "advantage"})
+#: what the registered estimator gets from verl's compute_advantage (reward_baseline: only verl's remax computes it)
+ADVANTAGE_PROVIDED = frozenset({"reward", "group_id"})
+
+_TEACHER = Unfed(
+    "neither adapter feeds a teacher's log-probs yet (verl's teacher loop's teacher_logprobs are not read)",
+    f"{TEACHERS_AND_TURNS}; today the estimator runs outside a trainer: lossplug.estimate_advantages on a "
+    "PolicyBatch you build with teacher_logp",
+)
+_TURNS = Unfed(
+    "the adapter reads no trajectory or anchor-state ids from verl's non_tensor_batch yet (verl-agent's traj_uid, "
+    "anchor_obs)",
+    f"{TEACHERS_AND_TURNS}; today the estimator runs outside a trainer: lossplug.estimate_advantages on a "
+    "PolicyBatch you build with trajectory_id and anchor_id",
+)
+_VERSIONS = Unfed(
+    "verl's batches carry no policy version per token",
+    "no trainer adapter feeds policy versions (asynchronous rollouts): approximate π_prox without them — "
+    "decoupled_ppo with prox_logp: recompute (old_logp) or rollout (behavior_logp)",
+)
+_TRANSITIONS = Unfed(
+    "the adapter packs no transitions",
+    "run the estimator outside a trainer: lossplug.estimate_advantages on PackedTransitions you build",
+)
+_ADVANTAGE_SIDE = "verl's ppo_loss passes a policy loss the advantages, not what they were computed from"
+_NOT_TO_ESTIMATOR = (
+    "verl's ray_trainer.compute_advantage does not pass it to a registered estimator (it passes "
+    "token_level_rewards, response_mask, uid and reward_baselines)"
+)
+_CUSTOM = "or in a custom trainer call lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto"
+
+#: the fields verl's ppo_loss does not hand the policy loss: why, and what to do instead
+POLICY_UNFED: dict[str, Unfed] = {
+    "behavior_logp": Unfed(
+        "verl's ppo_loss passes a policy loss no rollout log-probs",
+        "set algorithm.rollout_correction.bypass_mode=true (verl's old_log_prob is then the rollout engine's, so a "
+        "gate reading old_logp reads them), keep engine-side corrections as verl's algorithm.rollout_correction, or "
+        "run it in TRL (use_vllm=True or a rollout_func)",
+    ),
+    "ref_logp": Unfed(
+        "verl's ppo_loss passes a policy loss no ref_log_prob (it adds the KL itself)",
+        "make the KL verl's: actor_rollout_ref.actor.use_kl_loss=true with kl_loss_type and kl_loss_coef (a recipe "
+        "kl regularizer equal to them is then left to verl), or run it in TRL (beta != 0)",
+    ),
+    "entropy": Unfed(
+        "verl's ppo_loss passes a policy loss no entropies (it adds its own bonus from actor.entropy_coeff)",
+        "run it in TRL, whose forward pass gives the entropies to the loss",
+    ),
+    "group_id": Unfed(
+        "verl's ppo_loss passes a policy loss no prompt ids (uid stays in the driver's non_tensor_batch)",
+        "use a reduction over tokens or responses (token, response, fixed, sequence_sum, token_sum), or run it in "
+        "TRL, which passes the prompt groups to the loss",
+    ),
+    "reward": Unfed(_ADVANTAGE_SIDE, "run it in TRL, whose loss stage has the rewards"),
+    "reward_components": Unfed(_ADVANTAGE_SIDE, "run it in TRL, whose loss stage has the per-function rewards"),
+    "reward_baseline": Unfed(_ADVANTAGE_SIDE, "read it in the advantage stage (verl's own adv_estimator=remax)"),
+    "sum_pi_squared": Unfed(
+        _ADVANTAGE_SIDE,
+        "read it in the advantage stage (verl's own adv_estimator=optimal_token_baseline with "
+        "actor.calculate_sum_pi_squared=True)",
+    ),
+    "value": Unfed("verl's ppo_loss passes a policy loss no critic values", "leave the value loss to verl's critic"),
+    "terminated": _TRANSITIONS,
+    "final_value": _TRANSITIONS,
+    "teacher_logp": _TEACHER,
+    "trajectory_id": _TURNS,
+    "anchor_id": _TURNS,
+    "behavior_version": _VERSIONS,
+    "policy_version": _VERSIONS,
+}
+
+#: the fields verl's compute_advantage does not hand a registered estimator: why, and what to do instead
+ADVANTAGE_UNFED: dict[str, Unfed] = {
+    "value": Unfed(
+        _NOT_TO_ESTIMATOR,
+        f"use verl's own estimator (adv_estimator=gae, with critic.enable=True), {_CUSTOM}, which reads 'values' "
+        "from data.batch",
+    ),
+    "old_logp": Unfed(
+        _NOT_TO_ESTIMATOR,
+        f"use verl's own estimator where it has one (adv_estimator=optimal_token_baseline), {_CUSTOM}, which reads "
+        "'old_log_probs' from data.batch",
+    ),
+    "sum_pi_squared": Unfed(
+        _NOT_TO_ESTIMATOR,
+        "use verl's own adv_estimator=optimal_token_baseline with actor.calculate_sum_pi_squared=True, "
+        f"{_CUSTOM}, which reads 'sum_pi_squared' from data.batch",
+    ),
+    "ref_logp": Unfed(
+        _NOT_TO_ESTIMATOR,
+        f"put the KL in the reward with verl's own algorithm.use_kl_in_reward=True, {_CUSTOM}, which reads "
+        "'ref_log_prob' from data.batch",
+    ),
+    "behavior_logp": Unfed(
+        _NOT_TO_ESTIMATOR,
+        "in a custom trainer call lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto, which "
+        "reads 'rollout_log_probs' from data.batch",
+    ),
+    "reward_components": Unfed(
+        _NOT_TO_ESTIMATOR,
+        f"use verl's own adv_estimator=gdpo with algorithm.gdpo_reward_keys, {_CUSTOM} with reward_keys=",
+    ),
+    "reward_baseline": Unfed(
+        "verl computes reward_baselines (a greedy response per prompt) only for its own adv_estimator=remax",
+        "use verl's own adv_estimator=remax (lossplug's remax reproduces it)",
+    ),
+    "entropy": Unfed(
+        "verl's advantage estimators get no entropies",
+        "read the entropies in a gate or regularizer, in TRL (verl's policy loss gets none either)",
+    ),
+    "teacher_logp": _TEACHER,
+    "trajectory_id": _TURNS,
+    "anchor_id": _TURNS,
+    "behavior_version": _VERSIONS,
+    "policy_version": _VERSIONS,
+    "terminated": _TRANSITIONS,
+    "final_value": _TRANSITIONS,
+}
+
+
+def policy_refusals(compiled: CompiledRecipe, *, has_engine_logp: bool) -> list[str]:
+    """One line per field a stage of the policy term reads that verl's ``ppo_loss`` does not pass (behavior_logp
+    counts as passed when the call had ``rollout_log_probs``)."""
+    provided = POLICY_PROVIDED | ({"behavior_logp"} if has_engine_logp else set())
+    stages: tuple[Any, ...] = (*compiled.gates, *compiled.regularizers, compiled.reduction)
+    return [
+        unfed_line(stage.where, stage.plugin.name, name, POLICY_UNFED[name])
+        for stage in stages
+        for name in required_fields(stage.plugin, stage.params)
+        if name not in provided
+    ]
