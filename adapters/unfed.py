@@ -71,6 +71,8 @@ class Variant:
             recipe["gates"] = [spec] if self.role == "update" else ["ppo_clip", spec]
         elif self.kind == "regularizer":
             recipe["regularizers"] = [spec]
+        elif self.kind in ("shaper", "filter"):
+            recipe[f"{self.kind}s"] = [spec]
         else:
             recipe["reduction"] = spec
         return Recipe.load(recipe)

@@ -50,6 +50,8 @@ _EXTRA_FIELDS = {
     "reward_baseline": "reward_baselines",
     "sum_pi_squared": "sum_pi_squared",
 }
+#: the DataProto keys ``ray_trainer.compute_advantage`` hands a registered estimator (besides rewards, mask, uid)
+_PASSED_BY_VERL = frozenset({"reward_baselines"})
 
 
 def _algorithm_value(config: Any, key: str) -> Any:
@@ -182,6 +184,9 @@ def compute_advantage(
 
 #: the pseudo DataProto key under which compute_advantage hands the stacked reward components to _estimate
 _REWARD_COMPONENTS = "reward_components"
+#: PolicyBatch field → where the adapter reads it: the DataProto keys of :data:`_EXTRA_FIELDS`, and the per-function
+#: rewards it assembles from ``reward_keys``
+FIELDS_BY_KEY = {**_EXTRA_FIELDS, "reward_components": _REWARD_COMPONENTS}
 
 
 def _reward_components(data: Any, reward_keys: list[str], rewards: Tensor) -> Tensor:
@@ -273,9 +278,8 @@ def _needed_fields(
     one is missing."""
     compiled = lossplug.compile_recipe(recipe)
     extra: dict[str, Tensor] = {}
-    fields_by_key = {**_EXTRA_FIELDS, "reward_components": _REWARD_COMPONENTS}
     for stage in (*compiled.shapers, *compiled.filters, _advantage_stage(recipe, key)):
-        extra.update(_stage_fields(stage, key, fields_by_key, extra_by_verl_key, from_verl=from_verl))
+        extra.update(_stage_fields(stage, key, FIELDS_BY_KEY, extra_by_verl_key, from_verl=from_verl))
     return extra
 
 
@@ -325,8 +329,10 @@ def _stage_fields(
                 _REWARD_COMPONENTS: "pass reward_keys= (verl's algorithm.gdpo_reward_keys)",
                 "sum_pi_squared": "set actor.calculate_sum_pi_squared=True (verl then computes it)",
             }.get(verl_key)
-            hint = f" Next step: {step}" if step else missing_reference_hint(verl_key) or (
-                f" Next step: put '{verl_key}' in data.batch"
+            hint = (
+                f" Next step: {step}"
+                if step
+                else missing_reference_hint(verl_key) or (f" Next step: put '{verl_key}' in data.batch")
             )
             problems.append(f"{label} needs '{verl_key}', which the batch does not hold.{hint}")
     if len(problems) == 1:

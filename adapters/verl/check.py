@@ -348,8 +348,8 @@ def _advantage_field_problem(recipe: Recipe, key: str) -> str | None:
     stage = lossplug.compile_recipe(recipe).advantage
     if stage is None:
         return f"{key}: the recipe has no advantage stage; add one, e.g. advantage: {{name: grpo}}"
-    try:
-        advantage._needed_fields(stage, key, {}, from_verl=True)
+    try:  # (verl hands its shapers and filters the DataProto compute_advantage holds: only the advantage is judged)
+        advantage._stage_fields(stage, key, advantage.FIELDS_BY_KEY, {}, from_verl=True)
     except LossplugError as err:
         return str(err)
     return None

@@ -59,8 +59,8 @@ def refused(trainer) -> dict[str, list[str]]:
 def expected_row(line: str):
     """The table row a field refusal must quote (None: not a field refusal)."""
     m = FIELD_LINE.match(line)
-    if m is None:
-        return None
+    if m is None or m["where"].startswith(("recipe.shapers", "recipe.filters")):
+        return None  # (the rollout stages' refusals: refusals.ROLLOUT_UNFED, one position per completion)
     name = m["field"]
     if m["where"] == "recipe.advantage":
         return refusals.UNFED_AT_ADVANTAGE.get(name) or refusals.UNFED[name]
