@@ -17,7 +17,7 @@ import lossplug
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "field.md"
 FRAMEWORKS = ("SkyRL", "AReaL", "prime-rl", "ROLL", "NeMo-RL", "slime", "rLLM", "OpenRLHF")
-STAGES = ("advantage", "gates", "reduction", "regularizers")
+STAGES = ("shapers", "filters", "advantage", "gates", "reduction", "regularizers")
 TRAINER = "needs the trainer's cooperation: "
 GAP = "no plugin yet: "
 STATUS = re.compile(r"^(covered|trainer|gap|new: `(?P<plugin>[a-z0-9_]+)`)$")
@@ -118,6 +118,9 @@ def build(row: Row) -> tuple[lossplug.Recipe, tuple[str, ...]]:
 def plugin_names(recipe: lossplug.Recipe, stages: tuple[str, ...] = STAGES) -> set[str]:
     """The plugins the given stages of a built recipe name (an advantage's ``task`` estimator included)."""
     names: set[str] = set()
+    for key in ("shapers", "filters"):
+        if key in stages:
+            names |= {spec.name for spec in getattr(recipe, key)}
     if "gates" in stages:
         names |= {gate.name for gate in recipe.gates}
     if "regularizers" in stages:
