@@ -183,11 +183,17 @@ def table(results: dict) -> str:
                 f"{'yes' if r['met'] else 'no'} |"
             )
         elif item == "rollout_stages":
+            versus = r["kl_in_reward_vs_verl"]
             rows.append(
-                f"| 6 | rollout stages (kl_in_reward adaptive, reward_clip, zero_variance) | B={r['B']}, T={r['T']} | "
-                f"{_fmt_s(r['added_s'])} added to the advantage stage ({_fmt_s(r['advantage_alone']['median_s'])} "
-                f"alone) | loss step {_fmt_s(r['loss_step']['median_s'])} | **{100 * r['fraction_of_loss_step']:.1f}%** "
-                f"of the loss step | ≤ 5% | {'yes' if r['met'] else 'no'} |"
+                f"| 6 | rollout stages: DAPO's (overlong_penalty, reward_clip, zero_variance) / KL in the reward "
+                f"(kl_in_reward adaptive) | B={r['B']}, T={r['T']} | {_fmt_s(r['added_s'])} / "
+                f"{_fmt_s(r['kl_in_reward_added_s'])} added to the advantage stage "
+                f"({_fmt_s(r['advantage_alone']['median_s'])} alone) | loss step {_fmt_s(r['loss_step']['median_s'])}"
+                + (f"; verl's apply_kl_penalty {_fmt_s(r['verl_apply_kl_penalty']['median_s'])}" if versus else "")
+                + f" | **{100 * r['fraction_of_loss_step']:.1f}%** / **{100 * r['kl_in_reward_fraction_of_loss_step']:.1f}%**"
+                f" of the loss step"
+                + (f"; KL shaper {versus:.2f}× verl's" if versus else "")
+                + f" | ≤ 5% | {'yes' if r['met'] else 'no'} |"
             )
         elif item == "trl_e2e":
             rows.append(

@@ -115,8 +115,10 @@ def _check_reward(reward: object, before: Tensor, batch: PolicyBatch, label: str
         raise PluginError(f"{label} returned a reward of dtype {reward.dtype}; a reward is a float tensor")
     mask = batch.action_mask
     if reward.ndim == 2:  # finite on the actions, and 0 elsewhere (the contract's rule for a per-token reward)
-        if bool(torch.isfinite(torch.where(mask, reward, 0).sum())) and not bool(reward.masked_fill(mask, 0).any()):
-            return  # (a sum of finite values: finite unless it overflows, which the full test below then rules out)
+        # a sum over every position: finite when each term is (0 off the actions, tested next) — unless it overflows,
+        # which the full test below then rules out
+        if bool(torch.isfinite(reward.sum())) and not bool(reward.masked_fill(mask, 0).any()):
+            return
         off = reward.masked_fill(mask, 0) != 0
         if bool(off.any()):
             raise PluginError(

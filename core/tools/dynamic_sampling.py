@@ -40,7 +40,14 @@ from lossplug.ops import Groups
 
 Tensor = torch.Tensor
 
-__all__ = ["BucketCost", "DynamicSample", "SamplingCost", "difficulty_buckets", "keep_mixed_groups"]
+__all__ = [
+    "BucketCost",
+    "DynamicSample",
+    "SamplingCost",
+    "difficulty_buckets",
+    "keep_mixed_groups",
+    "mixed_group_rows",
+]
 
 
 def _rate(num: int | None, den: int | None) -> float | None:
@@ -210,6 +217,19 @@ def difficulty_buckets(bins: int = 4) -> list[str]:
     return ["all_wrong"] + [f"mixed_{edges[k]}-{edges[k + 1]}" for k in range(bins)] + ["all_right"]
 
 
+def _mixed_groups(reward: Tensor, group_id: Tensor) -> tuple[Groups, Tensor]:
+    """The groups of ``group_id`` and, ``[G]``, whether each one's rewards are not all equal."""
+    groups = Groups.from_ids(group_id)
+    return groups, ~groups.constant(reward if reward.is_floating_point() else reward.double())
+
+
+def mixed_group_rows(reward: Tensor, group_id: Tensor) -> Tensor:
+    """``[B]`` bool: the rows whose prompt group's rewards are not all equal — :func:`keep_mixed_groups`'s rule,
+    without its cost report (the ``zero_variance`` filter's test; one host synchronisation less)."""
+    groups, keep_group = _mixed_groups(reward, group_id)
+    return keep_group[groups.inverse]
+
+
 def keep_mixed_groups(
     reward: Tensor,
     group_id: Tensor | None = None,
@@ -243,8 +263,7 @@ def keep_mixed_groups(
         lengths = action_mask.sum(-1)
     flat_len = None if lengths is None else lengths.reshape(-1).long()
 
-    groups = Groups.from_ids(cast(Tensor, group_id).reshape(-1))  # given, or made just above
-    keep_group = ~groups.constant(flat_reward)
+    groups, keep_group = _mixed_groups(flat_reward, cast(Tensor, group_id).reshape(-1))  # given, or made above
     keep_row = keep_group[groups.inverse]
 
     counts = groups.counts

@@ -222,18 +222,19 @@ def kl_shaped_rewards(
     input checks, for inputs a :class:`~lossplug.PolicyBatch` contract already checked (the ``kl_in_reward``
     shaper's).
     """
-    if validate:
-        _check_shaped_inputs(scores, logp, ref_logp, action_mask, kl_coef)
     with torch.no_grad():
-        kl = kl_penalty(logp.detach(), ref_logp.detach(), mode, action_mask, validate=validate)
+        if validate:
+            _check_shaped_inputs(scores, logp, ref_logp, action_mask, kl_coef)
+            kl = kl_penalty(logp.detach(), ref_logp.detach(), mode, action_mask)
+        else:  # (values only: the estimate on every position, then 0 off the actions — one masking, not three)
+            kl = torch.where(action_mask, _verl_forward(logp.detach(), ref_logp.detach(), mode.removesuffix("+")), 0.0)
         non_score = -kl_coef * kl
-        if scores.ndim == 1:
-            positions = torch.arange(action_mask.shape[-1], device=action_mask.device)
-            last = torch.where(action_mask, positions, -1).amax(-1)
-            placed = torch.zeros_like(non_score).scatter_(-1, last.unsqueeze(-1), scores.unsqueeze(-1).to(kl.dtype))
+        if scores.ndim == 1:  # the score on the last action token: −β·kl + s there, exactly verl's s − β·kl
+            positions = torch.arange(action_mask.shape[-1], device=action_mask.device, dtype=torch.int32)
+            last = torch.where(action_mask, positions, -1).amax(-1, keepdim=True).long()
+            rewards = non_score.scatter_add(-1, last, scores.unsqueeze(-1).to(kl.dtype))
         else:
-            placed = torch.where(action_mask, scores.to(kl.dtype), 0.0)
-        rewards = non_score + placed
+            rewards = non_score + torch.where(action_mask, scores.to(kl.dtype), 0.0)
         per_response = kl.sum(-1) / action_mask.sum(-1).clamp(min=1)
         kl_mean = per_response.mean()
     return KLShapedRewards(rewards=rewards, non_score_rewards=non_score, kl=kl, kl_mean=kl_mean)

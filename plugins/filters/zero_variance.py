@@ -22,8 +22,8 @@ evicted iff ``len(values) > 1 and np.std(values) == 0``, ``values`` each respons
 DAPO recipe's ``RayDAPOTrainer.fit`` (``algorithm.filter_groups``: ``np.std(metric_vals) > 0 or
 len(metric_vals) == 1``; github.com/verl-project/verl-recipe ``dapo/dapo_ray_trainer.py`` at commit dd811fe49f89,
 formerly volcengine/verl ``recipe/dapo/dapo_ray_trainer.py`` at 53971be5b682); ROLL ``dynamic_sampling`` with
-``query_filter_config.type: mean_filter``. It runs :func:`lossplug.tools.dynamic_sampling.keep_mixed_groups` (the
-groups' constancy test) where more than one response is in play.
+``query_filter_config.type: mean_filter``. It runs :func:`lossplug.tools.dynamic_sampling.mixed_group_rows`
+(``keep_mixed_groups``' rule without its cost report).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from pydantic import Field
 
 import lossplug
-from lossplug.tools.dynamic_sampling import keep_mixed_groups
+from lossplug.tools.dynamic_sampling import mixed_group_rows
 
 Tensor = torch.Tensor
 
@@ -53,7 +53,7 @@ def zero_variance(inp: lossplug.RolloutInput, p: ZeroVarianceParams) -> lossplug
     keep = torch.zeros_like(rows)
     if bool(rows.any()):
         ids = batch.group_id[rows]
-        mixed = keep_mixed_groups(score[rows].to(torch.float64), ids, validate=False).keep
+        mixed = mixed_group_rows(score[rows].to(torch.float64), ids)
         if not p.drop_singletons:
             _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
             mixed = mixed | (counts[inverse] == 1)

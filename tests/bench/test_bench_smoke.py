@@ -30,7 +30,16 @@ def test_bench_runner_at_toy_sizes(bench_run, tmp_path, capsys):
     assert saved["table"] == results["table"]
     assert saved["environment"]["threads"] == 1
     items = [r["item"] for r in saved["results"]]
-    assert items == ["packed_gae", "padded_gae", "loss_step", "validation", "loss_step", "validation", "trl_e2e"]
+    assert items == [
+        "packed_gae",
+        "padded_gae",
+        "loss_step",
+        "validation",
+        "loss_step",
+        "validation",
+        "rollout_stages",
+        "trl_e2e",
+    ]
     by_item = {}
     for r in saved["results"]:
         by_item.setdefault(r["item"], []).append(r)
@@ -45,7 +54,10 @@ def test_bench_runner_at_toy_sizes(bench_run, tmp_path, capsys):
         assert r["time_ratio"] > 0 and r["mem_ratio"] > 0
     for r in by_item["validation"]:
         assert 0 < r["fraction_of_step"]
+    rollout = by_item["rollout_stages"][0]
+    assert rollout["loss_step"]["median_s"] > 0 and rollout["kl_in_reward_vs_verl"] is not None
+    assert rollout["kept_responses"] < 1  # the zero-variance filter dropped some groups: it ran
     e2e = by_item["trl_e2e"][0]
     assert e2e["first_step_loss_abs_diff"] < 1e-6 and e2e["time_ratio"] > 0
     table = capsys.readouterr().out
-    assert table.count("\n| ") >= 7 and "packed GAE vs sequential loop" in table
+    assert table.count("\n| ") >= 8 and "packed GAE vs sequential loop" in table

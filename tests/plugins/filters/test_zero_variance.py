@@ -35,7 +35,7 @@ allows 1e-13 relative.
 
 Also here: gradient accumulation and data parallelism (two micro-batches, one of which holds only dropped rows and is
 skipped as the adapter skips it), every group dropped, singletons, token rewards, the metric, and that the filter
-runs ``lossplug.tools.dynamic_sampling.keep_mixed_groups``.
+runs ``lossplug.tools.dynamic_sampling.mixed_group_rows`` (``keep_mixed_groups``' rule).
 """
 
 from __future__ import annotations
@@ -420,17 +420,19 @@ def test_the_dropped_responses_metric_is_the_share_of_rows_dropped():
     assert float(res.metric_tensors["filter/zero_variance/dropped_tokens"]) == pytest.approx(dropped_tokens, rel=1e-6)
 
 
-def test_the_filter_runs_keep_mixed_groups(monkeypatch):
-    """One implementation: the filter's groups test is ``lossplug.tools.dynamic_sampling.keep_mixed_groups``."""
-    assert zero_variance_module.keep_mixed_groups is dynamic_sampling.keep_mixed_groups
+def test_the_filter_runs_the_dynamic_sampling_rule(monkeypatch):
+    """One implementation: the filter's groups test is ``lossplug.tools.dynamic_sampling.mixed_group_rows``, the
+    rule of ``keep_mixed_groups`` without its cost report."""
+    assert zero_variance_module.mixed_group_rows is dynamic_sampling.mixed_group_rows
     calls = []
 
     def spy(*args, **kwargs):
-        out = dynamic_sampling.keep_mixed_groups(*args, **kwargs)
-        calls.append((args, out.keep))
+        out = dynamic_sampling.mixed_group_rows(*args, **kwargs)
+        calls.append((args, out))
+        assert torch.equal(out, dynamic_sampling.keep_mixed_groups(*args, validate=False).keep)
         return out
 
-    monkeypatch.setattr(zero_variance_module, "keep_mixed_groups", spy)
+    monkeypatch.setattr(zero_variance_module, "mixed_group_rows", spy)
     r = rollout()
     res = lossplug.estimate_advantages(r.policy_batch("sequence"), recipe("token-mean"))
     assert len(calls) == 1
