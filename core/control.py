@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from lossplug.contracts import LossplugError
 
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdaptiveEntropyController",
+    "Measured",
     "AllReduce",
     "Controller",
     "StepController",
@@ -63,10 +64,15 @@ __all__ = [
 ]
 
 
-class WindowController:
-    """Base of the step controllers whose observation is a sum: the window is the sum of the micro-batches'
-    observations since the last :meth:`step`; :meth:`measure` turns the (rank-summed) window into the measured
-    quantity and :meth:`update` applies the rule."""
+#: what a window controller measures from its window (a float for most; a tuple for a shaper's running statistics)
+Measured = TypeVar("Measured")
+
+
+class WindowController(Generic[Measured]):
+    """Base of the step controllers whose observation is a sum: the window is the sum of the observations since the
+    last :meth:`step` (a regularizer's micro-batches, a shaper's rollout batch); :meth:`measure` turns the
+    (rank-summed) window into the measured quantity and :meth:`update` applies the rule. The regularizers'
+    adaptive entropy coefficient and the shapers' KL coefficient and running moments are ones."""
 
     def __init__(self) -> None:
         self._window: torch.Tensor | None = None
@@ -94,14 +100,14 @@ class WindowController:
     def coefficient(self) -> float:
         raise NotImplementedError
 
-    def measure(self, window: torch.Tensor) -> float:
+    def measure(self, window: torch.Tensor) -> Measured:
         raise NotImplementedError
 
-    def update(self, measured: float) -> float:
+    def update(self, measured: Measured) -> float:
         raise NotImplementedError
 
 
-class AdaptiveEntropyController(WindowController):
+class AdaptiveEntropyController(WindowController[float]):
     """TRL's adaptive entropy coefficient (``use_adaptive_entropy``; Skywork-OR1, arXiv:2505.22312).
 
     State: ``entropy_coef`` (starts at the regularizer's ``coef``) and ``last_world_entropy`` (starts at ``inf``).

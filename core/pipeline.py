@@ -148,6 +148,13 @@ def estimate_advantages(
         raise LossplugError(f"validate must be 'full' or 'off', got {validate!r}")
     if compiled.has_rollout_stages:
         return _advantages_after_rollout_stages(batch, compiled, stage, validate, peers)
+    return _run_advantage(stage, validate, batch)
+
+
+def _run_advantage(
+    stage: Stage[AdvantagePlugin], validate: Validate, batch: PolicyBatch | PackedTransitions
+) -> AdvantageResult:
+    """The advantage plugin on ``batch``, its advantages (and returns) checked under ``validate="full"``."""
     with torch.no_grad():
         result: AdvantageResult = run_stage(stage, validate, batch)
     if validate == "full":
@@ -186,12 +193,7 @@ def _advantages_after_rollout_stages(
         return AdvantageResult(
             advantage=zeros, metric_tensors=metrics, reward=rollout.reward, action_mask=rollout.action_mask
         )
-    with torch.no_grad():
-        result: AdvantageResult = run_stage(stage, validate, seen)
-    if validate == "full":
-        check_advantage_output(result.advantage, seen, stage, "advantages")
-        if result.returns is not None:
-            check_advantage_output(result.returns, seen, stage, "returns")
+    result = _run_advantage(stage, validate, seen)
     advantage, returns = result.advantage, result.returns
     if not everyone:
         advantage = _scatter_rows(advantage, rollout.rows)

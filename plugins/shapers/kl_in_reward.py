@@ -30,7 +30,7 @@ import torch
 from pydantic import Field, model_validator
 
 import lossplug
-from lossplug.control import AllReduce
+from lossplug.control import WindowController
 from lossplug.tools.kl import FixedKLController, ProportionalKLController, kl_shaped_rewards
 
 Tensor = torch.Tensor
@@ -69,33 +69,29 @@ class KLInRewardParams(lossplug.Params):
         return self
 
 
-class KLRewardController:
-    """β of a KL-in-the-reward stage (a :class:`lossplug.StepController`): fed the batch's ``[Σ per-response KL,
-    responses]`` and stepped once per rollout batch by the pipeline, the window summed over ranks first."""
+class KLRewardController(WindowController[tuple[float, float]]):
+    """β of a KL-in-the-reward stage (a :class:`lossplug.StepController`): fed the batch's ``[n · d, n]`` (``d`` the
+    mean over its ``n`` responses of each one's token-mean KL) and stepped once per rollout batch by the pipeline,
+    the window summed over ranks first."""
 
     def __init__(self, p: KLInRewardParams):
+        super().__init__()
         self.rule: FixedKLController | ProportionalKLController = (
             ProportionalKLController(p.coef, p.target_kl, p.horizon)  # type: ignore[arg-type]  # (validated)
             if p.controller == "adaptive"
             else FixedKLController(p.coef)
         )
-        self._window: Tensor | None = None
 
     @property
     def coefficient(self) -> float:
         return self.rule.value
 
-    def observe(self, observation: Tensor) -> None:
-        obs = observation.detach().to(torch.float64)
-        self._window = obs if self._window is None else self._window + obs
-
-    def step(self, all_reduce: AllReduce | None = None) -> float:
-        window, self._window = self._window, None
-        if window is None:
-            return self.coefficient
-        if all_reduce is not None:
-            window = all_reduce(window)
+    def measure(self, window: Tensor) -> tuple[float, float]:
         total, responses = window.tolist()
+        return total, responses
+
+    def update(self, measured: tuple[float, float]) -> float:
+        total, responses = measured
         if responses > 0:
             self.rule.update(current_kl=total / responses, n_steps=int(responses))
         return self.coefficient
@@ -117,7 +113,7 @@ class KLRewardController:
                 f"'value' (β) must be a finite number {'> 0' if adaptive else '>= 0'}, got {value!r}"
             )
         self.rule.load_state_dict({"value": float(value)})
-        self._window = None  # (what was observed before the checkpoint was loaded belongs to another run)
+        self.reset_window()  # (what was observed before the checkpoint was loaded belongs to another run)
 
 
 @lossplug.shaper(

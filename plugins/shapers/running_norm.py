@@ -28,7 +28,7 @@ import torch
 from pydantic import Field
 
 import lossplug
-from lossplug.control import AllReduce
+from lossplug.control import WindowController
 
 Tensor = torch.Tensor
 
@@ -38,45 +38,39 @@ class RunningNormParams(lossplug.Params):
     scale: bool = Field(True, description="divide by the running std + 1e-6 (ROLL's norm_std_type: running)")
 
 
-class RunningMoments:
+class RunningMoments(WindowController[tuple[float, float, float]]):
     """The running mean and variance of every reward seen (a :class:`lossplug.StepController`; ``coefficient`` is
     the running std). ``observe([n, Σr, Σr²])``, then ``step(all_reduce)`` updates with the (rank-summed) batch."""
 
     def __init__(self, p: RunningNormParams | None = None):
+        super().__init__()
         self.mean, self.var, self.count = 0.0, 1.0, 1e-24
         self.std = 1.0
-        self._window: Tensor | None = None
 
     @property
     def coefficient(self) -> float:
         return self.std
 
-    def observe(self, observation: Tensor) -> None:
-        obs = observation.detach().to(torch.float64)
-        self._window = obs if self._window is None else self._window + obs
-
-    def step(self, all_reduce: AllReduce | None = None) -> float:
-        window, self._window = self._window, None
-        if window is None:
-            return self.std
-        if all_reduce is not None:
-            window = all_reduce(window)
+    def measure(self, window: Tensor) -> tuple[float, float, float]:
+        """``(n, mean, population variance)`` of the window's ``[n, Σr, Σr²]``."""
         n, total, squares = window.tolist()
-        if n > 0:
-            batch_mean = total / n
-            batch_var = max(squares / n - batch_mean**2, 0.0)
-            self.update(n, batch_mean, batch_var)
-        return self.std
+        if n <= 0:
+            return 0.0, 0.0, 0.0
+        mean = total / n
+        return n, mean, max(squares / n - mean**2, 0.0)
 
-    def update(self, n: float, batch_mean: float, batch_var: float) -> None:
-        """Fold in a batch of ``n`` values with mean ``batch_mean`` and population variance ``batch_var``."""
-        delta = batch_mean - self.mean
-        total = self.count + n
-        old_sum = self.var * self.count + delta**2 * self.count * n / total
-        self.mean += delta * n / total
-        self.var = (old_sum + batch_var * n) / total
-        self.std = math.sqrt(self.var * total / (total - 1)) if total > 1 else 0.0
-        self.count = total
+    def update(self, measured: tuple[float, float, float]) -> float:
+        """Fold in a batch of ``n`` values with mean ``m`` and population variance ``v`` (ROLL's update)."""
+        n, batch_mean, batch_var = measured
+        if n > 0:
+            delta = batch_mean - self.mean
+            total = self.count + n
+            old_sum = self.var * self.count + delta**2 * self.count * n / total
+            self.mean += delta * n / total
+            self.var = (old_sum + batch_var * n) / total
+            self.std = math.sqrt(self.var * total / (total - 1)) if total > 1 else 0.0
+            self.count = total
+        return self.std
 
     def state_dict(self) -> dict[str, Any]:
         return {"mean": self.mean, "var": self.var, "count": self.count, "std": self.std}
@@ -84,6 +78,7 @@ class RunningMoments:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.mean, self.var = float(state["mean"]), float(state["var"])
         self.count, self.std = float(state["count"]), float(state["std"])
+        self.reset_window()
 
 
 @lossplug.shaper("running_norm", params=RunningNormParams, controller=RunningMoments, rewards=("response",))

@@ -15,11 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +22,8 @@ import pytest
 
 pytest.importorskip("verl")
 pytest.importorskip("hydra")
+
+from ._verl_ranks import run_ranks
 
 WORKER = Path(__file__).with_name("_verl_engine_worker.py")
 
@@ -53,13 +50,6 @@ DP_SIZES = (1, 2)
 METRIC_CASES = [c for c in CASES if not c.startswith("loss_mode_bypass")]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """Both dp sizes at once (three processes: every case of a dp size in one process, the engine built once per
@@ -73,50 +63,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     root = tmp_path_factory.mktemp("verl_engine")
     model = root / "model"
     tiny_model_and_tokenizer(model)
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    start = time.perf_counter()
-    procs = []
-    for world in DP_SIZES:
-        port = str(_free_port())
-        for rank in range(world):
-            command = [sys.executable, str(WORKER), "--rank", str(rank), "--world", str(world)]
-            command += ["--model", str(model), "--out", str(root)]
-            procs.append(
-                (
-                    world,
-                    rank,
-                    subprocess.Popen(
-                        command,
-                        env={**env, "MASTER_PORT": port},
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT,
-                        text=True,
-                    ),
-                )
-            )
-    logs = []
-    try:
-        for _, _, p in procs:
-            logs.append(p.communicate(timeout=600)[0])
-    finally:
-        for _, _, p in procs:
-            if p.poll() is None:
-                p.kill()
-    wall = time.perf_counter() - start
-    failed = [(w, r, p.returncode, log) for (w, r, p), log in zip(procs, logs) if p.returncode != 0]
-    assert not failed, "a worker failed:\n" + "\n".join(
-        f"--- dp {w} rank {r} (exit {c})\n{log[-4000:]}" for w, r, c, log in failed
-    )
+    wall = run_ranks(WORKER, DP_SIZES, model, root)
     results = {w: json.loads((root / f"result_dp{w}.json").read_text()) for w in DP_SIZES}
     print(f"\nverl engine runs: {wall:.1f} s wall; " + "; ".join(f"dp{w}: {results[w]['seconds']}" for w in DP_SIZES))
     for w in DP_SIZES:

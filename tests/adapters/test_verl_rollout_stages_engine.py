@@ -22,8 +22,6 @@ import copy
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,13 +44,6 @@ def _engine_worker() -> Any:
     return module
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     pytest.importorskip("verl")
@@ -65,39 +56,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any
 
     root = tmp_path_factory.mktemp("verl_rollout_stages")
     tiny_model_and_tokenizer(root / "model")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    env |= {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = []
-    for world in (1, 2):
-        port = str(_free_port())
-        for rank in range(world):
-            command = [sys.executable, str(HERE), "--rank", str(rank), "--world", str(world)]
-            command += ["--model", str(root / "model"), "--out", str(root)]
-            procs.append(
-                (
-                    world,
-                    rank,
-                    subprocess.Popen(
-                        command,
-                        env={**env, "MASTER_PORT": port},
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT,
-                        text=True,
-                    ),
-                )
-            )
-    logs = []
-    try:
-        for _, _, p in procs:
-            logs.append(p.communicate(timeout=600)[0])
-    finally:
-        for _, _, p in procs:
-            if p.poll() is None:
-                p.kill()
-    failed = [(w, r, p.returncode, log) for (w, r, p), log in zip(procs, logs) if p.returncode != 0]
-    assert not failed, "\n".join(f"--- dp {w} rank {r} (exit {c})\n{log[-4000:]}" for w, r, c, log in failed)
+    from ._verl_ranks import run_ranks  # (here, not at the top: this file also runs as the workers' script)
+
+    run_ranks(HERE, (1, 2), root / "model", root)
     out = {w: json.loads((root / f"rollout_stages_dp{w}.json").read_text()) for w in (1, 2)}
     for w, result in out.items():
         print(f"\ndp{w}: " + json.dumps(result))

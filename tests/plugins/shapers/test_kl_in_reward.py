@@ -40,6 +40,7 @@ import torch
 
 import lossplug
 from lossplug import LossplugError, PluginError, PolicyBatch, Recipe
+from lossplug.tools.kl import KL_PENALTY_MODES
 
 pytest.importorskip("verl")
 
@@ -49,22 +50,7 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.ray_trainer import apply_kl_penalty
 
 #: every mode verl 0.9.1's core_algos.kl_penalty accepts ("full" raises NotImplementedError there)
-ESTIMATORS = [
-    "kl",
-    "k1",
-    "abs",
-    "mse",
-    "k2",
-    "low_var_kl",
-    "k3",
-    "kl+",
-    "k1+",
-    "abs+",
-    "mse+",
-    "k2+",
-    "low_var_kl+",
-    "k3+",
-]
+ESTIMATORS = list(KL_PENALTY_MODES)
 STEPS = 3
 B, PROMPT, RESPONSE = 6, 3, 7
 COEF = 0.05
