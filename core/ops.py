@@ -255,6 +255,13 @@ def any_rows(mask: Tensor) -> Tensor:
     return mask.view(torch.uint8).amax(-1).bool()
 
 
+def last_true(mask: Tensor) -> Tensor:
+    """``[B]`` long: the position of each row's last True of the bool ``[B, T]`` ``mask`` (−1 for a row without one),
+    whatever the padding side — a response's last action token, a sequence's last non-padding token."""
+    positions = torch.arange(mask.shape[-1], device=mask.device, dtype=torch.int32)
+    return torch.where(mask, positions, -1).amax(-1).long()
+
+
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     x = torch.where(mask, x, 0)
     return x.sum() if dim is None else x.sum(dim)

@@ -74,16 +74,16 @@ def _shape(
 ) -> Tensor:
     before = batch.reward
     assert before is not None
+    label = f"{stage.where} ({stage.plugin.name})"
     layout = "token" if before.ndim == 2 else "response"
     if layout not in stage.plugin.rewards:
         raise LossplugError(
-            f"{stage.where} ({stage.plugin.name}) takes {' or '.join(stage.plugin.rewards)} rewards, and the reward "
+            f"{label} takes {' or '.join(stage.plugin.rewards)} rewards, and the reward "
             f"reaching it is per {layout} ({list(before.shape)}): give the batch a per-{stage.plugin.rewards[0]} "
             "reward, or put this shaper before the shapers that make a per-token one (kl_in_reward)"
         )
     with torch.no_grad():
         out: ShaperOutput = run_stage(stage, validate, RolloutInput(batch, stage.controller, peers))
-    label = f"{stage.where} ({stage.plugin.name})"
     if not isinstance(out, ShaperOutput):
         raise PluginError(f"{label} must return the reward as a tensor (or a ShaperOutput), got {type(out).__name__}")
     reward = out.reward

@@ -63,7 +63,7 @@ import torch
 from lossplug.contracts import LossplugError
 from lossplug.contracts.checks import Checks
 from lossplug.contracts.errors import did_you_mean
-from lossplug.ops import zero_off
+from lossplug.ops import last_true, zero_off
 
 Tensor = torch.Tensor
 
@@ -230,8 +230,7 @@ def kl_shaped_rewards(
             kl = torch.where(action_mask, _verl_forward(logp.detach(), ref_logp.detach(), mode.removesuffix("+")), 0.0)
         non_score = -kl_coef * kl
         if scores.ndim == 1:  # the score on the last action token: −β·kl + s there, exactly verl's s − β·kl
-            positions = torch.arange(action_mask.shape[-1], device=action_mask.device, dtype=torch.int32)
-            last = torch.where(action_mask, positions, -1).amax(-1, keepdim=True).long()
+            last = last_true(action_mask).unsqueeze(-1)
             rewards = non_score.scatter_add(-1, last, scores.unsqueeze(-1).to(kl.dtype))
         else:
             rewards = non_score + torch.where(action_mask, scores.to(kl.dtype), 0.0)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from lossplug.contracts import LossplugError
 from lossplug.contracts.checks import Checks
+from lossplug.ops import last_true
 
 Tensor = torch.Tensor
 
@@ -55,8 +56,7 @@ def _check_scores_args(c: Checks, values: Any, mask: Any, vname: str, mname: str
 
 def last_token_index(attention_mask: Tensor) -> Tensor:
     """``[N]`` long: the position of each row's last True (last non-padding token), whatever the padding side."""
-    positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
-    return torch.where(attention_mask, positions, -1).amax(-1)
+    return last_true(attention_mask)
 
 
 def _scores(values: Tensor, mask: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ import torch
 from pydantic import Field, model_validator
 
 import lossplug
+from lossplug.ops import last_true
 
 Tensor = torch.Tensor
 
@@ -56,9 +57,7 @@ def overlong_penalty(inp: lossplug.RolloutInput, p: OverlongParams) -> lossplug.
     if reward.ndim == 1:
         shaped = reward + penalty
     else:  # on the last action token, beside the score
-        positions = torch.arange(mask.shape[-1], device=mask.device)
-        last = torch.where(mask, positions, -1).amax(-1, keepdim=True)
-        shaped = reward.scatter_add(-1, last, penalty.unsqueeze(-1))
+        shaped = reward.scatter_add(-1, last_true(mask).unsqueeze(-1), penalty.unsqueeze(-1))
     return lossplug.ShaperOutput(
         reward=shaped,
         metrics={

@@ -32,14 +32,14 @@ import torch
 from pydantic import Field, model_validator
 
 import lossplug
+from lossplug.ops import last_true
 
 Tensor = torch.Tensor
 
 
 def _last_action(mask: Tensor) -> Tensor:
     """``[B, T]`` bool: each response's last action token."""
-    positions = torch.arange(mask.shape[-1], device=mask.device)
-    return positions == torch.where(mask, positions, -1).amax(-1, keepdim=True)
+    return torch.arange(mask.shape[-1], device=mask.device) == last_true(mask).unsqueeze(-1)
 
 
 class ClipParams(lossplug.Params):
