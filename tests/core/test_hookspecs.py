@@ -241,3 +241,69 @@ def test_the_example_runs_and_has_its_effect(name, fresh_registry):
     assert lossplug.list_plugins() == before.plugins
     assert set(lossplug.policy_loss(batch(), PLAIN, metrics="full").metrics) == before.metrics
     lossplug.policy_loss(batch(reward=(0.5, 3.0)), PLAIN)  # the validator's bad batch passes the contract alone
+
+
+def test_the_min_length_example_filter_equals_dropping_the_short_responses_before_verls_loss(fresh_registry):
+    """docs/plugin-hooks.md's ``min_length`` filter, registered as the page shows it: its narrowed mask and
+    advantages, fed to the policy loss, give verl 0.9.1's vanilla loss (``compute_policy_loss_vanilla`` +
+    ``agg_loss``, token-mean) and its gradient on the batch with the short responses dropped first. No trainer ships
+    a minimum-length filter; verl's loss on the dropped batch is the oracle of what filtering must mean."""
+    pytest.importorskip("verl")
+    from verl.trainer.ppo import core_algos
+    from verl.workers.config import ActorConfig, PolicyLossConfig
+
+    (code,) = python_blocks(sections()["lossplug_register_filters"][1])
+    module = types.ModuleType("plugin_hooks_example_min_length")
+    exec(compile(code, "docs/plugin-hooks.md (min_length)", "exec"), module.__dict__)
+    lossplug.register_plugin(module, "docs-example-min-length")
+    try:
+        g = torch.Generator().manual_seed(5)
+        B, T = 8, 6
+        lengths = torch.tensor([1, 6, 2, 5, 3, 4, 2, 6])
+        mask = torch.arange(T).expand(B, T) < lengths.unsqueeze(-1)
+        old = -torch.rand(B, T, generator=g, dtype=torch.float64)
+        logp = (old + 0.1 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0)
+        reward = torch.randint(0, 2, (B,), generator=g).double()
+        recipe = {"filters": [{"name": "min_length", "tokens": 3}], "advantage": "grpo", "gates": ["ppo_clip"]}
+        recipe["reduction"] = "token"
+        group_id = torch.arange(B) // 4
+        batch = lossplug.PolicyBatch(logp=logp, old_logp=old, action_mask=mask, reward=reward, group_id=group_id)
+        res = lossplug.estimate_advantages(batch, recipe)
+        kept = lengths >= 3
+        assert torch.equal(res.action_mask.any(-1), kept)
+        ours_logp = logp.clone().requires_grad_(True)
+        rows = res.action_mask.any(-1)
+        ours = lossplug.PolicyBatch(
+            logp=ours_logp[rows], old_logp=old[rows], action_mask=res.action_mask[rows], advantage=res.advantage[rows]
+        )
+        normalizer = lossplug.Normalizer(action_tokens=int(res.action_mask.sum()), sequences=int(rows.sum()))
+        loss = lossplug.policy_loss(ours, recipe, normalizer).loss
+        loss.backward()
+
+        # verl: the short responses dropped first, its GRPO on the rest, its vanilla loss aggregated token-mean
+        verl_logp = logp[kept].clone().requires_grad_(True)
+        scores = torch.zeros(int(kept.sum()), T, dtype=torch.float64)
+        scores[torch.arange(int(kept.sum())), lengths[kept] - 1] = reward[kept]
+        adv, _ = core_algos.compute_grpo_outcome_advantage(
+            scores, mask[kept].double(), group_id[kept].numpy(), norm_adv_by_std_in_grpo=True
+        )
+        config = ActorConfig(
+            strategy="fsdp",
+            rollout_n=4,
+            ppo_micro_batch_size_per_gpu=B,
+            loss_agg_mode="token-mean",
+            policy_loss=PolicyLossConfig(loss_mode="vanilla"),
+        )
+        config.global_batch_info.update(
+            dp_size=1, batch_num_tokens=int(mask[kept].sum()), global_batch_size=int(kept.sum())
+        )
+        pg = core_algos.compute_policy_loss_vanilla(
+            old[kept], verl_logp, adv, mask[kept].double(), loss_agg_mode="token-mean", config=config
+        )[0]
+        pg.backward()
+        torch.testing.assert_close(res.advantage[kept], adv[:, 0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(loss, pg, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(ours_logp.grad[kept], verl_logp.grad, rtol=1e-12, atol=1e-14)
+        assert torch.equal(ours_logp.grad[~kept], torch.zeros_like(ours_logp.grad[~kept]))
+    finally:
+        lossplug.unregister_plugin(module)
