@@ -63,6 +63,14 @@ class RolloutInput:
         return self.batch.action_mask.any(-1)
 
     @property
+    def response_reward(self) -> Tensor:
+        """``[B]``: each response's reward — a per-token reward summed over the response (verl's
+        ``token_level_rewards.sum(-1)``, what its DAPO filter and GRPO score)."""
+        reward = self.batch.reward
+        assert reward is not None  # (the pipeline refuses rollout stages on a batch without one)
+        return reward.sum(-1) if reward.ndim == 2 else reward
+
+    @property
     def all_reduce(self) -> Callable[[Tensor], Tensor] | None:
         """The sum over the peers (None when this process holds the whole batch): what a shaper that steps its own
         controller passes to ``step``."""

@@ -39,7 +39,7 @@ def accuracy_band(inp: lossplug.RolloutInput, p: AccuracyBandParams) -> lossplug
     """Keep the prompt groups whose mean reward is strictly between low and high (ROLL's difficulty_mask)."""
     batch = inp.batch
     assert batch.reward is not None and batch.group_id is not None
-    score = (batch.reward.sum(-1) if batch.reward.ndim == 2 else batch.reward).to(torch.float64)
+    score = inp.response_reward.to(torch.float64)
     rows = inp.rows
     keep = torch.zeros_like(rows)
     if bool(rows.any()):

@@ -48,7 +48,7 @@ def zero_variance(inp: lossplug.RolloutInput, p: ZeroVarianceParams) -> lossplug
     """Drop the prompt groups whose rewards are all equal (DAPO's dynamic sampling rule, as verl's filter_groups)."""
     batch = inp.batch
     assert batch.reward is not None and batch.group_id is not None
-    score = batch.reward.sum(-1) if batch.reward.ndim == 2 else batch.reward
+    score = inp.response_reward
     rows = inp.rows
     keep = torch.zeros_like(rows)
     if bool(rows.any()):
