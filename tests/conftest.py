@@ -154,6 +154,7 @@ BUILTIN_GATES = frozenset(
         "force_on_policy",
         "seq_mask_tis",
         "dppo_binary_tv",
+        "dppo_binary_kl",
         "ipo",
         # found missing by the field inventory (docs/field.md)
         "engine_divergence_mask",

@@ -27,6 +27,7 @@ def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> 
         covariance,
         decoupled_ppo,
         dis,
+        divergence_rejection,
         dppo,
         dro,
         engine_divergence,
@@ -77,6 +78,7 @@ def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> 
         kimi15.kimi15,
         decoupled_ppo.decoupled_ppo,
         m2po.m2po,
+        divergence_rejection.divergence_rejection,
         # verl's rollout correction suite (verl parity)
         rollout_rejection.rollout_rs,
         offpolicy_metrics.offpolicy_metrics,
@@ -93,6 +95,7 @@ def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> 
         forced_ratio.force_on_policy,
         seq_mask_tis.seq_mask_tis,
         probability_trust_region.dppo_binary_tv,
+        probability_trust_region.dppo_binary_kl,
         probability_trust_region.ipo,
         # found missing by the field inventory (docs/field.md): OpenRLHF's binary-KL / TV engine trust region,
         # SkyRL's outlier-token rejection, ROLL's cispo_use_unified_mask

@@ -12,12 +12,22 @@ token, kept or not, whatever its advantage:
 
 * ``dppo_binary_tv`` (prime-rl's default loss, DPPO-Binary-TV + Kimi-K2.5's KL): ``keep = Δ ≤ eps_high`` where
   ``A > 0``, ``Δ ≥ −eps_low`` otherwise (a token with ``A = 0`` contributes no policy gradient either way);
+* ``dppo_binary_kl`` (DPPO-Binary-KL, SkyRL's ``dppo_type: binary_kl``): with the binary KL between the rollout
+  and the current policy on the two outcomes {sampled token, anything else}, ``p = exp(logp)``,
+  ``μ = exp(behavior_logp)``::
+
+      D = μ·(log μ − logp) + (1 − μ)·log((1 − μ + 1e-8) / (1 − p + 1e-8))
+
+  ``keep = not (Δ > 0 and D > eps_high)`` where ``A > 0``, ``not (Δ < 0 and D > eps_low)`` where ``A < 0`` (only a
+  move in the direction the advantage pushes, and past the bound, is masked); ``kl_tau`` defaults to 0 (SkyRL has no
+  KL term);
 * ``ipo``: the symmetric region ``keep = |Δ| ≤ threshold``, whatever the advantage's sign.
 
 How they differ from ``dppo_tv``: that one (verl's) is anchored at ``old_logp``, detaches a *truncated* ratio
 (``sg(min(r, ratio_cap))·A·logp``) and has no KL term — the same mask rule, another value and gradient. With
 ``kl_tau: 0`` ``dppo_binary_tv`` is SkyRL's ``dppo`` (``dppo_type: binary_tv``, ``delta_low/high`` = ``eps_low/high``)
-given rollout log-probs.
+given rollout log-probs, and ``dppo_binary_kl`` SkyRL's ``binary_kl``. verl's ``dppo_kl`` applies the same binary-KL
+rule anchored at ``old_logp`` to a detached truncated ratio.
 
 The log-ratio is clamped to ``± log_ratio_clamp`` (20) before ``exp`` and in the KL term; prime-rl clamps
 neither, and agrees wherever ``|log r| ≤ 20``. prime-rl sums the per-token loss and divides by the step's global
@@ -71,6 +81,18 @@ class DPPOBinaryTVParams(lossplug.Params):
     log_ratio_clamp: float = _clamp()
 
 
+class DPPOBinaryKLParams(lossplug.Params):
+    eps_low: float = Field(
+        0.2, ge=0, description="A < 0 tokens whose probability fell with a binary KL above this are masked (delta_low)"
+    )
+    eps_high: float = Field(
+        0.2, ge=0, description="A > 0 tokens whose probability rose with a binary KL above this are masked (delta_high)"
+    )
+    adv_tau: float = _adv_tau()
+    kl_tau: float = Field(0.0, ge=0, description="kl_tau: coefficient of the squared log-ratio (log r)² (SkyRL: none)")
+    log_ratio_clamp: float = _clamp()
+
+
 class IPOParams(lossplug.Params):
     threshold: float = Field(
         0.1, ge=0, description="tokens whose probability moved by more than this (either way) are masked"
@@ -82,7 +104,7 @@ class IPOParams(lossplug.Params):
 
 def _trust_region(
     inp: lossplug.GateInput,
-    p: DPPOBinaryTVParams | IPOParams,
+    p: DPPOBinaryTVParams | DPPOBinaryKLParams | IPOParams,
     keep_of: Callable[[Tensor, Tensor], Tensor],
 ) -> lossplug.GateOutput:
     """``keep·adv_tau·A·r − kl_tau·(log r)²`` with ``keep = keep_of(Δ, A)`` (computed without gradient)."""
@@ -112,6 +134,22 @@ def dppo_binary_tv(inp: lossplug.GateInput, p: DPPOBinaryTVParams) -> lossplug.G
 
     def keep(change: Tensor, adv: Tensor) -> Tensor:
         return torch.where(adv > 0, change <= p.eps_high, change >= -p.eps_low)
+
+    return _trust_region(inp, p, keep)
+
+
+@lossplug.gate("dppo_binary_kl", params=DPPOBinaryKLParams, requires=("behavior_logp",))
+def dppo_binary_kl(inp: lossplug.GateInput, p: DPPOBinaryKLParams) -> lossplug.GateOutput:
+    """DPPO-Binary-KL at the rollout policy: keep·adv_tau·A·r − kl_tau·(log r)², a token masked when it moved the
+    way A pushes with a binary KL(μ ‖ p) above eps_high (A > 0) / eps_low (A < 0)."""
+    logp, behavior_logp = inp.logp.detach(), cast(Tensor, inp.behavior_logp)
+
+    def keep(change: Tensor, adv: Tensor) -> Tensor:
+        prob, mu = logp.exp(), behavior_logp.exp()
+        binary_kl = mu * (behavior_logp - logp) + (1 - mu) * torch.log((1 - mu + 1e-8) / (1 - prob + 1e-8))
+        rose_too_far = (adv > 0) & (change > 0) & (binary_kl > p.eps_high)
+        fell_too_far = (adv < 0) & (change < 0) & (binary_kl > p.eps_low)
+        return ~(rose_too_far | fell_too_far)
 
     return _trust_region(inp, p, keep)
 

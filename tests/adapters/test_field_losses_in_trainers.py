@@ -34,6 +34,14 @@ TRL_CASES = {
         },
         {"lossplug/seq_mask_tis/mask_frac", "lossplug/seq_mask_tis/mask_token_frac"},
     ),
+    "skyrl_dppo_binary_kl": (
+        {
+            "preset": "grpo",
+            "gates": [{"name": "dppo_binary_kl", "eps_low": 0.05, "eps_high": 0.05}],
+            "reduction": "token",
+        },
+        {"lossplug/dppo_binary_kl/mask_frac"},
+    ),
     "prime_rl": (
         {"preset": "grpo", "gates": ["dppo_binary_tv"], "reduction": "token"},
         {"lossplug/dppo_binary_tv/mask_frac"},
@@ -114,6 +122,11 @@ def per_token_loss(gate: dict, logp, old, rollout, adv, mask):
         else:
             masked = torch.where(adv > 0, diff > 0.2, diff < -0.2)
         return -(~masked * adv * r) + 1e-3 * (logp - rollout) ** 2
+    if name == "dppo_binary_kl":  # SkyRL's binary_kl at the rollout log-probs, delta 0.05 / 0.1, no KL term
+        p, mu = logp.detach().exp(), rollout.exp()
+        binary_kl = mu * (rollout - logp.detach()) + (1 - mu) * torch.log((1 - mu + 1e-8) / (1 - p + 1e-8))
+        masked = ((adv > 0) & (p > mu) & (binary_kl > 0.1)) | ((adv < 0) & (p < mu) & (binary_kl > 0.05))
+        return -(~masked * adv * r)
     if name == "seq_mask_tis":  # OpenRLHF: after PPO's clip (0.2), bounds 0.5 and 5
         ratio = (logp - old).exp()
         ppo = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
@@ -131,6 +144,7 @@ VERL_GATES = [
     [{"name": "force_on_policy"}],
     [{"name": "dppo_binary_tv"}],
     [{"name": "ipo"}],
+    [{"name": "dppo_binary_kl", "eps_low": 0.05, "eps_high": 0.1}],
     [{"name": "ppo_clip"}, {"name": "seq_mask_tis", "low": 0.5, "high": 5.0}],
 ]
 

@@ -1,9 +1,10 @@
-"""dppo_binary_tv and ipo: prime-rl's default and IPO losses.
+"""dppo_binary_tv and ipo: prime-rl's default and IPO losses; dppo_binary_kl: SkyRL's binary-KL DPPO.
 
 Oracles, float64, loss and gradient: prime-rl's ``default_loss_fn`` / ``ipo_loss_fn`` summed over packed samples and
 divided by the global loss-token count (``compute_loss``), transcribed here — prime-rl is not on a package index, so
 its code does not run here; SkyRL 0.3.0's ``dppo_policy_loss`` (binary_tv, with rollout log-probs) for the
-``kl_tau: 0`` case, read from its wheel (``tests/_origins.py``). And how they differ from verl's ``dppo_tv``.
+``kl_tau: 0`` case and for ``binary_kl``, read from its wheel (``tests/_origins.py``). And how they differ from verl's
+``dppo_tv`` / ``dppo_kl``.
 """
 
 from __future__ import annotations
@@ -117,6 +118,69 @@ def test_without_kl_it_is_skyrls_dppo_binary_tv(ppo_utils, B, T, delta):
         torch.testing.assert_close(grad, logp.grad, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("B,T", SHAPES)
+@pytest.mark.parametrize("delta", [(0.2, 0.2), (0.01, 0.05), (0.0, 0.0)])
+@pytest.mark.parametrize("scale", [0.6, 2.0])
+def test_dppo_binary_kl_is_skyrls_binary_kl(ppo_utils, monkeypatch, B, T, delta, scale):
+    # SkyRL exponentiates the log-ratio in float32 (safe_exp_delta); in float64 the rest of its code is ours exactly
+    monkeypatch.setattr(ppo_utils, "safe_exp_delta", lambda d, clip=20.0, out_dtype=None: d.clamp(-clip, clip).exp())
+    low, high = delta
+    config = skyrl_config(
+        policy_loss_type="dppo", dppo={"dppo_type": "binary_kl", "delta_low": low, "delta_high": high}
+    )
+    masked_somewhere = False
+    for seed in range(3):
+        f = fields(B, T, seed, scale=scale, token_advantage=True)
+        params = {"eps_low": low, "eps_high": high}
+        result, grad = loss_and_grad(
+            {"gates": [{"name": "dppo_binary_kl", **params}], "reduction": "token_sum"}, metrics="full", **f
+        )
+        logp = f["logp"].clone().requires_grad_()
+        mask = f["action_mask"].double()
+        behavior = f["behavior_logp"]
+        expected, metrics = ppo_utils.dppo_policy_loss(
+            logp, behavior, f["advantage"], config, loss_mask=mask, rollout_logprobs=behavior
+        )
+        expected.backward()
+        torch.testing.assert_close(result.loss, expected, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(grad, logp.grad, rtol=1e-12, atol=1e-14)
+        masked_somewhere |= float(result.metrics["dppo_binary_kl/mask_frac"]) > 0
+    assert masked_somewhere or scale < 1 or B * T < 60  # wide log-ratios over enough tokens reach the mask
+
+
+def test_dppo_binary_kl_masks_only_moves_the_advantage_pushes_past_the_bound():
+    # three A > 0 tokens: rose far (masked), fell far (kept: it moved against A), rose a little (kept)
+    logp = torch.tensor([[-0.2, -3.0, -1.0]], dtype=torch.float64)
+    behavior = torch.tensor([[-3.0, -0.2, -1.01]], dtype=torch.float64)
+    f = {
+        "logp": logp,
+        "behavior_logp": behavior,
+        "advantage": torch.tensor([1.0], dtype=torch.float64),
+        "action_mask": torch.ones(1, 3, dtype=torch.bool),
+    }
+    _, grad = loss_and_grad({"gates": [{"name": "dppo_binary_kl", "eps_high": 0.01}], "reduction": "token_sum"}, **f)
+    ratio = (logp - behavior).exp()
+    torch.testing.assert_close(-grad[0], torch.stack([torch.zeros((), dtype=torch.float64), ratio[0, 1], ratio[0, 2]]))
+    # with A < 0 the same moves: the token that fell far is the one masked
+    _, grad = loss_and_grad(
+        {"gates": [{"name": "dppo_binary_kl", "eps_low": 0.01}], "reduction": "token_sum"},
+        **{**f, "advantage": -f["advantage"]},
+    )
+    torch.testing.assert_close(grad[0], torch.stack([ratio[0, 0], torch.zeros((), dtype=torch.float64), ratio[0, 2]]))
+
+
+def test_differs_from_verls_dppo_kl_in_value_and_gradient():
+    # verl's dppo_kl anchors at old_logp and detaches min(r, cap): same mask rule, another value and gradient
+    f = fields(6, 10, seed=3, scale=1.5)
+    ours, g_ours = run("dppo_binary_kl", {}, f)
+    verl, g_verl = loss_and_grad(
+        {"gates": [{"name": "dppo_kl"}], "reduction": "token"},
+        old_logp=f["behavior_logp"],
+        **{k: v for k, v in f.items() if k != "behavior_logp"},
+    )
+    assert not torch.allclose(ours.loss, verl.loss) and not torch.allclose(g_ours, g_verl)
+
+
 def test_differs_from_verls_dppo_tv_in_value_and_gradient():
     # dppo_tv anchors at old_logp and detaches min(r, cap); here the ratio carries the gradient and there is a KL
     f = fields(6, 10, seed=3, scale=1.5)
@@ -140,7 +204,7 @@ def gradient(name: str, params: dict, f: dict):
     return grad
 
 
-@given(batches(), st.sampled_from(["dppo_binary_tv", "ipo"]))
+@given(batches(), st.sampled_from(["dppo_binary_tv", "dppo_binary_kl", "ipo"]))
 def test_at_ratio_one_the_gradient_is_the_advantage_and_kl_adds_nothing(f, name):
     f = {**f, "behavior_logp": f["logp"].clone()}
     grad = gradient(name, {"kl_tau": 0.5}, f)
