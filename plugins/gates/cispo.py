@@ -5,7 +5,8 @@ Per action token, with ``r = exp(logp − old_logp)`` (log-ratio clamped to ``±
 
     J = sg(clip(r, lower, upper)) · A · logp        ∂J/∂logp = clip(r, lower, upper) · A
 
-``lower = 1 − eps_low`` (no lower bound if ``eps_low`` is ``None``); ``upper = 1 + eps_high`` or, with
+``lower = 1 − eps_low`` (no lower bound if ``eps_low`` is ``None``; ``eps_low: 0`` is a lower bound of exactly 1,
+every weight below 1 raised to 1); ``upper = 1 + eps_high`` or, with
 ``ratio_max``, the absolute cap ``ratio_max``. Unlike PPO's clip no token's gradient is dropped: the clip only
 saturates the weight, so every action token stays ``active``.
 
@@ -15,7 +16,10 @@ The two references differ, and both are reproduced exactly:
   clamped to ±20 → ``{name: cispo, eps_low: 0.2, eps_high: 0.2}`` (the defaults);
 * TRL ``loss_type="cispo"``: ``clamp(r, max=epsilon_high)``, an absolute upper cap only (ScaleRL's ε_max, TRL
   recommends 5.0), no log-ratio clamp → ``{name: cispo, eps_low: null, ratio_max: 5.0, log_ratio_clamp: null}``.
-  MiniMax-M1 itself sets no lower bound either.
+  MiniMax-M1 itself sets no lower bound either;
+* SkyRL ``compute_policy_loss_cispo`` (``policy_loss_type: cispo``): ``clamp(r, 1 − cispo_eps_clip_low,
+  1 + cispo_eps_clip_high)``, the log-ratio clamped to ±20 → its defaults ``{name: cispo, eps_low: 0.0, eps_high:
+  5.0}``: a weight never below 1.
 
 ``cispo_seq`` uses the sequence ratio ``s_i = exp(mean_t log r_it)`` (GSPO's) in place of ``r`` — one weight per
 response, each token's gradient still through its own ``logp`` (TRL ``importance_sampling_level="sequence"``)::
@@ -31,7 +35,7 @@ Paper: MiniMax, 2025, *MiniMax-M1: Scaling Test-Time Compute Efficiently with Li
 arXiv:2506.13585 (CISPO); the absolute cap ``ratio_max`` as in ScaleRL (Khatri et al., 2025, arXiv:2510.13786).
 
 Reference: verl ``compute_policy_loss_cispo``; TRL ``loss_type="cispo"`` (``importance_sampling_level`` token or
-sequence).
+sequence); SkyRL 0.3.0 ``skyrl/backends/skyrl_train/utils/ppo_utils.py``, ``compute_policy_loss_cispo``.
 """
 
 from __future__ import annotations
@@ -49,9 +53,10 @@ from lossplug.ops import clamp_exact, clamp_moved_fast, count_actions, count_mov
 class CISPOParams(lossplug.Params):
     eps_low: float | None = Field(
         0.2,
-        gt=0,
+        ge=0,
         le=1,
-        description="weights below 1 − eps_low are raised to it; null: no lower bound (TRL, MiniMax-M1)",
+        description="weights below 1 − eps_low are raised to it (0: to 1, SkyRL's default); null: no lower bound "
+        "(TRL, MiniMax-M1)",
     )
     eps_high: float | None = Field(
         0.2, gt=0, description="weights above 1 + eps_high are capped (verl); null when ratio_max is used"
@@ -133,7 +138,7 @@ def _cispo(inp: lossplug.GateInput, p: CISPOParams, ratio: torch.Tensor, *, per_
         coefficient = ratio.clamp(min=p.lower, max=p.upper)
     objective = coefficient.detach() * adv * inp.logp
 
-    # off the actions r = exp(0) = 1: never below lower (< 1); above upper only for a cap below 1
+    # off the actions r = exp(0) = 1: never below lower (≤ 1, strictly); above upper only for a cap below 1
     @functools.cache
     def counts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         mask, lengths = inp.mask, inp.lengths
