@@ -11,67 +11,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-import lossplug
-
-from ._field_trainers import verl_actor_config, verl_policy_loss
+from ._field_trainers import train_two_tiny_steps, verl_inputs, verl_seam_over_step
 
 
 @pytest.mark.slow
 def test_trains_inside_trls_grpo_trainer(tmp_path):
-    pytest.importorskip("trl")
-    from lossplug.adapters.trl import LossplugGRPOTrainer
-    from lossplug.testing import tiny
-
     # the tiny rollout engine's log-probs are far from the model's (engine KL ≈ 2.5 nats): a wide bound keeps some
     recipe = {
         "preset": "grpo",
         "gates": ["ppo_clip", {"name": "divergence_rejection", "metric": "kl_k3", "upper": 20.0}],
         "reduction": "token",
     }
-    tok = tiny.tiny_tokenizer()
-    trainer = LossplugGRPOTrainer(
-        model=tiny.tiny_model(tok),
-        reward_funcs=[tiny.length_reward],
-        args=tiny.tiny_grpo_config(tmp_path / "out", max_steps=2),
-        train_dataset=tiny.tiny_dataset(),
-        processing_class=tok,
-        recipe=recipe,
-        rollout_func=tiny.TinyRollout(tok),  # the engine's log-probs: behavior_logp
-    )
-    before = [p.detach().clone() for p in trainer.model.parameters()]
-    trainer.train()
-    assert trainer.state.global_step == 2
+    trainer, _ = train_two_tiny_steps(recipe, tmp_path)
     keys = {k for entry in trainer.state.log_history for k in entry if k.startswith("lossplug/")}
-    assert {"lossplug/loss", "lossplug/divergence_rejection/rejected_frac"} <= keys, sorted(keys)
-    losses = [e["lossplug/loss"] for e in trainer.state.log_history if "lossplug/loss" in e]
-    assert losses and all(torch.isfinite(torch.tensor(v)) for v in losses)
-    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
-    assert lossplug.Recipe.from_file(tmp_path / "out" / "recipe.yaml").gates == lossplug.Recipe.load(recipe).gates
+    assert "lossplug/divergence_rejection/rejected_frac" in keys, sorted(keys)
 
 
 # -- verl --------------------------------------------------------------------------------------------------------------
-
-B, T, DP, MICRO = 8, 12, 2, 2
-
-
-def verl_inputs(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, T + 1, (B,), generator=g)
-    mask = torch.arange(T) < lengths[:, None]
-    mask[:, 1:] &= torch.rand(B, T - 1, generator=g) > 0.15  # observation tokens inside the response
-    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3 - 0.05
-    logp = (old + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=-1e-4)
-    rollout = (old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=-1e-4)
-    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
-    garbage = 50 * torch.rand(B, T, generator=g, dtype=torch.float64)  # whatever verl holds off the mask
-    return {
-        "old_log_prob": torch.where(mask, old, -garbage),
-        "log_prob": torch.where(mask, logp, garbage),
-        "rollout_log_probs": torch.where(mask, rollout, -garbage),
-        "advantages": torch.where(mask, adv, garbage),
-        "response_mask": mask,
-        "lengths": lengths,
-    }
 
 
 def areal_weight(gate: dict, old, rollout, mask):
@@ -117,22 +73,10 @@ VERL_GATES = [
 @pytest.mark.parametrize("gate", VERL_GATES, ids=lambda g: "-".join(str(v) for k, v in g.items() if k != "name"))
 def test_verls_policy_loss_seam_gives_areal_formula_over_the_step(gate):
     pytest.importorskip("verl")
-    x = verl_inputs(seed=7)
+    x = verl_inputs(seed=7, update_noise=0.2)
     mask = x["response_mask"]
-    config = verl_actor_config({"gates": ["ppo_clip", gate], "reduction": "token"}, MICRO)
-    config.global_batch_info.update(
-        {"dp_size": DP, "batch_num_tokens": int(mask.sum()), "global_batch_size": B, "loss_scale_factor": None}
-    )
-    total, grad = torch.zeros((), dtype=torch.float64), torch.zeros_like(x["log_prob"])
-    for start in range(0, B, MICRO):  # dp_size ranks × micro-batches, each padded to its own longest response
-        rows, width = slice(start, start + MICRO), int(x["lengths"][start : start + MICRO].max())
-        mb = {k: v[rows, :width] for k, v in x.items() if k != "lengths"}
-        log_prob = mb["log_prob"].clone().requires_grad_()
-        loss, metrics = verl_policy_loss(config, mb, log_prob)
-        loss.backward()
-        total = total + loss.detach() / DP  # verl multiplies each share by dp_size and averages the ranks' gradients
-        grad[rows, :width] = log_prob.grad / DP
-        assert "actor/lossplug/divergence_rejection/rejected_frac" in metrics, sorted(metrics)
+    total, grad, metrics = verl_seam_over_step({"gates": ["ppo_clip", gate], "reduction": "token"}, x)
+    assert all("actor/lossplug/divergence_rejection/rejected_frac" in m for m in metrics), sorted(metrics[0])
     # AReaL's ppo_actor_loss_fn over the whole step: clipped surrogate × weight, ÷ the action tokens before rejection
     logp = torch.where(mask, x["log_prob"], -1.0).requires_grad_()
     old, rollout, adv = (torch.where(mask, x[k], -1.0) for k in ("old_log_prob", "rollout_log_probs", "advantages"))

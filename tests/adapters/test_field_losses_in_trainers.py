@@ -14,7 +14,7 @@ import torch
 
 import lossplug
 
-from ._field_trainers import verl_actor_config, verl_policy_loss
+from ._field_trainers import MICRO, verl_actor_config, verl_inputs, verl_policy_loss, verl_seam_over_step
 
 # -- TRL ---------------------------------------------------------------------------------------------------------------
 
@@ -80,28 +80,6 @@ def test_trains_inside_trls_grpo_trainer(family, tmp_path):
 
 # -- verl --------------------------------------------------------------------------------------------------------------
 
-B, T, DP, MICRO = 8, 12, 2, 2
-
-
-def verl_inputs(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, T + 1, (B,), generator=g)
-    mask = torch.arange(T) < lengths[:, None]
-    mask[:, 1:] &= torch.rand(B, T - 1, generator=g) > 0.15  # observation tokens inside the response
-    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3 - 0.05
-    logp = (old + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=-1e-4)
-    rollout = (old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=-1e-4)
-    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
-    garbage = 50 * torch.rand(B, T, generator=g, dtype=torch.float64)  # whatever verl holds off the mask
-    return {
-        "old_log_prob": torch.where(mask, old, -garbage),
-        "log_prob": torch.where(mask, logp, garbage),
-        "rollout_log_probs": torch.where(mask, rollout, -garbage),
-        "advantages": torch.where(mask, adv, garbage),
-        "response_mask": mask,
-        "lengths": lengths,
-    }
-
 
 def per_token_loss(gate: dict, logp, old, rollout, adv, mask):
     """Each loss as its origin writes it, per token (to minimise), independently of lossplug."""
@@ -154,20 +132,8 @@ def test_verls_policy_loss_seam_gives_each_formula_over_the_step(gates):
     pytest.importorskip("verl")
     x = verl_inputs(seed=len(gates[-1]["name"]))
     mask = x["response_mask"]
-    config = verl_actor_config({"gates": gates, "reduction": "token"}, MICRO)
-    config.global_batch_info.update(
-        {"dp_size": DP, "batch_num_tokens": int(mask.sum()), "global_batch_size": B, "loss_scale_factor": None}
-    )
-    total, grad = torch.zeros((), dtype=torch.float64), torch.zeros_like(x["log_prob"])
-    for start in range(0, B, MICRO):  # dp_size ranks × micro-batches, each padded to its own longest response
-        rows, width = slice(start, start + MICRO), int(x["lengths"][start : start + MICRO].max())
-        mb = {k: v[rows, :width] for k, v in x.items() if k != "lengths"}
-        log_prob = mb["log_prob"].clone().requires_grad_()
-        loss, metrics = verl_policy_loss(config, mb, log_prob)
-        loss.backward()
-        total = total + loss.detach() / DP  # verl multiplies each share by dp_size and averages the ranks' gradients
-        grad[rows, :width] = log_prob.grad / DP
-        assert all(isinstance(v, float) for k, v in metrics.items() if k.startswith("actor/lossplug/"))
+    total, grad, metrics = verl_seam_over_step({"gates": gates, "reduction": "token"}, x)
+    assert all(isinstance(v, float) for m in metrics for k, v in m.items() if k.startswith("actor/lossplug/"))
     # the formula over the whole step: a token mean over every action token of every rank
     logp = torch.where(mask, x["log_prob"], -1.0).requires_grad_()
     clean = {
