@@ -158,6 +158,7 @@ def divergence_rejection(inp: lossplug.GateInput, p: DivergenceRejectionParams) 
             "rejected_frac": lambda: rs.token_mean(inp, rejected.to(dtype)),
             "clamped_frac": lambda: rs.token_mean(inp, changed.to(dtype)),
             "weight_mean": lambda: rs.token_mean(inp, weight),
-            "metric_max": lambda: rs.token_max(inp, metric),
+            # in float64: k3 and the ratio exponentiate the log-ratio, beyond float32 at |log ρ| ≳ 88
+            "metric_max": lambda: rs.token_max(inp, _token_metric(inp.engine_log_ratio().double(), p.metric)),
         }
         return lossplug.GateOutput(weight=weight.to(dtype).detach(), metrics=metrics, active=lambda: ~rejected)
