@@ -123,12 +123,21 @@ def test_the_same_content_shares_one_recipe_and_the_caches_are_bounded(monkeypat
 # (b) nothing keyed by identity: recipes that get the same id() never share a plan
 
 
-def test_recipes_that_reuse_an_id_never_share_a_plan():
-    """Create, use, drop, create: CPython hands the next object the memory (and so the id) of the last one. Each
-    configuration still computes its own recipe."""
-    seen_ids: dict[int, str] = {}
-    reused = 0
-    for i in range(16):
+def test_recipes_that_reuse_an_id_never_share_a_plan(monkeypatch):
+    """Create, use, drop, create: CPython often hands the next object the memory (and so the id) of the last one,
+    but not always (CI once saw no reuse in 16 tries). So every id() the adapter's modules could call returns one
+    number here: a cache keyed by identity would hand the second recipe the first one's plan. Each configuration
+    still computes its own recipe."""
+    import sys
+
+    collided = 0
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.startswith("lossplug.adapters.verl"):
+            # a module-level name shadows the builtin for that module only; deepcopy and pydantic keep the real id()
+            monkeypatch.setattr(module, "id", lambda _obj: 0, raising=False)
+            collided += 1
+    assert collided > 5, "the adapter's modules were not found in sys.modules"
+    for i in range(8):
         spec, gate = (PPO_CLIP, "ppo_clip") if i % 2 == 0 else (CISPO, "cispo")
         recipe = Recipe.load(spec)
         config = actor(LossplugPolicyLossConfig(recipe=recipe))
@@ -136,13 +145,8 @@ def test_recipes_that_reuse_an_id_never_share_a_plan():
         # the regularizer and rollout-correction steps are plain functions now: they also follow the recipe given
         assert adapter.regularizers.policy_term(recipe, plan.VerlTerms()).gates[0].name == gate
         assert adapter.rollout.without_verls_correction(recipe, None, has_weights=False).gates[0].name == gate
-        previous = seen_ids.get(id(recipe))
-        reused += previous is not None and previous != gate
-        seen_ids[id(recipe)] = gate
         del recipe, config
         gc.collect()
-    # the point of the test: ids were reused across different recipes (else it would prove nothing here)
-    assert reused > 0, "no id() was reused by a different recipe in this run"
 
 
 def test_hand_made_sections_are_planned_by_value_not_by_object():
