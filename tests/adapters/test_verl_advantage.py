@@ -124,6 +124,20 @@ def test_gae_through_compute_advantage_matches_verl(gamma, lam):
     assert max_diff(batch, (data.batch["advantages"], data.batch["returns"]), theirs) <= TOL
 
 
+def test_decoupled_gae_takes_the_advantages_and_the_returns_from_verls_gae_at_two_lambdas():
+    """verl #479 (decoupled GAE, as in VC-PPO, arXiv:2503.01491, and VAPO): one λ for the policy's advantages, another for
+    the critic's returns. verl 0.9.1 has one ``algorithm.lam``; ``gae``'s ``critic_lam`` gives the advantages of verl's
+    GAE at ``lam`` and the returns of verl's GAE at ``critic_lam``, through the same DataProto path."""
+    batch = make_batch(7)
+    at_actor = run(batch, "gae", gamma=0.99, lam=0.95, use_pf_ppo=False)
+    at_critic = run(batch, "gae", gamma=0.99, lam=1.0, use_pf_ppo=False)
+    data = lossplug_compute_advantage(
+        data_proto(batch), recipe({"name": "gae", "gamma": 0.99, "lam": 0.95, "critic_lam": 1.0, "whiten": True})
+    )
+    assert max_diff(batch, (data.batch["advantages"], data.batch["returns"]), (at_actor[0], at_critic[1])) <= TOL
+    assert not torch.allclose(at_actor[1], at_critic[1])  # the two λ give different returns here
+
+
 def test_gae_under_verls_trainer_is_refused_naming_the_explicit_path():
     """Under ``adv_estimator=lossplug`` verl's ``compute_advantage`` passes no values: a clear refusal that names
     ``compute_advantage(data, recipe)`` and verl's own ``gae`` — never a search of the caller's frames."""
