@@ -1,0 +1,42 @@
+"""This year's papers (issue 31) inside the trainers: CFPO (``cfpo``, arXiv:2601.22801) in a real TRL ``train()`` run
+of two CPU steps on the tiny model, and through verl's policy-loss seam (``get_policy_loss_fn("lossplug")``) split
+over 2 ranks × micro-batches against the CFPO authors' verl port written out over the whole step (float64, loss and
+gradient).
+
+Only public import paths: ``lossplug.adapters.trl`` and ``lossplug.adapters.verl``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ._field_trainers import train_two_tiny_steps, verl_inputs, verl_seam_over_step
+
+
+@pytest.mark.slow
+def test_cfpo_trains_inside_trls_grpo_trainer(tmp_path):
+    recipe = {"preset": "grpo", "gates": [{"name": "cfpo", "eps": 0.2}], "reduction": "token"}
+    trainer, _ = train_two_tiny_steps(recipe, tmp_path, rollout=False)
+    keys = {k for entry in trainer.state.log_history for k in entry if k.startswith("lossplug/")}
+    assert {"lossplug/cfpo/past_peak_frac_high", "lossplug/cfpo/past_peak_frac_low"} <= keys, sorted(keys)
+
+
+@pytest.mark.parametrize("eps", [0.2, 0.1])
+def test_cfpo_through_verls_seam_is_the_authors_port_over_the_step(eps):
+    pytest.importorskip("verl")
+    x = verl_inputs(seed=11, update_noise=0.3, rollout_noise=None)
+    mask = x["response_mask"]
+    total, grad, metrics = verl_seam_over_step({"gates": [{"name": "cfpo", "eps": eps}], "reduction": "token"}, x)
+    assert all("actor/lossplug/cfpo/past_peak_frac_high" in m for m in metrics), sorted(metrics[0])
+    # the port (asparius/verl@18bd5cd compute_policy_loss_cfpo) with verl's token-mean over the whole step
+    logp = torch.where(mask, x["log_prob"], -1.0).requires_grad_()
+    old, adv = (torch.where(mask, x[k], -1.0) for k in ("old_log_prob", "advantages"))
+    ratio = (logp - old).clamp(-20.0, 20.0).exp()
+    past = ((ratio > 1 + eps) & (adv > 0)) | ((ratio < 1 - eps) & (adv < 0))
+    assert 0 < int((past & mask).sum()) < int(mask.sum())  # some tokens are past the peak, not all
+    pg_losses = -(adv * ratio - adv.abs() * (ratio - 1).pow(2) / (2 * eps))
+    expected = torch.where(mask, pg_losses, 0).sum() / mask.sum()
+    expected.backward()
+    torch.testing.assert_close(total, expected, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.where(mask, grad, 0), torch.where(mask, logp.grad, 0), rtol=1e-12, atol=1e-14)
