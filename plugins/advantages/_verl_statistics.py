@@ -11,6 +11,14 @@
   single action token (``n − 1 = 0``); here the Bessel factor is then 1 (no division by zero).
 * :func:`whiten_rows` — the same for a per-response value broadcast over its action tokens (each response weighs
   by its number of action tokens, as in verl's ``[B, T]`` tensors); returns ``[B]``.
+* :func:`masked_center`, :func:`center_rows` — the same mean without the division (``whiten: center``): OpenRLHF
+  0.11.2's ``no_std_norm`` (``openrlhf/trainer/ppo_utils/experience_maker.py``, ``compute_advantages_and_returns``)::
+
+      μ = Σ x·mask / Σ mask        center(x) = x − μ
+
+  OpenRLHF divides by the exact count (no ``+ 1e-8``) and computes ``μ`` in float32 (``.float()``) whatever the
+  advantages' dtype; here ``μ`` is in the advantages' dtype (at least float32), so float64 advantages get a float64
+  mean (OpenRLHF's then differ by its float32 rounding, ~1e-8 relative).
 * :func:`at_least_float32` — the estimators compute in float32 or wider (bf16 rewards are upcast).
 * :func:`group_mean_or_zero` — verl's outcome baselines: the group mean, and 0 for a group of one (verl sets
   ``mean = 0, std = 1`` for singletons instead of giving them no signal).
@@ -42,6 +50,18 @@ def masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
     var = torch.where(mask, centered * centered, 0).sum() / (count + 1e-8)
     var = var * (count / (count - 1).clamp(min=1))  # Bessel factor: float32, as verl's mask_sum / (mask_sum - 1)
     return centered * torch.rsqrt(var + 1e-8)
+
+
+def masked_center(values: Tensor, mask: Tensor) -> Tensor:
+    """``values − μ``, ``μ`` the mean of ``values`` over the action tokens of the batch (OpenRLHF's ``no_std_norm``);
+    not zeroed off the mask (NaN/inf there never enter ``μ``)."""
+    return values - torch.where(mask, values, 0).sum() / mask.sum()
+
+
+def center_rows(row_values: Tensor, mask: Tensor) -> Tensor:
+    """:func:`masked_center` of ``row_values[:, None]`` over ``mask`` ``[B, T]``, as the ``[B]`` per-row value: each
+    row weighs by its number of action tokens."""
+    return row_values - (row_values * mask.sum(-1)).sum() / mask.sum()
 
 
 def whiten_rows(row_values: Tensor, mask: Tensor) -> Tensor:

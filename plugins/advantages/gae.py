@@ -25,7 +25,10 @@ at non-action positions of any input never reach them.
 
 ``whiten`` (default on, like TRL's PPO and verl's GAE) standardises the advantages over all action tokens of the
 batch (transitions, for packed) with the unbiased variance: ``(A − mean) / sqrt(var + 1e-8)``, exactly verl's and
-TRL's ``masked_whiten`` (its Bessel factor ``n / (n − 1)`` in float32, as theirs on an integer mask). ``critic_lam``
+TRL's ``masked_whiten`` (its Bessel factor ``n / (n − 1)`` in float32, as theirs on an integer mask).
+``whiten: center`` subtracts the same mean and does not divide: OpenRLHF 0.11.2's ``--algo.advantage.no_std_norm``
+(``openrlhf/trainer/ppo_utils/experience_maker.py``, ``compute_advantages_and_returns``: ``A − Σ A·mask / Σ mask``
+over every action token of the rollout batch; OpenRLHF takes that mean in float32, here in the advantages' dtype). ``critic_lam``
 (default: ``lam``) is the λ of the returns: VAPO-style decoupled λ, the advantages still use ``lam``.
 ``kl_coef`` (padded only) adds the KL-shaped reward ``−kl_coef·(old_logp − ref_logp)`` of Ziegler et al. (2019,
 arXiv:1909.08593) on every action token (see :func:`lossplug.tools.kl.kl_shaped_rewards`), reading ``old_logp`` (the
@@ -60,7 +63,7 @@ Gymnasium's ``step()`` API (``terminated`` vs ``truncated``, since gym 0.26) for
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Literal, cast
 
 import torch
 from pydantic import Field
@@ -72,6 +75,9 @@ from lossplug.tools.kl import kl_shaped_rewards
 
 Tensor = torch.Tensor
 Lam = float | Tensor
+#: ``True``: centre and divide by the std (verl's ``masked_whiten``); ``"center"``: centre only (OpenRLHF's
+#: ``no_std_norm``); ``False``: neither
+Whiten = bool | Literal["center"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -178,6 +184,19 @@ def _whiten(x: Tensor) -> Tensor:
     return centered * torch.rsqrt(var + 1e-8)
 
 
+def _center(x: Tensor) -> Tensor:
+    """``x`` minus its mean over every element of a packed vector (``whiten: center``, OpenRLHF's ``no_std_norm``):
+    the exact count, no ε (OpenRLHF's ``Σ A·mask / Σ mask``)."""
+    return x - x.sum() / torch.full((), x.numel(), dtype=torch.int64, device=x.device)
+
+
+def _normalised(x: Tensor, whiten: Whiten) -> Tensor:
+    """``x`` whitened, centred or as is, as ``whiten`` says (:data:`Whiten`)."""
+    if whiten == "center":
+        return _center(x)
+    return _whiten(x) if whiten else x
+
+
 def _segments(boundary: Tensor) -> Tensor:
     """Fragment index of every packed transition (fragments end at boundaries)."""
     seg = torch.zeros_like(boundary, dtype=torch.long)
@@ -194,7 +213,7 @@ def gae_packed(
     gamma: float,
     lam: Lam | None,
     critic_lam: Lam | None,
-    whiten: bool,
+    whiten: Whiten,
     lam_of: Callable[[Tensor], Tensor] | None = None,
 ) -> lossplug.AdvantageResult:
     """``lam``: λ, or None with ``lam_of``, the λ of a fragment length; ``critic_lam`` None: ``lam``."""
@@ -210,8 +229,7 @@ def gae_packed(
         lam = lam_of(lengths)[seg]
         metrics = _lambda_metrics(lam_of(lengths))
     advantage, returns = _gae(reward, value, bootstrap, batch.boundary, gamma, cast(Lam, lam), critic_lam)
-    if whiten:
-        advantage = _whiten(advantage)
+    advantage = _normalised(advantage, whiten)
     return lossplug.AdvantageResult(advantage=advantage, returns=returns, metric_tensors=metrics)
 
 
@@ -220,7 +238,7 @@ def gae_padded(
     gamma: float,
     lam: Lam | None,
     critic_lam: Lam | None,
-    whiten: bool,
+    whiten: Whiten,
     kl_coef: float | None = None,
     lam_of: Callable[[Tensor], Tensor] | None = None,
 ) -> lossplug.AdvantageResult:
@@ -259,8 +277,7 @@ def gae_padded(
         lam = torch.repeat_interleave(lam_rows, lengths, output_size=n)
         metrics.update(_lambda_metrics(lam_rows))
     advantage, returns = _gae(reward, value, bootstrap, last, gamma, cast(Lam, lam), critic_lam)  # (as in gae_packed)
-    if whiten:
-        advantage = _whiten(advantage)
+    advantage = _normalised(advantage, whiten)
 
     def scatter(x: Tensor) -> Tensor:  # back to [B, T], zero off action positions
         return torch.zeros(B, T, dtype=dtype, device=mask.device).masked_scatter_(mask, x)
@@ -347,7 +364,11 @@ class GAEParams(lossplug.Params):
     gamma: float = Field(1.0, ge=0, le=1, description="discount (LLM RL: 1.0, as TRL PPO and verl)")
     lam: float = Field(0.95, ge=0, le=1, description="GAE λ of the advantages (TRL PPO: 0.95, verl: 1.0)")
     critic_lam: float | None = Field(None, ge=0, le=1, description="λ of the returns (critic targets); default: lam")
-    whiten: bool = Field(True, description="standardise advantages over all action tokens (returns never are)")
+    whiten: Whiten = Field(
+        True,
+        description="true: standardise advantages over all action tokens; center: subtract their mean only "
+        "(OpenRLHF's no_std_norm); false: neither (returns never are)",
+    )
     kl_coef: float | None = Field(
         None, ge=0, description="padded only: add the KL-shaped reward −kl_coef·(old_logp − ref_logp) per action token"
     )

@@ -18,6 +18,12 @@ REINFORCE++-baseline (outcome level)::
 
 Both return advantages that carry no gradient; REINFORCE++-baseline's are ``[B]`` (one value per response).
 
+``whiten`` (both; default ``true``, verl's): ``center`` subtracts the same token-weighted batch mean and does not
+divide — OpenRLHF 0.11.2's ``--algo.advantage.no_std_norm`` for its ``reinforce`` (REINFORCE++) and
+``reinforce_baseline`` estimators (``openrlhf/trainer/ppo_utils/experience_maker.py``,
+``compute_advantages_and_returns``: ``A − Σ A·mask / Σ mask`` over every action token of the rollout batch, the mean
+in float32 there, in the advantages' dtype here); ``false`` leaves ``G`` (or ``R_i − mean_g(R)``) as is.
+
 Paper: Hu, 2025, *REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models*,
 arXiv:2501.03262.
 
@@ -35,8 +41,16 @@ from pydantic import Field
 import lossplug
 from lossplug.ops import Groups
 
-from ._verl_statistics import at_least_float32, constant_group, group_mean_or_zero, masked_whiten, whiten_rows
-from .gae import reverse_linear_scan
+from ._verl_statistics import (
+    at_least_float32,
+    center_rows,
+    constant_group,
+    group_mean_or_zero,
+    masked_center,
+    masked_whiten,
+    whiten_rows,
+)
+from .gae import Whiten, reverse_linear_scan
 from .group_relative import sequence_scores
 
 Tensor = torch.Tensor
@@ -68,8 +82,19 @@ def discounted_returns(batch: lossplug.PolicyBatch, gamma: float) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_scatter_(mask, returns)
 
 
+WHITEN_DESCRIPTION = (
+    "true: whiten over all action tokens (verl); center: subtract their mean only (OpenRLHF's no_std_norm); "
+    "false: neither"
+)
+
+
 class ReinforcePlusPlusParams(lossplug.Params):
     gamma: float = Field(1.0, ge=0, le=1, description="discount per action token (verl: algorithm.gamma, 1.0)")
+    whiten: Whiten = Field(True, description=WHITEN_DESCRIPTION)
+
+
+class ReinforcePlusPlusBaselineParams(lossplug.Params):
+    whiten: Whiten = Field(True, description=WHITEN_DESCRIPTION)
 
 
 @lossplug.advantage("reinforce_plus_plus", params=ReinforcePlusPlusParams, requires=("reward",))
@@ -83,12 +108,17 @@ def reinforce_plus_plus(batch: lossplug.PolicyBatch, p: ReinforcePlusPlusParams)
     """
     mask = batch.action_mask
     returns = discounted_returns(batch, p.gamma)
-    advantage = torch.where(mask, masked_whiten(returns, mask), 0)
+    if p.whiten == "center":
+        advantage = torch.where(mask, masked_center(returns, mask), 0)
+    else:
+        advantage = torch.where(mask, masked_whiten(returns, mask), 0) if p.whiten else returns
     return lossplug.AdvantageResult(advantage=advantage, returns=returns)
 
 
-@lossplug.advantage("reinforce_plus_plus_baseline", requires=("reward", "group_id"))
-def reinforce_plus_plus_baseline(batch: lossplug.PolicyBatch, p: lossplug.NoParams) -> Tensor:
+@lossplug.advantage(
+    "reinforce_plus_plus_baseline", params=ReinforcePlusPlusBaselineParams, requires=("reward", "group_id")
+)
+def reinforce_plus_plus_baseline(batch: lossplug.PolicyBatch, p: ReinforcePlusPlusBaselineParams) -> Tensor:
     """REINFORCE++-baseline: A_i = whiten(R_i − mean_group(R)) over action tokens; a group of one keeps R_i.
 
     Paper: Hu, 2025, *REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models*,
@@ -100,4 +130,6 @@ def reinforce_plus_plus_baseline(batch: lossplug.PolicyBatch, p: lossplug.NoPara
     groups = Groups.from_ids(cast(Tensor, batch.group_id))  # required
     centered = score - group_mean_or_zero(groups, score)
     centered = torch.where(constant_group(groups, score), torch.zeros_like(centered), centered)
-    return whiten_rows(centered, batch.action_mask)
+    if p.whiten == "center":
+        return center_rows(centered, batch.action_mask)
+    return whiten_rows(centered, batch.action_mask) if p.whiten else centered
