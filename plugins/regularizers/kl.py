@@ -30,11 +30,26 @@ behavior_logp, estimator: k2, coef: 2·kl_tau, reduction: token}``; prime-rl 559
 ``src/prime_rl/trainer/rl/loss.py`` ``default_loss_fn``, ``kl_tau`` 1e-3), Kimi k1.5's ``τ/2 · (logp − old_logp)²``
 is ``{anchor: old_logp, estimator: k2, coef: τ}``. The anchor is detached like the reference.
 
+``gradient: unbiased`` — OpenRLHF 0.11.2's ``--algo.kl.unbiased_gradient`` (``openrlhf/models/utils.py``
+``compute_approx_kl``, called by ``openrlhf/trainer/ray/ppo_actor.py`` with ``log_probs_old`` the rollout-time
+actor's log-probs): the loss keeps the estimator's **value** and back-propagates the importance-weighted gradient of
+the reverse KL, by a straight-through term::
+
+    value     = clamp(kl_est(logp, ref), −10, 10)                 (every estimator, as OpenRLHF; clamp: false → none)
+    w         = min(exp(logp − old_logp), gradient_weight_cap)     detached; OpenRLHF's KL_IS_WEIGHT_CLIP = 10
+    term      = value.detach() + s − s.detach(),   s = w · ½ (logp − ref)²      ∂term/∂logp = w · (logp − ref)
+
+so every estimator has the same gradient ``w · k1 · ∇logp``, unbiased for ∇KL(π_θ ‖ π_ref) on tokens sampled from
+``π_old`` (up to the cap), and the ``+`` estimators (``k3+``) are its ``w = 1`` case (on-policy, ``logp = old_logp``).
+The log-ratio inside ``s`` is not clamped (OpenRLHF clamps k3's own log-ratio at −10 before ``exp`` only); the
+estimator's ``+`` suffix and ``ratio_weight`` do not combine with it (``w`` is already the ratio).
+
 Correction weights (engine importance weights) never multiply the term — in TRL the ``beta`` term is added after
 the vLLM importance-sampling ratio multiplied the policy term, in verl the KL loss is computed apart from the
 rollout-correction weights.
 
-Reference: verl 0.9.1 ``verl.trainer.ppo.core_algos.kl_penalty`` / ``kl_penalty_forward`` (the estimators, the
+Reference: OpenRLHF 0.11.2 ``openrlhf/models/utils.py`` ``compute_approx_kl`` (``unbiased_gradient``,
+``KL_IS_WEIGHT_CLIP``) for ``gradient: unbiased``; verl 0.9.1 ``verl.trainer.ppo.core_algos.kl_penalty`` / ``kl_penalty_forward`` (the estimators, the
 clamps and the ``+`` straight-through), used by ``dp_actor`` with ``use_kl_loss`` / ``kl_loss_type`` /
 ``kl_loss_coef``; TRL 1.16 ``GRPOTrainer._compute_loss`` (``trl/trainer/grpo_trainer.py`` 3097-3105: ``per_token_kl =
 exp(ref − logp) − (ref − logp) − 1``, ``per_token_kl * coef_1`` with ``use_bias_correction_kl``; 3148-3149: ``+ beta
@@ -46,7 +61,7 @@ from __future__ import annotations
 from typing import Literal, cast
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 import lossplug
 
@@ -57,6 +72,10 @@ Estimator = Literal[
 ]
 #: the log-ratio bound of the update ratio and of the unclamped k3 (the gates' bound)
 MAX_LOG_RATIO = 20.0
+#: the bound of every estimate under ``gradient: unbiased`` (OpenRLHF's ``value.clamp(min=-10, max=10)``)
+MAX_ESTIMATE = 10.0
+#: OpenRLHF 0.11.2's ``KL_IS_WEIGHT_CLIP``: the default cap of the detached weight π_θ/π_old of ``gradient: unbiased``
+WEIGHT_CAP = 10.0
 
 
 class KLParams(lossplug.RegularizerParams):
@@ -86,10 +105,34 @@ class KLParams(lossplug.RegularizerParams):
         description="verl's clamps of k3/low_var_kl (log-ratio to ±20, estimate to ±10); false: the plain "
         "exp(δ) − δ − 1 of TRL's beta term (δ ≤ 20 against overflow only)",
     )
+    gradient: Literal["estimator", "unbiased"] = Field(
+        "estimator",
+        description="estimator: back-propagate the estimate itself; unbiased: keep its value (clamped to ±10) and "
+        "take the gradient of w·½(logp − ref)², w = min(π_θ/π_old, gradient_weight_cap) detached "
+        "(OpenRLHF's kl.unbiased_gradient; reads old_logp)",
+    )
+    gradient_weight_cap: float = Field(
+        WEIGHT_CAP,
+        gt=0,
+        description="gradient: unbiased only — the upper bound of the detached weight π_θ/π_old "
+        "(OpenRLHF's KL_IS_WEIGHT_CLIP, 10)",
+    )
+
+    @model_validator(mode="after")
+    def _unbiased_gradient_stands_alone(self) -> KLParams:
+        if self.gradient == "unbiased" and (self.estimator.endswith("+") or self.ratio_weight != "none"):
+            raise ValueError(
+                f"gradient: unbiased replaces the gradient with w·∇½(logp − ref)², w the capped ratio π_θ/π_old: "
+                f"it does not combine with estimator {self.estimator!r} (a '+' already fixes the gradient) or "
+                f"ratio_weight {self.ratio_weight!r} (w is the ratio) — use the estimator without '+' and "
+                f"ratio_weight none"
+            )
+        return self
 
 
 def _requires(p: KLParams) -> tuple[str, ...]:
-    return (p.anchor,) if p.ratio_weight == "none" or p.anchor == "old_logp" else (p.anchor, "old_logp")
+    reads_old = p.ratio_weight != "none" or p.gradient == "unbiased"
+    return (p.anchor,) if not reads_old or p.anchor == "old_logp" else (p.anchor, "old_logp")
 
 
 def estimate(logp: Tensor, ref: Tensor, estimator: str, clamp: bool = True) -> Tensor:
@@ -115,16 +158,46 @@ def estimate(logp: Tensor, ref: Tensor, estimator: str, clamp: bool = True) -> T
     return backward - backward.detach() + forward.detach()
 
 
+def unbiased_gradient_estimate(
+    logp: Tensor, ref: Tensor, old: Tensor, estimator: str, clamp: bool = True, weight_cap: float = WEIGHT_CAP
+) -> Tensor:
+    """``estimator``'s value (clamped to ±10 unless ``clamp`` is False) with the gradient of ``w · ½(logp − ref)²``,
+    ``w = min(exp(logp − old), weight_cap)`` detached — OpenRLHF's ``compute_approx_kl(..., unbiased_gradient=True)``.
+
+    >>> logp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    >>> ref = torch.tensor([-1.5, -1.0], dtype=torch.float64)
+    >>> old = torch.tensor([-1.0, -5.0], dtype=torch.float64)  # the second token's ratio π_θ/π_old is exp(3) ≈ 20
+    >>> term = unbiased_gradient_estimate(logp, ref, old, "k3")
+    >>> torch.equal(term.detach(), estimate(logp, ref, "k3").detach())  # the value is k3's
+    True
+    >>> term.sum().backward()
+    >>> logp.grad  # w · (logp − ref): w = 1 on the first token, exp(3) capped to 10 on the second
+    tensor([  0.5000, -10.0000], dtype=torch.float64)
+    """
+    value = estimate(logp, ref, estimator, clamp).detach()
+    if clamp:
+        value = value.clamp(-MAX_ESTIMATE, MAX_ESTIMATE)
+    weight = torch.exp(logp.detach() - old).clamp(max=weight_cap)
+    surrogate = weight * (0.5 * (logp - ref).square())
+    return value + (surrogate - surrogate.detach())
+
+
 @lossplug.regularizer("kl", params=KLParams, requires=_requires)
 def kl(inp: lossplug.GateInput, p: KLParams) -> lossplug.RegularizerOutput:
     """``β · reduce(w · kl_est(logp, ref_logp))``: the KL to the reference, any verl estimator, ``w`` the ratio.
 
-    ``kl_est`` is one of verl's ``kl_penalty`` estimators; ``w`` is 1 or the update ratio (TRL's bias-corrected KL).
+    ``kl_est`` is one of verl's ``kl_penalty`` estimators; ``w`` is 1 or the update ratio (TRL's bias-corrected KL);
+    ``gradient: unbiased`` keeps the value and takes OpenRLHF's importance-weighted k2 gradient.
 
     Reference: verl ``core_algos.kl_penalty`` (use_kl_loss, kl_loss_type, kl_loss_coef); TRL ``GRPOTrainer``
     (beta, use_bias_correction_kl).
     """
     ref = cast(Tensor, getattr(inp, p.anchor))  # declared in requires=: a batch without it fails validation
+    if p.gradient == "unbiased":
+        term = unbiased_gradient_estimate(
+            inp.logp, ref, cast(Tensor, inp.old_logp), p.estimator, p.clamp, p.gradient_weight_cap
+        )
+        return lossplug.RegularizerOutput(term=term, metrics={"token_mean": lambda: inp.masked_mean(term.detach())})
     term = estimate(inp.logp, ref, p.estimator, p.clamp)
     if p.ratio_weight != "none":
         log_ratio = inp.update_log_ratio()
