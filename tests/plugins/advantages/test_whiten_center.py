@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import lossplug
+from lossplug.testing import assert_conforms
 from lossplug.testing.batches import loss_and_grad
 
 from .._openrlhf import f64, openrlhf_advantages, openrlhf_experience_maker, openrlhf_model_utils, plain
@@ -205,3 +206,9 @@ def test_whiten_false_leaves_reinforce_plus_plus_returns_and_the_centred_scores(
     base = ours(r, {"name": "reinforce_plus_plus_baseline", "whiten": False}, reward=r["score"], group_id=r["group"])
     group_mean = r["score"].reshape(PROMPTS, N).mean(-1).repeat_interleave(N)
     torch.testing.assert_close(base[:, 0], r["score"] - group_mean, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("name", ["gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("whiten", ["center", False])
+def test_the_conformance_kit_passes_with_center_and_without_whitening(name, whiten):
+    assert_conforms(name, kind="advantage", params={"whiten": whiten})

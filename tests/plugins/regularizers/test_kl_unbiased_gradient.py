@@ -20,6 +20,7 @@ import torch
 import lossplug
 from lossplug import BatchValidationError, PolicyBatch, RecipeError
 from lossplug.needs import recipe_needs
+from lossplug.testing import assert_conforms
 
 from .._openrlhf import f64, openrlhf_model_utils, plain
 
@@ -174,3 +175,15 @@ def test_bad_options_are_refused_by_name(params, words):
         lossplug.Recipe.model_validate(
             {"gates": ["ppo_clip"], "reduction": "token", "regularizers": [{"name": "kl", **params}]}
         )
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"estimator": "k3", "gradient": "unbiased"},
+        {"estimator": "k1", "gradient": "unbiased", "gradient_weight_cap": 2.5},
+        {"estimator": "k3", "clamp": False, "gradient": "unbiased", "anchor": "behavior_logp"},
+    ],
+)
+def test_the_conformance_kit_passes_with_the_unbiased_gradient(params):
+    assert_conforms("kl", kind="regularizer", params=params)
