@@ -1,6 +1,7 @@
-"""This year's papers (issue 31) inside the trainers: CFPO (``cfpo``, arXiv:2601.22801) in a real TRL ``train()`` run
-of two CPU steps on the tiny model, and through verl's policy-loss seam (``get_policy_loss_fn("lossplug")``) split
-over 2 ranks × micro-batches against the CFPO authors' verl port written out over the whole step (float64, loss and
+"""This year's papers (issue 31) inside the trainers: CFPO (``cfpo``, arXiv:2601.22801) and UP-GRPO (``up_grpo``,
+Liu 2026, a preprint post) each in a real TRL ``train()`` run of two CPU steps on the tiny model, and through verl's
+policy-loss seam (``get_policy_loss_fn("lossplug")``) split over 2 ranks × micro-batches against the authors' own
+code (CFPO's verl port, UP-GRPO's ``compute_policy_loss``) written out over the whole step (float64, loss and
 gradient).
 
 Only public import paths: ``lossplug.adapters.trl`` and ``lossplug.adapters.verl``.
@@ -36,6 +37,39 @@ def test_cfpo_through_verls_seam_is_the_authors_port_over_the_step(eps):
     past = ((ratio > 1 + eps) & (adv > 0)) | ((ratio < 1 - eps) & (adv < 0))
     assert 0 < int((past & mask).sum()) < int(mask.sum())  # some tokens are past the peak, not all
     pg_losses = -(adv * ratio - adv.abs() * (ratio - 1).pow(2) / (2 * eps))
+    expected = torch.where(mask, pg_losses, 0).sum() / mask.sum()
+    expected.backward()
+    torch.testing.assert_close(total, expected, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.where(mask, grad, 0), torch.where(mask, logp.grad, 0), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.slow
+def test_up_grpo_trains_inside_trls_grpo_trainer(tmp_path):
+    recipe = {"preset": "grpo", "gates": ["up_grpo"], "reduction": "token"}
+    trainer, _ = train_two_tiny_steps(recipe, tmp_path, rollout=False)
+    keys = {k for entry in trainer.state.log_history for k in entry if k.startswith("lossplug/")}
+    assert {"lossplug/up_grpo/positive_frac", "lossplug/up_grpo/clip_frac_dual"} <= keys, sorted(keys)
+
+
+@pytest.mark.parametrize("gate", [{}, {"eps_high": 0.28, "dual_clip_c": 1.5}], ids=["defaults", "dapo-clip-c1.5"])
+def test_up_grpo_through_verls_seam_is_the_posts_code_over_the_step(gate):
+    pytest.importorskip("verl")
+    x = verl_inputs(seed=3, update_noise=1.0, rollout_noise=None)
+    mask = x["response_mask"]
+    total, grad, metrics = verl_seam_over_step({"gates": [{"name": "up_grpo", **gate}], "reduction": "token"}, x)
+    assert all("actor/lossplug/up_grpo/positive_frac" in m for m in metrics), sorted(metrics[0])
+    # the post's compute_policy_loss (rocfly88.github.io@36e2942) with verl's token-mean over the whole step
+    eps_high, c = gate.get("eps_high", 0.2), gate.get("dual_clip_c", 3.0)
+    logp = torch.where(mask, x["log_prob"], -1.0).requires_grad_()
+    old, adv = (torch.where(mask, x[k], -1.0) for k in ("old_log_prob", "advantages"))
+    ratio = torch.exp(logp - old)
+    pos = -adv * logp
+    neg1, neg2 = -adv * ratio, -adv * torch.clamp(ratio, 0.8, 1 + eps_high)
+    clipped = torch.maximum(neg1, neg2)
+    neg = torch.where(adv < 0, torch.min(-adv * c, clipped), clipped)
+    pg_losses = torch.where(adv > 0, pos, neg)
+    dual = (adv < 0) & (-adv * c < clipped) & mask
+    assert 0 < int(dual.sum()) and 0 < int(((adv < 0) & (ratio < 0.8) & mask).sum())  # every branch acts
     expected = torch.where(mask, pg_losses, 0).sum() / mask.sum()
     expected.backward()
     torch.testing.assert_close(total, expected, rtol=1e-12, atol=1e-14)
