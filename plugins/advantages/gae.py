@@ -28,7 +28,10 @@ batch (transitions, for packed) with the unbiased variance: ``(A − mean) / sqr
 TRL's ``masked_whiten`` (its Bessel factor ``n / (n − 1)`` in float32, as theirs on an integer mask).
 ``whiten: center`` subtracts the same mean and does not divide: OpenRLHF 0.11.2's ``--algo.advantage.no_std_norm``
 (``openrlhf/trainer/ppo_utils/experience_maker.py``, ``compute_advantages_and_returns``: ``A − Σ A·mask / Σ mask``
-over every action token of the rollout batch; OpenRLHF takes that mean in float32, here in the advantages' dtype). ``critic_lam``
+over every action token of the rollout batch; OpenRLHF takes that mean in float32, here in the advantages' dtype).
+Both statistics are over the batch given, never all-reduced: the trainers' advantage seams hold the whole rollout
+batch (verl's driver; TRL's rewards gathered over all processes, there one position per completion), as OpenRLHF's
+driver does; a caller that splits a batch over ranks before ``estimate_advantages`` gets per-rank statistics. ``critic_lam``
 (default: ``lam``) is the λ of the returns: VAPO-style decoupled λ, the advantages still use ``lam``.
 ``kl_coef`` (padded only) adds the KL-shaped reward ``−kl_coef·(old_logp − ref_logp)`` of Ziegler et al. (2019,
 arXiv:1909.08593) on every action token (see :func:`lossplug.tools.kl.kl_shaped_rewards`), reading ``old_logp`` (the

@@ -22,7 +22,9 @@ Both return advantages that carry no gradient; REINFORCE++-baseline's are ``[B]`
 divide — OpenRLHF 0.11.2's ``--algo.advantage.no_std_norm`` for its ``reinforce`` (REINFORCE++) and
 ``reinforce_baseline`` estimators (``openrlhf/trainer/ppo_utils/experience_maker.py``,
 ``compute_advantages_and_returns``: ``A − Σ A·mask / Σ mask`` over every action token of the rollout batch, the mean
-in float32 there, in the advantages' dtype here); ``false`` leaves ``G`` (or ``R_i − mean_g(R)``) as is.
+in float32 there, in the advantages' dtype here); ``false`` leaves ``G`` (or ``R_i − mean_g(R)``) as is. As
+``gae``'s, the statistics are over the batch given (the trainers' seams hold the whole rollout batch; nothing is
+all-reduced).
 
 Paper: Hu, 2025, *REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models*,
 arXiv:2501.03262.

@@ -114,6 +114,7 @@ class KLParams(lossplug.RegularizerParams):
     gradient_weight_cap: float = Field(
         WEIGHT_CAP,
         gt=0,
+        allow_inf_nan=False,  # an infinite cap would let exp(logp − old_logp) overflow into the gradient
         description="gradient: unbiased only — the upper bound of the detached weight π_θ/π_old "
         "(OpenRLHF's KL_IS_WEIGHT_CLIP, 10)",
     )

@@ -31,7 +31,9 @@ def test_center_and_the_unbiased_kl_gradient_train_inside_trls_grpo_trainer(tmp_
     from lossplug.testing import tiny
 
     recipe = {
-        "advantage": {"name": "reinforce_plus_plus_baseline", "whiten": "center"},
+        # TRL's advantage seam holds one position per completion, gathered over all processes: the score minus the
+        # batch mean (reinforce_plus_plus_baseline's group-centred scores already have mean 0 there)
+        "advantage": {"name": "reinforce_plus_plus", "whiten": "center"},
         "gates": [{"name": "ppo_clip", "eps_low": 0.2, "eps_high": 0.2}],
         "reduction": "token",
         "regularizers": [KL],
@@ -47,6 +49,9 @@ def test_center_and_the_unbiased_kl_gradient_train_inside_trls_grpo_trainer(tmp_
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
     kl = [e["lossplug/reg/kl/token_mean"] for e in history if "lossplug/reg/kl/token_mean" in e]
     assert kl and all(math.isfinite(v) and v >= 0 for v in kl), sorted(k for e in history for k in e)
+    means = [e["lossplug/advantage/mean"] for e in history if "lossplug/advantage/mean" in e]
+    stds = [e["lossplug/advantage/std"] for e in history if "lossplug/advantage/std" in e]
+    assert means and all(abs(m) <= 1e-6 for m in means) and all(s > 0 for s in stds), (means, stds)
     assert Recipe.from_file(tmp_path / "out" / "recipe.yaml").to_dict() == Recipe.load(recipe).to_dict()
 
 

@@ -167,6 +167,7 @@ def test_unbiased_gradient_reads_old_logp():
         ({"estimator": "k3", "gradient": "unbiased", "ratio_weight": "token"}, "ratio_weight 'token'"),
         ({"estimator": "k3", "gradient": "unbiased", "gradient_weight_cap": 0.0}, "gradient_weight_cap"),
         ({"estimator": "k3", "gradient": "unbiased", "gradient_weight_cap": float("nan")}, "gradient_weight_cap"),
+        ({"estimator": "k3", "gradient": "unbiased", "gradient_weight_cap": float("inf")}, "gradient_weight_cap"),
         ({"estimator": "k3", "gradient": "pathwise"}, "gradient"),
     ],
 )
