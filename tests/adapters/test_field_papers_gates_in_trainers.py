@@ -85,12 +85,17 @@ def test_verl_refuses_asposs_entropy_split_and_says_why():
     assert "run it in TRL" in str(refused.value), refused.value
 
 
-def bapo_bounds(ratio, adv, mask, target, low=0.6, low_max=0.9, high=1.2, high_max=3.0, step=0.05):
-    """The authors' bound search (``recipe/bapo/policy_loss.py``) on one micro-batch: a loop, one pair at a time."""
+def bapo_bounds(parts, target, low=0.6, low_max=0.9, high=1.2, high_max=3.0, step=0.05):
+    """The authors' bound search (``recipe/bapo/policy_loss.py``), one pair at a time, over ``parts``: the
+    ``(ratio, advantages, mask)`` of one micro-batch, or of each rank's concurrent micro-batch, whose positive and
+    negative sums are added in float32 as their ``all_reduce`` adds them."""
 
     def balance(lo, hi):
-        effective = torch.where(adv >= 0, ratio.clamp(max=hi), ratio.clamp(min=lo)) * adv * mask
-        pos, neg = effective.clamp(min=0).sum(), (-effective.clamp(max=0)).sum()
+        sums = []
+        for ratio, adv, mask in parts:
+            effective = torch.where(adv >= 0, ratio.clamp(max=hi), ratio.clamp(min=lo)) * adv * mask
+            sums.append(torch.stack([effective.clamp(min=0).sum(), (-effective.clamp(max=0)).sum()]))
+        pos, neg = sums[0] if len(parts) == 1 else sum(t.float() for t in sums).double()
         return float("inf") if neg <= 0 else float(pos / (neg + 1e-8))
 
     rho = balance(low, high)
@@ -103,26 +108,77 @@ def bapo_bounds(ratio, adv, mask, target, low=0.6, low_max=0.9, high=1.2, high_m
     return low, high
 
 
+def bapo_per_token(ratio, adv, low, high, c=3.0):
+    """PPO's per-token loss at the chosen bounds, with verl's dual clip (the authors' ``compute_policy_loss_bapo``)."""
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+    return -torch.where(adv < 0, torch.maximum(surrogate, c * adv), surrogate)
+
+
+def step_tensors(x):
+    """The step's current log-probs (a leaf), old log-probs and advantages, −1 off the response mask."""
+    mask = x["response_mask"]
+    logp = torch.where(mask, x["log_prob"], -1.0).requires_grad_()
+    old, adv = (torch.where(mask, x[k], -1.0) for k in ("old_log_prob", "advantages"))
+    return mask, logp, old, adv
+
+
 def test_verls_policy_loss_seam_gives_bapo_per_micro_batch_over_the_step():
     pytest.importorskip("verl")
     x = verl_inputs(seed=6, update_noise=0.5)  # its micro-batches stop at the start, inside the upper range, at the end
-    mask = x["response_mask"]
     target = 0.8
     total, grad, metrics = verl_seam_over_step({"gates": [{"name": "bapo", "target": target}], "reduction": "token"}, x)
-    logp = torch.where(mask, x["log_prob"], -1.0).requires_grad_()
-    old, adv = (torch.where(mask, x[k], -1.0) for k in ("old_log_prob", "advantages"))
+    mask, logp, old, adv = step_tensors(x)
     per_token, chosen = [], []
     for i, start in enumerate(range(0, B, MICRO)):
         rows = slice(start, start + MICRO)
         ratio = (logp[rows] - old[rows]).clamp(-20, 20).exp()
-        low, high = bapo_bounds(ratio.detach(), adv[rows], mask[rows], target)
+        low, high = bapo_bounds([(ratio.detach(), adv[rows], mask[rows])], target)
         chosen.append((low, high))
         m = metrics[i]
         assert (m["actor/lossplug/bapo/clip_low"], m["actor/lossplug/bapo/clip_high"]) == pytest.approx((low, high))
-        surrogate = torch.minimum(ratio * adv[rows], ratio.clamp(low, high) * adv[rows])
-        per_token.append(-torch.where(adv[rows] < 0, torch.maximum(surrogate, 3.0 * adv[rows]), surrogate))
+        per_token.append(bapo_per_token(ratio, adv[rows], low, high))
     assert len(set(chosen)) == 3, chosen  # the micro-batches pick different bounds
     expected = torch.where(mask, torch.cat(per_token), 0).sum() / mask.sum()
+    expected.backward()
+    torch.testing.assert_close(total, expected.detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.where(mask, grad, 0), torch.where(mask, logp.grad, 0), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_in_verls_seam_pool_bapos_statistic(tmp_path):
+    """Two processes under ``torch.distributed`` (gloo): the verl adapter pools P and N over the ranks' concurrent
+    micro-batches, so both ranks clip with the bounds the authors' ``all_reduce`` gives — which differ from what
+    either micro-batch alone would pick — and the step's loss and gradient are the authors' over the step."""
+    pytest.importorskip("verl")
+    from pathlib import Path
+
+    from ._verl_ranks import run_ranks
+
+    worker = Path(__file__).with_name("_bapo_dp_worker.py")
+    run_ranks(worker, [2], model=Path("-"), out=tmp_path, timeout=300)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    x = verl_inputs(seed=6, update_noise=0.5)  # (the worker's SEED, NOISE and target)
+    target = 0.8
+    mask, logp, old, adv = step_tensors(x)
+    ratio = (logp - old).clamp(-20, 20).exp()
+    per_token = torch.zeros_like(logp)
+    total, grad = torch.zeros((), dtype=torch.float64), torch.zeros_like(logp)
+    pooled_differs = 0
+    for concurrent in zip(*results):  # the i-th micro-batch of each rank: one all_reduce
+        parts = [slice(mb["start"], mb["start"] + MICRO) for mb in concurrent]
+        stats = [(ratio[rows].detach(), adv[rows], mask[rows]) for rows in parts]
+        low, high = bapo_bounds(stats, target)
+        alone = [bapo_bounds([part], target) for part in stats]
+        pooled_differs += any(bounds != (low, high) for bounds in alone)
+        for mb, rows in zip(concurrent, parts):
+            assert mb["bounds"] == pytest.approx((low, high)), (mb["start"], mb["bounds"], (low, high))
+            per_token = per_token + torch.zeros_like(per_token).index_put(
+                (torch.arange(rows.start, rows.stop),), bapo_per_token(ratio[rows], adv[rows], low, high)
+            )
+            total = total + mb["loss"] / 2  # verl: each rank's share × dp_size, gradients averaged over the ranks
+            grad[rows, : mb["width"]] = mb["grad"] / 2
+    assert pooled_differs > 0  # pooling changed some micro-batch's bounds: the test sees the all_reduce
+    expected = torch.where(mask, per_token, 0).sum() / mask.sum()
     expected.backward()
     torch.testing.assert_close(total, expected.detach(), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(torch.where(mask, grad, 0), torch.where(mask, logp.grad, 0), rtol=1e-12, atol=1e-14)
