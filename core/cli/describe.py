@@ -143,6 +143,18 @@ def explain_recipe(recipe: Recipe) -> dict[str, Any]:
                 "summary": doc_summary(p.doc),
             }
         )
+        # a stage made of other plugins (the advantage ``mix``) names each of them on a row of its own, under it
+        for label, sub, sub_params, sub_role in getattr(stage.params, "sub_stages", list)():
+            stage_rows.append(
+                {
+                    "stage": f"{where}.{label}",
+                    "plugin": sub.name,
+                    "params": sub_params.model_dump(),
+                    "role": sub_role,
+                    "source": distribution(reg.origin(sub.kind, sub.name)),
+                    "summary": doc_summary(sub.doc),
+                }
+            )
     red = compiled.reduction
     normalizer = "Normalizer(action_tokens=…, sequences=…) over the whole optimizer step (all micro-batches, ranks)"
     if red.plugin.name == "fixed" and getattr(red.params, "budget", "absent") is None:
