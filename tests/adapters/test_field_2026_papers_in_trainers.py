@@ -2,7 +2,9 @@
 Liu 2026, a preprint post) each in a real TRL ``train()`` run of two CPU steps on the tiny model, and through verl's
 policy-loss seam (``get_policy_loss_fn("lossplug")``) split over 2 ranks × micro-batches against the authors' own
 code (CFPO's verl port, UP-GRPO's ``compute_policy_loss``) written out over the whole step (float64, loss and
-gradient).
+gradient). TPO (``tpo``, arXiv:2604.06159): two TRL steps with whole prompt groups per micro-batch and TRL's loud
+refusal when it splits a group; verl's ``ppo_loss`` hands a policy loss no prompt ids, so verl's seam refuses it
+naming ``group_id``.
 
 Only public import paths: ``lossplug.adapters.trl`` and ``lossplug.adapters.verl``.
 """
@@ -12,7 +14,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._field_trainers import train_two_tiny_steps, verl_inputs, verl_seam_over_step
+from lossplug import LossplugError
+
+from ._field_trainers import (
+    train_two_tiny_steps,
+    verl_actor_config,
+    verl_inputs,
+    verl_policy_loss,
+    verl_seam_over_step,
+)
 
 
 @pytest.mark.slow
@@ -74,3 +84,41 @@ def test_up_grpo_through_verls_seam_is_the_posts_code_over_the_step(gate):
     expected.backward()
     torch.testing.assert_close(total, expected, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(torch.where(mask, grad, 0), torch.where(mask, logp.grad, 0), rtol=1e-12, atol=1e-14)
+
+
+# -- TPO ----------------------------------------------------------------------------------------------------------------
+
+TPO = {
+    # the paper's standardisation (Appendix A): population z-score within the group, zero variance → 0
+    "advantage": {"name": "grpo", "std": "population", "eps": 1e-6, "eps_mode": "threshold"},
+    "gates": [{"name": "tpo", "group_size": 4}],
+    "reduction": "response",
+}
+
+
+@pytest.mark.slow
+def test_tpo_trains_inside_trls_grpo_trainer(tmp_path):
+    # tiny_grpo_config: 4 completions per prompt, micro-batches of 4, one micro-batch per generation: whole groups
+    trainer, _ = train_two_tiny_steps(TPO, tmp_path, rollout=False)
+    losses = [e["lossplug/loss"] for e in trainer.state.log_history if "lossplug/loss" in e]
+    assert all(v >= -1e-6 for v in losses)  # a cross-entropy between distributions over the group
+
+
+@pytest.mark.slow
+def test_tpo_refuses_a_group_that_trl_splits_over_micro_batches(tmp_path):
+    pytest.importorskip("trl")
+    from lossplug.testing import tiny
+
+    # 2 accumulation steps of 2 completions: TRL splits each generation's group of 4 over two micro-batches
+    trainer = tiny.tiny_grpo_trainer(
+        TPO, tmp_path / "out", per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1
+    )
+    with pytest.raises(LossplugError, match=r"gate 'tpo': group_id \d+ has 2 row\(s\).*exactly group_size=4"):
+        trainer.train()
+
+
+def test_tpo_under_verls_policy_loss_is_refused_naming_the_prompt_ids():
+    pytest.importorskip("verl")
+    x = verl_inputs(0)
+    with pytest.raises(LossplugError, match=r"tpo.*group_id.*verl's ppo_loss passes a policy loss no prompt ids"):
+        verl_policy_loss(verl_actor_config(TPO, 2), {k: v for k, v in x.items() if k != "lengths"})
