@@ -256,3 +256,21 @@ def test_verl_cannot_supply_the_teacher_of_a_grpo_sdpo_mix_and_says_so(verl_prot
     data, *_ = outcome_proto(verl_proto)
     with pytest.raises(LossplugError, match="teacher_logp"):
         compute_advantage(data, SDPO_MIX)
+
+
+def test_verls_registered_estimator_cannot_read_reward_columns_and_names_the_adapters_path(verl_proto):
+    """verl's ray_trainer.compute_advantage hands a registered estimator no per-reward scores: a mix with a
+    reward_column is refused there, pointing at the adapter's compute_advantage(..., reward_keys=...)."""
+    pytest.importorskip("lossplug.adapters.verl")
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    data, *_ = outcome_proto(verl_proto, seed=4)
+    recipe = {
+        "advantage": {"name": "mix", "components": [{"name": "grpo", "weight": 1.0, "reward_column": 0}]},
+        "gates": ["ppo_clip"],
+        "reduction": "token",
+    }
+    config = OmegaConf.create({"adv_estimator": "lossplug", "lossplug": recipe, "norm_adv_by_std_in_grpo": True})
+    with pytest.raises(LossplugError, match=r"advantage plugin 'mix' needs 'reward_components'.*reward_keys"):
+        compute_advantage(data, adv_estimator="lossplug", gamma=1.0, lam=1.0, config=config)
