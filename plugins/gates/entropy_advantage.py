@@ -29,18 +29,20 @@ through the update gate's ratio (``logp``), as the paper's ``H^detach``. Checked
 (``dro``, ``kimi15``, ``ipo``, ``dppo_binary_tv``: a ``(log r)²`` penalty; ``kl_cov``: a selection by covariance
 with ``A``) or one that pools a response's token advantages into one number (``gmpo``).
 
-``κ`` must be > 1, as the paper states (a ``κ ≤ 1`` bonus can zero or flip a negative advantage, which no factor on
-the objective reproduces). The defaults ``α = 0.4``, ``κ = 2`` are those of the public verl reimplementations
-(MEDS's ``dp_actor.py``: ``advantages += torch.min(0.4 * entropy.detach(), advantages.abs() / 2)``); the paper's
-only stated constraints are ``α > 0``, ``κ > 1``. Entropy is read at loss time, per micro-batch, from the current
-policy's forward pass (TRL: ``_get_per_token_logps_and_entropies``); verl's policy-loss seam receives no entropies,
-so its adapter refuses the gate.
+``κ`` must be > 1, as the paper states (a ``κ ≤ 1`` bonus can zero or flip a negative advantage, which no factor on the
+objective reproduces). The defaults ``α = 0.4``, ``κ = 2`` are those of a public verl reimplementation (MEDS,
+arXiv:2604.11297, ``verl/workers/actor/dp_actor.py``: ``advantages += torch.min(0.4 * entropy.detach(), advantages.abs()
+/ 2)``); the paper's stated constraints are ``α > 0``, ``κ > 1``. Entropy is read at loss time, per micro-batch, from
+the current policy's forward pass (TRL: ``_get_per_token_logps_and_entropies``); verl's policy-loss seam receives no
+entropies, so its adapter refuses the gate.
 
 Paper: Cheng et al., 2025, *Reasoning with Exploration: An Entropy Perspective*, arXiv:2506.14758.
 
-Reference: the paper's ``ψ(H_t) = min(α·H_t^detach, |A_t|/κ)``, ``A_t^shaped = A_t + ψ(H_t)`` (its Section 3), as
-reimplemented in verl's actor (``torch.min(alpha * entropy.detach(), advantages.abs() / kappa)`` added to the
-advantages before ``compute_policy_loss``).
+Reference: the paper's ``ψ(H_t) = min(α·H_t^detach, |A_t|/κ)``, ``A_t^shaped = A_t + ψ(H_t)``, as verl
+reimplementations apply it: ``torch.min(alpha * entropy.detach(), advantages.abs() / kappa)`` added to the advantages
+in the actor's update, before verl's ``compute_policy_loss`` (tested against verl 0.9.1's
+``compute_policy_loss_vanilla`` on the shaped advantage).
+
 A token with ``A = 1`` and ``H = 0.5`` nats gets ``ψ = min(0.2, 0.5) = 0.2`` (factor 1.2); one with ``A = −1`` and
 ``H = 3`` the cap ``ψ = min(1.2, 0.5) = 0.5`` (factor 0.5). With ``ppo_clip`` before it, the loss is PPO's on the
 shaped advantages ``1.2`` and ``−0.5``:
