@@ -1,7 +1,7 @@
 """CFPO, J = r·A − |A|·(r − 1)²/(2ε): the clipping-free quadratic-penalty surrogate of Çağatan et al., 2026,
-*Clipping-Free Policy Optimization for Large Language Models*, arXiv:2601.22801; re-derived from the authors' verl
-port (verl PR #5252, github.com/asparius/verl, ``verl/trainer/ppo/core_algos.py``, ``compute_policy_loss_cfpo``,
-commit 18bd5cde9ed769b91b6b2537e6c4ffb80e0dd0b1).
+*Clipping-Free Policy Optimization for Large Language Models*, arXiv:2601.22801; re-derived from the verl port that
+cites it (verl PR #5252, github.com/asparius/verl, ``verl/trainer/ppo/core_algos.py``, ``compute_policy_loss_cfpo``,
+commit 18bd5cde9ed769b91b6b2537e6c4ffb80e0dd0b1; the same change was opened in TRL #5027 and OpenRLHF #1184).
 
 Per action token, with the update ratio ``r = exp(clamp(logp − old_logp, ±log_ratio_clamp))`` and advantage ``A``::
 
@@ -15,7 +15,7 @@ and gradient are PPO's (``A`` and ``A``); everywhere else CFPO lies below PPO's 
 peak CFPO's ``A·(1 + ε/2)`` against PPO's ``A·(1 + ε)``), and as ``ε → ∞`` it becomes the unclipped
 importance-sampled policy gradient ``r·A``.
 
-Choices the paper leaves to code, made as the authors' verl port makes them: one symmetric ``ε`` (the port reads
+Choices the paper's abstract leaves to code, made as that verl port makes them: one symmetric ``ε`` (the port reads
 verl's ``clip_ratio``, 0.2 by default; ``clip_ratio_low``/``clip_ratio_high`` only feed its clip-fraction metrics),
 the log-ratio clamped to ±20 before ``exp`` (verl's safety clamp), gradient through ``logp`` only (``old_logp`` and
 ``A`` are constants). The same objective is Simple Policy Optimization's (Xie et al., 2025, arXiv:2401.16025), which
@@ -55,7 +55,7 @@ class CFPOParams(lossplug.Params):
         0.2,
         gt=0,
         description="ε of the penalty |A|·(r − 1)²/(2ε): the objective peaks at r = 1 + ε·sign(A), where PPO's clip "
-        "would start (the authors' verl port reads clip_ratio)",
+        "would start (the verl port reads clip_ratio)",
     )
     log_ratio_clamp: float = Field(20.0, gt=0, description="the log-ratio is clamped to ± this before exp")
 

@@ -37,9 +37,11 @@ micro-batch being differentiated (pooled over its peers). With ``group_size`` se
 exactly that many rows with an action token, else it refuses (on the CPU with the group, its rows and the setting to
 change; on an accelerator through a device-side assert, without a host synchronisation); with ``group_size: null``
 each group's ``K`` is its rows there and a group split across micro-batches is not detected — set ``group_size`` in
-real runs. The author's RLVR runs use verl with whole groups; TRL holds them with ``steps_per_generation=1`` and
-``per_device_train_batch_size`` a multiple of ``num_generations``. ``old_logp`` and the advantage are constants;
-gradient flows through ``logp`` only. No ratio is exponentiated: log-probs of −1e4 give finite values.
+real runs. TRL holds whole groups with ``steps_per_generation=1`` and ``per_device_train_batch_size`` a multiple of
+``num_generations``; verl's ``ppo_loss`` hands a policy loss no prompt ids, so its seam refuses the gate (the paper's
+LLM runs used verl, its Appendix G; that code is not in the author's public repository). ``old_logp`` and the advantage are constants;
+gradient flows through ``logp`` only. No ratio is exponentiated and the group's softmax is a log-sum-exp: response
+log-probs in the thousands stay finite.
 
 >>> import torch, lossplug
 >>> logp = torch.log(torch.tensor([[0.5], [0.5]])).requires_grad_()          # one group of two, p = (½, ½)

@@ -1,6 +1,6 @@
 """This year's papers (issue 31) inside the trainers: CFPO (``cfpo``, arXiv:2601.22801) and UP-GRPO (``up_grpo``,
 Liu 2026, a preprint post) each in a real TRL ``train()`` run of two CPU steps on the tiny model, and through verl's
-policy-loss seam (``get_policy_loss_fn("lossplug")``) split over 2 ranks × micro-batches against the authors' own
+policy-loss seam (``get_policy_loss_fn("lossplug")``) split over 2 ranks × micro-batches against the published
 code (CFPO's verl port, UP-GRPO's ``compute_policy_loss``) written out over the whole step (float64, loss and
 gradient). TPO (``tpo``, arXiv:2604.06159): two TRL steps with whole prompt groups per micro-batch and TRL's loud
 refusal when it splits a group; verl's ``ppo_loss`` hands a policy loss no prompt ids, so verl's seam refuses it
@@ -34,7 +34,7 @@ def test_cfpo_trains_inside_trls_grpo_trainer(tmp_path):
 
 
 @pytest.mark.parametrize("eps", [0.2, 0.1])
-def test_cfpo_through_verls_seam_is_the_authors_port_over_the_step(eps):
+def test_cfpo_through_verls_seam_is_the_ports_formula_over_the_step(eps):
     pytest.importorskip("verl")
     x = verl_inputs(seed=11, update_noise=0.3, rollout_noise=None)
     mask = x["response_mask"]

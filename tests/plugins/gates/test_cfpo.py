@@ -1,4 +1,4 @@
-"""cfpo against an independent float64 transcription of the CFPO authors' verl port (arXiv:2601.22801; verl PR #5252,
+"""cfpo against an independent float64 transcription of the verl port of CFPO (arXiv:2601.22801; verl PR #5252,
 asparius/verl@18bd5cd ``compute_policy_loss_cfpo``): loss and gradient token by token in plain Python floats, the
 gradient differentiated by hand; its invariants against ppo_clip (equal at r = 1, a lower bound with the exact gap,
 the same peak) and the unclipped policy gradient (ε → ∞); its metrics and its parameter rules."""
@@ -17,7 +17,7 @@ from lossplug.testing.batches import loss_and_grad
 
 
 def port_token_mean(logp, old, adv, mask, eps, clamp=20.0):
-    """The authors' port, token by token: ``pg_losses = −(A·r − |A|·(r − 1)²/(2ε))`` with the log-ratio clamped to
+    """The port, token by token: ``pg_losses = −(A·r − |A|·(r − 1)²/(2ε))`` with the log-ratio clamped to
     ±20, verl's ``token-mean`` (÷ the action tokens); the gradient d loss/d logp written out by hand:
     −r·(A − |A|·(r − 1)/ε)/N inside the clamp, 0 where the clamp binds. Returns (loss, gradient rows)."""
     rows = len(logp)
@@ -47,7 +47,7 @@ def random_fields(seed, B=5, T=7, scale=0.5, seq_adv=False):
 
 @pytest.mark.parametrize("seq_adv", [False, True], ids=["token-advantage", "sequence-advantage"])
 @pytest.mark.parametrize("eps", [0.2, 0.05, 1.0])
-def test_loss_and_gradient_equal_the_authors_port_in_float64(eps, seq_adv):
+def test_loss_and_gradient_equal_the_verl_port_in_float64(eps, seq_adv):
     logp, old, adv, mask = random_fields(seed=int(eps * 100) + seq_adv, seq_adv=seq_adv)
     # garbage off the mask, as trainers hold there: it must reach neither value nor gradient
     logp_in, old_in = torch.where(mask, logp, 50.0), torch.where(mask, old, -50.0)
