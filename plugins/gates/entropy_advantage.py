@@ -33,8 +33,9 @@ with ``A``) or one that pools a response's token advantages into one number (``g
 objective reproduces). The defaults ``α = 0.4``, ``κ = 2`` are those of a public verl reimplementation (MEDS,
 arXiv:2604.11297, ``verl/workers/actor/dp_actor.py``:
 ``advantages += torch.min(0.4 * entropy.detach(), advantages.abs() / 2)``); the paper's stated constraints are
-``α > 0``, ``κ > 1``. Entropy is read at loss time, per micro-batch, from the current policy's forward pass (TRL: ``_get_per_token_logps_and_entropies``); verl's policy-loss seam receives no
-entropies, so its adapter refuses the gate.
+``α > 0``, ``κ > 1``. Entropy is read at loss time, per micro-batch, from the current policy's forward pass (TRL:
+``_get_per_token_logps_and_entropies``); verl's policy-loss seam receives no entropies, so its adapter refuses the
+gate.
 
 Paper: Cheng et al., 2025, *Reasoning with Exploration: An Entropy Perspective*, arXiv:2506.14758.
 
