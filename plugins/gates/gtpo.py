@@ -10,7 +10,7 @@ action tokens, the authors' ``build_conflict_mask`` and ``UnslothEfficientGTPO.f
 * **Conflict tokens.** Among the responses with ``A ≠ 0`` (the others take no part), ``(k, v)`` is a conflict
   when a response with ``A > 0`` and one with ``A < 0`` both sampled ``v`` as their ``k``-th token. Only the
   **leading run** counts (``cumprod`` along ``k``: positions ``0..k`` all conflicts), and the same from the end —
-  the ``k``-th token from the last, ``v_i,L_i−1−k`` — for the **trailing run**. ``c_ik`` = in either run.
+  the ``k``-th token from the last, ``v_i,L_i−1−k`` — for the **trailing run**.
 * **Weights.** ``δ_fwd = 1`` off the leading run; on it ``w`` (``conflict_weight``, the code's ``W_RAW`` = 2) for a
   positive response and 0 for a negative one; ``δ_rev`` the same on the trailing run; ``δ = δ_fwd · δ_rev`` (``w²``
   on a token in both runs of a positive response). A response with ``A = 0`` keeps ``δ = 1``.
@@ -30,9 +30,13 @@ action tokens, the authors' ``build_conflict_mask`` and ``UnslothEfficientGTPO.f
   the number of responses in the step (8 in the authors' config), i.e. the same update at an 8× smaller learning
   rate.
 
-Where the paper and the code differ, this follows the code (the paper's Eq. weights conflict tokens per position and
-bounds the entropy by a threshold; it does not state the ``cumprod`` runs, the product of the two directions, the
-``1/n_i`` division or the shaping ``A − s·H̄``). Three readings of the code:
+This follows the code. The paper's objective (as the repository's README writes it) is
+``1/G Σ_i δ_i·(A_i − γ·⟨H⟩_i)/|o_i| · Σ_t r_it·λ_it``: the same conflict weights ``λ`` and shaping ``A − γ·H̄``, and
+the ``response`` reduction's ``1/G``; but its filter ``δ_i`` cuts at ``ln 2`` and only when the policy's initial
+entropy was below ``ln 2`` (set ``entropy_threshold: 0.6931`` for the cut, a threshold above any entropy for a
+policy that started above it), and it has neither the code's ``1/n_i`` nor its sum over responses.
+
+Three readings of the code:
 
 * The code's advantage is one number per completion. A per-token advantage (verl broadcasts GRPO's over the
   response) is read per token in ``A − s·H̄``, and a response is positive or negative by the sign of its mean over
