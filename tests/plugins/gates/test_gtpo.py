@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import lossplug
 from lossplug.contracts import LossplugError
@@ -17,7 +19,7 @@ PAD, V, EPS = 99, 4, 1e-6
 W_RAW, ENT_THRESHOLD, ENT_SCALE = 2.0, 0.7, 0.1
 
 
-def authors_conflict(ids: list[list[int]], lengths: list[int], adv: list[float]) -> tuple[list, list]:
+def authors_conflict(ids: list[list[int]], lengths: list[int], adv: list[float], pad: int = PAD) -> tuple[list, list]:
     """``build_conflict_mask`` for one group, loop by loop: (delta [G][L], n_conflict [G])."""
     G, L = len(ids), len(ids[0])
     pos = [a > 0 for a in adv]
@@ -29,18 +31,15 @@ def authors_conflict(ids: list[list[int]], lengths: list[int], adv: list[float])
         return delta, n_conflict
 
     def runs(rows: list[list[int]], step_of) -> dict[int, list[bool]]:
-        keys_pos = {step_of(t) * V * 1000 + rows[i][t] for i in active if pos[i] for t in range(L)}
-        keys_neg = {step_of(t) * V * 1000 + rows[i][t] for i in active if neg[i] for t in range(L)}
+        keys_pos = {(step_of(t), rows[i][t]) for i in active if pos[i] for t in range(L)}
+        keys_neg = {(step_of(t), rows[i][t]) for i in active if neg[i] for t in range(L)}
         out = {}
         for i in active:
-            raw = [
-                (step_of(t) * V * 1000 + rows[i][t]) in keys_pos and (step_of(t) * V * 1000 + rows[i][t]) in keys_neg
-                for t in range(L)
-            ]
+            raw = [((step_of(t), rows[i][t])) in keys_pos and ((step_of(t), rows[i][t])) in keys_neg for t in range(L)]
             run, alive = [], True
             for t in range(L):
                 alive = alive and raw[t]
-                run.append(alive and ids[i][t] != PAD)  # the code's valid_mask, on the forward ids
+                run.append(alive and ids[i][t] != pad)  # the code's valid_mask, on the forward ids
             out[i] = run
         return out
 
@@ -283,3 +282,21 @@ def test_a_batch_without_token_ids_is_refused_naming_the_field():
     batch = _tiny_batch(token_ids=None)
     with pytest.raises(LossplugError, match="token_ids"):
         lossplug.policy_loss(batch, {"gates": ["gtpo"], "reduction": "response"})
+
+
+@given(seed=st.integers(0, 10_000), order_seed=st.integers(0, 10_000))
+def test_groups_may_be_scattered_the_rows_order_changes_nothing(seed, order_seed):
+    """The rows of a group need not be adjacent (TRL shuffles its batch): shuffled rows give the same loss and the
+    same gradient, shuffled; both equal the authors' code on the groups laid out one after the other."""
+    logits, ids, lengths, adv, group = group_batch(seed % 50, groups=2, G=3, L=5)
+    expected_loss, expected_grad = authors_loss(logits, ids, lengths, adv, group)
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(order_seed)).tolist()
+    result, grad, _ = lossplug_gtpo(
+        logits[order],
+        [ids[i] for i in order],
+        [lengths[i] for i in order],
+        [adv[i] for i in order],
+        [group[i] for i in order],
+    )
+    assert abs(len(ids) * result.loss.item() - expected_loss) < 1e-12
+    torch.testing.assert_close(len(ids) * grad, expected_grad[order], rtol=0, atol=1e-12)
