@@ -1,4 +1,4 @@
-"""KTAE: A_it = GRPO_i + scale·tanh(((α·F(v) + β·IG(v))·x(v)) / (2(α + β))), v = token_ids_it, per prompt group.
+"""KTAE (arXiv:2505.16826, xiaolizh1/KTAE): A_it = GRPO_i + scale·tanh((α·F + β·IG)·x / (2(α + β))) of token v_it.
 
 Paper: Sun et al., 2025, *KTAE: A Model-Free Algorithm to Key-Tokens Advantage Estimation in Mathematical
 Reasoning*, arXiv:2505.16826. Reference code re-derived from: github.com/xiaolizh1/KTAE,
@@ -85,7 +85,9 @@ class KTAEParams(lossplug.Params):
     term_frequency: bool = Field(
         True, description="add the BM25 term-frequency contrast to Cohen's h (the authors' gamma_tf=1)"
     )
-    scale: float = Field(1.0, gt=0, description="bound of the key-token score, |score| < scale (the authors' top: 1)")
+    scale: float = Field(
+        1.0, gt=0, description="bound of the key-token score: −scale < score < scale (the authors' top: 1)"
+    )
     correct_above: float = Field(0.0, description="a rollout is correct when its score exceeds this (the authors': 0)")
     zero_at_p_one: bool = Field(
         True,
@@ -93,7 +95,7 @@ class KTAEParams(lossplug.Params):
         "everywhere, what their float32 code computes for most such tables",
     )
     neutral_token_ids: tuple[int, ...] = Field(
-        (), description="token ids whose score is 0 (the authors': 151643, Qwen2.5's <|endoftext|>)"
+        (), description="token ids whose score is 0 (the authors': 151643, Qwen2.5's end-of-text token)"
     )
     eps: float = Field(1e-6, ge=0, description="epsilon of the GRPO part's (R − mean)/(std + eps) (verl: 1e-6)")
 

@@ -1,4 +1,4 @@
-"""GVPO: ℓ_i = ½·((β·Σ_t log(π_θ/π_old)_it − mean_g) − (R_i − R̄_g))² / (n − 1), per response, as the objective −ℓ_i.
+"""GVPO (arXiv:2504.19599, jszkc/GVPO): J = −½((β·Σ_t log(π_θ/π_old) − mean_g) − (R − R̄_g))² / (n − 1) per response.
 
 Paper: Zhang et al., 2025, *GVPO: Group Variance Policy Optimization for Large Language Model Post-Training*,
 arXiv:2504.19599. Reference code re-derived from: github.com/jszkc/GVPO, ``GVPO/gvpo_core_algos.py``
