@@ -160,6 +160,15 @@ BUILTIN_GATES = frozenset(
         "engine_divergence_mask",
         "outlier_sequence_mask",
         "cispo_masked",
+        "entropy_advantage",
+        "gtpo",
+        # this year's papers (issue 31)
+        "cfpo",
+        "up_grpo",
+        "tpo",
+        "aspo",
+        "bapo",
+        "gvpo",
     }
 )
 

@@ -44,6 +44,7 @@ GATE_CODE_PATHS: tuple[dict[str, Any], ...] = (
     {"name": "off_policy_mask", "sampling_logp": "old_logp"},
     {"name": "vespo", "engine_correction": "token_mask", "engine_ratio_min": 0.5},
     {"name": "vespo", "engine_correction": "token_truncate"},
+    {"name": "tpo", "group_size": 4},  # the whole-group rule: a device-side assert off the CPU
 )
 
 #: regularizers (each after ppo_clip with the token reduction): estimators, ratio weights, the adaptive
@@ -59,4 +60,5 @@ REGULARIZER_CODE_PATHS: tuple[dict[str, Any], ...] = (
     {"name": "nll"},
     {"name": "nll", "responses": "positive_advantage", "denominator": "selected"},
     {"name": "nll", "responses": "all", "reduction": "token_sum"},
+    {"name": "echo", "coef": 0.1},
 )

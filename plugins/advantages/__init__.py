@@ -15,23 +15,28 @@ import lossplug
 @lossplug.hookimpl
 def lossplug_register_advantages(register: Callable[[lossplug.AdvantagePlugin], None]) -> None:
     from . import (
+        agentic_reinforce,
         batch_normalized,
         distillation,
         gae,
         gdpo,
+        gdpo_loo,
         gigpo,
         gpg,
         group_relative,
+        ktae,
         grpo_loo,
         length_adaptive_gae,
         length_weighted,
         maxrl,
+        mix,
         multi_reward,
         opo,
         optimal_baseline,
         passk,
         reinforce_plus_plus,
         remax,
+        step_reinforce,
     )
 
     for estimator in (
@@ -60,5 +65,13 @@ def lossplug_register_advantages(register: Callable[[lossplug.AdvantagePlugin], 
         grpo_loo.grpo_loo,
         batch_normalized.batch_normalized,
         length_weighted.length_weighted_grpo,
+        # KTAE's token-level key-token scores on top of GRPO (issue 31)
+        ktae.ktae,
+        # found missing by the field inventory: NeMo-RL's leave-one-out GDPO, ROLL's step and agentic REINFORCE
+        gdpo_loo.gdpo_loo,
+        step_reinforce.step_reinforce,
+        agentic_reinforce.agentic_reinforce,
+        # a weighted mix of the estimators above (TRL #7291)
+        mix.mix,
     ):
         register(estimator)

@@ -20,7 +20,10 @@ __all__ = ["WholeBatchCorrection", "whole_batch_weight"]
 @lossplug.hookimpl
 def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> None:
     from . import (
+        aspo,
+        bapo,
         bypass,
+        cfpo,
         cispo,
         cispo_masked,
         corrections,
@@ -31,9 +34,12 @@ def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> 
         dppo,
         dro,
         engine_divergence,
+        entropy_advantage,
         forced_ratio,
         geo_mean,
         gspo,
+        gtpo,
+        gvpo,
         kimi15,
         m2po,
         off_policy_mask,
@@ -48,6 +54,8 @@ def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> 
         seq_mask_tis,
         top_entropy,
         topr,
+        tpo,
+        up_grpo,
         vespo,
     )
 
@@ -102,5 +110,20 @@ def lossplug_register_gates(register: Callable[[lossplug.GatePlugin], None]) -> 
         engine_divergence.engine_divergence_mask,
         outlier_mask.outlier_sequence_mask,
         cispo_masked.cispo_masked,
+        # this year's papers (issue 31): CFPO's clipping-free quadratic penalty
+        cfpo.cfpo,
+        # UP-GRPO's unbounded positive updates (advantage-weighted SFT where A > 0, dual-clip PPO elsewhere)
+        up_grpo.up_grpo,
+        # TPO's cross-entropy to a tilted target over each prompt group (whole groups, like gvpo)
+        tpo.tpo,
+        # ASPO's flipped ratio for positive advantages, BAPO's adaptive clipping bounds
+        aspo.aspo,
+        bapo.bapo,
+        # the entropy-shaped advantage as a detached factor (arXiv:2506.14758); GTPO's conflict tokens and entropy
+        # filter over whole prompt groups (arXiv:2508.03772)
+        entropy_advantage.entropy_advantage,
+        gtpo.gtpo,
+        # GVPO's group-coupled MSE of centred implicit and actual rewards
+        gvpo.gvpo,
     ):
         register(gate)

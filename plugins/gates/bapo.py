@@ -60,6 +60,9 @@ Reference: WooooDyy/BAPO (commit 7287044444d5d578529ea464b45f090a36e8da3a) ``rec
 >>> # ρ = 1.39 < 1.9 all the way, so the search ends at the last pair
 >>> [round(float(out.metrics[k]()), 4) for k in ("clip_low", "clip_high", "pos_contrib", "neg_contrib")]
 [0.9, 3.0, 2.5, 1.8]
+
+Paper: Xi et al., 2025, *BAPO: Stabilizing Off-Policy Reinforcement Learning for LLMs via Balanced Policy
+Optimization with Adaptive Clipping*, arXiv:2510.18927.
 """
 
 from __future__ import annotations

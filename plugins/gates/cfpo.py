@@ -37,6 +37,11 @@ binds (no gradient there).
 >>> result.loss.backward()
 >>> [round(-g, 6) + 0.0 for g in logp.grad[0].tolist()]   # r·(A − |A|(r − 1)/ε): 1; 0 at both peaks 1 ± ε
 [1.0, 0.0, 0.0]
+
+Paper: *Clipping-Free Policy Optimization for Large Language Models*, 2026, arXiv:2601.22801.
+
+Reference: asparius/verl (commit 18bd5cde9ed769b91b6b2537e6c4ffb80e0dd0b1) ``verl/trainer/ppo/core_algos.py``
+``compute_policy_loss_cfpo`` (verl PR #5252; the same change as TRL #5027 and OpenRLHF #1184).
 """
 
 from __future__ import annotations

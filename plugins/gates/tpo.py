@@ -54,6 +54,11 @@ True
 >>> result.loss.backward()
 >>> bool(torch.allclose(logp.grad[:, 0], 0.5 - q))                             # (p − q) / G, G = 1 group
 True
+
+Paper: Kaddour, 2026, *Target Policy Optimization*, arXiv:2604.06159.
+
+Reference: JeanKaddour/tpo (commit 73473b9e5d40abc15c218bbb0225747fda8ce4a9) ``src/tpo/algorithms.py``
+(``tpo_target``, ``anchored_tpo_cross_entropy_loss``).
 """
 
 from __future__ import annotations

@@ -35,6 +35,11 @@ over the ``A ≤ 0`` tokens instead) and ``clip_frac_dual`` (``A < 0`` and the s
 >>> result.loss.backward()
 >>> [round(-g, 6) + 0.0 for g in logp.grad[0].tolist()]   # A unclipped at r = 2; r·A = −2; cut at r = 0.5
 [2.0, -2.0, 0.0]
+
+Paper: Liu, 2026, *UP-GRPO* (preprint blog post, no arXiv id), rocfly88.github.io/2026/02/26/UP-GRPO.html.
+
+Reference: rocfly88/rocfly88.github.io (commit 36e29421e637e4440f9f1e3b474cdb656add9acd)
+``_posts/2026-02-26-UP-GRPO.md``, its ``compute_policy_loss``.
 """
 
 from __future__ import annotations

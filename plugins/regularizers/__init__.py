@@ -14,10 +14,12 @@ import lossplug
 
 @lossplug.hookimpl
 def lossplug_register_regularizers(register: Callable[[lossplug.RegularizerPlugin], None]) -> None:
-    from . import entropy, kl, kl_on_policy, nll
+    from . import echo, entropy, kl, kl_on_policy, nll
 
     register(kl.kl)
     register(entropy.entropy)
     register(nll.nll)
     # found missing by the field inventory (docs/field.md): NeMo-RL's KL with its score-function weight
     register(kl_on_policy.kl_on_policy)
+    # found missing by the field inventory (docs/field.md): prime-rl's echo, cross-entropy on observation tokens
+    register(echo.echo)

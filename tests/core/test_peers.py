@@ -110,7 +110,7 @@ def test_join_peers_runs_only_the_pooling_gates_and_only_with_peers():
 def test_pooling_gates_are_declared():
     gates = lossplug.registry().plugins["gate"]
     pooling = sorted(name for name, plugin in gates.items() if plugin.pools)
-    assert pooling == ["bypass_is", "bypass_is_seq", "top_entropy"]
+    assert pooling == ["bapo", "bypass_is", "bypass_is_seq", "gvpo", "top_entropy", "tpo"]
 
 
 # -- two real processes (gloo) -------------------------------------------------------------------------------------

@@ -682,7 +682,7 @@ CASES: list[Case] = [
     C(
         "a gate in the regularizer stage",
         lambda: Recipe.model_validate(recipe(regularizers=["tis"])),
-        ("recipe.regularizers[0]", "unknown regularizer plugin 'tis'", "available: entropy, kl"),
+        ("recipe.regularizers[0]", "unknown regularizer plugin 'tis'", "available: echo, entropy, kl"),
         RecipeError,
     ),
     C(

@@ -21,12 +21,27 @@ KNOWN: dict[tuple[str, str, str], str] = {
     ("gate", "clip_cov", "microbatch_split"): "covariance statistics and the token selection are per micro-batch",
     ("gate", "kl_cov", "microbatch_split"): "covariance statistics and the top-k selection are per micro-batch",
     ("gate", "m2po", "microbatch_split"): "M2PO's second moment and the tokens it drops are per micro-batch (AReaL's)",
+    ("gate", "bapo", "microbatch_split"): "BAPO's clipping bounds are searched per micro-batch (the reference's)",
     # penalties on the log-ratio that do not scale with the advantage (verl's definitions)
     ("gate", "kl_cov", "zero_advantage"): "the |log r| penalty of the selected tokens applies with A = 0",
     ("gate", "dro", "zero_advantage"): "DRO's −β·(log r)²/2 penalty does not depend on A",
     ("gate", "kimi15", "zero_advantage"): "Kimi k1.5's −τ·(log r)²/2 penalty does not depend on A (ROLL's)",
     ("gate", "dppo_binary_tv", "zero_advantage"): "prime-rl's kl_tau·(log r)² term does not depend on A",
     ("gate", "ipo", "zero_advantage"): "prime-rl's kl_tau·(log r)² term does not depend on A",
+    # a correction that is not an engine ratio: the entropy-shaped advantage's factor (A + ψ)/A is ≠ 1 at ratio 1
+    ("gate", "entropy_advantage", "ratio_one"): "the factor (A + min(α·H, |A|/κ))/A is ≠ 1 on-policy",
+    # GTPO (arXiv:2508.03772, its authors' code): conflict tokens compare whole prompt groups, weighted w / 0 and
+    # divided by a per-response conflict count; a low-entropy response of advantage 0 still gets −s·H̄
+    ("gate", "gtpo", "ratio_one"): "∂J/∂logp = Ã·δ/n on-policy, not A: the conflict weights and the entropy term",
+    ("gate", "gtpo", "zero_advantage"): "with A = 0 a low-entropy response keeps −s·H̄ (the code's A − s·H̄)",
+    # GVPO's MSE couples the rollouts of a group (the authors' code: the same)
+    ("gate", "gvpo", "microbatch_split"): "GVPO's group mean of β·log(π/π_old) needs whole groups: a split is refused",
+    ("gate", "gvpo", "zero_advantage"): "GVPO's ½(centred β·log(π/π_old))² term does not depend on A",
+    ("gate", "gvpo", "ratio_one"): "at ratio 1 GVPO's gradient is β/(n − 1) times the response's mean advantage",
+    # TPO's cross-entropy couples the rollouts of a group; its target is anchored to p_old (arXiv:2604.06159)
+    ("gate", "tpo", "microbatch_split"): "TPO's softmax over a group needs whole groups (group_size refuses a split)",
+    ("gate", "tpo", "zero_advantage"): "with u = 0 TPO's target is p_old: off the snapshot the anchor p − p_old pulls",
+    ("gate", "tpo", "ratio_one"): "at ratio 1 TPO's gradient is K·(q − p_old) per response (Prop. 1), not A",
 }
 
 
