@@ -515,6 +515,17 @@ class PolicyBatch(_TensorModel):
             values="logprob",
         ),
     ] = None
+    observation_mask: Annotated[
+        Tensor | None,
+        _token(
+            "bool",
+            "environment tokens trained by cross-entropy (echo)",
+            "the environment-provided tokens of the response that a loss term trains by cross-entropy (tool output, "
+            "user feedback of later turns: prime-rl's echo); never an action (disjoint from action_mask), logp must "
+            "be the current policy's there (finite, at most 0); what the policy term and its denominators read is "
+            "unchanged",
+        ),
+    ] = None
     behavior_version: Annotated[
         Tensor | None,
         TensorField(
@@ -535,6 +546,15 @@ class PolicyBatch(_TensorModel):
             "the version of the policy this update starts from (π_old's version), >= every behavior_version of "
             "its row on the actions",
             given_with="behavior_version",
+        ),
+    ] = None
+    token_ids: Annotated[
+        Tensor | None,
+        _token(
+            "int",
+            "sampled token ids",
+            "the vocabulary id of each sampled token (TRL's completion_ids, verl's responses); read on the actions "
+            "by plugins that compare the tokens the rollouts of a group share (KTAE's advantage)",
         ),
     ] = None
     anchor_id: Annotated[

@@ -506,6 +506,19 @@ def policy_batch_rules(specs: Mapping[str, TensorField]) -> RuleTable:
                     "than the one this update starts from",
                 ),
                 where_bad(
+                    "observation_mask",
+                    ("observation_mask", "action_mask"),
+                    lambda f: f["observation_mask"] & f["action_mask"],
+                    "must be False on action positions: an observation token is the environment's, never an action",
+                ),
+                where_bad(
+                    "observation_mask",
+                    ("observation_mask", "logp"),
+                    lambda f: f["observation_mask"] & ~(torch.isfinite(f["logp"]) & (f["logp"] <= LOGP_TOLERANCE)),
+                    f"logp must be finite and <= 0 (tolerance {LOGP_TOLERANCE}) on observation positions: the "
+                    "cross-entropy trains them",
+                ),
+                where_bad(
                     "final_value",
                     ("final_value", "terminated"),
                     lambda f: ~f["terminated"] & ~torch.isfinite(f["final_value"]),

@@ -502,11 +502,18 @@ def _regularize(
     out = run_stage(stage, validate, inp)
     if validate == "full":
         check_regularizer_output(stage, out, inp.batch)
-    term = zero_off(out.term.to(inp.compute_dtype), inp.mask, inp._bits)
     params = cast(RegularizerParams, stage.params)
     # micro_batch when the regularizer says so or its reduction does (a reduction given with population: micro_batch)
     local: PopulationScope = "micro_batch" if "micro_batch" in (params.population, _scope(stage.reduction)) else "step"
-    reduced = _reduce(stage.reduction, validate, term, inp.mask, inp.lengths, population, normalizer, local)
+    if out.token_mask is None:
+        term = zero_off(out.term.to(inp.compute_dtype), inp.mask, inp._bits)
+        reduced = _reduce(stage.reduction, validate, term, inp.mask, inp.lengths, population, normalizer, local)
+    else:  # a term on other tokens than the actions (echo's observations): the step's counts are not theirs
+        mask = out.token_mask
+        term = torch.where(mask, out.term.to(inp.compute_dtype), 0)
+        reduced = _reduce(
+            stage.reduction, validate, term, mask, count_true(mask, -1), population, normalizer, "micro_batch"
+        )
     coef = stage.coefficient
     if observe and stage.controller is not None and out.observation is not None:
         stage.controller.observe(out.observation.detach())

@@ -515,6 +515,9 @@ class RegularizerOutput:
     * ``term`` ``[B, T]``: the per-token value **added to the loss** (a KL estimate ≥ 0; an entropy bonus returns
       ``−H`` so that a positive ``coef`` rewards entropy), carrying the gradient. The pipeline zeroes it off the
       actions, reduces it and adds ``coef · reduce(term)`` to the loss. Correction weights never multiply it.
+    * ``token_mask`` ``[B, T]`` bool, or None (the actions): the positions the term lives on when they are not the
+      actions (echo trains the batch's ``observation_mask``). The pipeline then zeroes the term off them and reduces
+      it over them, with the micro-batch's own population — the Normalizer counts action tokens only.
     * ``metrics`` / ``details``: declared diagnostics, as :class:`GateOutput`'s (evaluated at ``metrics="basic"``
       / ``"full"`` under ``no_grad``).
     * ``observation``: a detached tensor fed to the stage's controller (:mod:`lossplug.control`), or None.
@@ -524,6 +527,7 @@ class RegularizerOutput:
     metrics: Mapping[str, Lazy] = field(default_factory=dict)
     details: Mapping[str, Lazy] = field(default_factory=dict)
     observation: Tensor | None = None
+    token_mask: Tensor | None = None
 
 
 # the controller protocols: what a regularizer's ``controller`` factory returns (documented in lossplug.control, which

@@ -159,9 +159,19 @@ def check_regularizer_output(stage: RegularizerStage, out: object, batch: Policy
     if not isinstance(term, Tensor) or list(term.shape) != shape:
         what = f"shape {list(term.shape)}" if isinstance(term, Tensor) else repr(term)
         raise PluginError(f"{where}: a regularizer's term must be a tensor of shape {shape} like logp, got {what}")
-    bad = ~torch.isfinite(term.detach()) & batch.action_mask
+    on = batch.action_mask
+    if out.token_mask is not None:
+        tokens = out.token_mask
+        if not isinstance(tokens, Tensor) or list(tokens.shape) != shape or tokens.dtype != torch.bool:
+            what = f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, Tensor) else repr(tokens)
+            raise PluginError(
+                f"{where}: RegularizerOutput.token_mask must be a bool tensor of shape {shape}, got {what}"
+            )
+        on = tokens
+    bad = ~torch.isfinite(term.detach()) & on
     if bool(bad.any()):
-        raise PluginError(f"{where}: its term is not finite on action positions at {describe_positions(bad)}")
+        place = "action" if out.token_mask is None else "its token_mask's"
+        raise PluginError(f"{where}: its term is not finite on {place} positions at {describe_positions(bad)}")
     _check_metric_mappings(where, out, "RegularizerOutput")
     if out.observation is not None and not isinstance(out.observation, Tensor):
         raise PluginError(

@@ -49,11 +49,14 @@ TRL_FIELDS: dict[str, str] = {
     "reward": "TRL's weighted sum of the reward functions",
     "entropy": "the forward pass's entropies",
     "reward_components": "one column per reward function",
+    "observation_mask": "completion_mask where tool_mask is 0, after the first sampled token (tool results)",
+    "token_ids": "completion_ids (the sampled tokens: gtpo's conflict tokens)",
 }
 #: the fields TRL has only under some settings, and which
 TRL_CONDITIONAL_FIELDS: dict[str, str] = {
     "ref_logp": "TRL computes reference log-probs only when beta != 0",
     "behavior_logp": "TRL has rollout log-probs only with use_vllm=True or a rollout_func",
+    "observation_mask": "TRL's completions hold environment tokens only with tools= or a rollout_func (its env_mask)",
 }
 
 #: multimodal / model keyword inputs TRL forwards to ``_get_per_token_logps_and_entropies``
@@ -252,6 +255,13 @@ def policy_batch(
     components = inputs.get("lossplug_reward_components") if "reward_components" in st.needs else None
     if components is not None and not bool(torch.isfinite(rows.take(components)).all()):
         components = None  # (a function returned None for some row: the contract's rule names the field)
+    observation = None
+    if "observation_mask" in st.needs:  # TRL computes logp on a completion's tool tokens too, outside the actions
+        tool_mask = inputs.get("tool_mask")
+        completion = inputs["completion_mask"].bool()
+        observation = torch.zeros_like(completion)
+        if tool_mask is not None:  # the environment's tokens after the row's first sampled one (prime-rl's echo)
+            observation = completion & ~tool_mask.bool() & (action.cumsum(-1) > 0)
     take = rows.take
     return PolicyBatch.unchecked(
         logp=take(logps),
@@ -264,6 +274,8 @@ def policy_batch(
         reward=take(reward),
         entropy=take(entropies) if "entropy" in st.needs else None,
         reward_components=take(components),
+        observation_mask=take(observation),
+        token_ids=take(inputs["completion_ids"]) if "token_ids" in st.needs else None,
     )
 
 

@@ -49,6 +49,7 @@ _EXTRA_FIELDS = {
     "behavior_logp": "rollout_log_probs",
     "reward_baseline": "reward_baselines",
     "sum_pi_squared": "sum_pi_squared",
+    "token_ids": "responses",
 }
 #: the DataProto keys ``ray_trainer.compute_advantage`` hands a registered estimator (besides rewards, mask, uid)
 _PASSED_BY_VERL = frozenset({"reward_baselines"})
@@ -141,8 +142,8 @@ def compute_advantage(
     read more than verl hands a registered estimator (``gae`` reads the critic's ``values``).
 
     Reads ``token_level_rewards``, ``response_mask`` and ``non_tensor_batch["uid"]``, plus whatever the plugin
-    requires of ``values``, ``old_log_probs``, ``ref_log_prob``, ``rollout_log_probs``, ``reward_baselines`` and
-    ``sum_pi_squared`` from ``data.batch``; ``reward_keys`` (verl's ``algorithm.gdpo_reward_keys``) name the
+    requires of ``values``, ``old_log_probs``, ``ref_log_prob``, ``rollout_log_probs``, ``reward_baselines``,
+    ``sum_pi_squared`` and ``responses`` (the sampled token ids) from ``data.batch``; ``reward_keys`` (verl's ``algorithm.gdpo_reward_keys``) name the
     per-response reward components, read from ``data.non_tensor_batch`` (or ``data.batch``) as the columns of
     ``PolicyBatch.reward_components`` for multi-reward plugins (``gdpo``). Writes ``data.batch["advantages"]`` and ``data.batch["returns"]`` (``[B, T]``, zero off the
     response mask) and returns ``data`` — what ``verl.trainer.ppo.ray_trainer.compute_advantage`` does with verl's

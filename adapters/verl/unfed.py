@@ -80,6 +80,11 @@ POLICY_UNFED: dict[str, Unfed] = {
         "actor.calculate_sum_pi_squared=True)",
     ),
     "value": Unfed("verl's ppo_loss passes a policy loss no critic values", "leave the value loss to verl's critic"),
+    "token_ids": Unfed(
+        "verl's ppo_loss passes a policy loss no token ids (responses)",
+        "read them in the advantage stage: lossplug.adapters.verl.compute_advantage(data, recipe), which reads "
+        "'responses'",
+    ),
     "terminated": _TRANSITIONS,
     "final_value": _TRANSITIONS,
     "teacher_logp": _TEACHER,
@@ -87,6 +92,14 @@ POLICY_UNFED: dict[str, Unfed] = {
     "anchor_id": _TURNS,
     "behavior_version": _VERSIONS,
     "policy_version": _VERSIONS,
+    "observation_mask": Unfed(
+        "verl's ppo_loss passes a policy loss response_mask only: a multi-turn response's tool and user tokens lie "
+        "outside it (log_prob is computed there too), but nothing marks them apart from the padding (the response's "
+        "attention_mask & ~response_mask stays in ppo_loss), and the only terms it lets a policy loss's recipe name "
+        "are its own entropy and KL",
+        "run it in TRL, with tools= or a rollout_func whose result carries env_mask (the adapter feeds "
+        "completion_mask & ~tool_mask)",
+    ),
 }
 
 #: the fields verl's compute_advantage does not hand a registered estimator: why, and what to do instead
@@ -124,6 +137,11 @@ ADVANTAGE_UNFED: dict[str, Unfed] = {
         "verl computes reward_baselines (a greedy response per prompt) only for its own adv_estimator=remax",
         "use verl's own adv_estimator=remax (lossplug's remax reproduces it)",
     ),
+    "token_ids": Unfed(
+        _NOT_TO_ESTIMATOR,
+        f"in a custom trainer call lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto, which "
+        "reads the sampled token ids from 'responses' in data.batch",
+    ),
     "entropy": Unfed(
         "verl's advantage estimators get no entropies",
         "read the entropies in a gate or regularizer, in TRL (verl's policy loss gets none either)",
@@ -135,6 +153,10 @@ ADVANTAGE_UNFED: dict[str, Unfed] = {
     "policy_version": _VERSIONS,
     "terminated": _TRANSITIONS,
     "final_value": _TRANSITIONS,
+    "observation_mask": Unfed(
+        _NOT_TO_ESTIMATOR,
+        "train the environment's tokens in the loss (the echo regularizer), in TRL",
+    ),
 }
 
 

@@ -146,7 +146,7 @@ def insert_masked_columns(
         if t is None or t.ndim != 2 or t.shape != (B, T):
             out[name] = t
             continue
-        if name == "action_mask":
+        if t.dtype == torch.bool:  # action_mask, observation_mask: a new column is neither
             pad = torch.zeros(B, before + after, dtype=torch.bool)
         elif not t.is_floating_point():  # an integer field (behavior_version): any value off the actions
             pad = torch.full((B, before + after), -(2**31), dtype=t.dtype)

@@ -50,6 +50,7 @@ def meta_batch(sequence_advantage: bool) -> tuple[lossplug.PolicyBatch, torch.Te
     batch = lossplug.PolicyBatch.unchecked(
         logp=logp,
         action_mask=empty(B, T, dtype=torch.bool),
+        observation_mask=empty(B, T, dtype=torch.bool),
         old_logp=empty(B, T),
         behavior_logp=empty(B, T),
         ref_logp=empty(B, T),
@@ -59,6 +60,7 @@ def meta_batch(sequence_advantage: bool) -> tuple[lossplug.PolicyBatch, torch.Te
         reward_components=empty(B, 2),
         advantage=empty(B) if sequence_advantage else empty(B, T),
         group_id=empty(B, dtype=torch.int64),
+        token_ids=empty(B, T, dtype=torch.int64),
     )
     return batch, logp
 

@@ -120,6 +120,8 @@ def complete_fields(fields: dict[str, Any], recipe: Any, *, components: Componen
         "teacher_logp": lambda: (out.get("old_logp", logp).detach() + 0.3).clamp(max=0.0),
         "trajectory_id": lambda: torch.arange(logp.shape[0]),
         "anchor_id": lambda: torch.arange(logp.shape[0]) % 2,
+        # sampled tokens from a small vocabulary, shared across the rows of a group (KTAE's tables, GTPO's conflicts)
+        "token_ids": lambda: (torch.arange(logp.numel()).reshape(logp.shape) * 7 + 3) % 5,
         # prompt_mean's prompt groups: pairs of consecutive rows
         "group_id": lambda: torch.arange(logp.shape[0]) // 2,
     }

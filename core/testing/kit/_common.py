@@ -313,6 +313,18 @@ def check_fields(**kw: Any) -> dict[str, Tensor]:
     fields["policy_version"] = torch.full((B,), 3, dtype=torch.int64)
     fields["behavior_version"] = torch.randint(1, 4, (B, T), generator=g, dtype=torch.int64)
     fields["anchor_id"] = torch.arange(B, dtype=torch.int64) % 2
+    # environment tokens among the non-actions (tool output between turns), for a term that trains them (echo)
+    fields["observation_mask"] = ~fields["action_mask"] & (torch.rand(B, T, generator=g) < 0.5)
+    # sampled token ids from a small vocabulary, so that the rollouts of a group share some (KTAE's tables)
+    fields["token_ids"] = torch.randint(0, 6, (B, T), generator=g, dtype=torch.int64)
+    return fields
+
+
+def without_observations(subject: Subject, fields: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``fields`` less ``observation_mask`` unless ``subject`` reads it: the contract wants logp valid on the
+    observation tokens a batch marks, and a check that poisons every non-action position would break that rule."""
+    if "observation_mask" not in subject.requires:
+        fields = {k: v for k, v in fields.items() if k != "observation_mask"}
     return fields
 
 

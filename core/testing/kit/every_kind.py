@@ -32,6 +32,7 @@ from ._common import (
     reference_update_gate,
     run_loss,
     where_rows,
+    without_observations,
 )
 from .advantages import advantage_output_contract
 from .gates import gate_output_contract
@@ -209,7 +210,7 @@ def masked_poison(s: Subject) -> None:
         rollout_masked_poison(s)
         return
     if s.kind == "advantage":
-        clean = advantage_fields(s, token_reward=True)
+        clean = without_observations(s, advantage_fields(s, token_reward=True))
         mask = clean["action_mask"]
         dirty = dict(clean)
         # a token-level reward stays 0 off the actions: the contract refuses anything else there
@@ -233,8 +234,10 @@ def masked_poison(s: Subject) -> None:
             )
         return
     for token_adv in (False, True):
-        clean = check_fields(token_advantage=token_adv)
+        clean = without_observations(s, check_fields(token_advantage=token_adv))
         mask = clean["action_mask"]
+        if "observation_mask" in clean:  # a term that trains the observation tokens reads them there (echo)
+            mask = mask | clean["observation_mask"]
         dirty = dict(clean)
         for name in TOKEN_FIELDS + (("advantage",) if token_adv else ()):
             dirty[name] = batches.poison(clean[name], ~mask, seed=len(name))

@@ -150,9 +150,11 @@ def extreme_ratios(s: Subject) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         f = dict(logp=logp, old_logp=old, behavior_logp=beh, ref_logp=old.flip(0), advantage=adv, action_mask=mask)
         f["reward"] = adv  # regularizers that select responses by reward (nll) read it
+        f["observation_mask"] = ~mask  # the one non-action token, trained by echo's cross-entropy
         f["entropy"] = torch.linspace(0, 12, rows * T, dtype=torch.float64).reshape(rows, T)  # 0 to ≈ log(vocab)
         f = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in f.items()}
         f["group_id"] = torch.arange(rows) // 2
+        f["token_ids"] = torch.zeros(rows, T, dtype=torch.int64)  # sampled tokens (gtpo's conflicts)
         for a_sign in (1, -1):
             g = dict(f, advantage=f["advantage"] * a_sign)
             run = run_loss(s, g, normalizer=normalizer_for(g))

@@ -14,7 +14,7 @@ import lossplug
 from lossplug.contracts import PolicyBatch, RolloutResult
 
 from .. import batches
-from ._common import CheckFailed, Subject, advantage_fields, check, first_diff
+from ._common import CheckFailed, Subject, advantage_fields, check, first_diff, without_observations
 
 Tensor = torch.Tensor
 ROLLOUT_KINDS = ("shaper", "filter")
@@ -61,7 +61,7 @@ def rollout_output_contract(s: Subject) -> None:
 def rollout_masked_poison(s: Subject) -> None:
     """Poisoning the per-token fields off the actions changes neither the reward nor the mask on the actions."""
     for token_reward in _reward_layouts(s):
-        clean = rollout_fields(s, token_reward=token_reward)
+        clean = without_observations(s, rollout_fields(s, token_reward=token_reward))
         mask = clean["action_mask"]
         dirty = dict(clean)
         for name in batches.TOKEN_FIELDS:
