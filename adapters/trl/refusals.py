@@ -144,6 +144,11 @@ UNFED: dict[str, Unfed] = {
     ),
     "behavior_version": _VERSIONS,
     "policy_version": _VERSIONS,
+    "observation_mask": Unfed(
+        TRL_CONDITIONAL_FIELDS["observation_mask"],
+        "pass GRPOTrainer(tools=[...]) (the tool results become observation tokens) or a rollout_func whose result "
+        "carries env_mask (0 on the environment's tokens)",
+    ),
 }
 #: the fields TRL's loss stage has (some under settings) that its advantage stage lacks
 UNFED_AT_ADVANTAGE: dict[str, Unfed] = {
@@ -162,6 +167,14 @@ UNFED_AT_ADVANTAGE: dict[str, Unfed] = {
         "put the KL in the loss instead: a kl regularizer, with beta = its coef",
     ),
     "entropy": Unfed(_BEFORE_LOGPROBS, "read the entropies in a gate or a regularizer (the loss stage has TRL's)"),
+    # the loss stage has them (completion_ids, for a gate such as gtpo); the advantage stage does not
+    "token_ids": Unfed(
+        "TRL's advantage stage runs on the rewards gathered over the processes, one position per completion, and "
+        "GRPOTrainer's loss takes one advantage per completion: a per-token advantage from the sampled token ids "
+        "(KTAE) cannot reach it",
+        "run it under verl: lossplug.adapters.verl.compute_advantage(data, recipe) in a custom trainer reads the "
+        "token ids from data.batch['responses'] and writes the per-token advantages verl's actor reads",
+    ),
 }
 
 
@@ -220,6 +233,7 @@ def refusals(trainer: GRPOTrainer, compiled: CompiledRecipe, provenance: Provena
     out += _kl_and_entropy(trainer, compiled)
     out += _fields(trainer, compiled)
     out += _advantage_stage(compiled)
+    out += _turns_at_the_advantage(trainer, compiled)
     out += _rollout_stages(compiled)
     reads = {f for stage in batch_stages(compiled) for f in required_fields(stage.plugin, stage.params)}
     if "behavior_logp" in reads and not any("behavior_logp" in m for m in out) and has_behavior_logp(trainer):
@@ -344,6 +358,8 @@ def _fields(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]:
         provided.add("ref_logp")
     if has_behavior_logp(trainer):
         provided.add("behavior_logp")
+    if getattr(trainer, "tools", None) or getattr(trainer, "rollout_func", None) is not None:
+        provided.add("observation_mask")
     return [
         unfed_line(stage.where, stage.plugin.name, name, UNFED[name])
         for stage in batch_stages(compiled)
@@ -369,6 +385,23 @@ def _advantage_stage(compiled: CompiledRecipe) -> list[str]:
             "run it outside a trainer, lossplug.estimate_advantages on PackedTransitions you build"
         )
     return out
+
+
+def _turns_at_the_advantage(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]:
+    """``agentic_reinforce`` discounts a completion's earlier turns (runs of action tokens) by γ per later turn; TRL's
+    advantage seam sees one position per completion, so with tools or a rollout_func (completions of several turns)
+    and γ < 1 every turn would silently get the undiscounted score."""
+    stage = compiled.advantage
+    if stage is None or stage.plugin.name != "agentic_reinforce" or getattr(stage.params, "gamma", 1.0) == 1.0:
+        return []
+    if not (getattr(trainer, "tools", None) or getattr(trainer, "rollout_func", None) is not None):
+        return []  # one turn per completion: γ never applies
+    return [
+        f"recipe.advantage (agentic_reinforce) discounts earlier turns by gamma={stage.params.gamma}, but TRL's "
+        "advantage seam has one position per completion, so the turns of a completion with tool calls are not seen "
+        "there. Next step: gamma: 1.0 (ROLL's default; exact in TRL), or run it under verl, whose estimator reads "
+        "the turns from response_mask"
+    ]
 
 
 def _rollout_stages(compiled: CompiledRecipe) -> list[str]:

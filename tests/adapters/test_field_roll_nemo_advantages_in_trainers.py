@@ -148,6 +148,25 @@ def test_agentic_reinforce_trains_in_a_trl_grpo_trainer(tmp_path):
     assert bool((inputs["advantages"] != 0).any())
 
 
+@pytest.mark.parametrize("gamma", [0.5, 1.0])
+def test_agentic_reinforce_below_gamma_one_is_refused_where_trl_completions_can_hold_several_turns(tmp_path, gamma):
+    """With a rollout_func (or tools) a completion may hold several turns, which TRL's advantage seam (one position per
+    completion) does not see: γ < 1 would silently give every turn the undiscounted score."""
+    pytest.importorskip("trl")
+    from lossplug.testing import tiny
+
+    recipe = {"advantage": {"name": "agentic_reinforce", "gamma": gamma}, "gates": ["ppo_clip"], "reduction": "token"}
+    tok = tiny.tiny_tokenizer()
+    make = lambda: tiny.tiny_grpo_trainer(
+        recipe, tmp_path / "out", tokenizer=tok, trainer_kwargs={"rollout_func": tiny.TinyRollout(tok)}
+    )
+    if gamma == 1.0:
+        make()  # γ = 1 (ROLL's default) is exact whatever the turns
+        return
+    with pytest.raises(LossplugError, match=r"agentic_reinforce.*gamma=0\.5.*Next step: gamma: 1\.0"):
+        make()
+
+
 def test_trl_cannot_supply_step_reinforces_trajectory_id_and_says_which(tmp_path):
     pytest.importorskip("trl")
     from lossplug.testing import tiny
