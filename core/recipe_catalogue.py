@@ -36,7 +36,10 @@ def format_param_errors(err: ValidationError, where: str, plugin: str, allowed: 
                 f"unknown parameter '{loc}'{did_you_mean(loc, allowed)}; allowed: {', '.join(allowed) or 'none'}"
             )
         else:
-            lines.append(f"parameter '{loc}': {e['msg']} (got {e.get('input')!r})")
+            # a validator's own ValueError reads as its message, without pydantic's "Value error, " prefix
+            error = e.get("ctx", {}).get("error") if e["type"] == "value_error" else None
+            message = str(error) if isinstance(error, ValueError) else e["msg"]
+            lines.append(f"parameter '{loc}': {message} (got {e.get('input')!r})")
     return f"{where} ({plugin}): " + "; ".join(lines)
 
 

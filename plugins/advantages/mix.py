@@ -48,7 +48,6 @@ from typing import Any, cast
 
 import torch
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
 import lossplug
 from lossplug import plugin_registry
@@ -176,7 +175,7 @@ class MixParams(lossplug.Params):
             except ValueError as err:
                 problems.append(str(err))
         if problems:  # every component's problems at once, without pydantic's "Value error," prefix
-            raise PydanticCustomError("mix_components", "; ".join(problems).replace("{", "{{").replace("}", "}}"))
+            raise ValueError("; ".join(problems))
         return tuple(checked)
 
     @model_validator(mode="after")
