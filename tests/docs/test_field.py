@@ -199,3 +199,112 @@ def test_the_summary_totals_are_the_rows():
 def test_the_page_is_in_the_site_nav_and_the_readme():
     assert "field.md" in (ROOT / "mkdocs.yml").read_text()
     assert "](docs/field.md)" in (ROOT / "README.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# "This year's papers" and "What users ask for": five columns each — what, what it computes or asked, the recipe that
+# does it, a status, and the test that proves it (or why it cannot run yet)
+
+ASKED, PAPERS = "What users ask for", "This year's papers"
+ISSUE_LINK = re.compile(
+    r"https://github\.com/(huggingface/trl|verl-project/verl|OpenRLHF/OpenRLHF)/(?:issues|pull)/(\d+)"
+)
+#: the requests issue 31 names: each has its row
+REQUESTS = {
+    "huggingface/trl": {4525, 7291, 7298, 4543, 6789, 5226},
+    "verl-project/verl": {479, 1654, 2540, 3683, 7244, 5252},
+    "OpenRLHF/OpenRLHF": {1184},
+}
+#: the papers issue 31 names (arXiv ids; UP-GRPO and TreeRL/TreePO have none): each has its row
+ARXIV = {"2510.06062", "2510.18927", "2506.14758", "2504.19599", "2601.22801", "2508.03772", "2604.06159"}
+ARXIV |= {"2505.16826", "2505.11821", "2510.14967", "2606.30406"}
+STATUSES = ("runs", "partly", "cannot yet")
+#: what a row's recipe is merged onto (the stages it names replace these), as the framework rows onto their base
+BASE = {"advantage": "grpo", "gates": ["ppo_clip"], "reduction": "token"}
+
+
+def table_rows(section: str, header: str) -> list[list[str]]:
+    body = SECTIONS[section][1]
+    lines = [line for line in body.splitlines() if line.startswith("| ")]
+    assert lines and lines[0].startswith(header), f"'{section}': the table has moved or lost its header"
+    return [cells(line) for line in lines[1:]]
+
+
+def asked_rows() -> list[list[str]]:
+    return table_rows(ASKED, "| request (issue) |")
+
+
+def paper_rows() -> list[list[str]]:
+    return table_rows(PAPERS, "| paper |")
+
+
+def test_every_request_the_field_makes_has_a_row():
+    assert ASKED in SECTIONS, f"docs/field.md has no '## {ASKED}' section"
+    found: dict[str, set[int]] = {}
+    for row in asked_rows():
+        for repo, number in ISSUE_LINK.findall(row[0]):
+            found.setdefault(repo, set()).add(int(number))
+    for repo, numbers in REQUESTS.items():
+        assert numbers <= found.get(repo, set()), f"{repo}: no row for {sorted(numbers - found.get(repo, set()))}"
+
+
+def test_every_paper_has_a_row_and_each_plugin_cites_its_paper():
+    assert PAPERS in SECTIONS, f"docs/field.md has no '## {PAPERS}' section"
+    rows = paper_rows()
+    found = {a for row in rows for a in re.findall(r"arXiv:(\d{4}\.\d{5})", row[0])}
+    assert ARXIV <= found, f"no row for arXiv {sorted(ARXIV - found)}"
+    assert any("UP-GRPO" in row[0] for row in rows) and any("TreeRL" in row[0] for row in rows)
+    from lossplug.cli.describe import citations
+
+    reg = lossplug.registry().plugins
+    for row in rows:
+        arxiv = re.findall(r"arXiv:(\d{4}\.\d{5})", row[0])
+        for text in re.findall(r"`(\{[^`]+\})`", row[2]):
+            override = yaml.safe_load(text)
+            new = plugin_names(lossplug.Recipe.model_validate({**BASE, **override}), tuple(override))
+            new -= BEFORE_THIS_YEAR
+            for name in new:  # `lossplug show NAME` prints these citations
+                cited = " ".join(c for plugins in reg.values() if name in plugins for c in citations(plugins[name]))
+                assert all(a in cited for a in arxiv[:1]), f"{name}: its docstring does not cite arXiv:{arxiv[0]}"
+
+
+#: plugins a paper row may use besides its own (the surrounding recipe)
+BEFORE_THIS_YEAR = {"grpo", "ppo_clip", "gae", "token", "response", "sequence_sum"}
+
+
+def check_row(row: list[str], where: str) -> None:
+    first, what, answer, status, proof = row
+    assert len(what) > 20, f"{where}: say what it computes or what was asked"
+    assert status in STATUSES, f"{where}: status must be one of {STATUSES}, got {status!r}"
+    if status == "cannot yet":
+        assert len(proof) > 40, f"{where}: say why it cannot run yet and what it waits on"
+        return
+    recipes = re.findall(r"`(\{[^`]+\})`", answer + " " + proof)
+    assert recipes, f"{where}: a {status!r} row shows the recipe that does it"
+    tests = re.findall(r"`(tests/[\w/]+\.py)(?:::\w+)?`", proof)
+    assert tests, f"{where}: name the test that proves it"
+    for path in tests:
+        assert (ROOT / path).is_file(), f"{where}: {path} does not exist"
+    for text in recipes:
+        override = yaml.safe_load(text)
+        user = re.search(r"name: (user_\w+)", text)
+        if user:  # a user's own plugin (the TRL #4525 row): the test named registers it from a package of its own
+            assert any(f'"{user.group(1)}"' in (ROOT / path).read_text() for path in tests), where
+            continue
+        merged = {**BASE, **override}
+        recipe = lossplug.Recipe.model_validate({key: value for key, value in merged.items() if value is not None})
+        unknown = {name for name in plugin_names(recipe, tuple(override)) if not registered(name)}
+        assert not unknown, f"{where}: {sorted(unknown)} not registered"
+
+
+@pytest.mark.parametrize("index", range(len(asked_rows()) if ASKED in SECTIONS else 0))
+def test_each_request_names_a_recipe_that_builds_and_its_proof_or_says_why_not(index):
+    row = asked_rows()[index]
+    assert ISSUE_LINK.search(row[0]), f"'{ASKED}' row {index + 1}: link the issue or pull request"
+    check_row(row, f"'{ASKED}' row {index + 1} ({row[0][:40]}…)")
+
+
+@pytest.mark.parametrize("index", range(len(paper_rows()) if PAPERS in SECTIONS else 0))
+def test_each_paper_names_a_recipe_that_builds_and_its_proof_or_says_why_not(index):
+    row = paper_rows()[index]
+    check_row(row, f"'{PAPERS}' row {index + 1} ({row[0][:40]}…)")
