@@ -68,7 +68,14 @@ The micro-batch TRL hands to ``_compute_loss`` becomes a :class:`lossplug.Policy
 ``advantage``          ``advantages`` (the recipe's, see above)
 ``group_id``           ``lossplug_group_id``;   ``reward``: ``lossplug_reward`` when every row has one
 ``reward_components``  ``lossplug_reward_components`` when a stage reads them and every value is finite
+``teacher_logp``       ``lossplug_teacher_logp``: the ``teacher_model``'s log-probs of the completions, computed
+                       once per generation batch with TRL's own per-token helper (``attach(...,
+                       teacher_model=...)``; :mod:`~lossplug.adapters.trl.teachers_and_turns`)
 =====================  ================================================================================
+
+At the advantage stage, a ``rollout_func``'s extra fields ``trajectory_id`` and ``anchor_id`` (one integer or string
+per completion) are gathered with the rewards, so that ``gigpo`` and ``step_reinforce`` run there
+(:mod:`~lossplug.adapters.trl.teachers_and_turns`).
 
 Reduction and TRL's gradient-accumulation convention
 ----------------------------------------------------

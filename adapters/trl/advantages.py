@@ -190,7 +190,8 @@ def advantage_batch(
     rows: torch.Tensor | None,
 ) -> PolicyBatch:
     """The :class:`~lossplug.PolicyBatch` the advantage stage sees: one placeholder position per completion, its
-    reward, prompt group and (when the plugin reads them) per-function rewards — of the ``rows`` (a boolean mask;
+    reward, prompt group and (when the plugin reads them) per-function rewards and a rollout_func's trajectory and
+    anchor ids — of the ``rows`` (a boolean mask;
     ``None``: every row). The one place a new advantage-stage field gets filled from TRL's rewards."""
     assert st.compiled.advantage is not None
     r, ids = (rewards, group_ids) if rows is None else (rewards[rows], group_ids[rows])
@@ -209,12 +210,16 @@ def advantage_batch(
                 "lossplug's per-function rewards must all be scored (TRL's NaN-aware per-function means are not "
                 "reproduced); return a number from every reward function or use sum_then_normalize"
             )
+    # a rollout_func's trajectory / anchor ids (gathered with the rewards), when the advantage stage reads them
+    turns = {k: (v if rows is None else v[rows]).to(r.device) for k, v in (st.turn_ids or {}).items()}
     return PolicyBatch.unchecked(
         logp=torch.zeros(r.shape[0], 1, dtype=r.dtype, device=r.device),
         action_mask=torch.ones(r.shape[0], 1, dtype=torch.bool, device=r.device),
         reward=r,
         group_id=ids,
         reward_components=components,
+        trajectory_id=turns.get("trajectory_id"),
+        anchor_id=turns.get("anchor_id"),
     )
 
 

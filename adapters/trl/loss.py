@@ -51,12 +51,17 @@ TRL_FIELDS: dict[str, str] = {
     "reward_components": "one column per reward function",
     "observation_mask": "completion_mask where tool_mask is 0, after the first sampled token (tool results)",
     "token_ids": "completion_ids (the sampled tokens: gtpo's conflict tokens)",
+    "teacher_logp": "the teacher_model's log-probs of the completions (lossplug_teacher_logp)",
 }
 #: the fields TRL has only under some settings, and which
 TRL_CONDITIONAL_FIELDS: dict[str, str] = {
     "ref_logp": "TRL computes reference log-probs only when beta != 0",
     "behavior_logp": "TRL has rollout log-probs only with use_vllm=True or a rollout_func",
     "observation_mask": "TRL's completions hold environment tokens only with tools= or a rollout_func (its env_mask)",
+    "teacher_logp": (
+        "GRPOTrainer runs no teacher model (TRL keeps distillation in its experimental trainers): the adapter computes "
+        "a teacher's log-probs of the completions only when given teacher_model="
+    ),
 }
 
 #: multimodal / model keyword inputs TRL forwards to ``_get_per_token_logps_and_entropies``
@@ -276,6 +281,7 @@ def policy_batch(
         reward_components=take(components),
         observation_mask=take(observation),
         token_ids=take(inputs["completion_ids"]) if "token_ids" in st.needs else None,
+        teacher_logp=take(inputs.get("lossplug_teacher_logp")) if "teacher_logp" in st.needs else None,
     )
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 from lossplug.adapters.trl.equivalent import engine_correction_gate, off_policy_mask_gate, trl_regularizers
 from lossplug.adapters.trl.loss import TRL_CONDITIONAL_FIELDS, TRL_FIELDS
 from lossplug.adapters.trl.state import batch_stages, grpo_config, named_stages
+from lossplug.adapters.trl.teachers_and_turns import TURN_FIELDS
 from lossplug.adapters.unfed import Unfed, readers, unfed_line
 from lossplug.contracts import LossplugError, Provenance
 from lossplug.needs import required_fields
@@ -31,6 +32,7 @@ __all__ = [
     "ADVANTAGE_PROVIDED",
     "ALLOW_UNTESTED_ENV",
     "PROVIDED",
+    "ROLLOUT_FUNC_PROVIDED",
     "ROLLOUT_TOKEN_READERS",
     "ROLLOUT_UNFED",
     "TEACHERS_AND_TURNS",
@@ -47,10 +49,13 @@ __all__ = [
 TESTED_TRL: tuple[str, ...] = ("1.16",)
 ALLOW_UNTESTED_ENV = "LOSSPLUG_TRL_ALLOW_UNTESTED"
 
-#: fields of PolicyBatch the adapter always fills from TRL's batch (ref_logp / behavior_logp conditionally)
+#: fields of PolicyBatch the adapter always fills from TRL's batch (ref_logp / behavior_logp / teacher_logp
+#: conditionally)
 PROVIDED = frozenset(TRL_FIELDS) - frozenset(TRL_CONDITIONAL_FIELDS)
 #: fields the advantage stage sees (it runs on rewards gathered over processes, before any log-prob exists)
 ADVANTAGE_PROVIDED = frozenset({"reward", "group_id", "reward_components"})
+#: what the advantage stage sees besides, from a rollout_func's extra fields (one id per completion)
+ROLLOUT_FUNC_PROVIDED = frozenset(TURN_FIELDS)
 #: fields a shaper or filter may declare that TRL's advantage seam (where they run: TRL's gathered rewards, one
 #: position per completion) cannot feed: why, and the next step
 ROLLOUT_UNFED: dict[str, str] = {
@@ -93,10 +98,11 @@ _TRANSITIONS = Unfed(
     "PackedTransitions you build (terminated and final_value are the packed GAE's bookkeeping)",
 )
 _TURNS = Unfed(
-    "GRPOTrainer's batches are single-turn prompt groups, with no trajectory or anchor-state id per row, and "
-    "neither adapter reads one from a trainer yet",
-    f"{TEACHERS_AND_TURNS} (per-row ids from a rollout_func's extra fields); today the estimator runs outside a "
-    "trainer: lossplug.estimate_advantages on a PolicyBatch you build with trajectory_id and anchor_id",
+    "GRPOTrainer's batches carry no trajectory or anchor-state id per row unless a rollout_func returns them, and "
+    "the adapter reads them at the advantage stage only (on the rewards gathered over the processes)",
+    "pass GRPOTrainer(rollout_func=...) whose result carries trajectory_id (and anchor_id for gigpo): one integer or "
+    "string per completion, unique over the generation batch of all processes, a trajectory's turns in row order; "
+    "read them in the advantage stage (gigpo, step_reinforce)",
 )
 _VERSIONS = Unfed(
     "TRL generates synchronously: its batches carry no policy version per token",
@@ -123,11 +129,10 @@ UNFED: dict[str, Unfed] = {
     "terminated": _TRANSITIONS,
     "final_value": _TRANSITIONS,
     "teacher_logp": Unfed(
-        "GRPOTrainer runs no teacher model (TRL keeps distillation in its experimental trainers), and neither "
-        "adapter feeds a teacher's log-probs yet",
-        f"{TEACHERS_AND_TURNS} (a teacher's log-probs of the completions, e.g. from a rollout_func's extra field); "
-        "today the estimator runs outside a trainer: lossplug.estimate_advantages on a PolicyBatch you build with "
-        "teacher_logp",
+        TRL_CONDITIONAL_FIELDS["teacher_logp"],
+        "pass attach(trainer, recipe, teacher_model=teacher) or LossplugGRPOTrainer(..., teacher_model=teacher): a "
+        "frozen causal LM with the student's vocabulary, whose log-probs of the completions the adapter computes once "
+        "per generation batch",
     ),
     "trajectory_id": _TURNS,
     "anchor_id": _TURNS,
@@ -167,6 +172,15 @@ UNFED_AT_ADVANTAGE: dict[str, Unfed] = {
         "put the KL in the loss instead: a kl regularizer, with beta = its coef",
     ),
     "entropy": Unfed(_BEFORE_LOGPROBS, "read the entropies in a gate or a regularizer (the loss stage has TRL's)"),
+    # opd: its advantage is per token, TRL's one value per completion computed before the student's log-probs
+    "teacher_logp": Unfed(
+        "TRL's advantage stage runs on the rewards gathered over the processes, one value per completion, before any "
+        "log-prob of the student exists, and a teacher's signal is per token (opd: A_t = A_task - coef·(logp_student,t "
+        "- teacher_logp_t))",
+        "put the reverse KL to the teacher in the loss: a regularizer that reads teacher_logp, with attach(..., "
+        "teacher_model=teacher) (the loss stage has the teacher's log-probs); opd's per-token advantage itself runs "
+        "outside TRL: lossplug.estimate_advantages on a PolicyBatch you build with teacher_logp",
+    ),
     # the loss stage has them (completion_ids, for a gate such as gtpo); the advantage stage does not
     "token_ids": Unfed(
         "TRL's advantage stage runs on the rewards gathered over the processes, one position per completion, and "
@@ -225,14 +239,16 @@ def has_behavior_logp(trainer: GRPOTrainer) -> bool:
     return bool(grpo_config(trainer).use_vllm or getattr(trainer, "rollout_func", None) is not None)
 
 
-def refusals(trainer: GRPOTrainer, compiled: CompiledRecipe, provenance: Provenance) -> list[str]:
+def refusals(
+    trainer: GRPOTrainer, compiled: CompiledRecipe, provenance: Provenance, *, teacher: bool = False
+) -> list[str]:
     """Every reason ``compiled`` cannot run in ``trainer`` without changing the meaning of its TRL settings (empty:
-    it can)."""
+    it can). ``teacher``: a ``teacher_model`` was given (its log-probs feed ``teacher_logp`` at the loss)."""
     out = _liger(trainer)
     out += _policy_weights(trainer, compiled)
     out += _kl_and_entropy(trainer, compiled)
-    out += _fields(trainer, compiled)
-    out += _advantage_stage(compiled)
+    out += _fields(trainer, compiled, teacher)
+    out += _advantage_stage(trainer, compiled)
     out += _turns_at_the_advantage(trainer, compiled)
     out += _rollout_stages(compiled)
     reads = {f for stage in batch_stages(compiled) for f in required_fields(stage.plugin, stage.params)}
@@ -351,16 +367,26 @@ def _kl_and_entropy(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]
     return out
 
 
-def _fields(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]:
-    """The fields the recipe's gates and regularizers read that TRL's batch does not have."""
+def _fields(trainer: GRPOTrainer, compiled: CompiledRecipe, teacher: bool = False) -> list[str]:
+    """The fields the recipe's gates and regularizers read that TRL's batch does not have; a teacher none reads."""
+    reads = {f for stage in batch_stages(compiled) for f in required_fields(stage.plugin, stage.params)}
+    out = []
+    if teacher and "teacher_logp" not in reads:
+        out.append(
+            "teacher_model is given, but no gate or regularizer of the recipe reads teacher_logp: the teacher would "
+            "run a forward pass per generation batch for nothing (and TRL's advantage stage cannot read it). Next "
+            "step: add a regularizer that reads teacher_logp, or drop teacher_model"
+        )
     provided = set(PROVIDED)
+    if teacher:
+        provided.add("teacher_logp")
     if trainer.beta != 0.0:
         provided.add("ref_logp")
     if has_behavior_logp(trainer):
         provided.add("behavior_logp")
     if getattr(trainer, "tools", None) or getattr(trainer, "rollout_func", None) is not None:
         provided.add("observation_mask")
-    return [
+    return out + [
         unfed_line(stage.where, stage.plugin.name, name, UNFED[name])
         for stage in batch_stages(compiled)
         for name in required_fields(stage.plugin, stage.params)
@@ -368,16 +394,20 @@ def _fields(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]:
     ]
 
 
-def _advantage_stage(compiled: CompiledRecipe) -> list[str]:
-    """An advantage stage that reads more than TRL's gathered rewards, or cannot run on the padded layout."""
+def _advantage_stage(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]:
+    """An advantage stage that reads more than TRL's gathered rewards (and a rollout_func's turn ids), or cannot run
+    on the padded layout."""
     adv_stage = compiled.advantage
     if adv_stage is None:
         return []
     name = adv_stage.plugin.name
+    provided = set(ADVANTAGE_PROVIDED)
+    if getattr(trainer, "rollout_func", None) is not None:
+        provided |= ROLLOUT_FUNC_PROVIDED
     out = [
         unfed_line("recipe.advantage", name, f, UNFED_AT_ADVANTAGE.get(f) or UNFED[f])
         for f in required_fields(adv_stage.plugin, adv_stage.params)
-        if f not in ADVANTAGE_PROVIDED
+        if f not in provided
     ]
     if "padded" not in adv_stage.plugin.layouts:
         out.append(
@@ -392,12 +422,13 @@ def _turns_at_the_advantage(trainer: GRPOTrainer, compiled: CompiledRecipe) -> l
     advantage seam sees one position per completion, so with tools or a rollout_func (completions of several turns)
     and γ < 1 every turn would silently get the undiscounted score."""
     stage = compiled.advantage
-    if stage is None or stage.plugin.name != "agentic_reinforce" or getattr(stage.params, "gamma", 1.0) == 1.0:
+    gamma = getattr(stage.params, "gamma", 1.0) if stage is not None else 1.0
+    if stage is None or stage.plugin.name != "agentic_reinforce" or gamma == 1.0:
         return []
     if not (getattr(trainer, "tools", None) or getattr(trainer, "rollout_func", None) is not None):
         return []  # one turn per completion: γ never applies
     return [
-        f"recipe.advantage (agentic_reinforce) discounts earlier turns by gamma={stage.params.gamma}, but TRL's "
+        f"recipe.advantage (agentic_reinforce) discounts earlier turns by gamma={gamma}, but TRL's "
         "advantage seam has one position per completion, so the turns of a completion with tool calls are not seen "
         "there. Next step: gamma: 1.0 (ROLL's default; exact in TRL), or run it under verl, whose estimator reads "
         "the turns from response_mask"

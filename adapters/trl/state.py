@@ -57,6 +57,13 @@ class AdapterState:
     top_entropy_quantile: float | None = None
     metrics: MetricLevel = "basic"
     rewards_per_func: torch.Tensor | None = None
+    #: the teacher whose log-probs of the completions feed ``teacher_logp`` (``attach(..., teacher_model=...)``)
+    teacher: Any = None
+    #: the rollout_func's trajectory / anchor ids of the batch being scored, gathered over the processes
+    #: (:mod:`~lossplug.adapters.trl.teachers_and_turns`), when the advantage stage reads them
+    turn_ids: dict[str, torch.Tensor] | None = None
+    #: the turn ids (of ``TURN_FIELDS``) the recipe's advantage stage reads
+    turn_fields: tuple[str, ...] = ()
     rounds: int = 0
     record_written: bool = False
     #: the trainer's TRL class (``GRPOTrainer``, or the user's subclass of it) under any lossplug class, for the record

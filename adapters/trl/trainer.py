@@ -40,7 +40,7 @@ import lossplug
 from lossplug.adapters.trl.advantages import add_recipe_advantages
 from lossplug.adapters.trl.controllers import load_controller_state, save_controller_state
 from lossplug.adapters.trl.equivalent import Population
-from lossplug.adapters.trl.loss import compute_loss, trl_peers
+from lossplug.adapters.trl.loss import FORWARD_KEYS, compute_loss, trl_peers
 from lossplug.adapters.trl.record import trl_provenance, write_record
 from lossplug.adapters.trl.refusals import check_trl_version, refusals
 from lossplug.adapters.trl.state import (
@@ -51,6 +51,7 @@ from lossplug.adapters.trl.state import (
     check_options,
     named_stages,
 )
+from lossplug.adapters.trl.teachers_and_turns import TURN_FIELDS, check_teacher, gathered_turn_ids, teacher_logps
 from lossplug.contracts import LossplugError, Provenance, Recipe
 from lossplug.needs import required_fields
 
@@ -81,7 +82,10 @@ def _calculate_rewards(
     trainer: Any, next_method: Callable[..., Any], inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any
 ) -> Any:
     rewards_per_func = next_method(inputs, prompts, completions, completion_ids_list)
-    adapter_state(trainer).rewards_per_func = rewards_per_func
+    st = adapter_state(trainer)
+    st.rewards_per_func = rewards_per_func
+    # the rollout_func's per-completion ids, which TRL merged into the inputs, gathered as TRL gathered the rewards
+    st.turn_ids = gathered_turn_ids(trainer, inputs, st.turn_fields) if st.turn_fields else None
     return rewards_per_func
 
 
@@ -97,7 +101,12 @@ def _generate_and_score_completions(
             "TRL's _generate_and_score_completions did not call _calculate_rewards: this TRL "
             "version is not supported by lossplug.adapters.trl"
         )
-    add_recipe_advantages(trainer, output, rewards_per_func)
+    if st.teacher is not None:  # once per generation batch, where TRL computes its reference log-probs
+        output["lossplug_teacher_logp"] = teacher_logps(trainer, st.teacher, output, FORWARD_KEYS)
+    try:
+        add_recipe_advantages(trainer, output, rewards_per_func)
+    finally:
+        st.turn_ids = None
     return output
 
 
@@ -190,7 +199,8 @@ class LossplugGRPOTrainer(_Mixin, trl.GRPOTrainer):
     """TRL's ``GRPOTrainer`` whose advantage and loss come from a lossplug recipe.
 
     ``LossplugGRPOTrainer(model, reward_funcs, args, ..., recipe="dapo", validate="full",
-    population="generation", metrics="basic", provenance=None)`` — every ``GRPOTrainer`` argument, plus:
+    population="generation", metrics="basic", provenance=None, teacher_model=None)`` — every ``GRPOTrainer``
+    argument, plus:
 
     * ``recipe``: a :class:`lossplug.Recipe`, a preset name, a mapping or a YAML/JSON path;
     * ``validate``: ``"full"`` (every batch checked against the contracts) or ``"off"``;
@@ -198,7 +208,9 @@ class LossplugGRPOTrainer(_Mixin, trl.GRPOTrainer):
     * ``metrics``: ``"basic"`` (every micro-batch: the loss, ``update/approx_kl`` and each gate's cut fractions,
       at about the cost of TRL's own clip-ratio metrics), ``"full"`` (also ratio quantiles and effective-sample
       fractions: a few ms per micro-batch at 64 × 4096 on a CPU) or ``"off"``; logged as ``lossplug/<name>``;
-    * ``provenance``: a :class:`lossplug.Provenance` to record instead of the one derived from the config.
+    * ``provenance``: a :class:`lossplug.Provenance` to record instead of the one derived from the config;
+    * ``teacher_model``: a frozen causal LM with the student's vocabulary whose log-probs of the completions feed
+      ``teacher_logp`` (:mod:`~lossplug.adapters.trl.teachers_and_turns`).
     """
 
     def __init__(
@@ -209,6 +221,7 @@ class LossplugGRPOTrainer(_Mixin, trl.GRPOTrainer):
         population: Population = "generation",
         metrics: bool | MetricLevel = "basic",
         provenance: Provenance | None = None,
+        teacher_model: Any = None,
         **kwargs: Any,
     ) -> None:
         check_trl_version(trl.__version__)
@@ -216,7 +229,7 @@ class LossplugGRPOTrainer(_Mixin, trl.GRPOTrainer):
         recipe_obj = Recipe.load(recipe)  # a bad recipe fails before any model is loaded
         lossplug.compile_recipe(recipe_obj)
         super().__init__(*args, **kwargs)
-        _setup(self, recipe_obj, validate, population, provenance, metrics)
+        _setup(self, recipe_obj, validate, population, provenance, metrics, teacher_model)
 
 
 def attach(
@@ -227,6 +240,7 @@ def attach(
     population: Population = "generation",
     metrics: bool | MetricLevel = "basic",
     provenance: Provenance | None = None,
+    teacher_model: Any = None,
 ) -> _T:
     """Make an already-built ``GRPOTrainer`` (or subclass) run ``recipe``; returns the same object.
 
@@ -234,8 +248,13 @@ def attach(
     Nothing else about it changes, except that completions TRL already buffered (attaching during training) are
     dropped so that every batch the recipe sees was scored by it. Attaching again replaces the recipe; an attach
     that fails (a refused recipe or trainer) leaves the trainer as it was.
+
+    ``teacher_model``: a frozen causal LM with the student's vocabulary whose log-probs of the completions feed
+    ``teacher_logp`` (:mod:`~lossplug.adapters.trl.teachers_and_turns`); refused when no loss stage reads them.
     """
-    _setup(trainer, recipe, validate, population, provenance, metrics)  # every check, then trainer._lossplug
+    _setup(
+        trainer, recipe, validate, population, provenance, metrics, teacher_model
+    )  # every check, then trainer._lossplug
     if not isinstance(trainer, _Mixin):  # a LossplugGRPOTrainer has the overrides already
         for name in _OVERRIDES:
             setattr(trainer, name, _InstanceOverride(name, trainer))
@@ -282,6 +301,7 @@ def _setup(
     population: Population,
     provenance: Provenance | None,
     metrics: bool | MetricLevel = "basic",
+    teacher_model: Any = None,
 ) -> None:
     """Check the trainer and the recipe against each other (every refusal at once) and put the adapter's state on
     the trainer."""
@@ -291,12 +311,17 @@ def _setup(
     recipe_obj = Recipe.load(recipe)
     compiled = lossplug.compile_recipe(recipe_obj)
     provenance = provenance if provenance is not None else trl_provenance(trainer)
-    problems = refusals(trainer, compiled, provenance)
+    problems = refusals(trainer, compiled, provenance, teacher=teacher_model is not None)
     if problems:
         raise LossplugError(
             "lossplug cannot run this recipe in this TRL trainer without changing its meaning:\n  - "
             + "\n  - ".join(problems)
         )
+    if teacher_model is not None:
+        check_teacher(trainer, teacher_model)
+    advantage_reads = (
+        required_fields(compiled.advantage.plugin, compiled.advantage.params) if compiled.advantage else ()
+    )
     top_entropy = named_stages(compiled.gates, "top_entropy")
     trainer._lossplug = AdapterState(
         recipe=recipe_obj,
@@ -313,4 +338,6 @@ def _setup(
         trl_class=next(c for c in type(trainer).__mro__ if not issubclass(c, _Mixin)).__name__,
         attached=not isinstance(trainer, _Mixin),
         peers=trl_peers(trainer),
+        teacher=teacher_model,
+        turn_fields=tuple(f for f in TURN_FIELDS if f in advantage_reads),
     )

@@ -85,12 +85,14 @@ def test_a_field_refusal_quotes_its_row_of_the_table(refused):
                 assert line.endswith(f": {row.why}. Next step: {row.next_step}"), (label, line)
 
 
-def test_opd_is_refused_with_the_issue_it_waits_on(refused):
-    """The issue that reported it: opd was refused with no next step."""
+def test_opd_is_refused_at_trls_advantage_with_the_reason_and_what_runs(refused):
+    """The issue that reported it: opd was refused with no next step. Its advantage is per token, TRL's one value per
+    completion (issue 'Teachers and turns'): the teacher's signal runs in the loss, with teacher_model=."""
     teacher = [line for line in refused["opd"] if "reads teacher_logp" in line]
     assert len(teacher) == 1
-    assert "planned: issue 'Teachers and turns'" in teacher[0]
-    assert "lossplug.estimate_advantages" in teacher[0]  # what runs it today, outside a trainer
+    assert "one value per completion" in teacher[0] and "a teacher's signal is per token" in teacher[0]
+    assert "a regularizer that reads teacher_logp, with attach(..., teacher_model=teacher)" in teacher[0]
+    assert "lossplug.estimate_advantages on a PolicyBatch you build with teacher_logp" in teacher[0]
 
 
 def test_every_field_trl_lacks_has_a_row():
@@ -106,7 +108,11 @@ def test_the_docs_table_has_a_row_per_field_with_its_readers_and_next_step():
     table = refusals.unfed_markdown()
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     assert len(rows) == len(refusals.UNFED) + len(refusals.UNFED_AT_ADVANTAGE)
-    teacher = next(row for row in rows if row.startswith("| `teacher_logp`"))
-    assert "`opd`" in teacher and "Teachers and turns" in teacher
+    teacher = next(row for row in rows if row.startswith("| `teacher_logp` |"))  # the loss stage: teacher_model=
+    assert "teacher_model=teacher" in teacher and "`opd`" not in teacher
+    at_advantage = next(row for row in rows if row.startswith("| `teacher_logp` (advantage stage)"))
+    assert "`opd`" in at_advantage and "one value per completion" in at_advantage
+    turns = next(row for row in rows if row.startswith("| `trajectory_id`"))
+    assert "`gigpo`" in turns and "`step_reinforce`" in turns and "rollout_func=" in turns
     for row in rows:
         assert row.count(" | ") == 3, row  # field, the plugins that read it, why, next step

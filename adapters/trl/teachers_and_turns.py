@@ -1,0 +1,179 @@
+"""Teachers and turns in TRL: a teacher model's log-probs of the completions (``teacher_logp``, for the loss) and the
+per-completion trajectory and anchor-state ids a ``rollout_func`` returns (``trajectory_id``, ``anchor_id``, for the
+advantage).
+
+Teacher
+-------
+``attach(trainer, recipe, teacher_model=teacher)`` (or ``LossplugGRPOTrainer(..., teacher_model=teacher)``): once per
+generation batch, right after TRL's ``_generate_and_score_completions`` — where TRL computes its reference log-probs
+when ``beta != 0`` — the adapter runs TRL's own ``_get_per_token_logps_and_entropies`` with the teacher on the same
+prompt + completion tokens, under ``torch.no_grad``, in TRL's chunks (``per_device_train_batch_size``), and puts the
+result in TRL's batch as ``lossplug_teacher_logp`` ``[B, T]``; it survives TRL's shuffle and split, and the loss seam
+hands it to the recipe as ``PolicyBatch.teacher_logp``. The teacher gets TRL's fused LM head with the trainer's
+``temperature`` (as TRL's reference model does), so its log-probs are of the same tempered distribution as the
+student's ``logp``. It is checked at ``attach``: the same vocabulary size as the student (a token id must mean the
+same token to both; no tokenizer mapping is attempted), put on the trainer's device and in eval mode. A teacher that
+no loss stage reads is refused (it would cost a forward pass per batch for nothing). The teacher is not prepared for
+DeepSpeed / FSDP: it runs as the module it is on every process.
+
+``opd`` (on-policy distillation as the advantage) cannot run at TRL's advantage seam: its advantage is per token
+(``A_t = A_task − coef·(logp_student,t − teacher_logp_t)``), where TRL's is computed on the rewards gathered over the
+processes, one value per completion, before any log-prob of the student exists; the refusal says so
+(:mod:`~lossplug.adapters.trl.refusals`). The reverse KL to the teacher in the loss (a regularizer reading
+``teacher_logp``) runs.
+
+Turns
+-----
+A ``rollout_func`` may return, besides ``prompt_ids`` / ``completion_ids`` / ``logprobs``, a list ``trajectory_id``
+and a list ``anchor_id`` with one value per completion: TRL merges every extra field into its inputs (one value per
+row) before ``_calculate_rewards``, where the adapter reads them, turns them into integers — an ``int`` as it is, a
+``str`` through a stable 63-bit digest (BLAKE2b, the same on every process and every run, never Python's salted
+``hash()``) — and gathers them over the processes exactly as TRL gathers the rewards, so that ``gigpo`` and
+``step_reinforce`` run on the gathered batch. The ids are the rollout's: a trajectory must be unique over the whole
+generation batch of all processes (a string such as ``f"{episode_uuid}"`` is the safe choice), its rows (turns) in
+batch order are its time order, and its rows share a prompt group (TRL's groups are consecutive runs of
+``num_generations`` rows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from lossplug.contracts import LossplugError
+from lossplug.contracts.batch_rules import LOGP_TOLERANCE
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from trl import GRPOTrainer
+
+__all__ = ["TURN_FIELDS", "check_teacher", "gathered_turn_ids", "stable_id", "teacher_logps"]
+
+Tensor = torch.Tensor
+
+#: the per-completion ids a rollout_func's extra fields may carry, read at the advantage seam
+TURN_FIELDS = ("trajectory_id", "anchor_id")
+
+
+def stable_id(value: Any, field: str, row: int) -> int:
+    """``value`` as a signed 64-bit integer: an integer (Python, NumPy or a 0-d integer tensor) as it is, a string
+    through the first 8 bytes of its BLAKE2b digest (63 bits, ≥ 0: the same on every process); anything else is an
+    error naming the field and the row."""
+    if isinstance(value, str):
+        return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "little") >> 1
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise LossplugError(
+            f"{field}: the rollout_func's value at row {row} is a bool ({value!r}): ids are integers or strings"
+        )
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise LossplugError(
+            f"{field}: the rollout_func's value at row {row} is {type(value).__name__} {value!r}: ids are integers "
+            "or strings (one per completion)"
+        ) from None
+    if not -(2**63) <= out < 2**63:
+        raise LossplugError(f"{field}: the rollout_func's value at row {row} ({out}) does not fit in 64 bits")
+    return out
+
+
+def gathered_turn_ids(trainer: GRPOTrainer, inputs: list[dict[str, Any]], fields: tuple[str, ...]) -> dict[str, Tensor]:
+    """The ``fields`` (of :data:`TURN_FIELDS`) of this process's rows — TRL's inputs, into which it merged the
+    rollout_func's extra fields — as integer ids, gathered over the processes in TRL's order (process-major, the order
+    of the gathered rewards)."""
+    out: dict[str, Tensor] = {}
+    device = trainer.accelerator.device
+    for field in fields:
+        missing = [i for i, row in enumerate(inputs) if field not in row]
+        if missing:
+            raise LossplugError(
+                f"recipe.advantage reads {field}, but the rollout_func's result has no '{field}' for rows "
+                f"{missing[:8]} of this process: return '{field}' with one integer or string per completion "
+                "(TRL passes a rollout_func's extra fields through, one value per row)"
+            )
+        ids = torch.tensor([stable_id(row[field], field, i) for i, row in enumerate(inputs)], dtype=torch.long)
+        out[field] = trainer.accelerator.gather(ids.to(device))
+    return out
+
+
+def check_teacher(trainer: GRPOTrainer, teacher: Any) -> None:
+    """Refuse a teacher that cannot score the student's tokens: not a model, or another vocabulary size; then put
+    it on the trainer's device, in eval mode, with TRL's fused LM head at the trainer's temperature."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    config = getattr(teacher, "config", None)
+    if not isinstance(teacher, torch.nn.Module) or config is None:
+        raise LossplugError(
+            f"teacher_model must be a transformers causal LM (a torch module with a config), got "
+            f"{type(teacher).__name__}"
+        )
+    student = trainer.accelerator.unwrap_model(trainer.model)
+    sizes = {"teacher": _vocab_size(teacher), "student": _vocab_size(student)}
+    if sizes["teacher"] != sizes["student"]:
+        raise LossplugError(
+            f"teacher_model has a vocabulary of {sizes['teacher']} tokens and the student {sizes['student']}: the "
+            "teacher would score other tokens than the ones sampled (teacher_logp needs the same token ids). Next "
+            "step: a teacher with the student's tokenizer and vocabulary size"
+        )
+    tokenizer: Any = trainer.processing_class
+    tokenizer_size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+    if tokenizer_size is not None and tokenizer_size > sizes["teacher"]:
+        raise LossplugError(
+            f"the tokenizer has {tokenizer_size} tokens and teacher_model's vocabulary {sizes['teacher']}: a sampled "
+            "id past the teacher's vocabulary could not be scored. Next step: a teacher whose vocabulary covers the "
+            "tokenizer"
+        )
+    device = trainer.accelerator.device
+    if any(p.device != device for p in teacher.parameters()):
+        teacher.to(device)  # one device per process, as TRL's reference model (no device_map across devices)
+    teacher.eval()
+    args = trainer.args
+    add_fused_lm_head(
+        cast("PreTrainedModel", teacher),
+        temperature=trainer.temperature,
+        cast_lm_head_to_fp32=getattr(args, "cast_lm_head_to_fp32", False),
+    )
+
+
+def _vocab_size(model: Any) -> int:
+    """The size of the model's output layer (what its log-probs range over), else its config's ``vocab_size``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.ndim == 2:
+        return int(weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)
+
+
+def teacher_logps(trainer: GRPOTrainer, teacher: Any, output: dict[str, Any], forward_keys: tuple[str, ...]) -> Tensor:
+    """The teacher's log-probs ``[B, T]`` of the completions in TRL's batch ``output``: TRL's own per-token helper,
+    under ``no_grad``, in TRL's chunks; checked for shape and finiteness on the completion tokens (rows named)."""
+    mode = "train" if trainer.model.training else "eval"  # type: ignore[union-attr]  # (TRL: Optional)
+    args = trainer.args
+    batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+    completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
+    with torch.no_grad():
+        out = trainer._get_per_token_logps_and_entropies(
+            teacher,
+            torch.cat([output["prompt_ids"], completion_ids], dim=1),
+            torch.cat([output["prompt_mask"], completion_mask], dim=1),
+            completion_ids.size(1),
+            batch_size=batch_size,
+            **{k: output.get(k) for k in forward_keys},
+        )
+    logps: Tensor = out[0]
+    if tuple(logps.shape) != tuple(completion_ids.shape):
+        raise LossplugError(
+            f"teacher_logp: the teacher's log-probs have shape {tuple(logps.shape)}, the completions "
+            f"{tuple(completion_ids.shape)} (B, T)"
+        )
+    bad = (~torch.isfinite(logps) | (logps > LOGP_TOLERANCE)) & completion_mask.bool()
+    if bool(bad.any()):
+        rows = bad.any(-1).nonzero().squeeze(-1).tolist()
+        raise LossplugError(
+            f"teacher_logp: the teacher's log-probs are not finite log-probabilities (≤ 0, tolerance {LOGP_TOLERANCE}) on the completion tokens "
+            f"of rows {rows[:8]} of this process's generation batch"
+        )
+    return logps.detach()

@@ -1,0 +1,329 @@
+"""Teachers and turns in TRL's GRPOTrainer (issue 'Teachers and turns', items 1 and 3).
+
+* A ``teacher_model``: two real ``GRPOTrainer`` steps of a recipe whose regularizer reads ``teacher_logp``; every
+  micro-batch's ``teacher_logp`` equals the teacher's log-probs of the same completions computed here directly
+  (a plain forward, ``log_softmax(logits / temperature)``, float32, 1e-6). Refused: another vocabulary size, a
+  teacher no loss stage reads, ``opd`` as TRL's advantage (per token, where TRL's is per completion); non-finite
+  teacher log-probs are named with their rows.
+* Turns: ``gigpo`` and ``step_reinforce`` at TRL's advantage seam on the ``trajectory_id`` / ``anchor_id`` a
+  ``rollout_func`` returns (strings and integers): the advantages TRL's batch carries equal
+  ``lossplug.estimate_advantages`` on the same rewards with ids numbered by hand. Refused: no rollout_func; an id
+  that is neither an integer nor a string, or missing, is named with its row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lossplug
+from lossplug.contracts import LossplugError
+
+pytest.importorskip("trl")
+
+from lossplug.adapters.trl import loss as trl_loss
+from lossplug.testing import tiny
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+TEMPERATURE = 0.7
+
+
+# -- a regularizer that reads teacher_logp (the built-in one is written elsewhere: this test does not depend on it) --
+@lossplug.regularizer("lpx_teacher_logp_gap", requires=("teacher_logp",))
+def _teacher_gap(inp, p):
+    """logp − teacher_logp: the sampled tokens' log-ratio to the teacher (a single-sample reverse-KL estimate)."""
+    return lossplug.RegularizerOutput(term=inp.logp - inp.batch.teacher_logp)
+
+
+class _TeacherReader:
+    @lossplug.hookimpl
+    def lossplug_register_regularizers(self, register):
+        register(_teacher_gap)
+
+
+@pytest.fixture
+def teacher_reader():
+    plugin = _TeacherReader()
+    lossplug.register_plugin(plugin, "lpx-teacher-reader")
+    yield
+    lossplug.unregister_plugin(plugin)
+
+
+TEACHER_RECIPE = {
+    "advantage": "grpo",
+    "gates": ["ppo_clip"],
+    "reduction": "token",
+    "regularizers": [{"name": "lpx_teacher_logp_gap", "coef": 0.1}],
+}
+
+
+def direct_teacher_logps(teacher, inputs):
+    """The teacher's log-probs of the completions, written independently of TRL's fused head: a plain forward over
+    prompt + completion, the logits of the completion positions divided by the temperature, log-softmax, gathered
+    at the sampled ids."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    T = inputs["completion_ids"].shape[1]
+    with torch.no_grad():
+        logits = teacher(input_ids=ids, attention_mask=mask).logits[:, -T - 1 : -1].float()
+    logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+    return logp.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+def test_the_loss_sees_the_teachers_log_probs_of_the_completions_over_two_steps(tmp_path, teacher_reader, monkeypatch):
+    tok = tiny.tiny_tokenizer()
+    teacher = tiny.tiny_model(tok, seed=1)
+    seen = []
+    original = trl_loss.policy_batch
+
+    def recording(trainer, st, inputs, *args, **kwargs):
+        batch = original(trainer, st, inputs, *args, **kwargs)
+        seen.append((dict(inputs), batch))
+        return batch
+
+    monkeypatch.setattr(trl_loss, "policy_batch", recording)
+    trainer = tiny.tiny_grpo_trainer(
+        TEACHER_RECIPE,
+        tmp_path / "out",
+        tokenizer=tok,
+        temperature=TEMPERATURE,
+        trainer_kwargs={"teacher_model": teacher},
+    )
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    teacher_before = [p.detach().clone() for p in teacher.parameters()]
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(teacher_before, teacher.parameters()))  # frozen: never trained
+    assert not teacher.training
+    assert len(seen) >= 2
+    checked = 0
+    for inputs, batch in seen:
+        action = inputs["completion_mask"].bool()
+        rows = action.any(-1)
+        expected = direct_teacher_logps(teacher, inputs)[rows]
+        assert batch.teacher_logp is not None and batch.teacher_logp.dtype == torch.float32
+        assert batch.teacher_logp.shape == batch.logp.shape
+        torch.testing.assert_close(
+            torch.where(batch.action_mask, batch.teacher_logp, 0),
+            torch.where(batch.action_mask, expected, 0),
+            atol=1e-6,
+            rtol=0,
+        )
+        # a teacher of its own: not the student's log-probs
+        assert not torch.allclose(batch.teacher_logp[batch.action_mask], batch.logp.detach()[batch.action_mask])
+        checked += int(batch.action_mask.sum())
+    assert checked > 0
+    losses = [e["lossplug/loss"] for e in trainer.state.log_history if "lossplug/loss" in e]
+    assert losses and all(math.isfinite(v) for v in losses)
+
+
+def test_attach_takes_the_teacher_too(tmp_path, teacher_reader):
+    from trl import GRPOTrainer
+
+    from lossplug.adapters.trl import attach
+
+    tok = tiny.tiny_tokenizer()
+    teacher = tiny.tiny_model(tok, seed=1)
+    trainer = GRPOTrainer(
+        model=tiny.tiny_model(tok),
+        reward_funcs=[tiny.length_reward],
+        args=tiny.tiny_grpo_config(tmp_path / "out", temperature=TEMPERATURE),
+        train_dataset=tiny.tiny_dataset(),
+        processing_class=tok,
+    )
+    attach(trainer, TEACHER_RECIPE, teacher_model=teacher)
+    assert type(trainer) is GRPOTrainer
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    action = inputs["completion_mask"].bool()
+    torch.testing.assert_close(
+        torch.where(action, inputs["lossplug_teacher_logp"], 0),
+        torch.where(action, direct_teacher_logps(teacher, inputs), 0),
+        atol=1e-6,
+        rtol=0,
+    )
+
+
+def test_a_teacher_with_another_vocabulary_is_refused_before_any_loss(tmp_path, teacher_reader):
+    tok = tiny.tiny_tokenizer()
+    teacher = tiny.tiny_model(tok, seed=1)
+    teacher.resize_token_embeddings(len(tok) + 8)
+    with pytest.raises(
+        LossplugError,
+        match=rf"teacher_model has a vocabulary of {len(tok) + 8} tokens and the "
+        rf"student {len(tok)}.*Next step",
+    ):
+        tiny.tiny_grpo_trainer(
+            TEACHER_RECIPE, tmp_path / "out", tokenizer=tok, trainer_kwargs={"teacher_model": teacher}
+        )
+
+
+def test_a_teacher_that_no_loss_stage_reads_is_refused(tmp_path):
+    tok = tiny.tiny_tokenizer()
+    with pytest.raises(LossplugError, match="no gate or regularizer of the recipe reads teacher_logp.*Next step"):
+        tiny.tiny_grpo_trainer(
+            "grpo", tmp_path / "out", tokenizer=tok, trainer_kwargs={"teacher_model": tiny.tiny_model(tok, seed=1)}
+        )
+
+
+def test_a_recipe_reading_teacher_logp_without_a_teacher_says_how(tmp_path, teacher_reader):
+    with pytest.raises(LossplugError) as err:
+        tiny.tiny_grpo_trainer(TEACHER_RECIPE, tmp_path / "out")
+    assert "regularizers[0] (lpx_teacher_logp_gap) reads teacher_logp" in str(err.value)
+    assert "Next step: pass attach(trainer, recipe, teacher_model=teacher)" in str(err.value)
+
+
+def test_opd_as_trls_advantage_is_refused_with_the_reason(tmp_path):
+    tok = tiny.tiny_tokenizer()
+    with pytest.raises(LossplugError) as err:
+        tiny.tiny_grpo_trainer(
+            {"advantage": {"name": "opd", "task": "grpo"}, "gates": ["ppo_clip"], "reduction": "token"},
+            tmp_path / "out",
+            tokenizer=tok,
+            trainer_kwargs={"teacher_model": tiny.tiny_model(tok, seed=1)},
+        )
+    message = str(err.value)
+    assert "recipe.advantage (opd) reads teacher_logp" in message
+    assert "one value per completion" in message and "a teacher's signal is per token" in message
+    assert "Next step: put the reverse KL to the teacher in the loss" in message
+
+
+def test_non_finite_teacher_log_probs_are_named_with_their_rows(tmp_path, teacher_reader):
+    tok = tiny.tiny_tokenizer()
+    teacher = tiny.tiny_model(tok, seed=1)
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight[:, 0] = float("nan")  # every logit NaN
+    trainer = tiny.tiny_grpo_trainer(
+        TEACHER_RECIPE, tmp_path / "out", tokenizer=tok, trainer_kwargs={"teacher_model": teacher}
+    )
+    with pytest.raises(
+        LossplugError, match=r"teacher_logp: the teacher's log-probs are not finite.* rows \[0, 1, 2, 3\]"
+    ):
+        trainer.train()
+
+
+# -- turns ------------------------------------------------------------------------------------------------------------
+class TurnRollout(tiny.TinyRollout):
+    """TinyRollout whose rows are turns: in each group of 4 rows, rows 0–1 are the two turns of one episode and rows
+    2–3 of another; ``trajectory_id`` a string unique over the batch (or ``ids`` given per row), ``anchor_id`` the
+    turn (0, 1) as an integer. Records, per call, the hand-numbered trajectory and anchor of each row."""
+
+    def __init__(self, tok, ids=None, **kwargs):
+        super().__init__(tok, tools=False, **kwargs)
+        self.ids = ids
+        self.numbered = []
+
+    def __call__(self, prompts, trainer):
+        out = super().__call__(prompts, trainer)
+        n = len(prompts)
+        call = self.calls - 1
+        trajectory = [i // 2 for i in range(n)]
+        anchor = [i % 2 for i in range(n)]
+        out["trajectory_id"] = self.ids if self.ids is not None else [f"episode-{call}-{t}" for t in trajectory]
+        out["anchor_id"] = anchor
+        self.numbered.append((torch.tensor(trajectory), torch.tensor(anchor)))
+        return out
+
+
+TURN_RECIPES = {
+    "step_reinforce": {"name": "step_reinforce", "gamma": 0.5, "grouping": "group", "mean": "group", "std": "group"},
+    "gigpo": {"name": "gigpo", "gamma": 0.9, "step_weight": 1.0},
+}
+
+
+@pytest.mark.parametrize("name", sorted(TURN_RECIPES))
+def test_turn_estimators_run_at_trls_advantage_seam_on_the_rollouts_ids(tmp_path, name):
+    tok = tiny.tiny_tokenizer()
+    rollout = TurnRollout(tok)
+    recipe = {"advantage": TURN_RECIPES[name], "gates": ["ppo_clip"], "reduction": "token"}
+    trainer = tiny.tiny_grpo_trainer(
+        recipe, tmp_path / "out", tokenizer=tok, per_device_train_batch_size=8, trainer_kwargs={"rollout_func": rollout}
+    )
+    outputs = []
+    generate = trainer._generate_and_score_completions
+    trainer._generate_and_score_completions = lambda inputs: outputs.append(generate(inputs)) or outputs[-1]
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert outputs and len(outputs) == len(rollout.numbered)
+    for output, (trajectory, anchor) in zip(outputs, rollout.numbered):
+        reward = output["lossplug_reward"].double()
+        group = torch.arange(reward.shape[0]) // 4
+        batch = lossplug.PolicyBatch(
+            logp=torch.zeros(reward.shape[0], 1, dtype=torch.float64),
+            action_mask=torch.ones(reward.shape[0], 1, dtype=torch.bool),
+            reward=reward,
+            group_id=group,
+            trajectory_id=trajectory,
+            anchor_id=anchor,
+        )
+        expected = lossplug.estimate_advantages(batch, recipe).advantage
+        torch.testing.assert_close(output["advantages"].double(), expected, atol=1e-6, rtol=1e-6)
+        # the turns matter: the plain group advantage of the same rewards is another
+        plain = lossplug.estimate_advantages(
+            batch, {"advantage": "grpo", "gates": ["ppo_clip"], "reduction": "token"}
+        ).advantage
+        assert not torch.allclose(expected, plain, atol=1e-3)
+
+
+def test_turn_ids_without_a_rollout_func_are_refused_with_the_next_step(tmp_path):
+    with pytest.raises(LossplugError) as err:
+        tiny.tiny_grpo_trainer({"advantage": "gigpo", "gates": ["ppo_clip"], "reduction": "token"}, tmp_path / "out")
+    message = str(err.value)
+    assert (
+        "recipe.advantage (gigpo) reads trajectory_id" in message
+        and "recipe.advantage (gigpo) reads anchor_id" in message
+    )
+    assert "Next step: pass GRPOTrainer(rollout_func=...) whose result carries trajectory_id" in message
+
+
+@pytest.mark.parametrize(
+    "ids, match",
+    [
+        ([1.5] * 8, r"trajectory_id: the rollout_func's value at row 0 is float 1\.5: ids are integers or strings"),
+        ([0, 0, 1, 1, [2], 2, 3, 3], r"trajectory_id: the rollout_func's value at row 4 is list \[2\]"),
+        ([0, 0, 1, 1, True, 2, 3, 3], r"trajectory_id: the rollout_func's value at row 4 is a bool"),
+    ],
+    ids=["float", "list", "bool"],
+)
+def test_bad_turn_ids_are_named_with_their_row(tmp_path, ids, match):
+    tok = tiny.tiny_tokenizer()
+    trainer = tiny.tiny_grpo_trainer(
+        {"advantage": TURN_RECIPES["step_reinforce"], "gates": ["ppo_clip"], "reduction": "token"},
+        tmp_path / "out",
+        tokenizer=tok,
+        per_device_train_batch_size=8,
+        trainer_kwargs={"rollout_func": TurnRollout(tok, ids=ids)},
+    )
+    with pytest.raises(LossplugError, match=match):
+        trainer.train()
+
+
+def test_a_rollout_without_the_ids_is_named(tmp_path):
+    tok = tiny.tiny_tokenizer()
+    trainer = tiny.tiny_grpo_trainer(
+        {"advantage": TURN_RECIPES["step_reinforce"], "gates": ["ppo_clip"], "reduction": "token"},
+        tmp_path / "out",
+        tokenizer=tok,
+        trainer_kwargs={"rollout_func": tiny.TinyRollout(tok)},
+    )
+    with pytest.raises(
+        LossplugError, match=r"the rollout_func's result has no 'trajectory_id' for rows \[0, 1, 2, 3\]"
+    ):
+        trainer.train()
+
+
+def test_string_ids_hash_the_same_everywhere():
+    from lossplug.adapters.trl.teachers_and_turns import stable_id
+
+    # BLAKE2b, not Python's salted hash(): a fixed value on every process and run
+    assert stable_id("episode-0", "trajectory_id", 0) == stable_id("episode-0", "trajectory_id", 5)
+    assert stable_id("episode-0", "trajectory_id", 0) != stable_id("episode-1", "trajectory_id", 0)
+    assert stable_id("episode-0", "trajectory_id", 0) == 3929124345900328203  # pinned: the same on every machine
+    assert stable_id(7, "anchor_id", 0) == 7 and stable_id(torch.tensor(7), "anchor_id", 0) == 7
