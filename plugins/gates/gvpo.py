@@ -32,8 +32,9 @@ and this gate takes from the authors' code:
 the micro-batch being differentiated (pooled over ``inp.peers``: the ranks that run at the same time, as the
 authors' all-gather). The authors reorder verl's batch so that each micro-step holds whole groups (``gvpo_ray_trainer
 ._balance_batch``, requiring ``world_size · ppo_micro_batch_size_per_gpu`` divisible by ``n``). Here: with
-``group_size`` set, every group in the pool must hold exactly ``group_size`` rows, else the gate refuses (naming the
-group, its rows and the setting to change); with ``group_size: null`` each group's ``n`` is its rows in the pool
+``group_size`` set, every group in the pool must hold exactly ``group_size`` rows, else the gate refuses (on the CPU
+naming the group, its rows and the setting to change; on an accelerator through a device-side assert, without a host
+synchronisation); with ``group_size: null`` each group's ``n`` is its rows in the pool
 and a group split across micro-batches cannot be detected — set ``group_size`` in real runs. A group of one row is
 refused either way (``1 / (n − 1)``).
 
@@ -80,31 +81,44 @@ class GVPOParams(lossplug.Params):
     )
 
 
-def _group_statistics(inp: lossplug.GateInput, implicit: torch.Tensor, p: GVPOParams) -> tuple[torch.Tensor, ...]:
-    """Per row: the detached mean of the implicit reward over its group and the group's size ``n``, pooled over
-    ``inp.peers`` (every peer gathers unconditionally); refuses a group that is not whole."""
-    group_id = inp.batch.group_id
-    assert group_id is not None  # required
-    pooled_ids = inp.peers.gather(group_id)
-    pooled_values = inp.peers.gather(implicit.detach())
-    ids, inverse, counts = torch.unique(pooled_ids, return_inverse=True, return_counts=True)
-    sums = torch.zeros(ids.numel(), dtype=pooled_values.dtype, device=pooled_values.device)
-    sums.index_add_(0, inverse, pooled_values)
+def _refuse_split_groups(inp: lossplug.GateInput, pooled_ids: torch.Tensor, p: GVPOParams) -> None:
+    """Refuse a pooled group that is not whole: a named error on the CPU; on an accelerator a device-side assert
+    (no host synchronisation). Every peer checks the whole pool, so all of them refuse alike."""
     expected = p.group_size
-    bad = counts != expected if expected is not None else counts < 2
+    pooled_counts = (pooled_ids.unsqueeze(-1) == pooled_ids.unsqueeze(0)).sum(-1)  # [P]: each pooled row's group size
+    bad = pooled_counts != expected if expected is not None else pooled_counts < 2
+    if pooled_counts.device.type != "cpu":
+        torch._assert_async(~bad.any(), "gate 'gvpo': a prompt group is not whole in this micro-batch (group_size)")
+        return
     if bool(bad.any()):
-        g = int(bad.nonzero()[0, 0])
+        row = int(bad.nonzero()[:, 0][pooled_ids[bad].argmin()])  # the smallest group id that is not whole
         want = f"exactly group_size={expected}" if expected is not None else "at least 2 (1 / (n − 1))"
         raise LossplugError(
-            f"gate 'gvpo': group_id {int(ids[g])} has {int(counts[g])} row(s) in this micro-batch"
+            f"gate 'gvpo': group_id {int(pooled_ids[row])} has {int(pooled_counts[row])} row(s) in this micro-batch"
             f"{' (pooled over its peers)' if not inp.peers.local else ''}, GVPO needs {want}: its centred implicit "
             "reward reads the current log-probs of every rollout of the group, so each micro-batch must hold whole "
             "groups (TRL: steps_per_generation=1 with per_device_train_batch_size a multiple of num_generations; "
             "the authors' verl: _balance_batch with world_size·ppo_micro_batch_size_per_gpu divisible by rollout.n)"
         )
-    row = torch.searchsorted(ids, group_id)
-    n = counts[row].to(implicit.dtype) if expected is None else torch.full_like(implicit, float(expected))
-    return (sums / counts.to(sums.dtype))[row].to(implicit.dtype), n
+
+
+def _group_statistics(inp: lossplug.GateInput, implicit: torch.Tensor, p: GVPOParams) -> tuple[torch.Tensor, ...]:
+    """Per row: the detached mean of the implicit reward over its group and the group's size ``n``, pooled over
+    ``inp.peers`` (every peer gathers unconditionally); refuses a group that is not whole.
+
+    Groups are matched by comparing ids (``[B, P]``), not by ``torch.unique``: no data-dependent shape, so no host
+    synchronisation on an accelerator."""
+    group_id = inp.batch.group_id
+    assert group_id is not None  # required
+    pooled_ids = inp.peers.gather(group_id)
+    pooled_values = inp.peers.gather(implicit.detach())
+    _refuse_split_groups(inp, pooled_ids, p)
+    same = group_id.unsqueeze(-1) == pooled_ids.unsqueeze(0)  # [B, P]: the pooled rows of each own row's group
+    counts = same.sum(-1)  # ≥ 1: a row is in its own group
+    sums = torch.where(same, pooled_values.unsqueeze(0), 0).sum(-1)
+    mean = sums / counts.to(sums.dtype)
+    n = counts.to(implicit.dtype) if p.group_size is None else torch.full_like(implicit, float(p.group_size))
+    return mean.to(implicit.dtype), n
 
 
 @lossplug.gate("gvpo", params=GVPOParams, requires=("old_logp", "group_id"), level="sequence", pools=True)
