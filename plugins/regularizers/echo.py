@@ -43,7 +43,7 @@ Example — two observation tokens with log-probs −1 and −3, ``coef`` 0.1: `
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import Field, model_validator
@@ -64,20 +64,24 @@ class EchoParams(lossplug.RegularizerParams):
         description="the reduction of −logp over the observation tokens; token: their mean (prime-rl's "
         "Σ α·(−logp) / ce_scale)",
     )
-    population: Literal["step", "micro_batch"] = Field(
+    # the one value echo accepts is its type (so a sweep over the choices of a Literal never meets a refused one);
+    # the before-validator names the reason a 'step' population is refused, beyond pydantic's literal error
+    population: Literal["micro_batch"] = Field(
         "micro_batch",
         description="micro_batch only: the Normalizer counts the step's action tokens, not its observation tokens, so "
         "the denominator is the micro-batch's own (its value weighted by 1 / Normalizer.micro_batches)",
     )
 
-    @model_validator(mode="after")
-    def _own_population(self) -> EchoParams:
-        if self.population != "micro_batch":
+    @model_validator(mode="before")
+    @classmethod
+    def _own_population(cls, data: Any) -> Any:
+        population = data.get("population", "micro_batch") if isinstance(data, dict) else "micro_batch"
+        if population != "micro_batch":
             raise ValueError(
-                f"population must be 'micro_batch', got {self.population!r}: the step's population (the Normalizer) "
+                f"population must be 'micro_batch', got {population!r}: the step's population (the Normalizer) "
                 "counts action tokens, and echo's denominator is the observation tokens"
             )
-        return self
+        return data
 
 
 @lossplug.regularizer("echo", params=EchoParams, requires=("observation_mask",))
