@@ -14,10 +14,13 @@ missing field from the fields the test already built, so that the test keeps its
   rewards stay equal / extreme / tiny per component;
 * ``reward_baseline`` ``[B]``: the reward of the previous row (``reward.roll(1)``): all-equal rewards give a
   baseline equal to every reward, extreme ones a baseline as extreme;
-* ``old_logp`` / ``behavior_logp`` / ``ref_logp``: ``logp`` (detached), ``ref_logp`` 0.5 nats below ``old_logp``.
+* ``old_logp`` / ``behavior_logp`` / ``ref_logp``: ``logp`` (detached), ``ref_logp`` 0.5 nats below ``old_logp``;
+* ``observation_mask`` ``[B, T]`` (echo's environment tokens): the positions off the actions where the test's
+  ``logp`` is a valid log-prob (finite, ≤ 0), except each row's last position, which stays padding — so the batch
+  carries observations beside padding, and the cross-entropy reads the test's (extreme / shifted) log-probs there.
 
 Where the test poisons a per-token field off the actions (NaN / inf on padding), the synthesised per-token fields
-are poisoned at the same positions: padding is padding in every field.
+are poisoned at the same positions: padding is padding in every field (and never an observation token).
 """
 
 from __future__ import annotations
@@ -93,6 +96,17 @@ def reward_baseline_like(fields: dict[str, Any]) -> Tensor:
     return _response_reward(fields["reward"]).roll(1)
 
 
+def observation_mask_like(fields: dict[str, Any]) -> Tensor:
+    """Environment tokens for ``fields``' batch: off the actions, ``logp`` finite and ≤ 0, no per-token field
+    poisoned there, and not the row's last position (kept as padding)."""
+    mask = fields["action_mask"]
+    logp = fields["logp"].detach()
+    valid = torch.isfinite(logp) & (logp <= 0)
+    observation = ~mask & valid & ~_poisoned_padding(fields)
+    observation[..., -1] = False
+    return observation
+
+
 def _row_values(x: Tensor) -> Tensor:
     return x if x.ndim == 1 else x.sum(-1)
 
@@ -122,6 +136,8 @@ def complete_fields(fields: dict[str, Any], recipe: Any, *, components: Componen
         "anchor_id": lambda: torch.arange(logp.shape[0]) % 2,
         # sampled tokens from a small vocabulary, shared across the rows of a group (KTAE's tables, GTPO's conflicts)
         "token_ids": lambda: (torch.arange(logp.numel()).reshape(logp.shape) * 7 + 3) % 5,
+        # echo's environment tokens: valid log-probs off the actions (the row's last position stays padding)
+        "observation_mask": lambda: observation_mask_like(out),
         # prompt_mean's prompt groups: pairs of consecutive rows
         "group_id": lambda: torch.arange(logp.shape[0]) // 2,
     }

@@ -115,3 +115,25 @@ def test_a_field_it_cannot_synthesise_fails_by_name():
             complete_fields(f, recipe)
     finally:
         _fields.recipe_needs = original
+
+
+def test_synthesised_observation_tokens_are_valid_environment_tokens():
+    # echo's observation_mask: off the actions, on valid log-probs, never on poisoned padding, and padding remains
+    recipe = Recipe.model_validate(
+        {"gates": ["reinforce"], "reduction": "token", "regularizers": [{"name": "echo", "coef": 0.1}]}
+    )
+    f = complete_fields(base_fields(), recipe)
+    obs, mask = f["observation_mask"], f["action_mask"]
+    assert obs.dtype == torch.bool and obs.shape == mask.shape
+    assert obs.any() and not (obs & mask).any()
+    assert (~obs & ~mask).any()  # each row's last position stays padding
+    assert torch.equal(obs, ~mask & torch.ones_like(mask).index_fill(1, torch.tensor([mask.shape[1] - 1]), False))
+    poisoned = base_fields()
+    poisoned["logp"] = (
+        poisoned["logp"]
+        .detach()
+        .masked_fill(torch.tensor([[0, 0, 0, 0], [0, 0, 0, 0], [0, 1, 0, 0]], dtype=torch.bool), float("nan"))
+    )
+    out = complete_fields(poisoned, recipe)
+    assert not out["observation_mask"][2, 1] and out["observation_mask"][2, 2]
+    PolicyBatch(**out)
