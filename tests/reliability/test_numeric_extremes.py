@@ -249,22 +249,44 @@ def test_float16_loss_does_not_overflow_when_every_gradient_is_small():
 # 0/0 = NaN there.
 
 
+#: gates whose gradient, by their paper's definition, depends on the log-probabilities of whole responses relative to
+#: the other responses of their group, not only on per-token log-prob differences: a uniform per-token shift moves a
+#: response's log-probability by shift · its length, which changes the group's distribution when lengths differ. For
+#: them the test shifts every response's log-probability by the same −5000 (per token −5000 / its action tokens,
+#: exp underflows alike) and asserts the same gradient, besides finiteness under the uniform −1000 shift.
+SEQUENCE_SOFTMAX_BY_DESIGN = {
+    "tpo": "TPO's policy is softmax_group(Σ_t logp) and its target softmax_group(Σ_t old_logp + u/η) (arXiv:2604.06159 "
+    "Eqs. 1–2): shifting every token by c shifts response i by c·|y_i|, a different distribution over a group of "
+    "unequal lengths; a shift equal per response leaves both softmaxes, and the gradient p − q, unchanged",
+}
+
+
+def _row_shift(mask: torch.Tensor, total: float) -> torch.Tensor:
+    """``[B, 1]`` per-token shifts that move every response's summed log-prob (over its action tokens) by ``total``."""
+    return (total / mask.sum(-1).clamp(min=1).to(torch.float64)).unsqueeze(-1)
+
+
 @pytest.mark.parametrize("correction", [None, *CORRECTIONS], ids=stage_id)
 @pytest.mark.parametrize("gate", UPDATE_GATES)
 def test_ratios_are_computed_in_log_space(gate, correction):
     gates = [gate] + ([correction] if correction else [])
     recipe = make_recipe(gates, "token")
+    shifts: list[Any] = [0.0, -1000.0]
+    if gate in SEQUENCE_SOFTMAX_BY_DESIGN:
+        shifts.append("per response")
     grads = []
-    for shift in (0.0, -1000.0):
+    for shift in shifts:
         f = extreme_fields(log_ratio=0.15, adv=1.0, single_token=False, dtype=torch.float64)
-        f = {k: (v.detach() + shift if k.endswith("logp") else v) for k, v in f.items()}
+        by = _row_shift(f["action_mask"], -5000.0) if shift == "per response" else shift
+        f = {k: (v.detach() + by if k.endswith("logp") else v) for k, v in f.items()}
         f["logp"].requires_grad_()
         f = complete_fields(f, recipe)
         result = lossplug.policy_loss(PolicyBatch(**f), recipe)
         result.loss.backward()
         assert torch.isfinite(result.loss) and torch.isfinite(f["logp"].grad).all(), f"shift {shift}"
         grads.append(f["logp"].grad)
-    torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-12)
+    invariant_under = grads[2] if gate in SEQUENCE_SOFTMAX_BY_DESIGN else grads[1]
+    torch.testing.assert_close(invariant_under, grads[0], rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("regularizer", REGULARIZER_STAGES, ids=stage_id)
@@ -428,6 +450,7 @@ def test_the_by_design_tables_name_registered_plugins():
     assert set(NOT_EXACTLY_ZERO_BY_DESIGN) <= set(ZERO_SIGNAL_ADVANTAGES)
     assert set(ACTIVE_CORRECTION_PARAMS) <= set(_REG.plugins["gate"])
     assert set(ACTIVE_REGULARIZER_PARAMS) <= set(REGULARIZERS)
+    assert set(SEQUENCE_SOFTMAX_BY_DESIGN) <= set(UPDATE_GATES)
 
 
 def test_the_adaptive_entropy_bonus_is_in_force_in_the_extreme_runs():
