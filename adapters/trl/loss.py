@@ -60,7 +60,8 @@ TRL_CONDITIONAL_FIELDS: dict[str, str] = {
     "observation_mask": "TRL's completions hold environment tokens only with tools= or a rollout_func (its env_mask)",
     "teacher_logp": (
         "GRPOTrainer runs no teacher model (TRL keeps distillation in its experimental trainers): the adapter computes "
-        "a teacher's log-probs of the completions only when given teacher_model="
+        "a teacher's log-probs of the completions only when given teacher_model=, or takes them from a rollout_func's "
+        "teacher_logprobs"
     ),
 }
 

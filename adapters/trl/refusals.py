@@ -132,7 +132,8 @@ UNFED: dict[str, Unfed] = {
         TRL_CONDITIONAL_FIELDS["teacher_logp"],
         "pass attach(trainer, recipe, teacher_model=teacher) or LossplugGRPOTrainer(..., teacher_model=teacher): a "
         "frozen causal LM with the student's vocabulary, whose log-probs of the completions the adapter computes once "
-        "per generation batch",
+        "per generation batch; or a rollout_func whose result carries teacher_logprobs (one float per completion "
+        "token)",
     ),
     "trajectory_id": _TURNS,
     "anchor_id": _TURNS,
@@ -378,7 +379,7 @@ def _fields(trainer: GRPOTrainer, compiled: CompiledRecipe, teacher: bool = Fals
             "step: add a regularizer that reads teacher_logp, or drop teacher_model"
         )
     provided = set(PROVIDED)
-    if teacher:
+    if teacher or getattr(trainer, "rollout_func", None) is not None:  # a rollout_func may return teacher_logprobs
         provided.add("teacher_logp")
     if trainer.beta != 0.0:
         provided.add("ref_logp")

@@ -62,6 +62,8 @@ class AdapterState:
     #: the rollout_func's trajectory / anchor ids of the batch being scored, gathered over the processes
     #: (:mod:`~lossplug.adapters.trl.teachers_and_turns`), when the advantage stage reads them
     turn_ids: dict[str, torch.Tensor] | None = None
+    #: the rollout_func's teacher_logprobs of the batch being scored (this process's rows, [B, T'])
+    rollout_teacher: torch.Tensor | None = None
     #: the turn ids (of ``TURN_FIELDS``) the recipe's advantage stage reads
     turn_fields: tuple[str, ...] = ()
     rounds: int = 0

@@ -16,6 +16,12 @@ same token to both; no tokenizer mapping is attempted), put on the trainer's dev
 no loss stage reads is refused (it would cost a forward pass per batch for nothing). The teacher is not prepared for
 DeepSpeed / FSDP: it runs as the module it is on every process.
 
+Instead of a ``teacher_model``, a ``rollout_func`` may return the teacher's log-probs itself, as the extra field
+``teacher_logprobs``: one list per completion with one float per completion token (``None`` where unscored, which is
+then an error on a completion token), padded as TRL pads the rollout's ``logprobs``. With both, the adapter refuses to
+choose. A recipe that reads ``teacher_logp`` in a trainer with a ``rollout_func`` and no ``teacher_model`` is accepted at
+``attach``, and a batch whose rollout returns no ``teacher_logprobs`` is then an error naming the field.
+
 ``opd`` (on-policy distillation as the advantage) cannot run at TRL's advantage seam: its advantage is per token
 (``A_t = A_task − coef·(logp_student,t − teacher_logp_t)``), where TRL's is computed on the rewards gathered over the
 processes, one value per completion, before any log-prob of the student exists; the refusal says so
@@ -50,12 +56,25 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from trl import GRPOTrainer
 
-__all__ = ["TURN_FIELDS", "check_teacher", "gathered_turn_ids", "stable_id", "teacher_logps"]
+__all__ = [
+    "ROLLOUT_TEACHER_FIELD",
+    "TURN_FIELDS",
+    "check_teacher",
+    "checked_teacher_logps",
+    "gathered_turn_ids",
+    "pad_to",
+    "rollout_teacher_logps",
+    "stable_id",
+    "teacher_logps",
+]
 
 Tensor = torch.Tensor
 
 #: the per-completion ids a rollout_func's extra fields may carry, read at the advantage seam
 TURN_FIELDS = ("trajectory_id", "anchor_id")
+#: the rollout_func extra field with a teacher's log-probs of each completion's tokens (the alternative to a
+#: teacher_model: the rollout's own teacher, e.g. a prefill on an inference server)
+ROLLOUT_TEACHER_FIELD = "teacher_logprobs"
 
 
 def stable_id(value: Any, field: str, row: int) -> int:
@@ -164,16 +183,61 @@ def teacher_logps(trainer: GRPOTrainer, teacher: Any, output: dict[str, Any], fo
             **{k: output.get(k) for k in forward_keys},
         )
     logps: Tensor = out[0]
+    return checked_teacher_logps(logps, output, "the teacher's log-probs").detach()
+
+
+def checked_teacher_logps(logps: Tensor, output: dict[str, Any], source: str) -> Tensor:
+    """``logps`` if it has the completions' shape ``[B, T]`` and is a finite log-probability on every completion
+    token; else an error naming the ``source`` and the rows."""
+    completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
     if tuple(logps.shape) != tuple(completion_ids.shape):
         raise LossplugError(
-            f"teacher_logp: the teacher's log-probs have shape {tuple(logps.shape)}, the completions "
-            f"{tuple(completion_ids.shape)} (B, T)"
+            f"teacher_logp: {source} have shape {tuple(logps.shape)}, the completions {tuple(completion_ids.shape)} "
+            "(B, T)"
         )
     bad = (~torch.isfinite(logps) | (logps > LOGP_TOLERANCE)) & completion_mask.bool()
     if bool(bad.any()):
         rows = bad.any(-1).nonzero().squeeze(-1).tolist()
         raise LossplugError(
-            f"teacher_logp: the teacher's log-probs are not finite log-probabilities (≤ 0, tolerance {LOGP_TOLERANCE}) on the completion tokens "
-            f"of rows {rows[:8]} of this process's generation batch"
+            f"teacher_logp: {source} are not finite log-probabilities (≤ 0, tolerance {LOGP_TOLERANCE}) on the "
+            f"completion tokens of rows {rows[:8]} of this process's generation batch"
         )
-    return logps.detach()
+    return logps
+
+
+def rollout_teacher_logps(inputs: list[dict[str, Any]], completion_ids_list: list[Any]) -> Tensor | None:
+    """The rollout_func's ``teacher_logprobs`` (one list per completion, one float per completion token, ``None``
+    where unscored), right-padded with 0 to the longest completion, float32 — as TRL pads the rollout's
+    ``logprobs``; None when no row has the field. A row without it, a value that is not a number or a list of another
+    length than its completion is an error naming the rows."""
+    field = ROLLOUT_TEACHER_FIELD
+    if not any(field in row for row in inputs):
+        return None
+    missing = [i for i, row in enumerate(inputs) if field not in row]
+    if missing:
+        raise LossplugError(f"the rollout_func's '{field}' is missing for rows {missing[:8]} of this process")
+    lengths = [len(ids) for ids in completion_ids_list]
+    rows: list[Tensor] = []
+    for i, row in enumerate(inputs):
+        values = row[field]
+        try:
+            rows.append(torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32))
+        except (TypeError, ValueError):
+            raise LossplugError(
+                f"the rollout_func's '{field}' at row {i} is not a list of numbers (one per completion token): "
+                f"{type(values).__name__}"
+            ) from None
+    wrong = [i for i, (t, n) in enumerate(zip(rows, lengths)) if t.numel() != n]
+    if wrong:
+        raise LossplugError(
+            f"the rollout_func's '{field}' has another length than the completion at rows {wrong[:8]} (e.g. row "
+            f"{wrong[0]}: {rows[wrong[0]].numel()} values, {lengths[wrong[0]]} completion tokens): one log-prob per "
+            "completion token"
+        )
+    width = max(lengths, default=0)
+    return torch.stack([torch.nn.functional.pad(t, (0, width - t.numel())) for t in rows])
+
+
+def pad_to(logps: Tensor, width: int, device: Any) -> Tensor:
+    """``logps`` ``[B, T']`` right-padded with 0 to ``width`` columns (TRL's ``pad_to_multiple_of``), on ``device``."""
+    return torch.nn.functional.pad(logps, (0, width - logps.shape[1])).to(device)

@@ -51,7 +51,16 @@ from lossplug.adapters.trl.state import (
     check_options,
     named_stages,
 )
-from lossplug.adapters.trl.teachers_and_turns import TURN_FIELDS, check_teacher, gathered_turn_ids, teacher_logps
+from lossplug.adapters.trl.teachers_and_turns import (
+    ROLLOUT_TEACHER_FIELD,
+    TURN_FIELDS,
+    check_teacher,
+    checked_teacher_logps,
+    gathered_turn_ids,
+    pad_to,
+    rollout_teacher_logps,
+    teacher_logps,
+)
 from lossplug.contracts import LossplugError, Provenance, Recipe
 from lossplug.needs import required_fields
 
@@ -86,6 +95,8 @@ def _calculate_rewards(
     st.rewards_per_func = rewards_per_func
     # the rollout_func's per-completion ids, which TRL merged into the inputs, gathered as TRL gathered the rewards
     st.turn_ids = gathered_turn_ids(trainer, inputs, st.turn_fields) if st.turn_fields else None
+    if "teacher_logp" in st.needs:  # the rollout's own teacher (TRL merged its extra fields into the inputs)
+        st.rollout_teacher = rollout_teacher_logps(inputs, completion_ids_list)
     return rewards_per_func
 
 
@@ -93,16 +104,35 @@ def _generate_and_score_completions(
     trainer: Any, next_method: Callable[..., Any], inputs: list[dict[str, torch.Tensor | Any]]
 ) -> dict[str, torch.Tensor | Any]:
     st = adapter_state(trainer)
-    st.rewards_per_func = None
+    st.rewards_per_func = st.rollout_teacher = None
     output = next_method(inputs)
     rewards_per_func, st.rewards_per_func = st.rewards_per_func, None
+    rollout_teacher, st.rollout_teacher = st.rollout_teacher, None
     if rewards_per_func is None:
         raise LossplugError(
             "TRL's _generate_and_score_completions did not call _calculate_rewards: this TRL "
             "version is not supported by lossplug.adapters.trl"
         )
+    if st.teacher is not None and rollout_teacher is not None:
+        raise LossplugError(
+            f"teacher_logp has two sources: the trainer's teacher_model and the rollout_func's "
+            f"'{ROLLOUT_TEACHER_FIELD}'. Next step: drop one of them"
+        )
     if st.teacher is not None:  # once per generation batch, where TRL computes its reference log-probs
         output["lossplug_teacher_logp"] = teacher_logps(trainer, st.teacher, output, FORWARD_KEYS)
+    elif "teacher_logp" in st.needs:  # no teacher_model: the refusals let this through only with a rollout_func
+        if rollout_teacher is None:
+            raise LossplugError(
+                f"the recipe reads teacher_logp, and the rollout_func's result has no '{ROLLOUT_TEACHER_FIELD}' and "
+                "the trainer no teacher_model. Next step: return the teacher's log-probs of each completion token as "
+                f"'{ROLLOUT_TEACHER_FIELD}' from the rollout_func, or pass teacher_model="
+            )
+        completion_ids = output["completion_ids"]
+        output["lossplug_teacher_logp"] = checked_teacher_logps(
+            pad_to(rollout_teacher, completion_ids.shape[1], completion_ids.device),
+            output,
+            f"the rollout_func's {ROLLOUT_TEACHER_FIELD}",
+        )
     try:
         add_recipe_advantages(trainer, output, rewards_per_func)
     finally:

@@ -1,10 +1,11 @@
 """Teachers and turns in TRL's GRPOTrainer (issue 'Teachers and turns', items 1 and 3).
 
-* A ``teacher_model``: two real ``GRPOTrainer`` steps of a recipe whose regularizer reads ``teacher_logp``; every
-  micro-batch's ``teacher_logp`` equals the teacher's log-probs of the same completions computed here directly
-  (a plain forward, ``log_softmax(logits / temperature)``, float32, 1e-6). Refused: another vocabulary size, a
-  teacher no loss stage reads, ``opd`` as TRL's advantage (per token, where TRL's is per completion); non-finite
-  teacher log-probs are named with their rows.
+* A teacher: two real ``GRPOTrainer`` steps of a recipe whose regularizer reads ``teacher_logp``; every
+  micro-batch's ``teacher_logp`` equals the ``teacher_model``'s log-probs of the same completions computed here
+  directly (a plain forward, ``log_softmax(logits / temperature)``, float32, 1e-6), or a rollout_func's
+  ``teacher_logprobs`` exactly. Refused: another vocabulary size, a teacher no loss stage reads, two teachers, ``opd``
+  as TRL's advantage (per token, where TRL's is per completion); non-finite teacher log-probs, a rollout's
+  ``teacher_logprobs`` of another length or missing are named with their rows.
 * Turns: ``gigpo`` and ``step_reinforce`` at TRL's advantage seam on the ``trajectory_id`` / ``anchor_id`` a
   ``rollout_func`` returns (strings and integers): the advantages TRL's batch carries equal
   ``lossplug.estimate_advantages`` on the same rewards with ids numbered by hand. Refused: no rollout_func; an id
@@ -204,6 +205,75 @@ def test_non_finite_teacher_log_probs_are_named_with_their_rows(tmp_path, teache
     with pytest.raises(
         LossplugError, match=r"teacher_logp: the teacher's log-probs are not finite.* rows \[0, 1, 2, 3\]"
     ):
+        trainer.train()
+
+
+# -- the rollout's own teacher: a rollout_func's teacher_logprobs ----------------------------------------------------
+class TeacherRollout(tiny.TinyRollout):
+    """TinyRollout that also returns ``teacher_logprobs``: one negative float per completion token (``drop``: one
+    value fewer on the rows given), recorded per call."""
+
+    def __init__(self, tok, drop=(), **kwargs):
+        super().__init__(tok, **kwargs)
+        self.drop = drop
+        self.teacher = []
+
+    def __call__(self, prompts, trainer):
+        out = super().__call__(prompts, trainer)
+        g = torch.Generator().manual_seed(100 + self.calls)
+        values = [(-4.0 * torch.rand(len(ids), generator=g) - 0.01).tolist() for ids in out["completion_ids"]]
+        out["teacher_logprobs"] = [v[:-1] if i in self.drop else v for i, v in enumerate(values)]
+        self.teacher.append(values)
+        return out
+
+
+def test_the_loss_sees_the_rollouts_teacher_logprobs(tmp_path, teacher_reader):
+    tok = tiny.tiny_tokenizer()
+    rollout = TeacherRollout(tok)
+    trainer = tiny.tiny_grpo_trainer(
+        TEACHER_RECIPE, tmp_path / "out", tokenizer=tok, trainer_kwargs={"rollout_func": rollout}
+    )
+    outputs = []
+    generate = trainer._generate_and_score_completions
+    trainer._generate_and_score_completions = lambda inputs: outputs.append(generate(inputs)) or outputs[-1]
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert outputs and len(outputs) == len(rollout.teacher)
+    for output, values in zip(outputs, rollout.teacher):
+        got = output["lossplug_teacher_logp"]
+        assert got.dtype == torch.float32 and got.shape == output["completion_ids"].shape
+        for row, v in enumerate(values):
+            assert torch.equal(got[row, : len(v)], torch.tensor(v, dtype=torch.float32))
+            assert bool((got[row, len(v) :] == 0).all())
+
+
+def test_a_rollouts_teacher_logprobs_of_another_length_are_named(tmp_path, teacher_reader):
+    tok = tiny.tiny_tokenizer()
+    trainer = tiny.tiny_grpo_trainer(
+        TEACHER_RECIPE, tmp_path / "out", tokenizer=tok, trainer_kwargs={"rollout_func": TeacherRollout(tok, drop=(2,))}
+    )
+    with pytest.raises(LossplugError, match=r"'teacher_logprobs' has another length than the completion at rows \[2\]"):
+        trainer.train()
+
+
+def test_a_rollout_without_teacher_logprobs_and_no_teacher_model_is_named(tmp_path, teacher_reader):
+    tok = tiny.tiny_tokenizer()
+    trainer = tiny.tiny_grpo_trainer(
+        TEACHER_RECIPE, tmp_path / "out", tokenizer=tok, trainer_kwargs={"rollout_func": tiny.TinyRollout(tok)}
+    )
+    with pytest.raises(LossplugError, match=r"result has no 'teacher_logprobs' and the trainer no teacher_model"):
+        trainer.train()
+
+
+def test_two_teachers_are_refused(tmp_path, teacher_reader):
+    tok = tiny.tiny_tokenizer()
+    trainer = tiny.tiny_grpo_trainer(
+        TEACHER_RECIPE,
+        tmp_path / "out",
+        tokenizer=tok,
+        trainer_kwargs={"rollout_func": TeacherRollout(tok), "teacher_model": tiny.tiny_model(tok, seed=1)},
+    )
+    with pytest.raises(LossplugError, match="teacher_logp has two sources"):
         trainer.train()
 
 
