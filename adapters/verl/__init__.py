@@ -31,7 +31,12 @@ For the estimator: ``token_level_rewards`` → ``reward`` ``[B, T]``, ``uid`` (n
 ``group_id``, ``reward_baselines`` → ``reward_baseline``. verl's ``ray_trainer.compute_advantage`` passes a
 registered estimator nothing else, so a plugin that needs the critic's ``values`` (``gae``) or log-probs is refused
 there with the way out: :func:`compute_advantage` ``(data, recipe)`` on the ``DataProto`` in a custom trainer (it
-reads every field from ``data.batch``), or verl's own estimator. Rows with no action token (verl's synthetic padding rows, or
+reads every field from ``data.batch``), or verl's own estimator. A teacher's log-probs and the turn ids live only in
+the driver's ``DataProto``: called by verl's ``compute_advantage``, the estimator reads them there (its caller's
+frame, as for shapers and filters) — ``teacher_logprobs`` (verl's teacher loop, ``[B, prompt + response, 1]``) →
+``teacher_logp`` ``[B, T]`` (``opd``), ``non_tensor_batch``'s ``traj_uid`` / ``trajectory_id`` and ``anchor_obs`` /
+``anchor_id`` (strings or integers) → integer ``trajectory_id`` / ``anchor_id`` (``gigpo``, ``step_reinforce``),
+numbered in order of first appearance; verl's policy loss gets neither. Rows with no action token (verl's synthetic padding rows, or
 responses removed by rollout rejection sampling) are left out of the lossplug batch; they get zero advantages and
 contribute nothing to the loss, as in verl.
 

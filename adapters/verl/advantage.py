@@ -28,7 +28,15 @@ from lossplug.adapters.verl.unfed import ADVANTAGE_PROVIDED, ADVANTAGE_UNFED
 from lossplug.contracts import LossplugError, PolicyBatch, Recipe, RecipeError
 from lossplug.contracts.batch_rules import rewards_off_actions
 
-__all__ = ["advantage_batch", "compute_advantage", "compute_lossplug_advantage", "group_ids"]
+__all__ = [
+    "advantage_batch",
+    "compute_advantage",
+    "compute_lossplug_advantage",
+    "driver_fields",
+    "group_ids",
+    "stable_ids",
+    "teacher_logp",
+]
 
 Tensor = torch.Tensor
 
@@ -53,6 +61,22 @@ _EXTRA_FIELDS = {
 }
 #: the DataProto keys ``ray_trainer.compute_advantage`` hands a registered estimator (besides rewards, mask, uid)
 _PASSED_BY_VERL = frozenset({"reward_baselines"})
+
+#: verl's key of a teacher's log-probs: ``[B, prompt + response, 1]``, written by verl 0.9.1's agent loop when its
+#: teacher loop is on (``experimental/agent_loop/agent_loop.py`` ``_postprocess``; ``teacher_manager.
+#: _pad_teacher_outputs`` pads the prompt on the left, the response on the right)
+TEACHER_KEY = "teacher_logprobs"
+#: the ``non_tensor_batch`` keys a row's trajectory and anchor state are read from, in the order looked for:
+#: verl-agent's (``traj_uid``, ``anchor_obs``) and lossplug's own field names. verl 0.9.1's agent loop writes neither
+#: (one row holds a whole multi-turn trajectory there): an agent loop puts them in its output's ``extra_fields``, which
+#: verl copies into ``non_tensor_batch``.
+TRAJECTORY_KEYS = ("traj_uid", "trajectory_id")
+ANCHOR_KEYS = ("anchor_obs", "anchor_id")
+#: PolicyBatch field → its key in verl's DataProto, for the fields held only on the driver (a teacher's log-probs and
+#: the turn ids): verl's compute_advantage hands them to no registered estimator, which reads them from its DataProto
+_DRIVER_FIELDS = {"teacher_logp": TEACHER_KEY, "trajectory_id": TRAJECTORY_KEYS[0], "anchor_id": ANCHOR_KEYS[0]}
+#: every DataProto key the adapter reads a field from (the estimator, when it reads verl's DataProto)
+DATAPROTO_KEYS = frozenset({*_EXTRA_FIELDS.values(), *_DRIVER_FIELDS.values()})
 
 
 def _algorithm_value(config: Any, key: str) -> Any:
@@ -89,7 +113,10 @@ def compute_lossplug_advantage(
     verl's ``ray_trainer.compute_advantage`` passes a registered estimator only ``token_level_rewards``,
     ``response_mask``, ``index`` (uid) and ``reward_baselines``: a plugin that needs anything else (critic
     ``values`` for ``gae``, log-probs) is refused here with the way out — :func:`compute_advantage` on the
-    ``DataProto`` in a custom trainer, or verl's own estimator.
+    ``DataProto`` in a custom trainer, or verl's own estimator. A recipe that reads a teacher's log-probs or the turn
+    ids (``opd``, ``gigpo``, ``step_reinforce``) reads every field from the ``DataProto`` of verl's
+    ``compute_advantage`` instead, found in its caller's frame (:func:`~.rollout_stages.calling_batch`):
+    :func:`teacher_logp` and :func:`stable_ids` say how; called any other way, it is refused with the way out.
     """
     check_once("estimator")
     source = _algorithm_value(config, "lossplug")
@@ -114,13 +141,16 @@ def compute_lossplug_advantage(
     extra = {key: value for key, value in kwargs.items() if key in _EXTRA_FIELDS.values() and value is not None}
     compiled = lossplug.compile_recipe(recipe)
     calling: CallingBatch | None = None
-    if compiled.has_rollout_stages:
-        # the shapers and filters read and write verl's DataProto (rollout_stages says how and why)
+    driver = driver_fields(compiled)
+    if compiled.has_rollout_stages or driver:
+        # the shapers and filters read and write verl's DataProto (rollout_stages says how and why); a teacher's
+        # log-probs and the turn ids are in it too, and nowhere else
         check_counted_once(compiled, config, ADVANTAGE_RECIPE_KEY)
         calling = calling_batch(token_level_rewards)
         check_reaches_the_actor(compiled, calling, ADVANTAGE_RECIPE_KEY)
         if calling is not None:
-            extra = {**_held(calling.data.batch), **extra}
+            extra = {**_held(calling.data.batch), **_driver_held(calling.data, driver, ADVANTAGE_RECIPE_KEY), **extra}
+            check_time_order(extra.get(_DRIVER_FIELDS["trajectory_id"]), calling.balanced, ADVANTAGE_RECIPE_KEY)
     outcome = _estimate(
         recipe, ADVANTAGE_RECIPE_KEY, token_level_rewards, response_mask, index, extra, from_verl=calling is None
     )
@@ -135,6 +165,135 @@ def _held(batch: Any) -> dict[str, Tensor]:
     return {key: batch[key] for key in _EXTRA_FIELDS.values() if key in keys}
 
 
+def driver_fields(compiled: Any) -> frozenset[str]:
+    """The fields of :data:`_DRIVER_FIELDS` that the recipe's shapers, filters and advantage plugin read."""
+    stages = (*compiled.shapers, *compiled.filters, *([compiled.advantage] if compiled.advantage else []))
+    return frozenset(
+        name for stage in stages for name in stage.plugin.required_fields(stage.params) if name in _DRIVER_FIELDS
+    )
+
+
+def _driver_held(data: Any, names: frozenset[str], where: str) -> dict[str, Tensor]:
+    """The driver-only fields ``names`` from verl's ``DataProto``, checked, under their :data:`_DRIVER_FIELDS` keys
+    (a field the DataProto lacks is left out: :func:`_stage_fields` refuses it with its next step)."""
+    held: dict[str, Tensor] = {}
+    if "teacher_logp" in names and TEACHER_KEY in set(data.batch.keys()):
+        held[TEACHER_KEY] = teacher_logp(data, where)
+    non_tensor = getattr(data, "non_tensor_batch", None) or {}
+    rows = int(data.batch["response_mask"].shape[0])
+    for name, keys in (("trajectory_id", TRAJECTORY_KEYS), ("anchor_id", ANCHOR_KEYS)):
+        if name not in names:
+            continue
+        present = [key for key in keys if key in non_tensor]
+        if len(present) > 1:
+            raise LossplugError(
+                f"{where}: data.non_tensor_batch holds both '{present[0]}' and '{present[1]}' for {name}; keep one "
+                f"(verl-agent's '{keys[0]}' or lossplug's '{keys[1]}')"
+            )
+        if present:
+            held[_DRIVER_FIELDS[name]] = stable_ids(non_tensor[present[0]], f"non_tensor_batch['{present[0]}']", rows)
+    return held
+
+
+def check_time_order(trajectory: Tensor | None, balanced: bool | None, key: str) -> None:
+    """Refuse trajectories of several rows when verl reordered the rows: gigpo and step_reinforce read a
+    trajectory's rows in batch order as its steps' time order, and ``trainer.balance_batch=true`` (verl's default)
+    reorders the batch by sequence length before ``compute_advantage`` (``RayPPOTrainer._balance_batch``)."""
+    if trajectory is None or not balanced or int(torch.unique(trajectory).numel()) == int(trajectory.numel()):
+        return
+    raise LossplugError(
+        f"{key}: a trajectory spans several rows (one per step), read in batch order as its steps' time order, and "
+        f"verl's trainer.balance_batch=true reordered the rows by length before compute_advantage "
+        f"(RayPPOTrainer._balance_batch), so the discounted returns would follow that order. Next step: "
+        f"trainer.balance_batch=false"
+    )
+
+
+def stable_ids(values: Any, where: str, rows: int) -> Tensor:
+    """Per-row ids (strings or integers: verl-agent's ``traj_uid`` uuids, its ``anchor_obs`` text observations) →
+    ``[rows]`` int64, numbered in order of first appearance — the same on every call that sees the same batch (never
+    Python's per-process ``hash()``); the whole step's batch is on the driver, so no rank numbers it apart."""
+    flat = np.asarray(values, dtype=object).reshape(-1) if not isinstance(values, np.ndarray) else values
+    if flat.ndim != 1 or flat.shape[0] != rows:
+        raise LossplugError(
+            f"{where} must hold one id per row ([{rows}], the rows of response_mask), got shape {list(flat.shape)}"
+        )
+    numbers: dict[Any, int] = {}
+    out = []
+    for position, value in enumerate(flat.tolist()):
+        if isinstance(value, np.generic):  # an object array keeps numpy scalars (np.int64, np.str_)
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (str, bytes, int)):
+            raise LossplugError(
+                f"{where}: ids must be strings or integers (equal ids: the same trajectory or state), got "
+                f"{type(value).__name__} at row {position}: {value!r:.60}. Next step: map each "
+                f"{'observation' if 'anchor' in where else 'trajectory'} to a string key before verl's "
+                f"compute_advantage (verl-agent's to_hashable turns arrays into tuples; a digest of them is a string)"
+            )
+        out.append(numbers.setdefault(value, len(numbers)))
+    return torch.tensor(out, dtype=torch.long)
+
+
+def teacher_logp(data: Any, where: str) -> Tensor:
+    """The teacher's log-probs of the sampled response tokens, ``[B, T]``, from verl's ``teacher_logprobs``.
+
+    verl 0.9.1's teacher loop asks the teacher server for ``prompt_logprobs`` over prompt + response, shifted so
+    that position ``p`` holds the log-prob of token ``p + 1`` (``vllm_rollout/utils.py`` ``extract_prompt_logprobs``
+    drops the first token's and appends a dummy 0), and pads them as the input ids (prompt on the left, response on
+    the right): the response token ``t`` is at ``prompts.shape[1] − 1 + t`` — where verl's own distillation loss
+    reads it (``no_padding_2_padding``'s ``seq_offset − resp_len − 1``). Checked: one row per response, float, the
+    last axis 1 (top-k log-probs are the teacher's own tokens, not the sampled ones), finite on the response mask,
+    and — where ``teacher_ids`` is present — of the sampled tokens (``responses``)."""
+    batch = data.batch
+    keys = set(batch.keys())
+    mask = batch["response_mask"].bool()
+    B, T = mask.shape
+    teacher: Tensor = batch[TEACHER_KEY]
+    name = f"{where}: data.batch['{TEACHER_KEY}'] (PolicyBatch.teacher_logp)"
+    if "prompts" not in keys:
+        raise LossplugError(
+            f"{name}: verl's teacher log-probs cover prompt + response, and data.batch has no 'prompts' to say where "
+            f"the response starts. Next step: keep verl's 'prompts' in the batch"
+        )
+    P = int(batch["prompts"].shape[1])
+    if not teacher.is_floating_point():
+        raise LossplugError(f"{name} must be floating point (log-probs), got {teacher.dtype}")
+    if teacher.ndim == 2:  # a caller's own [B, prompt + response]: the same layout without verl's last axis
+        teacher = teacher.unsqueeze(-1)
+    if teacher.ndim != 3 or teacher.shape[0] != B or teacher.shape[1] != P + T:
+        raise LossplugError(
+            f"{name} must be [{B}, {P + T}, 1] (rows of response_mask × prompts + response positions, verl's agent "
+            f"loop's layout), got {list(batch[TEACHER_KEY].shape)}"
+        )
+    if teacher.shape[2] != 1:
+        raise LossplugError(
+            f"{name} holds the teacher's top-{teacher.shape[2]} log-probs (distillation_loss.loss_settings.use_topk): "
+            f"they are of the teacher's likeliest tokens, not of the sampled ones opd reads. Next step: a single-"
+            f"sample estimator loss_mode (k1, k3, ...: use_topk false), which makes verl's teacher loop return the "
+            f"sampled tokens' log-probs"
+        )
+    response = teacher[:, P - 1 : P - 1 + T, 0]
+    bad = mask & ~torch.isfinite(response)
+    if bool(bad.any()):
+        row, position = (int(i) for i in bad.nonzero()[0])
+        raise LossplugError(
+            f"{name} must be finite on response_mask; {int(bad.sum())} value(s) are not, first at row {row}, response "
+            f"position {position}: {float(response[row, position])}"
+        )
+    if "teacher_ids" in keys and "responses" in keys:
+        ids = batch["teacher_ids"]
+        if ids.ndim == 3 and tuple(ids.shape[:2]) == (B, P + T):
+            wrong = mask & (ids[:, P - 1 : P - 1 + T, 0].to(batch["responses"].dtype) != batch["responses"])
+            if bool(wrong.any()):
+                row, position = (int(i) for i in wrong.nonzero()[0])
+                raise LossplugError(
+                    f"{name}: the teacher's log-probs are not of the sampled tokens: teacher_ids differs from "
+                    f"'responses' at {int(wrong.sum())} response position(s), first row {row}, position {position} "
+                    f"(a layout other than verl's agent loop's: prompt left-padded, shifted by one)"
+                )
+    return response
+
+
 def compute_advantage(
     data: Any, recipe: Any, *, reward_keys: Sequence[str] | None = None, algorithm: Any = None
 ) -> Any:
@@ -143,7 +302,10 @@ def compute_advantage(
 
     Reads ``token_level_rewards``, ``response_mask`` and ``non_tensor_batch["uid"]``, plus whatever the plugin
     requires of ``values``, ``old_log_probs``, ``ref_log_prob``, ``rollout_log_probs``, ``reward_baselines``,
-    ``sum_pi_squared`` and ``responses`` (the sampled token ids) from ``data.batch``; ``reward_keys`` (verl's ``algorithm.gdpo_reward_keys``) name the
+    ``sum_pi_squared`` and ``responses`` (the sampled token ids) from ``data.batch``, a teacher's log-probs from
+    ``data.batch["teacher_logprobs"]`` (:func:`teacher_logp`) and the trajectory and anchor-state ids from
+    ``data.non_tensor_batch`` (``traj_uid`` / ``trajectory_id``, ``anchor_obs`` / ``anchor_id``: :func:`stable_ids`);
+    ``reward_keys`` (verl's ``algorithm.gdpo_reward_keys``) name the
     per-response reward components, read from ``data.non_tensor_batch`` (or ``data.batch``) as the columns of
     ``PolicyBatch.reward_components`` for multi-reward plugins (``gdpo``). Writes ``data.batch["advantages"]`` and ``data.batch["returns"]`` (``[B, T]``, zero off the
     response mask) and returns ``data`` — what ``verl.trainer.ppo.ray_trainer.compute_advantage`` does with verl's
@@ -170,7 +332,7 @@ def compute_advantage(
     for needed in ("token_level_rewards", "response_mask"):
         if needed not in keys:
             raise LossplugError(f"compute_advantage: data.batch has no '{needed}' (keys: {', '.join(sorted(keys))})")
-    extra = _held(batch)
+    extra = {**_held(batch), **_driver_held(data, driver_fields(compiled), where)}
     if reward_keys:
         extra[_REWARD_COMPONENTS] = _reward_components(data, list(reward_keys), batch["token_level_rewards"])
     uid = data.non_tensor_batch.get("uid") if getattr(data, "non_tensor_batch", None) is not None else None
@@ -187,7 +349,7 @@ def compute_advantage(
 _REWARD_COMPONENTS = "reward_components"
 #: PolicyBatch field → where the adapter reads it: the DataProto keys of :data:`_EXTRA_FIELDS`, and the per-function
 #: rewards it assembles from ``reward_keys``
-FIELDS_BY_KEY = {**_EXTRA_FIELDS, "reward_components": _REWARD_COMPONENTS}
+FIELDS_BY_KEY = {**_EXTRA_FIELDS, "reward_components": _REWARD_COMPONENTS, **_DRIVER_FIELDS}
 
 
 def _reward_components(data: Any, reward_keys: list[str], rewards: Tensor) -> Tensor:
@@ -327,6 +489,12 @@ def _stage_fields(
         else:
             step = {
                 "values": "set critic.enable=True (a critic-based recipe needs the critic's values)",
+                TEACHER_KEY: "turn on verl's teacher loop (distillation.enabled=true with a teacher model, "
+                "distillation_loss.loss_settings.use_topk=false), whose agent loop writes teacher_logprobs",
+                TRAJECTORY_KEYS[0]: f"put each row's trajectory in data.non_tensor_batch as '{TRAJECTORY_KEYS[0]}' "
+                f"or '{TRAJECTORY_KEYS[1]}' (strings or integers; an agent loop's extra_fields land there)",
+                ANCHOR_KEYS[0]: f"put each row's starting state in data.non_tensor_batch as '{ANCHOR_KEYS[0]}' or "
+                f"'{ANCHOR_KEYS[1]}' (strings or integers; an agent loop's extra_fields land there)",
                 _REWARD_COMPONENTS: "pass reward_keys= (verl's algorithm.gdpo_reward_keys)",
                 "sum_pi_squared": "set actor.calculate_sum_pi_squared=True (verl then computes it)",
             }.get(verl_key)

@@ -348,8 +348,12 @@ def _advantage_field_problem(recipe: Recipe, key: str) -> str | None:
     stage = lossplug.compile_recipe(recipe).advantage
     if stage is None:
         return f"{key}: the recipe has no advantage stage; add one, e.g. advantage: {{name: grpo}}"
+    # a stage reading a teacher's log-probs or turn ids makes the estimator read the DataProto verl's compute_advantage
+    # holds (as shapers and filters do): what is missing there is said when the batch is seen
+    reads_the_dataproto = bool(advantage.driver_fields(lossplug.compile_recipe(recipe)))
+    held = {name: torch.empty(0) for name in advantage.DATAPROTO_KEYS} if reads_the_dataproto else {}
     try:  # (verl hands its shapers and filters the DataProto compute_advantage holds: only the advantage is judged)
-        advantage._stage_fields(stage, key, advantage.FIELDS_BY_KEY, {}, from_verl=True)
+        advantage._stage_fields(stage, key, advantage.FIELDS_BY_KEY, held, from_verl=not reads_the_dataproto)
     except LossplugError as err:
         return str(err)
     return None
@@ -375,7 +379,20 @@ def advantage_problems(config: DictConfig) -> list[Problem]:
     except LossplugError as err:
         return [Problem("lossplug", ADVANTAGE_RECIPE_KEY, str(err))]
     refusal = _advantage_field_problem(recipe, ADVANTAGE_RECIPE_KEY)
-    return [] if refusal is None else [Problem("recipe field", ADVANTAGE_RECIPE_KEY, refusal)]
+    if refusal is not None:
+        return [Problem("recipe field", ADVANTAGE_RECIPE_KEY, refusal)]
+    reads_turns = "trajectory_id" in advantage.driver_fields(lossplug.compile_recipe(recipe))
+    if reads_turns and _value(config, "trainer.balance_batch"):
+        return [
+            Problem(
+                "lossplug",
+                "trainer.balance_batch",
+                f"{ADVANTAGE_RECIPE_KEY} reads a trajectory's rows in batch order as its steps' time order, and "
+                f"trainer.balance_batch=true reorders the rows by length before compute_advantage "
+                f"(RayPPOTrainer._balance_batch). Next step: trainer.balance_batch=false",
+            )
+        ]
+    return []
 
 
 def _relative_recipe_notes(config: DictConfig) -> list[str]:

@@ -57,6 +57,9 @@ class CallingBatch:
 
     data: Any
     under_v1: bool
+    #: the calling trainer's ``trainer.balance_batch`` (True: ``RayPPOTrainer._balance_batch`` reordered the rows
+    #: before ``compute_advantage``); None when the caller holds no such config
+    balanced: bool | None = None
 
 
 def calling_batch(token_level_rewards: Tensor, depth: int = 2) -> CallingBatch | None:
@@ -78,7 +81,15 @@ def calling_batch(token_level_rewards: Tensor, depth: int = 2) -> CallingBatch |
         return None
     above = frame.f_back
     under_v1 = above is not None and str(above.f_globals.get("__name__", "")).startswith(VERL_V1_PACKAGE)
-    return CallingBatch(data, under_v1)
+    return CallingBatch(data, under_v1, _balance_batch(above))
+
+
+def _balance_batch(frame: Any) -> bool | None:
+    """``trainer.balance_batch`` of the trainer (``self``) whose method called ``compute_advantage``, or None."""
+    trainer = frame.f_locals.get("self") if frame is not None else None
+    section = _setting(getattr(trainer, "config", None), "trainer")
+    value = _setting(section, "balance_batch")
+    return None if value is None else bool(value)
 
 
 def _reads_the_reference(stage: Any) -> bool:

@@ -2,8 +2,10 @@
 Unfed`) for each of verl's two seams — the policy loss (:data:`POLICY_UNFED`: verl's ``ppo_loss`` hands a policy
 loss ``old_log_prob``, ``log_prob``, ``advantages`` and ``response_mask`` only) and the registered advantage estimator
 (:data:`ADVANTAGE_UNFED`: ``ray_trainer.compute_advantage`` hands it ``token_level_rewards``, ``response_mask``,
-``uid`` and ``reward_baselines`` only). The policy loss's plan and the estimator refuse a recipe with these rows,
-before any batch is checked (:func:`policy_refusals`)."""
+``uid`` and ``reward_baselines`` only; a teacher's log-probs and the turn ids it reads from the ``DataProto`` of
+verl's ``compute_advantage`` itself, :data:`ADVANTAGE_FROM_THE_DATAPROTO`, and refuses them only when called some
+other way). The policy loss's plan and the estimator refuse a recipe with these rows, before any batch is checked
+(:func:`policy_refusals`)."""
 
 from __future__ import annotations
 
@@ -13,25 +15,51 @@ from lossplug.adapters.unfed import Unfed, unfed_line
 from lossplug.needs import required_fields
 from lossplug.pipeline import CompiledRecipe
 
-__all__ = ["ADVANTAGE_PROVIDED", "ADVANTAGE_UNFED", "POLICY_PROVIDED", "POLICY_UNFED", "policy_refusals"]
+__all__ = [
+    "ADVANTAGE_FROM_THE_DATAPROTO",
+    "ADVANTAGE_PROVIDED",
+    "ADVANTAGE_UNFED",
+    "POLICY_PROVIDED",
+    "POLICY_UNFED",
+    "policy_refusals",
+]
 
-#: the issue where a teacher's log-probs and multi-turn ids are planned to reach the recipe
-TEACHERS_AND_TURNS = "planned: issue 'Teachers and turns'"
 #: what the policy loss gets from verl's ppo_loss (behavior_logp only where verl passes rollout_log_probs)
 POLICY_PROVIDED = frozenset({"logp", "action_mask", "old_logp", "advantage"})
 #: what the registered estimator gets from verl's compute_advantage (reward_baseline: only verl's remax computes it)
 ADVANTAGE_PROVIDED = frozenset({"reward", "group_id"})
+#: what the registered estimator reads from the DataProto of verl's compute_advantage, found in its caller's frame
+#: (:mod:`.rollout_stages`): a teacher's log-probs (``teacher_logprobs``) and the turn ids (``non_tensor_batch``'s
+#: ``traj_uid`` / ``trajectory_id`` and ``anchor_obs`` / ``anchor_id``)
+ADVANTAGE_FROM_THE_DATAPROTO = frozenset({"teacher_logp", "trajectory_id", "anchor_id"})
 
-_TEACHER = Unfed(
-    "neither adapter feeds a teacher's log-probs yet (verl's teacher loop's teacher_logprobs are not read)",
-    f"{TEACHERS_AND_TURNS}; today the estimator runs outside a trainer: lossplug.estimate_advantages on a "
-    "PolicyBatch you build with teacher_logp",
+_THROUGH_VERL = (
+    "run it as verl's algorithm.adv_estimator=lossplug, called by verl's ray_trainer.compute_advantage, or in a "
+    "custom trainer call lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto"
 )
-_TURNS = Unfed(
-    "the adapter reads no trajectory or anchor-state ids from verl's non_tensor_batch yet (verl-agent's traj_uid, "
-    "anchor_obs)",
-    f"{TEACHERS_AND_TURNS}; today the estimator runs outside a trainer: lossplug.estimate_advantages on a "
-    "PolicyBatch you build with trajectory_id and anchor_id",
+_TEACHER_TO_ESTIMATOR = Unfed(
+    "verl's compute_advantage hands a registered estimator no teacher log-probs: the estimator reads "
+    "data.batch['teacher_logprobs'] from the DataProto of verl's ray_trainer.compute_advantage, and this call did not "
+    "come from it",
+    _THROUGH_VERL,
+)
+_TURNS_TO_ESTIMATOR = Unfed(
+    "verl's compute_advantage hands a registered estimator no non_tensor_batch: the estimator reads the turn ids "
+    "(traj_uid / trajectory_id, anchor_obs / anchor_id) from the DataProto of verl's ray_trainer.compute_advantage, "
+    "and this call did not come from it",
+    _THROUGH_VERL,
+)
+_TEACHER_TO_LOSS = Unfed(
+    "verl's ppo_loss selects response_mask, old_log_probs, advantages (and rollout_is_weights, ref_log_prob) from the "
+    "micro-batch before it calls a policy loss: the teacher_logprobs of verl's teacher loop never reach it",
+    "read the teacher in the advantage stage: {advantage: {name: opd, ...}} under algorithm.adv_estimator=lossplug "
+    "(the estimator reads teacher_logprobs from verl's DataProto), or use verl's own distillation loss "
+    "(distillation.enabled=true)",
+)
+_TURNS_TO_LOSS = Unfed(
+    "the turn ids live in the driver's non_tensor_batch, which verl's actor never receives",
+    "read them in the advantage stage (gigpo, step_reinforce) under algorithm.adv_estimator=lossplug, which reads "
+    "traj_uid / anchor_obs from verl's non_tensor_batch",
 )
 _VERSIONS = Unfed(
     "verl's batches carry no policy version per token",
@@ -87,9 +115,9 @@ POLICY_UNFED: dict[str, Unfed] = {
     ),
     "terminated": _TRANSITIONS,
     "final_value": _TRANSITIONS,
-    "teacher_logp": _TEACHER,
-    "trajectory_id": _TURNS,
-    "anchor_id": _TURNS,
+    "teacher_logp": _TEACHER_TO_LOSS,
+    "trajectory_id": _TURNS_TO_LOSS,
+    "anchor_id": _TURNS_TO_LOSS,
     "behavior_version": _VERSIONS,
     "policy_version": _VERSIONS,
     "observation_mask": Unfed(
@@ -139,16 +167,16 @@ ADVANTAGE_UNFED: dict[str, Unfed] = {
     ),
     "token_ids": Unfed(
         _NOT_TO_ESTIMATOR,
-        f"in a custom trainer call lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto, which "
+        "in a custom trainer call lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto, which "
         "reads the sampled token ids from 'responses' in data.batch",
     ),
     "entropy": Unfed(
         "verl's advantage estimators get no entropies",
         "read the entropies in a gate or regularizer, in TRL (verl's policy loss gets none either)",
     ),
-    "teacher_logp": _TEACHER,
-    "trajectory_id": _TURNS,
-    "anchor_id": _TURNS,
+    "teacher_logp": _TEACHER_TO_ESTIMATOR,
+    "trajectory_id": _TURNS_TO_ESTIMATOR,
+    "anchor_id": _TURNS_TO_ESTIMATOR,
     "behavior_version": _VERSIONS,
     "policy_version": _VERSIONS,
     "terminated": _TRANSITIONS,

@@ -178,20 +178,23 @@ def test_maxrl_as_verls_registered_estimator(verl_proto):
 
 
 @pytest.mark.parametrize(
-    "advantage, fields",
-    [("opd", ["teacher_logp"]), ("gigpo", ["trajectory_id", "anchor_id"])],
+    "advantage, keys",
+    [("opd", ["teacher_logprobs"]), ("gigpo", ["traj_uid", "anchor_obs"])],
 )
-def test_verls_compute_advantage_cannot_supply_the_fields_of_opd_and_gigpo_and_says_which(
-    verl_proto, advantage, fields
+def test_verls_compute_advantage_reads_the_teacher_and_turns_from_the_dataproto_and_names_what_it_lacks(
+    verl_proto, advantage, keys
 ):
+    """The adapter reads a teacher's log-probs and the turn ids from verl's DataProto (tests/adapters/
+    test_verl_teachers_and_turns.py runs them); a batch without them is refused by the adapter, naming verl's key
+    and how to fill it, before the batch contract would say only what is missing."""
     from lossplug.adapters.verl import compute_advantage
 
     data, *_ = outcome_proto(verl_proto)
     with pytest.raises(LossplugError) as err:
         compute_advantage(data, {"advantage": advantage, "gates": ["ppo_clip"], "reduction": "token"})
-    # refused by the adapter, with the next step, before the batch contract would say only what is missing
-    assert all(f"advantage plugin '{advantage}' needs '{field}'" in str(err.value) for field in fields)
-    assert "Next step: planned: issue 'Teachers and turns'" in str(err.value)
+    for key in keys:
+        assert f"advantage plugin '{advantage}' needs '{key}', which the batch does not hold" in str(err.value)
+    assert "Next step: " in str(err.value)
 
 
 def test_the_nll_regularizer_under_verls_policy_loss_is_refused_with_the_reason(verl_proto):

@@ -7,8 +7,9 @@ trainers, through public import paths only.
   TRL's advantage seam has one position per completion, so ``agentic_reinforce`` sees one turn per completion there.
 * verl: ``gdpo_loo`` through ``lossplug.adapters.verl.compute_advantage(data, recipe, reward_keys=...)`` (verl's
   registered estimator gets no per-function rewards: refused, with the way out), ``agentic_reinforce`` through both
-  (its turns are the runs of verl's ``response_mask``), ``step_reinforce`` refused by the estimator and run the way
-  the refusal says (``lossplug.estimate_advantages`` on a ``PolicyBatch`` with ``trajectory_id``); each one's
+  (its turns are the runs of verl's ``response_mask``), ``step_reinforce`` refused while the batch holds no
+  trajectory ids, then run with verl-agent's ``traj_uid`` in ``non_tensor_batch``, equal to
+  ``lossplug.estimate_advantages`` on a ``PolicyBatch`` with ``trajectory_id`` and to ROLL's formula; each one's
   advantages then go through verl's policy-loss seam at 2 ranks × micro-batches, loss and gradient against
   ``−Σ A·logp / N`` over the step (float64).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -258,17 +260,16 @@ def test_agentic_reinforce_through_verl_and_its_policy_loss_seam(registered):
     through_verls_seam(x, out.batch["advantages"])
 
 
-def test_step_reinforce_is_refused_by_verls_estimator_and_runs_the_way_the_refusal_says():
+def test_step_reinforce_through_the_verl_adapter_with_traj_uid_and_verls_policy_loss_seam():
     from lossplug.adapters.verl import compute_advantage
 
     data, x, score, _, group = multi_turn_proto()
     advantage = {"name": "step_reinforce", "gamma": 0.5, "grouping": "group", "mean": "group", "std": "group"}
     recipe = {"advantage": advantage, "gates": ["reinforce"], "reduction": "token"}
-    with pytest.raises(LossplugError) as err:
+    with pytest.raises(LossplugError) as err:  # no trajectory ids in the batch: the adapter says where to put them
         compute_advantage(data, recipe)
-    assert "advantage plugin 'step_reinforce' needs 'trajectory_id'" in str(err.value), str(err.value)
-    assert "Next step: planned: issue 'Teachers and turns'" in str(err.value)
-    assert "lossplug.estimate_advantages on a PolicyBatch you build with trajectory_id" in str(err.value)
+    assert "advantage plugin 'step_reinforce' needs 'traj_uid', which the batch does not hold" in str(err.value)
+    assert "Next step: put each row's trajectory in data.non_tensor_batch as 'traj_uid'" in str(err.value)
     # the next step: each verl row one step, two steps per trajectory (rows 2j, 2j + 1 in time order)
     mask = x["response_mask"]
     trajectory = torch.arange(mask.shape[0]) // 2
@@ -283,4 +284,8 @@ def test_step_reinforce_is_refused_by_verls_estimator_and_runs_the_way_the_refus
     returns = score.clone()
     returns[0::2] = score[0::2] + 0.5 * score[1::2]  # G = r + γ·G_next
     torch.testing.assert_close(adv, roll_norm(returns, group), atol=1e-12, rtol=1e-12)
+    # the same ids as verl-agent's traj_uid strings in the DataProto: the adapter gives the same advantages
+    data.non_tensor_batch["traj_uid"] = np.array([f"episode-{int(t)}" for t in trajectory], dtype=object)
+    out = compute_advantage(data, recipe)
+    torch.testing.assert_close(out.batch["advantages"].to(F64), torch.where(mask, adv[:, None], 0), atol=0, rtol=0)
     through_verls_seam(x, adv[:, None].expand(mask.shape))

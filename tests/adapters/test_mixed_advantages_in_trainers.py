@@ -250,12 +250,13 @@ def test_trl_cannot_supply_the_teacher_of_a_grpo_sdpo_mix_and_says_so(tmp_path):
         advantages_trl_carries(trainer)
 
 
-def test_verl_cannot_supply_the_teacher_of_a_grpo_sdpo_mix_and_says_so(verl_proto):
+def test_verl_without_a_teacher_in_the_batch_refuses_a_grpo_sdpo_mix_and_says_how_to_get_one(verl_proto):
     from lossplug.adapters.verl import compute_advantage
 
     data, *_ = outcome_proto(verl_proto)
-    with pytest.raises(LossplugError, match="teacher_logp"):
+    with pytest.raises(LossplugError, match="needs 'teacher_logprobs', which the batch does not hold") as err:
         compute_advantage(data, SDPO_MIX)
+    assert "Next step: turn on verl's teacher loop" in str(err.value)
 
 
 def test_verls_registered_estimator_cannot_read_reward_columns_and_names_the_adapters_path(verl_proto):

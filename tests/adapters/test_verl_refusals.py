@@ -89,7 +89,8 @@ def test_a_field_verl_lacks_is_refused_before_the_batch_contract(refused):
 @pytest.mark.parametrize(
     "label, words",
     [
-        ("advantage opd", ["teacher_logp", "planned: issue 'Teachers and turns'"]),
+        ("advantage opd", ["teacher_logprobs", "this call did not come from it", "adv_estimator=lossplug"]),
+        ("advantage gigpo", ["traj_uid", "non_tensor_batch", "adv_estimator=lossplug"]),
         ("advantage remax", ["adv_estimator=remax"]),
         ("reduction prompt_mean", ["group_id", "Next step: use a reduction"]),
         ("gate top_entropy", ["entropy", "run it in TRL"]),
