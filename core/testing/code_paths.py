@@ -61,4 +61,6 @@ REGULARIZER_CODE_PATHS: tuple[dict[str, Any], ...] = (
     {"name": "nll", "responses": "positive_advantage", "denominator": "selected"},
     {"name": "nll", "responses": "all", "reduction": "token_sum"},
     {"name": "echo", "coef": 0.1},
+    {"name": "distillation", "estimator": "abs", "mode": "supervised", "loss_max_clamp": None},
+    {"name": "distillation", "estimator": "k1", "clip_ratio_low": None, "clip_ratio_high": None, "clip_ratio_c": None},
 )

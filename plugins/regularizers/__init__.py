@@ -14,7 +14,7 @@ import lossplug
 
 @lossplug.hookimpl
 def lossplug_register_regularizers(register: Callable[[lossplug.RegularizerPlugin], None]) -> None:
-    from . import echo, entropy, kl, kl_on_policy, nll
+    from . import distillation, echo, entropy, kl, kl_on_policy, nll
 
     register(kl.kl)
     register(entropy.entropy)
@@ -23,3 +23,5 @@ def lossplug_register_regularizers(register: Callable[[lossplug.RegularizerPlugi
     register(kl_on_policy.kl_on_policy)
     # found missing by the field inventory (docs/field.md): prime-rl's echo, cross-entropy on observation tokens
     register(echo.echo)
+    # the Teachers and turns issue: verl's distillation loss (supervised or policy-gradient), AReaL's pure KD
+    register(distillation.distillation)

@@ -54,6 +54,7 @@ def meta_batch(sequence_advantage: bool) -> tuple[lossplug.PolicyBatch, torch.Te
         old_logp=empty(B, T),
         behavior_logp=empty(B, T),
         ref_logp=empty(B, T),
+        teacher_logp=empty(B, T),
         entropy=empty(B, T).requires_grad_(),
         reward=empty(B),
         reward_baseline=empty(B),

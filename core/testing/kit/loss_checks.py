@@ -150,6 +150,7 @@ def extreme_ratios(s: Subject) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         f = dict(logp=logp, old_logp=old, behavior_logp=beh, ref_logp=old.flip(0), advantage=adv, action_mask=mask)
         f["reward"] = adv  # regularizers that select responses by reward (nll) read it
+        f["teacher_logp"] = beh.flip(0)  # teacher − student gaps up to ±1000 too (distillation)
         f["observation_mask"] = ~mask  # the one non-action token, trained by echo's cross-entropy
         f["entropy"] = torch.linspace(0, 12, rows * T, dtype=torch.float64).reshape(rows, T)  # 0 to ≈ log(vocab)
         f = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in f.items()}
