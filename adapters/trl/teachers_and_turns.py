@@ -12,15 +12,16 @@ result in TRL's batch as ``lossplug_teacher_logp`` ``[B, T]``; it survives TRL's
 hands it to the recipe as ``PolicyBatch.teacher_logp``. The teacher gets TRL's fused LM head with the trainer's
 ``temperature`` (as TRL's reference model does), so its log-probs are of the same tempered distribution as the
 student's ``logp``. It is checked at ``attach``: the same vocabulary size as the student (a token id must mean the
-same token to both; no tokenizer mapping is attempted), put on the trainer's device and in eval mode. A teacher that
-no loss stage reads is refused (it would cost a forward pass per batch for nothing). The teacher is not prepared for
-DeepSpeed / FSDP: it runs as the module it is on every process.
+same token to both; no tokenizer mapping is attempted), moved to the trainer's device (one that cannot be moved,
+e.g. weights on the meta device, is refused) and put in eval mode. A teacher that no loss stage reads is refused (it
+would cost a forward pass per batch for nothing). The teacher is not prepared for DeepSpeed / FSDP: it runs as the
+module it is on every process.
 
 Instead of a ``teacher_model``, a ``rollout_func`` may return the teacher's log-probs itself, as the extra field
 ``teacher_logprobs``: one list per completion with one float per completion token (``None`` where unscored, which is
-then an error on a completion token), padded as TRL pads the rollout's ``logprobs``. With both, the adapter refuses to
-choose. A recipe that reads ``teacher_logp`` in a trainer with a ``rollout_func`` and no ``teacher_model`` is accepted at
-``attach``, and a batch whose rollout returns no ``teacher_logprobs`` is then an error naming the field.
+then an error on a completion token), padded as TRL pads the rollout's ``logprobs``. With both, the adapter refuses
+to choose. A recipe that reads ``teacher_logp`` in a trainer with a ``rollout_func`` and no ``teacher_model`` is
+accepted at ``attach``, and a batch whose rollout returns no ``teacher_logprobs`` is then an error naming the field.
 
 ``opd`` (on-policy distillation as the advantage) cannot run at TRL's advantage seam: its advantage is per token
 (``A_t = A_task − coef·(logp_student,t − teacher_logp_t)``), where TRL's is computed on the rewards gathered over the
@@ -147,7 +148,14 @@ def check_teacher(trainer: GRPOTrainer, teacher: Any) -> None:
         )
     device = trainer.accelerator.device
     if any(p.device != device for p in teacher.parameters()):
-        teacher.to(device)  # one device per process, as TRL's reference model (no device_map across devices)
+        try:  # one device per process, as TRL's reference model (no device_map across devices)
+            teacher.to(device)
+        except (RuntimeError, NotImplementedError, ValueError) as err:  # e.g. weights on the meta device, offloaded
+            where = sorted({str(p.device) for p in teacher.parameters()})
+            raise LossplugError(
+                f"teacher_model is on {', '.join(where)} and could not be moved to the trainer's device {device}: "
+                f"{err}. Next step: load the teacher's weights on {device} (or on the CPU)"
+            ) from err
     teacher.eval()
     args = trainer.args
     add_fused_lm_head(

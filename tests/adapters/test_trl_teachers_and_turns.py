@@ -164,6 +164,15 @@ def test_a_teacher_with_another_vocabulary_is_refused_before_any_loss(tmp_path, 
         )
 
 
+def test_a_teacher_that_cannot_reach_the_trainers_device_is_refused(tmp_path, teacher_reader):
+    tok = tiny.tiny_tokenizer()
+    teacher = tiny.tiny_model(tok, seed=1).to("meta")  # weights that exist nowhere: cannot be moved
+    with pytest.raises(LossplugError, match=r"teacher_model is on meta and could not be moved to the trainer's device"):
+        tiny.tiny_grpo_trainer(
+            TEACHER_RECIPE, tmp_path / "out", tokenizer=tok, trainer_kwargs={"teacher_model": teacher}
+        )
+
+
 def test_a_teacher_that_no_loss_stage_reads_is_refused(tmp_path):
     tok = tiny.tiny_tokenizer()
     with pytest.raises(LossplugError, match="no gate or regularizer of the recipe reads teacher_logp.*Next step"):
