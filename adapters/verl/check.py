@@ -359,6 +359,11 @@ def _advantage_field_problem(recipe: Recipe, key: str) -> str | None:
     return None
 
 
+def _reads_turns(recipe: Recipe) -> bool:
+    """The recipe's advantage side reads trajectory ids (its rows are read in batch order as time order)."""
+    return "trajectory_id" in advantage.driver_fields(lossplug.compile_recipe(recipe))
+
+
 def advantage_problems(config: DictConfig) -> list[Problem]:
     """What the estimator ``lossplug`` would refuse: no recipe, a recipe that does not load, or an advantage plugin
     that reads what verl does not hand a registered estimator."""
@@ -381,8 +386,7 @@ def advantage_problems(config: DictConfig) -> list[Problem]:
     refusal = _advantage_field_problem(recipe, ADVANTAGE_RECIPE_KEY)
     if refusal is not None:
         return [Problem("recipe field", ADVANTAGE_RECIPE_KEY, refusal)]
-    reads_turns = "trajectory_id" in advantage.driver_fields(lossplug.compile_recipe(recipe))
-    if reads_turns and _value(config, "trainer.balance_batch"):
+    if _reads_turns(recipe) and _value(config, "trainer.balance_batch"):
         return [
             Problem(
                 "lossplug",
@@ -471,7 +475,10 @@ def _advantage_lines(recipe: Recipe, named: str) -> tuple[list[tuple[str, Any]],
         return [], [], [note]
     refusal = _advantage_field_problem(recipe, ADVANTAGE_RECIPE_KEY)
     if refusal is None:
-        return [("algorithm.adv_estimator", NAME), (ADVANTAGE_RECIPE_KEY, named)], [], []
+        lines: list[tuple[str, Any]] = [("algorithm.adv_estimator", NAME), (ADVANTAGE_RECIPE_KEY, named)]
+        if _reads_turns(recipe):  # a trajectory's rows must stay in time order (advantage_problems says why)
+            lines.append(("trainer.balance_batch", False))
+        return lines, [], []
     own = _verl_estimator(recipe)
     if own is None:
         return [], [Problem("recipe field", ADVANTAGE_RECIPE_KEY, refusal)], []

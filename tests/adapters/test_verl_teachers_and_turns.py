@@ -457,3 +457,28 @@ def test_lossplug_verl_check_names_balance_batch_for_a_turn_recipe():
     assert advantage_problems(config) == []
     opd = {"advantage": "opd", "gates": ["reinforce"], "reduction": "token"}
     assert advantage_problems(OmegaConf.create({"algorithm": {"adv_estimator": "lossplug", "lossplug": opd}})) == []
+
+
+@pytest.mark.parametrize(
+    "recipe, balance",
+    [
+        ("advantage: {name: gigpo, gamma: 0.9}\ngates: [reinforce]\nreduction: token\n", True),
+        ("advantage: {name: opd, coef: 0.5}\ngates: [reinforce]\nreduction: token\n", False),
+    ],
+    ids=["gigpo", "opd"],
+)
+def test_lossplug_verl_check_switches_verl_to_a_teacher_or_turn_recipe(tmp_path, recipe, balance):
+    """The printed overrides select the estimator lossplug (and, for turns, keep the rows in time order); given back
+    as plain overrides they compose and pass the check."""
+    from lossplug.adapters.verl.check import check_config
+
+    path = tmp_path / "r.yaml"
+    path.write_text(recipe)
+    config = tmp_path / "config.yaml"
+    config.write_text("actor_rollout_ref:\n  actor:\n    ppo_micro_batch_size_per_gpu: 2\n")
+    switched = check_config(config, recipe=path)
+    assert switched.ok, switched.problems
+    assert "algorithm.adv_estimator=lossplug" in switched.overrides
+    assert ("trainer.balance_batch=false" in switched.overrides) is balance
+    again = check_config(config, switched.overrides)
+    assert again.ok, again.problems
