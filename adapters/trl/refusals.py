@@ -419,21 +419,29 @@ def _advantage_stage(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str
 
 
 def _turns_at_the_advantage(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]:
-    """``agentic_reinforce`` discounts a completion's earlier turns (runs of action tokens) by γ per later turn; TRL's
-    advantage seam sees one position per completion, so with tools or a rollout_func (completions of several turns)
-    and γ < 1 every turn would silently get the undiscounted score."""
+    """Advantages that read the turns of a completion (runs of action tokens): TRL's advantage seam sees one position
+    per completion, so where a completion can hold several turns (tools, a rollout_func) they would silently see one.
+    ``agentic_reinforce`` is exact at γ = 1 (no turn is discounted); ``mt_grpo`` never is (its first turn differs)."""
     stage = compiled.advantage
-    gamma = getattr(stage.params, "gamma", 1.0) if stage is not None else 1.0
-    if stage is None or stage.plugin.name != "agentic_reinforce" or gamma == 1.0:
-        return []
-    if not (getattr(trainer, "tools", None) or getattr(trainer, "rollout_func", None) is not None):
-        return []  # one turn per completion: γ never applies
-    return [
-        f"recipe.advantage (agentic_reinforce) discounts earlier turns by gamma={gamma}, but TRL's "
-        "advantage seam has one position per completion, so the turns of a completion with tool calls are not seen "
-        "there. Next step: gamma: 1.0 (ROLL's default; exact in TRL), or run it under verl, whose estimator reads "
-        "the turns from response_mask"
-    ]
+    if stage is None or not (getattr(trainer, "tools", None) or getattr(trainer, "rollout_func", None) is not None):
+        return []  # one turn per completion: what these estimators compute on one turn is what runs
+    name = stage.plugin.name
+    gamma = getattr(stage.params, "gamma", 1.0)
+    if name == "agentic_reinforce" and gamma != 1.0:
+        return [
+            f"recipe.advantage (agentic_reinforce) discounts earlier turns by gamma={gamma}, but TRL's "
+            "advantage seam has one position per completion, so the turns of a completion with tool calls are not "
+            "seen there. Next step: gamma: 1.0 (ROLL's default; exact in TRL), or run it under verl, whose estimator "
+            "reads the turns from response_mask"
+        ]
+    if name == "mt_grpo":
+        return [
+            "recipe.advantage (mt_grpo) gives a completion's first turn its own advantage, but TRL's advantage seam "
+            "has one position per completion, so the turns of a completion with tool calls are not seen there (it "
+            "would silently be GRPO with eps 1e-4). Next step: run it under verl (adv_estimator=lossplug reads the "
+            "turns from response_mask and the turn rewards from token_level_rewards), or drop tools/rollout_func"
+        ]
+    return []
 
 
 def _rollout_stages(compiled: CompiledRecipe) -> list[str]:

@@ -9,8 +9,7 @@ import paths only.
   clip over the step (float64).
 * TRL: two real ``GRPOTrainer`` steps; TRL's advantage seam has one position per completion (one turn, the score
   summed), so what runs there is MT-GRPO's one-turn case, ``(R − mean) / (std + 1e-4)``, checked on TRL's batch.
-  Where a completion can hold several turns (tools, a ``rollout_func``) the turns are not seen there: that case
-  should be refused; it is not yet (a strict xfail, reported).
+  Where a completion can hold several turns (tools, a ``rollout_func``) the turns are not seen there: refused.
 """
 
 from __future__ import annotations
@@ -160,11 +159,6 @@ def test_mt_grpo_trains_in_a_trl_grpo_trainer_as_its_one_turn_case(tmp_path):
     assert bool((inputs["advantages"] != 0).any())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reported to the lead: adapters/trl/refusals.py refuses agentic_reinforce (γ < 1) with tools or a "
-    "rollout_func by name, but not mt_grpo, which there silently becomes GRPO (eps 1e-4): its turns are not seen",
-)
 def test_mt_grpo_is_refused_where_trl_completions_can_hold_several_turns(tmp_path):
     pytest.importorskip("trl")
     from lossplug import LossplugError
