@@ -403,15 +403,54 @@ def test_two_keys_for_one_field_and_missing_ids_are_named():
 # -- the policy-loss seam ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field", ["teacher_logp", "trajectory_id", "anchor_id"])
-def test_the_policy_loss_cannot_read_them_and_its_refusal_names_the_advantage_stage(field):
+@lossplug.gate("reads_the_teacher_verl_test", requires=("teacher_logp",))
+def reads_the_teacher(inp, p):
+    """A·logp, declaring the teacher's log-probs (as a distillation term in the loss would)."""
+    return lossplug.GateOutput(objective=inp.broadcast_advantage() * inp.logp)
+
+
+@lossplug.gate("reads_the_turns_verl_test", requires=("trajectory_id", "anchor_id"))
+def reads_the_turns(inp, p):
+    """A·logp, declaring the turn ids."""
+    return lossplug.GateOutput(objective=inp.broadcast_advantage() * inp.logp)
+
+
+@pytest.mark.parametrize(
+    "gate, fields",
+    [("reads_the_teacher_verl_test", ["teacher_logp"]), ("reads_the_turns_verl_test", ["trajectory_id", "anchor_id"])],
+)
+def test_the_policy_loss_cannot_read_them_and_its_refusal_names_the_advantage_stage(register_gates, gate, fields):
     """verl's ppo_loss selects response_mask, old_log_probs, advantages (rollout_is_weights, ref_log_prob) before it
-    calls a policy loss, and the turn ids never leave the driver: a gate or regularizer reading them is refused,
-    with the advantage stage as the way."""
-    row = unfed.POLICY_UNFED[field]
-    assert "algorithm.adv_estimator=lossplug" in row.next_step
-    assert field not in unfed.POLICY_PROVIDED
-    assert field in unfed.ADVANTAGE_FROM_THE_DATAPROTO
+    calls a policy loss, and the turn ids never leave the driver: a gate reading them is refused by verl's policy loss
+    ``lossplug``, each field with the advantage stage as the way."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    from verl.workers.config import ActorConfig
+
+    from lossplug.adapters.verl import LossplugPolicyLossConfig
+
+    register_gates(reads_the_teacher, reads_the_turns, name="verl-teachers-and-turns-test")
+    recipe = {"gates": [gate], "reduction": "token"}
+    config = ActorConfig(
+        strategy="fsdp",
+        rollout_n=2,
+        ppo_micro_batch_size_per_gpu=4,
+        policy_loss=LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe),
+    )
+    x = verl_inputs(seed=1)
+    with pytest.raises(LossplugError) as err:
+        get_policy_loss_fn("lossplug")(
+            old_log_prob=x["old_log_prob"][:4],
+            log_prob=x["log_prob"][:4],
+            advantages=x["advantages"][:4],
+            response_mask=x["response_mask"][:4],
+            loss_agg_mode="token-mean",
+            config=config,
+        )
+    message = str(err.value)
+    for field in fields:
+        assert f"reads {field}: {unfed.POLICY_UNFED[field].why}" in message, message
+        assert field in unfed.ADVANTAGE_FROM_THE_DATAPROTO
+    assert "algorithm.adv_estimator=lossplug" in message
 
 
 # -- verl's balance_batch: a trajectory's rows out of time order ------------------------------------------------------
