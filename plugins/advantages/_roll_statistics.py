@@ -11,6 +11,8 @@
 
   The threshold is ROLL's: a spread of at most 1e-6 (not only an exactly equal group) gives 0, and so does a
   grouping of one row, even with ``std: batch``.
+* :class:`RollNormParams` — the switches of that normalisation and of the whitening (ROLL's
+  ``reward_normalization`` and ``whiten_advantages``), the params both plugins share; each adds its own ``gamma``.
 * :func:`roll_whiten` — ROLL's ``whiten_advantages`` (``masked_whiten`` over the batch's action tokens, the same
   arithmetic as verl's: :func:`._verl_statistics.masked_whiten`), skipped as ROLL skips it when the batch holds at
   most one action token.
@@ -21,10 +23,12 @@ Reference: ROLL (alibaba/ROLL, commit 8eb27cc2dc34c4d1310b169d9b86d339004d811a) 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import torch
+from pydantic import Field
 
+import lossplug
 from lossplug.ops import Groups
 
 from ._verl_statistics import masked_whiten
@@ -35,6 +39,34 @@ Grouping = Literal["batch", "group"]
 Statistic = Literal["none", "batch", "group"]
 #: ROLL's epsilon and threshold of the std division (agentic_reward_norm)
 ROLL_EPS = 1e-6
+
+
+class RollNormParams(lossplug.Params):
+    """ROLL's ``reward_normalization`` (``grouping``, ``mean``, ``std``) and ``whiten_advantages`` switches, with
+    ROLL's defaults; ``step_reinforce`` and ``agentic_reinforce`` add their own ``gamma``."""
+
+    grouping: Grouping = Field(
+        "batch",
+        description="where group statistics are taken: the whole batch (ROLL's default) or the prompt group "
+        "(ROLL's grouping: traj_group_id)",
+    )
+    mean: Statistic = Field(
+        "none",
+        description="subtract the batch's or the grouping's mean, or nothing (ROLL: norm_mean_type, default none)",
+    )
+    std: Statistic = Field(
+        "none",
+        description="divide by the batch's or the grouping's sample std + 1e-6, 0 where it is ≤ 1e-6 (ROLL: "
+        "norm_std_type, default none)",
+    )
+    whiten: bool = Field(
+        False, description="whiten the advantages over the batch's action tokens (ROLL: whiten_advantages)"
+    )
+
+
+def roll_group_id(batch: lossplug.PolicyBatch, p: RollNormParams) -> Tensor | None:
+    """The batch's ``group_id`` where ``p`` groups by prompt (the plugins require it then), else ``None``."""
+    return cast(Tensor, batch.group_id) if p.grouping == "group" else None
 
 
 def roll_reward_norm(x: Tensor, group_id: Tensor | None, grouping: Grouping, mean: Statistic, std: Statistic) -> Tensor:

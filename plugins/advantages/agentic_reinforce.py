@@ -42,39 +42,20 @@ tests' oracle is that code transcribed loop by loop, in float64.
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 from pydantic import Field
 
 import lossplug
 
-from ._roll_statistics import Grouping, Statistic, roll_reward_norm, roll_whiten
+from ._roll_statistics import RollNormParams, roll_group_id, roll_reward_norm, roll_whiten
 from ._verl_statistics import at_least_float32
 from .group_relative import sequence_scores
 
 Tensor = torch.Tensor
 
 
-class AgenticReinforceParams(lossplug.Params):
+class AgenticReinforceParams(RollNormParams):
     gamma: float = Field(1.0, ge=0, le=1, description="discount per later turn (ROLL: gamma, default 1)")
-    grouping: Grouping = Field(
-        "batch",
-        description="where group statistics are taken: the whole batch (ROLL's default) or the prompt group "
-        "(ROLL's grouping: traj_group_id)",
-    )
-    mean: Statistic = Field(
-        "none",
-        description="subtract the batch's or the grouping's mean, or nothing (ROLL: norm_mean_type, default none)",
-    )
-    std: Statistic = Field(
-        "none",
-        description="divide by the batch's or the grouping's sample std + 1e-6, 0 where it is ≤ 1e-6 (ROLL: "
-        "norm_std_type, default none)",
-    )
-    whiten: bool = Field(
-        False, description="whiten the advantages over the batch's action tokens (ROLL: whiten_advantages)"
-    )
 
 
 def turns_after(mask: Tensor) -> Tensor:
@@ -100,8 +81,7 @@ def agentic_reinforce(batch: lossplug.PolicyBatch, p: AgenticReinforceParams) ->
     (``roll/pipeline/agentic/utils.py``).
     """
     score = at_least_float32(sequence_scores(batch))
-    group_id = cast(Tensor, batch.group_id) if p.grouping == "group" else None  # required with grouping: group
-    normalised = roll_reward_norm(score, group_id, p.grouping, p.mean, p.std)
+    normalised = roll_reward_norm(score, roll_group_id(batch, p), p.grouping, p.mean, p.std)
     mask = batch.action_mask
     discount = torch.tensor(p.gamma, dtype=score.dtype, device=score.device).pow(turns_after(mask).to(score.dtype))
     adv = torch.where(mask, discount * normalised.unsqueeze(-1), torch.zeros_like(discount))

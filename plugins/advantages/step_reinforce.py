@@ -53,7 +53,7 @@ from lossplug.contracts import LossplugError
 from lossplug.contracts.errors import describe_positions
 from lossplug.ops import Groups
 
-from ._roll_statistics import Grouping, Statistic, roll_reward_norm, roll_whiten
+from ._roll_statistics import RollNormParams, roll_group_id, roll_reward_norm, roll_whiten
 from ._verl_statistics import at_least_float32
 from .gigpo import discounted_returns
 from .group_relative import sequence_scores
@@ -61,26 +61,9 @@ from .group_relative import sequence_scores
 Tensor = torch.Tensor
 
 
-class StepReinforceParams(lossplug.Params):
+class StepReinforceParams(RollNormParams):
     gamma: float = Field(
         0.95, ge=0, le=1, description="discount of the step return-to-go (ROLL: step_reward_gamma, default 0.95)"
-    )
-    grouping: Grouping = Field(
-        "batch",
-        description="where group statistics are taken: the whole batch (ROLL's default) or the prompt group "
-        "(ROLL's grouping: traj_group_id)",
-    )
-    mean: Statistic = Field(
-        "none",
-        description="subtract the batch's or the grouping's mean, or nothing (ROLL: norm_mean_type, default none)",
-    )
-    std: Statistic = Field(
-        "none",
-        description="divide by the batch's or the grouping's sample std + 1e-6, 0 where "
-        "it is ≤ 1e-6 (ROLL: norm_std_type, default none)",
-    )
-    whiten: bool = Field(
-        False, description="whiten the advantages over the batch's action tokens (ROLL: whiten_advantages)"
     )
 
 
@@ -96,10 +79,6 @@ def check_one_group_per_trajectory(group_id: Tensor, trajectories: Groups) -> No
             f"{describe_positions(mixed)} belong to a trajectory whose other steps have another "
             "group_id"
         )
-
-
-def roll_group_id(batch: lossplug.PolicyBatch, p: StepReinforceParams) -> Tensor | None:
-    return cast(Tensor, batch.group_id) if p.grouping == "group" else None
 
 
 def _requires(p: StepReinforceParams) -> tuple[str, ...]:
