@@ -5,13 +5,12 @@ groups enforced; extreme log-ratios."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 import lossplug
-from lossplug.peers import Peers
+
+from ._two_ranks import run_on_two_ranks, two_rank_peers
 
 BETA = 0.1
 
@@ -116,30 +115,6 @@ def test_a_verl_step_of_whole_group_micro_batches_is_the_authors_times_their_mic
     torch.testing.assert_close(ours_leaf.grad * micro, torch.where(x["mask"], theirs_leaf.grad, 0), rtol=1e-12, atol=0)
 
 
-def _two_rank_peers():
-    """Two in-process peers whose collectives meet at a barrier (what torch.distributed's all_gather does)."""
-    barrier, slots = threading.Barrier(2), [None, None]
-
-    def make(rank):
-        def all_gather(t):
-            slots[rank] = t
-            barrier.wait()
-            out = torch.cat([slots[0], slots[1]])
-            barrier.wait()
-            return out
-
-        def all_sum(t):
-            slots[rank] = t
-            barrier.wait()
-            out = slots[0] + slots[1]
-            barrier.wait()
-            return out
-
-        return Peers(size=2, all_gather=all_gather, all_sum=all_sum)
-
-    return make(0), make(1)
-
-
 def test_a_group_split_over_two_peer_ranks_is_pooled_as_the_authors_all_gather():
     # each group of 4 has two rollouts on each rank (the authors' _balance_batch spreads a group over the ranks)
     x = step(seed=3, groups=2, n=4)
@@ -154,24 +129,16 @@ def test_a_group_split_over_two_peer_ranks_is_pooled_as_the_authors_all_gather()
     )
     theirs.backward()
 
-    peers = _two_rank_peers()
+    peers = two_rank_peers()
     normalizer = lossplug.Normalizer.for_masks([x["mask"]])
     leaves = [x["logp"].clone().requires_grad_() for _ in ranks]
-    losses, errors = [None, None], []
+    losses = [None, None]
 
     def run(k):
-        try:
-            losses[k] = lossplug_loss(x, ranks[k], leaves[k], normalizer, peers=peers[k], group_size=4)
-            losses[k].backward()
-        except Exception as err:  # pragma: no cover - surfaced below
-            errors.append(err)
+        losses[k] = lossplug_loss(x, ranks[k], leaves[k], normalizer, peers=peers[k], group_size=4)
+        losses[k].backward()
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_on_two_ranks(run)
     B = x["mask"].shape[0]
     torch.testing.assert_close((losses[0] + losses[1]) * B, theirs, rtol=1e-12, atol=1e-12)
     grad = leaves[0].grad + leaves[1].grad

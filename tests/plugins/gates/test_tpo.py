@@ -8,7 +8,6 @@ form; the paper's standardisation example; invariants; peers; the whole-group ru
 from __future__ import annotations
 
 import math
-import threading
 
 import pytest
 import torch
@@ -17,7 +16,8 @@ from hypothesis import strategies as st
 
 import lossplug
 from lossplug import LossplugError
-from lossplug.peers import Peers
+
+from ._two_ranks import run_on_two_ranks, two_rank_peers
 
 F64 = torch.float64
 #: the paper's standardisation (Appendix A) as lossplug's grpo advantage
@@ -187,51 +187,19 @@ def test_extreme_log_probs_stay_finite():
 # -- peers and the whole-group rule -----------------------------------------------------------------------------------
 
 
-def _two_rank_peers():
-    """Two in-process peers whose collectives meet at a barrier (what torch.distributed's all_gather does)."""
-    barrier, slots = threading.Barrier(2), [None, None]
-
-    def make(rank):
-        def all_gather(t):
-            slots[rank] = t
-            barrier.wait()
-            out = torch.cat([slots[0], slots[1]])
-            barrier.wait()
-            return out
-
-        def all_sum(t):
-            slots[rank] = t
-            barrier.wait()
-            out = slots[0] + slots[1]
-            barrier.wait()
-            return out
-
-        return Peers(size=2, all_gather=all_gather, all_sum=all_sum)
-
-    return make(0), make(1)
-
-
 def test_a_group_split_over_two_peer_ranks_is_pooled():
     x = step(seed=8, groups=2)
     order = torch.argsort(x["uid"], stable=True)
     ranks = (order[[0, 1, 4, 5]], order[[2, 3, 6, 7]])  # each group of 4: two rollouts on each rank
-    peers = _two_rank_peers()
+    peers = two_rank_peers()
     normalizer = lossplug.Normalizer.for_masks([x["mask"]])
     leaf = x["logp"].clone().requires_grad_()
-    losses, errors = [None, None], []
+    losses = [None, None]
 
     def run(k):
-        try:
-            losses[k] = lossplug_tpo(x, ranks[k], leaf, normalizer, peers=peers[k], group_size=4)[0].loss
-        except Exception as err:  # pragma: no cover - surfaced below
-            errors.append(err)
+        losses[k] = lossplug_tpo(x, ranks[k], leaf, normalizer, peers=peers[k], group_size=4)[0].loss
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_on_two_ranks(run)
     (losses[0] + losses[1]).backward()
     logp, old = x["clean"]
     expected, expected_grad = author_tpo(
