@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import lossplug
 
+from ._multi_turn import assert_reinforce_loss_and_gradient
 from ._roll import agentic_reinforce_return, agentic_reward_norm, masked_whiten
 
 F64 = torch.float64
@@ -111,16 +112,7 @@ def test_matches_rolls_agentic_reinforce(seed, token_rewards, params):
 def test_loss_and_gradient_of_reinforce_with_it():
     batch, lengths = trajectories(7)
     params = {"gamma": 0.8, "grouping": "group", "mean": "group", "std": "group"}
-    adv = lossplug.compute_advantages(batch, recipe(**params))
-    logp = batch.logp.clone().requires_grad_()
-    result = lossplug.policy_loss(batch.replace(logp=logp, advantage=adv), recipe(**params))
-    result.loss.backward()
-    reference = batch.logp.clone().requires_grad_()
-    a = roll_agentic_reinforce(batch, lengths, **params)
-    expected = -(a * reference * batch.action_mask).sum() / batch.action_mask.sum()
-    expected.backward()
-    torch.testing.assert_close(result.loss, expected, atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(logp.grad, reference.grad, atol=1e-12, rtol=1e-12)
+    assert_reinforce_loss_and_gradient(batch, recipe(**params), roll_agentic_reinforce(batch, lengths, **params))
 
 
 def test_turns_are_the_runs_of_action_tokens():

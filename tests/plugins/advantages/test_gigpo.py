@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 import lossplug
 from lossplug import LossplugError
 
+from ._multi_turn import episode_rows, interleave, split_last_trajectory_over_two_groups
+
 F64 = torch.float64
 T = 5
 
@@ -31,22 +33,9 @@ def recipe(**params):
 def episodes(seed, groups=3, per_group=4, dtype=F64):
     """Rows (one per step), interleaved across the episodes of the batch; every field gigpo reads."""
     gen = torch.Generator().manual_seed(seed)
-    rows = []  # (group, trajectory, step, anchor, reward)
-    trajectory = 0
-    for g in range(groups):
-        for _ in range(per_group):
-            length = int(torch.randint(1, 5, (1,), generator=gen))
-            for t in range(length):
-                shared = t == 0 or float(torch.rand(1, generator=gen)) < 0.6
-                anchor = t if shared else 1000 + len(rows)
-                last = t == length - 1
-                r = float(torch.rand(1, generator=gen) < 0.5) if last else 0.1 * float(torch.randn(1, generator=gen))
-                rows.append((g, trajectory, t, anchor, r))
-            trajectory += 1
+    rows = episode_rows(gen, groups, per_group, anchors=True)  # (group, trajectory, step, anchor, reward)
     # interleave: sort by step index, then by a random key (time order within each trajectory is kept)
-    keys = torch.rand(len(rows), generator=gen)
-    order = sorted(range(len(rows)), key=lambda i: (rows[i][2], float(keys[i])))
-    rows = [rows[i] for i in order]
+    rows = interleave(rows, torch.rand(len(rows), generator=gen))
     B = len(rows)
     lengths = torch.randint(1, T + 1, (B,), generator=gen)
     mask = torch.arange(T) < lengths[:, None]
@@ -127,9 +116,7 @@ def test_discounted_returns_follow_batch_order_within_a_trajectory():
 
 def test_a_trajectory_spanning_two_groups_is_refused_by_name():
     batch, _ = episodes(0)
-    group = batch.group_id.clone()
-    first = int((batch.trajectory_id == batch.trajectory_id[-1]).nonzero()[0])
-    group[first] = (group[first] + 1) % 3
+    group = split_last_trajectory_over_two_groups(batch)
     with pytest.raises(LossplugError, match="trajectory_id rule broken.*same group_id"):
         lossplug.compute_advantages(batch.replace(group_id=group), recipe())
 

@@ -19,6 +19,12 @@ from hypothesis import strategies as st
 import lossplug
 from lossplug import LossplugError
 
+from ._multi_turn import (
+    assert_reinforce_loss_and_gradient,
+    episode_rows,
+    interleave,
+    split_last_trajectory_over_two_groups,
+)
 from ._roll import agentic_reward_norm, discounted_returns, masked_whiten
 
 F64 = torch.float64
@@ -34,28 +40,18 @@ def recipe(**params):
 def episodes(seed, groups=3, per_group=4, order_seed=None):
     """Rows (one per step), interleaved across the episodes of the batch; returns the batch and each row's step."""
     gen = torch.Generator().manual_seed(seed)
-    rows = []  # (group, trajectory, step, reward)
-    trajectory = 0
-    for g in range(groups):
-        for _ in range(per_group):
-            length = int(torch.randint(1, 5, (1,), generator=gen))
-            for t in range(length):
-                last = t == length - 1
-                r = float(torch.rand(1, generator=gen) < 0.5) if last else 0.1 * float(torch.randn(1, generator=gen))
-                rows.append((g, trajectory, t, r))
-            trajectory += 1
+    rows = episode_rows(gen, groups, per_group)  # (group, trajectory, step, anchor, reward)
     if groups:  # one prompt group where every episode scores the same (its returns may still differ by step)
-        rows = [(g, tr, t, 1.0 if g == 0 and t == 0 else r) for g, tr, t, r in rows]
+        rows = [(g, tr, t, a, 1.0 if g == 0 and t == 0 else r) for g, tr, t, a, r in rows]
     keys = torch.rand(len(rows), generator=torch.Generator().manual_seed(seed if order_seed is None else order_seed))
-    order = sorted(range(len(rows)), key=lambda i: (rows[i][2], float(keys[i])))
-    rows = [rows[i] for i in order]
+    rows = interleave(rows, keys)
     B = len(rows)
     lengths = torch.randint(1, T + 1, (B,), generator=gen)
     mask = torch.arange(T) < lengths[:, None]
     batch = lossplug.PolicyBatch(
         logp=-(0.1 + torch.rand(B, T, generator=gen, dtype=F64)),
         action_mask=mask,
-        reward=torch.tensor([r[3] for r in rows], dtype=F64),
+        reward=torch.tensor([r[4] for r in rows], dtype=F64),
         group_id=torch.tensor([r[0] for r in rows]),
         trajectory_id=torch.tensor([r[1] for r in rows]),
     )
@@ -106,16 +102,7 @@ def test_matches_rolls_step_reinforce(seed, params):
 def test_loss_and_gradient_of_reinforce_with_it():
     batch, step = episodes(4)
     params = {"grouping": "group", "mean": "group", "std": "group"}
-    adv = lossplug.compute_advantages(batch, recipe(**params))
-    logp = batch.logp.clone().requires_grad_()
-    result = lossplug.policy_loss(batch.replace(logp=logp, advantage=adv), recipe(**params))
-    result.loss.backward()
-    reference = batch.logp.clone().requires_grad_()
-    a = roll_step_reinforce(batch, step, **params)
-    expected = -(a * reference * batch.action_mask).sum() / batch.action_mask.sum()
-    expected.backward()
-    torch.testing.assert_close(result.loss, expected, atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(logp.grad, reference.grad, atol=1e-12, rtol=1e-12)
+    assert_reinforce_loss_and_gradient(batch, recipe(**params), roll_step_reinforce(batch, step, **params))
 
 
 def test_rolls_std_threshold_and_single_rows_give_zero():
@@ -165,9 +152,7 @@ def test_interleaving_changes_nothing_and_group_means_vanish(seed, order_seed, g
 
 def test_a_trajectory_in_two_groups_and_a_missing_trajectory_id_are_refused_by_name():
     batch, _ = episodes(0)
-    group = batch.group_id.clone()
-    first = int((batch.trajectory_id == batch.trajectory_id[-1]).nonzero()[0])
-    group[first] = (group[first] + 1) % 3
+    group = split_last_trajectory_over_two_groups(batch)
     with pytest.raises(LossplugError, match="step_reinforce: trajectory_id rule broken.*same group_id"):
         lossplug.compute_advantages(batch.replace(group_id=group), recipe(grouping="group", mean="group"))
     with pytest.raises(lossplug.BatchValidationError, match="trajectory_id"):

@@ -1,0 +1,61 @@
+"""What the multi-turn advantage tests share: ``step_reinforce`` and ``gigpo`` draw the same interleaved episodes
+(one row per step), ``step_reinforce`` and ``agentic_reinforce`` check the loss and gradient of a REINFORCE recipe
+against their transcribed advantage."""
+
+from __future__ import annotations
+
+import torch
+
+import lossplug
+
+
+def episode_rows(gen: torch.Generator, groups: int, per_group: int, anchors: bool = False) -> list[tuple]:
+    """Rows ``(group, trajectory, step, anchor, reward)``, episode after episode: ``per_group`` episodes of 1–4 steps
+    per prompt group, the last step's reward 0 or 1 (p 0.5), an earlier step's 0.1·N(0, 1). With ``anchors`` a step
+    after the first shares the anchor state of its step index with p 0.6 and has one of its own otherwise; without,
+    every anchor is the step index and no draw is spent on it."""
+    rows: list[tuple] = []
+    trajectory = 0
+    for g in range(groups):
+        for _ in range(per_group):
+            length = int(torch.randint(1, 5, (1,), generator=gen))
+            for t in range(length):
+                shared = not anchors or t == 0 or float(torch.rand(1, generator=gen)) < 0.6
+                anchor = t if shared else 1000 + len(rows)
+                last = t == length - 1
+                r = float(torch.rand(1, generator=gen) < 0.5) if last else 0.1 * float(torch.randn(1, generator=gen))
+                rows.append((g, trajectory, t, anchor, r))
+            trajectory += 1
+    return rows
+
+
+def interleave(rows: list[tuple], keys: torch.Tensor) -> list[tuple]:
+    """The rows sorted by step index, then by ``keys`` (one random key per row): the episodes interleaved, the time
+    order within each trajectory kept."""
+    order = sorted(range(len(rows)), key=lambda i: (rows[i][2], float(keys[i])))
+    return [rows[i] for i in order]
+
+
+def split_last_trajectory_over_two_groups(batch: lossplug.PolicyBatch) -> torch.Tensor:
+    """The batch's ``group_id`` with the first step of its last row's trajectory moved into the next of three
+    groups, so that this trajectory spans two groups."""
+    group = batch.group_id.clone()
+    first = int((batch.trajectory_id == batch.trajectory_id[-1]).nonzero()[0])
+    group[first] = (group[first] + 1) % 3
+    return group
+
+
+def assert_reinforce_loss_and_gradient(
+    batch: lossplug.PolicyBatch, recipe: lossplug.Recipe, expected_advantage: torch.Tensor
+) -> None:
+    """lossplug's loss and gradient of ``recipe`` (its advantage, the ``reinforce`` gate, the token reduction) on
+    ``batch`` equal REINFORCE's −Σ A·log π / Σ mask with the transcribed ``[B, T]`` advantage (1e-12)."""
+    adv = lossplug.compute_advantages(batch, recipe)
+    logp = batch.logp.clone().requires_grad_()
+    result = lossplug.policy_loss(batch.replace(logp=logp, advantage=adv), recipe)
+    result.loss.backward()
+    reference = batch.logp.clone().requires_grad_()
+    expected = -(expected_advantage * reference * batch.action_mask).sum() / batch.action_mask.sum()
+    expected.backward()
+    torch.testing.assert_close(result.loss, expected, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(logp.grad, reference.grad, atol=1e-12, rtol=1e-12)
