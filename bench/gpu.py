@@ -369,7 +369,7 @@ def run_gpu(parts: set[str], quick: bool, device: torch.device, repeats: int, wa
     results["environment"] = environment(torch.get_num_threads())
     started = time.perf_counter()
     if "a" in parts:
-        B, T = (6, 12) if quick else (8, 24)
+        B, T = (8, 12) if quick else (8, 24)  # B: whole prompt groups of gpu_sweep.GROUP_SIZE rows
         # quick: one batch of each advantage shape, one of them under a step normalizer (half the runs)
         variants = (VARIANTS[1], VARIANTS[2]) if quick else VARIANTS
         results["sweep"] = sweep(device, B, T, variants, log=log)

@@ -37,6 +37,11 @@ UPDATE_FOR_CORRECTIONS = "ppo_clip"
 GATE_PARAMETER_SETS = GATE_CODE_PATHS
 REGULARIZER_SETS = REGULARIZER_CODE_PATHS
 
+#: the rows of each prompt group in the sweep's batch: whole groups of one size, as a trainer hands gates that softmax
+#: or centre over a group (tpo and gvpo refuse a group of another size than their ``group_size``); every parameter
+#: set's ``group_size`` must be this (checked at run time)
+GROUP_SIZE = 4
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # What to run: the built-ins and the metric levels, from lossplug itself
@@ -155,14 +160,25 @@ VARIANTS = (
 
 
 def sweep_batch(B: int, T: int, variant: Variant, device: torch.device) -> tuple[dict[str, torch.Tensor], Any]:
-    """Every PolicyBatch field a built-in reads (the testing kit's awkward layouts, float32, plus entropy), on
-    ``device``, and the variant's Normalizer (built on the host: it counts)."""
+    """Every PolicyBatch field a built-in reads (the testing kit's awkward layouts, float32, plus entropy, the
+    sampled token ids, the environment's tokens and a teacher's log-probs), in whole prompt groups of
+    :data:`GROUP_SIZE` rows, on ``device``, and the variant's Normalizer (built on the host: it counts)."""
     from lossplug.testing.batches import policy_fields
 
-    fields = policy_fields(B, T, dtype=torch.float32, token_advantage=variant.token_advantage)
+    if B % GROUP_SIZE:
+        raise ValueError(f"the sweep's batch holds whole prompt groups of {GROUP_SIZE} rows: B={B} is not a multiple")
+    fields = policy_fields(B, T, dtype=torch.float32, group_size=GROUP_SIZE, token_advantage=variant.token_advantage)
     g = torch.Generator().manual_seed(1)
     fields["entropy"] = 0.05 + 2.0 * torch.rand(B, T, generator=g)
-    for name in ("logp", "old_logp", "behavior_logp", "ref_logp", "entropy"):
+    # drawn after the entropy, which stays what it was: sampled ids from a small vocabulary, so that the rollouts
+    # of a group share some (gtpo's conflicts, ktae's tables), and environment tokens among the non-actions (tool
+    # output between turns, which echo trains; the contract wants logp valid there, as it is everywhere here)
+    fields["token_ids"] = torch.randint(0, 6, (B, T), generator=g, dtype=torch.int64)
+    fields["observation_mask"] = ~fields["action_mask"] & (torch.rand(B, T, generator=g) < 0.5)
+    # a teacher near the rollout policy (distillation)
+    teacher = fields["old_logp"] + 0.3 * torch.randn(B, T, generator=g)
+    fields["teacher_logp"] = teacher.clamp(max=-1e-3)
+    for name in ("logp", "old_logp", "behavior_logp", "ref_logp", "teacher_logp", "entropy"):
         fields[name] = fields[name].to(variant.logp_dtype)
     normalizer = None
     if variant.step_normalizer:
@@ -263,6 +279,9 @@ def sweep(
     uncovered = set(builtin_names("regularizer")) - {s["name"] for s in REGULARIZER_SETS}
     if uncovered:
         raise AssertionError(f"bench/gpu.py: REGULARIZER_SETS misses the built-in regularizers {sorted(uncovered)}")
+    other_sizes = [s for s in GATE_PARAMETER_SETS if s.get("group_size", GROUP_SIZE) != GROUP_SIZE]
+    if other_sizes:
+        raise AssertionError(f"bench/gpu.py: the sweep's prompt groups hold {GROUP_SIZE} rows, not {other_sizes}")
     batches = {v.name: sweep_batch(B, T, v, device) for v in variants}
     records: list[dict] = []
     started = time.perf_counter()

@@ -53,13 +53,27 @@ def parse_gate_spec(text: str) -> dict[str, Any]:
 #: the old policy's probability of every token the curves are drawn at
 OLD_PROB = 0.2
 
-#: gates the default plot leaves out, and why: their coefficient does not depend on any ratio, so each panel would
-#: be ``reinforce``'s flat line (``--gate`` still draws them)
-NOT_PLOTTED: dict[str, str] = {
+#: gates whose coefficient does not depend on any ratio, and why: each panel would be a flat line — ``reinforce``'s,
+#: or A scaled by what the gate reads instead (the entropy, at the 1 nat every plotted token carries)
+RATIO_NOT_READ: dict[str, str] = {
     "top_entropy": "keeps tokens by the rank of their entropy in the batch, whatever the ratio",
     "offpolicy_metrics": "diagnostics only: its weight is 1 whatever the ratio",
     "force_on_policy": "its ratio is 1 by construction (NeMo-RL's force_on_policy_ratio): reinforce's gradient",
+    "entropy_advantage": "its weight (A + min(α·H, |A|/κ))/A reads the entropy and A, never a ratio",
+    "gtpo": "on-policy exp(logp − sg(logp)): its coefficient (A − s·H̄)·δ/n reads the entropy and the group's "
+    "conflict tokens, never a ratio",
 }
+
+#: gates whose objective couples the rollouts of a prompt group, and why: a response's coefficient depends on the
+#: other rollouts' log-probs and is not A at ratio 1, so it has no panel beside the policy gradients.
+#: :func:`gate_coefficients` draws each response in a group of two with a partner at ratio 1 and advantage −A
+GROUP_OBJECTIVES: dict[str, str] = {
+    "gvpo": "a regression of the group's centred β·log r onto its centred advantages: β·(a − c)/(n − 1), βA at r = 1",
+    "tpo": "the group's softmax fitted to the target q ∝ p_old·exp(u/η): K·(q − p), not A at r = 1",
+}
+
+#: gates the default plot leaves out, and why (``--gate`` still draws them)
+NOT_PLOTTED: dict[str, str] = {**RATIO_NOT_READ, **GROUP_OBJECTIVES}
 
 #: parameters the default plot draws a gate with, where its defaults cut nothing in the plotted range (verl's
 #: bypass_rs has no rule unless rollout_rs is set; this is verl's token_k1 with threshold 2)
@@ -114,11 +128,15 @@ def gate_coefficients(spec: dict[str, Any], ratios: npt.ArrayLike, advantage: fl
     Update gates: one single-token response per ratio ``r = π_θ/π_old`` (``behavior_logp = old_logp``, so ratios
     against the behaviour policy are ``r`` too). Corrections: composed after ``reinforce``, one response per ratio
     of their :func:`ratio_axis` — the engine ratio ``ρ = π_old/π_behaviour`` at ``r = 1``, or the update ratio ``r``
-    at ``ρ = 1``. Every batch carries an entropy of 1 per token (for gates that read one).
+    at ``ρ = 1``. Every batch carries an entropy of 1 per token (for gates that read one). A gate that reads
+    ``group_id`` sees each response in a prompt group of two, with a partner at ratio 1 and advantage −A (the
+    centred advantages of a pair), whose coefficient is not returned; a gate that reads ``token_ids`` sees a
+    different sampled token in every response (no two responses share one: no GTPO conflict tokens).
     """
     import torch
 
     import lossplug
+    from lossplug.needs import required_fields
     from lossplug.plugin_registry import registry
 
     reg = registry()
@@ -137,21 +155,32 @@ def gate_coefficients(spec: dict[str, Any], ratios: npt.ArrayLike, advantage: fl
         logp, old, behavior = base.clone(), base, base - r.log()
     else:
         logp, old, behavior = base + r.log(), base, base
-    logp.requires_grad_(True)
     n = r.shape[0]
+    adv = torch.full((n,), float(advantage), dtype=torch.float64)
+    fields = required_fields(plugin, _params_of(plugin, spec))
+    extra: dict[str, Any] = {}
+    if "group_id" in fields:  # response i and its partner n + i (ratio 1, advantage −A) form prompt group i
+        logp, old, behavior = torch.cat([logp, old]), torch.cat([old, old]), torch.cat([behavior, old])
+        adv = torch.cat([adv, -adv])
+        extra["group_id"] = torch.arange(n).repeat(2)
+    rows = logp.shape[0]
+    if "token_ids" in fields:
+        extra["token_ids"] = torch.arange(rows).reshape(-1, 1)
+    logp.requires_grad_(True)
     batch = lossplug.PolicyBatch(
         logp=logp,
         old_logp=old,
         behavior_logp=behavior,
         ref_logp=old,
-        entropy=torch.ones_like(r),
-        action_mask=torch.ones_like(r, dtype=torch.bool),
-        advantage=torch.full((n,), float(advantage), dtype=torch.float64),
+        entropy=torch.ones_like(logp),
+        action_mask=torch.ones_like(logp, dtype=torch.bool),
+        advantage=adv,
+        **extra,
     )
     recipe = lossplug.Recipe.model_validate({"gates": gates, "reduction": "token"})
-    loss = lossplug.policy_loss(batch, recipe, metrics=False).loss  # = −Σ J / n
+    loss = lossplug.policy_loss(batch, recipe, metrics=False).loss  # = −Σ J / rows
     (grad,) = torch.autograd.grad(loss, logp)
-    return (-n * grad).reshape(-1).detach().numpy()
+    return (-rows * grad[:n]).reshape(-1).detach().numpy()
 
 
 @requires_extra("plot")

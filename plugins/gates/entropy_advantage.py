@@ -108,4 +108,6 @@ def entropy_advantage(inp: lossplug.GateInput, p: EntropyAdvantageParams) -> los
         weight=weight,
         metrics={"capped_frac": lambda: inp.token_fraction(capped, false_off_actions=True)},
         details={"bonus_mean": lambda: inp.masked_mean(bonus)},
+        # it never cuts: w ∈ [1 − 1/κ, 1 + 1/κ] with κ > 1, so every action token still carries gradient
+        active=lambda: inp.mask,
     )

@@ -121,9 +121,9 @@ def test_failures_are_classified_by_the_whole_chain():
     assert gpu_sweep.failure_kind(ValueError("bad")) == "error"
 
 
-@lossplug.gate("needs_teacher_gpu_test", requires=("teacher_logp",))
-def needs_teacher(inp, p):
-    """A·logp, declaring a field the sweep's batches lack."""
+@lossplug.gate("needs_sum_pi_squared_gpu_test", requires=("sum_pi_squared",))
+def needs_sum_pi_squared(inp, p):
+    """A·logp, declaring a field the sweep's batches lack (only an advantage estimator reads it)."""
     return lossplug.GateOutput(objective=inp.broadcast_advantage() * inp.logp)
 
 
@@ -155,10 +155,10 @@ def test_the_sweep_reports_refusals_syncs_and_non_finite_losses(register_gates, 
         finally:
             ARMED[0] = False
 
-    register_gates(needs_teacher, syncs_when_guarded, nan_objective, name="gpu-sweep-test")
+    register_gates(needs_sum_pi_squared, syncs_when_guarded, nan_objective, name="gpu-sweep-test")
     monkeypatch.setattr(gpu_sweep, "host_sync_guard", armed_guard)
-    names = ["needs_teacher_gpu_test", "syncs_when_guarded_gpu_test", "nan_gpu_test"]
-    result = gpu_sweep.sweep(CPU, 6, 12, gpu_sweep.VARIANTS[:1], gates=names, regularizers=())
+    names = ["needs_sum_pi_squared_gpu_test", "syncs_when_guarded_gpu_test", "nan_gpu_test"]
+    result = gpu_sweep.sweep(CPU, 8, 12, gpu_sweep.VARIANTS[:1], gates=names, regularizers=())
     per_gate = len(result["reductions"]) * len(result["levels"])
     by_gate = {g: {r["status"] for r in result["records"] if r["row"] == g} for g in names}
     assert by_gate == {names[0]: {"refused"}, names[1]: {"host_sync"}, names[2]: {"non_finite"}}
@@ -170,7 +170,7 @@ def test_the_sweep_reports_refusals_syncs_and_non_finite_losses(register_gates, 
         "host_sync": per_gate,
     }
     refused = next(r for r in result["records"] if r["row"] == names[0])
-    assert "teacher_logp" in refused["detail"] and refused["variant"] == gpu_sweep.VARIANTS[0].name
+    assert "sum_pi_squared" in refused["detail"] and refused["variant"] == gpu_sweep.VARIANTS[0].name
     synced = next(r for r in result["records"] if r["row"] == names[1])
     assert gpu_sweep.SYNC_MESSAGE in synced["detail"] and synced["where"]
     assert len(gpu_sweep.failures(result)) == 2 * per_gate  # a refusal is not a failure

@@ -5,7 +5,9 @@ import pytest
 
 import lossplug
 from lossplug.cli.gate_curves import (
+    GROUP_OBJECTIVES,
     NOT_PLOTTED,
+    RATIO_NOT_READ,
     default_gate_specs,
     gate_coefficients,
     parse_assignments,
@@ -72,12 +74,43 @@ def test_every_plotted_gate_draws_its_own_curve(spec):
     assert departs == (spec["name"] != "reinforce"), curves
 
 
-@pytest.mark.parametrize("name", sorted(NOT_PLOTTED))
+def test_the_gates_left_out_are_those_that_read_no_ratio_and_the_group_objectives():
+    assert NOT_PLOTTED == {**RATIO_NOT_READ, **GROUP_OBJECTIVES}
+    assert not set(RATIO_NOT_READ) & set(GROUP_OBJECTIVES) and all(NOT_PLOTTED.values())
+
+
+#: the flat line of a gate that reads the entropy instead of a ratio, at the plot's 1 nat per token (else A)
+FLAT_AT_ONE_NAT = {
+    # A + min(α·H, |A|/κ) at α = 0.4, κ = 2: 1 + 0.4, −1 + 0.4
+    "entropy_advantage": {1.0: 1.4, -1.0: -0.6},
+    # the mean entropy H̄ = 1 is above τ = 0.7: the response is filtered out (advantage 0)
+    "gtpo": {1.0: 0.0, -1.0: 0.0},
+}
+
+
+@pytest.mark.parametrize("name", sorted(RATIO_NOT_READ))
 def test_gates_left_out_of_the_plot_are_flat_but_still_drawable(name):
-    """What NOT_PLOTTED says stays true: on request the gate draws, and its curve is A at every ratio."""
+    """What RATIO_NOT_READ says stays true: on request the gate draws, and its curve is flat — A at every ratio, or
+    for a gate that reads the entropy its formula's value at 1 nat."""
     pytest.importorskip("numpy")  # gate_coefficients returns a NumPy array
     for adv in (1.0, -1.0):
-        assert gate_coefficients({"name": name}, RATIOS, adv).tolist() == pytest.approx([adv] * len(RATIOS))
+        flat = FLAT_AT_ONE_NAT.get(name, {adv: adv})[adv]
+        assert gate_coefficients({"name": name}, RATIOS, adv).tolist() == pytest.approx([flat] * len(RATIOS))
+
+
+def test_group_objectives_draw_a_response_beside_its_partner():
+    """GROUP_OBJECTIVES on request: response i (ratio r, advantage A) in a group of two with a partner at ratio 1
+    and advantage −A, both at π_old, gets its gate's gradient, transcribed here from the papers' formulas."""
+    np = pytest.importorskip("numpy")  # gate_coefficients returns a NumPy array
+    r = np.array(RATIOS)
+    for adv in (1.0, -1.0):
+        # GVPO (β = 0.1, n = 2): r_i = β·log r, partner 0, c_i = r_i − (r_i + 0)/2, ∂J/∂logp = β·(A − c_i)/(n − 1)
+        expected = 0.1 * (adv - 0.1 * np.log(r) / 2) / 1
+        assert gate_coefficients({"name": "gvpo"}, RATIOS, adv).tolist() == pytest.approx(expected.tolist())
+        # TPO (η = 1, K = 2): p = softmax(log r, 0), q = softmax(A, −A), ∂J/∂ℓ = K·(q − p)
+        p, q = r / (1 + r), 1 / (1 + np.exp(-2 * adv))
+        assert gate_coefficients({"name": "tpo"}, RATIOS, adv).tolist() == pytest.approx((2 * (q - p)).tolist())
+    assert gate_coefficients({"name": "tpo"}, [1.0], 1.0).tolist() == pytest.approx([np.tanh(1.0)])  # not A
 
 
 def test_each_correction_is_drawn_against_the_ratio_it_reads():

@@ -33,6 +33,8 @@ BY_DESIGN: dict[tuple[str, str], str] = {
     ("dppo_binary_tv", "zero_advantage"): "prime-rl's kl_tau·(log r)² term does not depend on A (its default loss)",
     ("ipo", "zero_advantage"): "prime-rl's kl_tau·(log r)² term does not depend on A (its IPO loss)",
     ("gvpo", "zero_advantage"): "GVPO's ½(centred β·log(π/π_old))²/(n − 1) does not depend on A (the authors' loss)",
+    ("gtpo", "zero_advantage"): "GTPO's shaped advantage A − s·H̄ trains a response with A = 0 (the authors' loss)",
+    ("tpo", "zero_advantage"): "TPO's −Σ q·log softmax_g(ℓ) at u = 0 (q = p_old): ∇ = p − p_old (the author's loss)",
 }
 
 
