@@ -1,11 +1,16 @@
-"""What the field-inventory tests share inside verl: lossplug's policy loss configured as verl's actor does, and
-called as a trainer that passes ``rollout_log_probs`` calls it. verl is imported lazily (the tests skip without it)."""
+"""What the field-inventory tests share inside the trainers: lossplug's policy loss configured as verl's actor does,
+and called as a trainer that passes ``rollout_log_probs`` calls it; verl's batch after rewarding as a ``DataProto``;
+TRL's first micro-batch with the model's own forward pass; two TRL steps; the refusals of the gates that need whole
+prompt groups. verl and TRL are imported lazily (the tests skip without them)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
+import pytest
 import torch
+
+from lossplug import LossplugError
 
 
 def verl_actor_config(recipe: dict, micro_batch: int) -> Any:
@@ -122,3 +127,92 @@ def train_two_tiny_steps(recipe: dict, tmp_path: Any, *, rollout: bool = True) -
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
     assert lossplug.Recipe.from_file(tmp_path / "out" / "recipe.yaml").gates == lossplug.Recipe.load(recipe).gates
     return trainer, before
+
+
+def assert_trl_refuses_split_groups(recipe: dict, gate: str, tmp_path: Any) -> None:
+    """``gate`` (it needs each prompt group of 4 whole in a micro-batch) refuses, naming the group and its size, a
+    TRL run of 2 accumulation steps of 2 completions: TRL splits each generation's group of 4 over two
+    micro-batches."""
+    pytest.importorskip("trl")
+    from lossplug.testing import tiny
+
+    trainer = tiny.tiny_grpo_trainer(
+        recipe, tmp_path / "out", per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1
+    )
+    with pytest.raises(LossplugError, match=rf"gate '{gate}': group_id \d+ has 2 row\(s\).*exactly group_size=4"):
+        trainer.train()
+
+
+def assert_verl_policy_loss_refuses_for_want_of_prompt_ids(recipe: dict, gate: str) -> None:
+    """verl's ``ppo_loss`` hands a policy loss no prompt ids: under it ``gate`` (it reads ``group_id``) is refused,
+    naming the field and the reason."""
+    pytest.importorskip("verl")
+    x = verl_inputs(0)
+    with pytest.raises(LossplugError, match=rf"{gate}.*group_id.*verl's ppo_loss passes a policy loss no prompt ids"):
+        verl_policy_loss(verl_actor_config(recipe, 2), {k: v for k, v in x.items() if k != "lengths"})
+
+
+def verl_outcome_rewards(
+    g: torch.Generator, sizes: tuple[int, ...], width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An outcome-rewarded step drawn from ``g``: prompt groups of ``sizes`` rows in shuffled order, responses of 1 to
+    ``width`` tokens, a score per response (0 or 1, plus 0.25·U[0, 1); group 0's all 1: equal rewards) on its last
+    token. Returns ``(group, mask, score, token_level_rewards)``."""
+    group = torch.cat([torch.full((n,), k) for k, n in enumerate(sizes)])
+    group = group[torch.randperm(group.numel(), generator=g)]
+    rows = group.numel()
+    lengths = torch.randint(1, width + 1, (rows,), generator=g)
+    mask = torch.arange(width) < lengths[:, None]
+    score = (torch.rand(rows, generator=g) < 0.5).to(torch.float64) + 0.25 * torch.rand(
+        rows, generator=g, dtype=torch.float64
+    )
+    score[group == 0] = 1.0  # equal rewards
+    rewards = torch.zeros(rows, width, dtype=torch.float64)
+    rewards[torch.arange(rows), lengths - 1] = score
+    return group, mask, score, rewards
+
+
+def verl_step_as_proto(
+    x: dict[str, torch.Tensor], rewards: torch.Tensor, group: torch.Tensor, non_tensors: dict | None = None
+) -> Any:
+    """verl_inputs' step ``x`` as the ``DataProto`` verl's advantage sees after rewarding: ``rewards`` as its
+    ``token_level_rewards``, ``x``'s response mask and old log-probs, ``group`` as each row's ``uid``
+    (``prompt-<k>``), and any further ``non_tensors`` (per-function rewards)."""
+    DataProto = pytest.importorskip("verl").DataProto
+    np = pytest.importorskip("numpy")
+    uid = np.array([f"prompt-{int(k)}" for k in group], dtype=object)
+    tensors = {
+        "token_level_rewards": rewards,
+        "response_mask": x["response_mask"].long(),
+        "old_log_probs": x["old_log_prob"],
+    }
+    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": uid, **(non_tensors or {})})
+
+
+class TrlMicroBatch(NamedTuple):
+    inputs: dict
+    params: list[torch.Tensor]
+    loss: torch.Tensor
+    grads: tuple[torch.Tensor | None, ...]
+    logps: torch.Tensor
+    entropies: torch.Tensor
+
+
+def trl_first_micro_batch(trainer: Any) -> TrlMicroBatch:
+    """TRL's first micro-batch through the trainer's ``compute_loss`` (train mode, no gradient accumulation): the
+    inputs as ``_compute_loss`` sees them, the trainable parameters, the loss and its gradients with respect to them,
+    and the model's own per-token log-probs and entropies on the micro-batch from TRL's forward pass (differentiable:
+    a loss written out on them gives the gradients to compare)."""
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    loss = trainer.compute_loss(trainer.model, inputs)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model, ids, attention, inputs["completion_ids"].size(1), compute_entropy=True
+    )
+    return TrlMicroBatch(inputs, params, loss, grads, logps, entropies)

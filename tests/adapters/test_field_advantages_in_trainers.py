@@ -18,6 +18,8 @@ import torch
 
 from lossplug import BatchValidationError, LossplugError
 
+from ._field_trainers import verl_outcome_rewards
+
 F64 = torch.float64
 
 
@@ -136,15 +138,8 @@ def verl_proto():
 
 def outcome_proto(DataProto, seed=0, sizes=(4, 3, 5, 2), T=6):
     g = torch.Generator().manual_seed(seed)
-    group = torch.cat([torch.full((n,), k) for k, n in enumerate(sizes)])
-    group = group[torch.randperm(group.numel(), generator=g)]
+    group, mask, score, rewards = verl_outcome_rewards(g, sizes, T)
     B = group.numel()
-    lengths = torch.randint(1, T + 1, (B,), generator=g)
-    mask = torch.arange(T) < lengths[:, None]
-    score = (torch.rand(B, generator=g) < 0.5).to(F64) + 0.25 * torch.rand(B, generator=g, dtype=F64)
-    score[group == 0] = 1.0  # equal rewards
-    rewards = torch.zeros(B, T, dtype=F64)
-    rewards[torch.arange(B), lengths - 1] = score
     np = pytest.importorskip("numpy")  # verl's uid arrays; verl brings numpy
     uid = np.array([f"prompt-{int(k)}" for k in group], dtype=object)
     tensors = {

@@ -15,7 +15,7 @@ import torch
 import lossplug
 from lossplug import LossplugError
 
-from ._field_trainers import train_two_tiny_steps
+from ._field_trainers import train_two_tiny_steps, verl_outcome_rewards
 
 F64 = torch.float64
 LAMBDA = 0.3
@@ -132,15 +132,8 @@ def outcome_proto(DataProto, seed=0, sizes=(4, 3, 5, 2), T=6, values=False):
     components in ``non_tensor_batch`` (as verl's reward manager leaves its extra scores)."""
     np = pytest.importorskip("numpy")
     g = torch.Generator().manual_seed(seed)
-    group = torch.cat([torch.full((n,), k) for k, n in enumerate(sizes)])
-    group = group[torch.randperm(group.numel(), generator=g)]
+    group, mask, score, rewards = verl_outcome_rewards(g, sizes, T)
     B = group.numel()
-    lengths = torch.randint(1, T + 1, (B,), generator=g)
-    mask = torch.arange(T) < lengths[:, None]
-    score = (torch.rand(B, generator=g) < 0.5).to(F64) + 0.25 * torch.rand(B, generator=g, dtype=F64)
-    score[group == 0] = 1.0  # equal rewards
-    rewards = torch.zeros(B, T, dtype=F64)
-    rewards[torch.arange(B), lengths - 1] = score
     extra = torch.randn(B, 2, dtype=F64, generator=g)
     tensors = {"token_level_rewards": rewards, "response_mask": mask.long()}
     if values:
