@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from ..plugins.gates.test_gtpo import ENT_SCALE, authors_conflict
-from ._field_trainers import train_two_tiny_steps, verl_actor_config, verl_inputs, verl_policy_loss
+from ._field_trainers import (
+    train_two_tiny_steps,
+    trl_first_micro_batch,
+    verl_actor_config,
+    verl_inputs,
+    verl_policy_loss,
+)
 
 ENTROPY_ADVANTAGE = {"preset": "grpo", "gates": ["ppo_clip", "entropy_advantage"], "reduction": "token"}
 
@@ -36,18 +42,7 @@ def test_entropy_advantage_on_a_trl_micro_batch_is_the_papers_shaped_advantage(t
     from lossplug.testing import tiny
 
     trainer = tiny.tiny_grpo_trainer(ENTROPY_ADVANTAGE, tmp_path / "out")
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
-    loss = trainer.compute_loss(trainer.model, inputs)
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
-        trainer.model, ids, attention, inputs["completion_ids"].size(1), compute_entropy=True
-    )
+    inputs, params, loss, grads, logps, entropies = trl_first_micro_batch(trainer)
     mask = inputs["completion_mask"].bool()
     if "tool_mask" in inputs:
         mask = mask & inputs["tool_mask"].bool()
@@ -109,20 +104,9 @@ def test_gtpo_on_a_trl_micro_batch_is_the_authors_code(tmp_path):
     authors' ``build_conflict_mask`` (transcribed) and their per-completion loss on the model's own log-probs and
     TRL's entropies: ``−Σ_t ratio·Ã·δ / n_tok / n_conflict``, averaged over the group by the response reduction."""
     trainer = gtpo_trainer(tmp_path, max_steps=1)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    inputs, params, loss, grads, logps, entropies = trl_first_micro_batch(trainer)
     group = inputs["lossplug_group_id"]
     assert bool((group == group[0]).all()) and group.numel() == 4, group  # a whole group in the micro-batch
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
-    loss = trainer.compute_loss(trainer.model, inputs)
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
-        trainer.model, ids, attention, inputs["completion_ids"].size(1), compute_entropy=True
-    )
     mask = inputs["completion_mask"].bool()
     lengths = mask.sum(-1).tolist()
     sentinel = -1  # the code tells padding by its pad id: give the padding one no sampled token has
