@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._field_trainers import verl_inputs, verl_seam_over_step
+from ._field_trainers import verl_inputs, verl_seam_over_step, verl_step_as_proto
 from .test_field_roll_nemo_advantages_in_trainers import one_micro_batch, trained
 
 F64 = torch.float64
@@ -88,8 +88,6 @@ def per_turn_proto(seed=3):
     """verl_inputs' step as a DataProto whose token_level_rewards carry per-turn rewards: a turn reward on the first
     turn's last token of every response of two or more turns (0 for one of one turn, as the reference's turn
     functions give without a tool call), the outcome on the response's last action token; groups of 4 in ``uid``."""
-    DataProto = pytest.importorskip("verl").DataProto
-    np = pytest.importorskip("numpy")
     x = verl_inputs(seed=seed)
     mask = x["response_mask"]
     B, T = mask.shape
@@ -105,9 +103,7 @@ def per_turn_proto(seed=3):
         rewards[i, runs[0][1] - 1] += t
         turn_reward.append(t)
         outcome.append(o)
-    uid = np.array([f"prompt-{int(k)}" for k in group], dtype=object)
-    tensors = {"token_level_rewards": rewards, "response_mask": mask.long(), "old_log_probs": x["old_log_prob"]}
-    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": uid}), x, turn_reward, outcome, group
+    return verl_step_as_proto(x, rewards, group), x, turn_reward, outcome, group
 
 
 @pytest.mark.parametrize("registered", [False, True], ids=["adapter", "verl_estimator"])

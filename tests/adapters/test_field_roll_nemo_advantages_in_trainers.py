@@ -25,7 +25,7 @@ import torch
 import lossplug
 from lossplug import BatchValidationError, LossplugError
 
-from ._field_trainers import verl_inputs, verl_seam_over_step
+from ._field_trainers import verl_inputs, verl_seam_over_step, verl_step_as_proto
 
 F64 = torch.float64
 
@@ -188,8 +188,6 @@ def multi_turn_proto(seed=3, reward_keys=()):
     """verl_inputs' step (multi-turn response masks: observation tokens inside the response) as a DataProto: the
     score on each response's last action token, prompt groups of 4 in ``uid``, per-function rewards under
     ``reward_keys`` in ``non_tensor_batch``."""
-    DataProto = pytest.importorskip("verl").DataProto
-    np = pytest.importorskip("numpy")
     x = verl_inputs(seed=seed)
     mask = x["response_mask"]
     B, T = mask.shape
@@ -202,11 +200,8 @@ def multi_turn_proto(seed=3, reward_keys=()):
     last = T - 1 - mask.flip(-1).int().argmax(-1)  # each row's last action token
     rewards = torch.zeros(B, T, dtype=F64)
     rewards[torch.arange(B), last] = score
-    non_tensors = {"uid": np.array([f"prompt-{int(k)}" for k in group], dtype=object)}
-    for k, key in enumerate(reward_keys):
-        non_tensors[key] = components[:, k].numpy()
-    tensors = {"token_level_rewards": rewards, "response_mask": mask.long(), "old_log_probs": x["old_log_prob"]}
-    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors), x, score, components, group
+    per_function = {key: components[:, k].numpy() for k, key in enumerate(reward_keys)}
+    return verl_step_as_proto(x, rewards, group, per_function), x, score, components, group
 
 
 def test_gdpo_loo_through_the_verl_adapter_and_verls_policy_loss_seam():
