@@ -14,13 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lossplug import LossplugError
-
 from ._field_trainers import (
+    assert_trl_refuses_split_groups,
+    assert_verl_policy_loss_refuses_for_want_of_prompt_ids,
     train_two_tiny_steps,
-    verl_actor_config,
     verl_inputs,
-    verl_policy_loss,
     verl_seam_over_step,
 )
 
@@ -106,19 +104,8 @@ def test_tpo_trains_inside_trls_grpo_trainer(tmp_path):
 
 @pytest.mark.slow
 def test_tpo_refuses_a_group_that_trl_splits_over_micro_batches(tmp_path):
-    pytest.importorskip("trl")
-    from lossplug.testing import tiny
-
-    # 2 accumulation steps of 2 completions: TRL splits each generation's group of 4 over two micro-batches
-    trainer = tiny.tiny_grpo_trainer(
-        TPO, tmp_path / "out", per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1
-    )
-    with pytest.raises(LossplugError, match=r"gate 'tpo': group_id \d+ has 2 row\(s\).*exactly group_size=4"):
-        trainer.train()
+    assert_trl_refuses_split_groups(TPO, "tpo", tmp_path)
 
 
 def test_tpo_under_verls_policy_loss_is_refused_naming_the_prompt_ids():
-    pytest.importorskip("verl")
-    x = verl_inputs(0)
-    with pytest.raises(LossplugError, match=r"tpo.*group_id.*verl's ppo_loss passes a policy loss no prompt ids"):
-        verl_policy_loss(verl_actor_config(TPO, 2), {k: v for k, v in x.items() if k != "lengths"})
+    assert_verl_policy_loss_refuses_for_want_of_prompt_ids(TPO, "tpo")
