@@ -14,9 +14,16 @@ advantage. The advantage is detached data, as any advantage: the gradient flows 
 (for a critic) are passed on. Without it the distillation signal is the whole advantage (the blog's pure on-policy
 distillation, prime-rl's ``opd`` algorithm). Advantages are ``[B, T]`` in the log-probs' dtype, at least float32.
 
+Several teachers (MOPD, one teacher per domain) need nothing more: each row's ``teacher_logp`` is its own domain
+teacher's log-probs, as verl's teacher loop routes each sample (``distillation.teacher_key``); MOPD's recipe is
+``{advantage: {name: mix, components: [{name: opd, weight: 1.0}, {name: grpo, weight: α}]}, gates: [reinforce,
+{name: icepop, …}], reduction: response}`` (``tests/plugins/advantages/test_mopd.py``).
+
 Paper: Agarwal et al., 2024, *On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes*
 (GKD), arXiv:2306.13649; Lu and Thinking Machines Lab, 2025, *On-Policy Distillation*,
-https://thinkingmachines.ai/blog/on-policy-distillation/.
+https://thinkingmachines.ai/blog/on-policy-distillation/; Ma et al., 2026, *MOPD: Multi-Teacher On-Policy
+Distillation for Capability Integration in LLM Post-Training*, arXiv:2606.30406 (its loss: Eqs. 7–9 of the
+MiMo-V2-Flash Technical Report, arXiv:2601.02780, §4.4).
 
 Reference: slime ``apply_opd_kl_to_advantages`` (``slime/backends/megatron_utils/loss.py``, THUDM/slime 624b824a:
 ``advantages[i] = adv − opd_kl_coef · (log_probs − teacher_log_probs)``, applied after the estimator, before any
@@ -93,7 +100,9 @@ def reverse_kl_signal(batch: lossplug.PolicyBatch, student: str, coef: float) ->
 def opd(batch: lossplug.PolicyBatch, p: OPDParams) -> lossplug.AdvantageResult:
     """On-policy distillation: A_t = A_task,t − coef · (logp_student,t − teacher_logp_t) on the actions.
 
-    Paper: Agarwal et al., 2024, GKD, arXiv:2306.13649; Thinking Machines, 2025, *On-Policy Distillation*.
+    Paper: Agarwal et al., 2024, GKD, arXiv:2306.13649; Thinking Machines, 2025, *On-Policy Distillation*; with
+    one teacher per domain (each row's ``teacher_logp`` its domain teacher's): MOPD, Ma et al., 2026,
+    arXiv:2606.30406.
 
     Reference: slime ``apply_opd_kl_to_advantages``; prime-rl ``OPDAlgorithm``.
     """
