@@ -55,8 +55,12 @@ advantage seam; its batch: :func:`~lossplug.adapters.verl.advantage.advantage_ba
 
 Regularizers. verl's ``ppo_loss`` adds the entropy bonus and the KL loss around any policy loss, from the actor's
 ``entropy_coeff`` / ``use_kl_loss`` settings, and hands a policy loss neither entropies nor reference log-probs. A
-recipe's regularizers must therefore be exactly those terms (as :func:`verl_equivalent` writes them); the adapter then
-computes only the policy term, so each is counted once, and refuses any other regularizer naming the settings.
+recipe's regularizers that read those (``entropy``, a ``kl`` to the reference) must therefore be exactly those terms
+(as :func:`verl_equivalent` writes them): the adapter leaves them to verl, so each is counted once, and refuses any
+other such regularizer naming the settings. Every other regularizer lossplug's policy loss adds itself, ``coef ·
+reduce(term)`` reduced over the step like the policy term, when it reads only what the seam has (``nll``, a ``kl``
+anchored at ``old_logp`` or ``behavior_logp``); one reading what verl does not pass (a teacher's log-probs,
+observation tokens) is refused with the next step. Their metrics come under ``actor/lossplug/reg/<name>/``.
 
 Metrics. verl's own keys with verl's definitions — ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
 ``actor/ppo_kl`` — beside lossplug's under ``actor/lossplug/``.
@@ -69,8 +73,8 @@ Reduction. The returned loss is this micro-batch's share of the full optimizer s
 is built from verl's ``config.global_batch_info`` (``batch_num_tokens`` → action tokens, ``global_batch_size`` →
 sequences, ``loss_scale_factor`` → the ``fixed`` reduction's budget) and the result is multiplied by ``dp_size``,
 which cancels the data-parallel gradient averaging exactly as verl's ``agg_loss`` does. The recipe's reduction
-decides the policy term; verl's ``loss_agg_mode`` still reduces verl's own entropy and KL terms, which ``ppo_loss``
-adds itself (lossplug never adds them). ``loss_agg_mode`` ↔ reduction: ``token-mean`` ↔ ``token``,
+decides the policy term and lossplug's regularizers; verl's ``loss_agg_mode`` still reduces verl's own entropy and
+KL terms, which ``ppo_loss`` adds itself (lossplug never adds them). ``loss_agg_mode`` ↔ reduction: ``token-mean`` ↔ ``token``,
 ``seq-mean-token-mean`` ↔ ``response``, ``seq-mean-token-sum`` ↔ ``sequence_sum``, ``seq-mean-token-sum-norm`` ↔
 ``fixed`` (budget ``loss_scale_factor``), ``token-sum`` ↔ ``token_sum`` (no denominator; only the ``× dp_size``).
 A reduction with ``population: micro_batch`` (verl's batch-local ``geo_mean``) is instead handed the micro-batch as its

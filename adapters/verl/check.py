@@ -14,8 +14,8 @@ What is reported, each problem naming its config key:
   notice);
 * what the adapter refuses at the first policy-loss call, found now: the policy-loss section is built as verl builds
   it (``LossplugPolicyLossConfig``: the recipe loaded and compiled, lossplug's registration with verl checked), then
-  the policy term is derived from the actor's settings (:meth:`.plan.PolicyPlan.term`: regularizers that are not what
-  verl adds, correction gates verl's ``ppo_loss`` cannot feed) — the adapter's own code, not a copy of its rules;
+  the policy term is derived from the actor's settings (:meth:`.plan.PolicyPlan.term`: entropy / KL-to-reference
+  regularizers that are not what verl adds, correction gates verl's ``ppo_loss`` cannot feed) — the adapter's own code, not a copy of its rules;
 * a recipe field verl will not provide — for the policy term, the fields its stages read beyond what the seam fills
   (:func:`.policy_loss.policy_batch`); for ``adv_estimator=lossplug``, what the estimator refuses
   (:mod:`.advantage`: verl hands a registered estimator rewards, mask and ``uid`` only);

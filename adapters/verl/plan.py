@@ -26,7 +26,7 @@ from lossplug.adapters.common import warn_once
 from lossplug.adapters.verl.equivalent import LOSS_AGG_REDUCTIONS, as_plain
 from lossplug.adapters.verl.recipes import POLICY_RECIPE_KEY, frozen, load_recipe, plain, recipe_content
 from lossplug.adapters.verl.registration import MODULE, NAME, check_registration
-from lossplug.adapters.verl.regularizers import VerlTerms, policy_term
+from lossplug.adapters.verl.regularizers import VerlTerms, policy_term, regularizer_stages_run_here
 from lossplug.adapters.verl.rollout import without_verls_correction
 from lossplug.adapters.verl.unfed import policy_refusals
 from lossplug.contracts import LossplugError, Recipe
@@ -134,20 +134,46 @@ class PolicyPlan:
         if call.has_weights or not call.has_engine_logp:
             term = without_verls_correction(term, self.rollout_correction, has_weights=call.has_weights)
         compiled = lossplug.compile_recipe(term)
-        unfed = policy_refusals(compiled, has_engine_logp=call.has_engine_logp)
+        unfed = policy_refusals(
+            compiled, has_engine_logp=call.has_engine_logp, regularizers=regularizer_stages_run_here(self.recipe)
+        )
         if unfed:  # refused here, once, in words that say what to do — not by the batch contract at every call
             raise LossplugError(
                 f"{POLICY_RECIPE_KEY}: verl's policy loss cannot feed this recipe:\n  - " + "\n  - ".join(unfed)
             )
         reduction: Any = compiled.reduction.params  # (the reduction's own model: FixedParams for 'fixed')
         name = compiled.reduction.plugin.name
+        micro_batch_population = getattr(reduction, "population", "step") == "micro_batch"
+        if micro_batch_population:
+            _refuse_step_regularizers(compiled)
         return PolicyTerm(
             recipe=term,
             update_gate=compiled.update.plugin.name,
             reduction=name,
-            micro_batch_population=getattr(reduction, "population", "step") == "micro_batch",
+            micro_batch_population=micro_batch_population,
             fixed_budget=reduction.budget if name == "fixed" else None,
         )
+
+
+def _refuse_step_regularizers(compiled: CompiledRecipe) -> None:
+    """A policy term reduced over each micro-batch's own population (verl's geo_mean) is handed the micro-batch as
+    its population, so a regularizer reduced over the step's could not be: refused, with the fix."""
+    stepwise = [
+        stage.plugin.name
+        for stage in compiled.regularizers
+        if "micro_batch" not in (getattr(stage.params, "population", "step"), _population(stage.reduction))
+    ]
+    if stepwise:
+        raise LossplugError(
+            f"{POLICY_RECIPE_KEY}: the recipe's reduction '{compiled.reduction.plugin.name}' has population: "
+            f"micro_batch, so verl's policy loss reduces each micro-batch on its own and the step's population is "
+            f"not at hand for the regularizers {stepwise}, which reduce over the step. Next step: give each "
+            f"population: micro_batch, or use a reduction over the step (token, response, fixed, token_sum)"
+        )
+
+
+def _population(stage: Any) -> str:
+    return str(getattr(stage.params, "population", "step"))
 
 
 def _warn_if_reductions_differ(compiled: CompiledRecipe, loss_agg_mode: str) -> None:

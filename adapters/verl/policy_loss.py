@@ -42,10 +42,13 @@ def compute_policy_loss_lossplug(
     rollout_log_probs: Tensor | None = None,
     **_: Any,
 ) -> tuple[Tensor, dict[str, Any]]:
-    """verl policy loss ``lossplug``: the recipe's gates and reduction (``actor_rollout_ref.actor.policy_loss.recipe``).
+    """verl policy loss ``lossplug``: the recipe's gates, reduction and regularizers
+    (``actor_rollout_ref.actor.policy_loss.recipe``).
 
     Returns ``(loss, metrics)`` like verl's built-ins: the loss is this micro-batch's share of the step, already
-    multiplied by ``dp_size``; entropy and KL are left to verl's ``ppo_loss``.
+    multiplied by ``dp_size``; the entropy and the KL to the reference are left to verl's ``ppo_loss``, the recipe's
+    other regularizers (``nll``, a ``kl`` anchored at ``old_logp`` / ``behavior_logp``) are in the loss, reduced over
+    the step like the policy term.
     """
     # derived once per configuration (the plan) and per call pattern (the term): looked up here, never rebuilt
     plan = policy_plan(config)

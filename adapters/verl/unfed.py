@@ -99,7 +99,11 @@ POLICY_UNFED: dict[str, Unfed] = {
         "use a reduction over tokens or responses (token, response, fixed, sequence_sum, token_sum), or run it in "
         "TRL, which passes the prompt groups to the loss",
     ),
-    "reward": Unfed(_ADVANTAGE_SIDE, "run it in TRL, whose loss stage has the rewards"),
+    "reward": Unfed(
+        _ADVANTAGE_SIDE,
+        "run it in TRL, whose loss stage has the rewards (an nll regularizer can select by what the seam has: "
+        "responses: positive_advantage or all)",
+    ),
     "reward_components": Unfed(_ADVANTAGE_SIDE, "run it in TRL, whose loss stage has the per-function rewards"),
     "reward_baseline": Unfed(_ADVANTAGE_SIDE, "read it in the advantage stage (verl's own adv_estimator=remax)"),
     "sum_pi_squared": Unfed(
@@ -123,8 +127,7 @@ POLICY_UNFED: dict[str, Unfed] = {
     "observation_mask": Unfed(
         "verl's ppo_loss passes a policy loss response_mask only: a multi-turn response's tool and user tokens lie "
         "outside it (log_prob is computed there too), but nothing marks them apart from the padding (the response's "
-        "attention_mask & ~response_mask stays in ppo_loss), and the only terms it lets a policy loss's recipe name "
-        "are its own entropy and KL",
+        "attention_mask & ~response_mask stays in ppo_loss)",
         "run it in TRL, with tools= or a rollout_func whose result carries env_mask (the adapter feeds "
         "completion_mask & ~tool_mask)",
     ),
@@ -188,11 +191,15 @@ ADVANTAGE_UNFED: dict[str, Unfed] = {
 }
 
 
-def policy_refusals(compiled: CompiledRecipe, *, has_engine_logp: bool) -> list[str]:
+def policy_refusals(
+    compiled: CompiledRecipe, *, has_engine_logp: bool, regularizers: tuple[Any, ...] | None = None
+) -> list[str]:
     """One line per field a stage of the policy term reads that verl's ``ppo_loss`` does not pass (behavior_logp
-    counts as passed when the call had ``rollout_log_probs``)."""
+    counts as passed when the call had ``rollout_log_probs``). ``regularizers``: the stages to judge instead of the
+    term's own (the same stages compiled from the recipe as written, so that each line names its position there)."""
     provided = POLICY_PROVIDED | ({"behavior_logp"} if has_engine_logp else set())
-    stages: tuple[Any, ...] = (*compiled.gates, *compiled.regularizers, compiled.reduction)
+    regs = compiled.regularizers if regularizers is None else regularizers
+    stages: tuple[Any, ...] = (*compiled.gates, *regs, compiled.reduction)
     return [
         unfed_line(stage.where, stage.plugin.name, name, POLICY_UNFED[name])
         for stage in stages

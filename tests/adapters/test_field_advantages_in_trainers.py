@@ -5,8 +5,7 @@ loss.
 
 What the adapters cannot supply yet is pinned as a refusal that names the missing field: TRL's advantage seam sees
 one reward per completion (no per-token log-probs, no trajectory or anchor ids), verl's ``compute_advantage`` reads
-no teacher log-probs, trajectory or anchor ids, and verl's ``ppo_loss`` runs only the entropy and KL terms verl adds
-itself.
+no teacher log-probs, trajectory or anchor ids. verl's policy loss runs nll (it reads only the log-probs).
 """
 
 from __future__ import annotations
@@ -192,7 +191,9 @@ def test_verls_compute_advantage_reads_the_teacher_and_turns_from_the_dataproto_
     assert "Next step: " in str(err.value)
 
 
-def test_the_nll_regularizer_under_verls_policy_loss_is_refused_with_the_reason(verl_proto):
+def test_the_nll_regularizer_runs_in_verls_policy_loss(verl_proto):
+    """nll on every response reads only the log-probs: verl's policy loss adds it (tests/adapters/
+    test_verl_regularizers.py proves it over a whole step at dp 2, beside verl's own entropy and KL)."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
     from verl.workers.config import ActorConfig
 
@@ -207,13 +208,17 @@ def test_the_nll_regularizer_under_verls_policy_loss_is_refused_with_the_reason(
         policy_loss=LossplugPolicyLossConfig(loss_mode="lossplug", recipe=recipe),
     )
     B, T = 2, 3
-    logp = -torch.rand(B, T, dtype=F64)
-    with pytest.raises(LossplugError, match=r"regularizers \[\{'name': 'nll'.*No verl setting adds these terms"):
-        get_policy_loss_fn("lossplug")(
-            old_log_prob=logp,
-            log_prob=logp.clone().requires_grad_(),
-            advantages=torch.zeros(B, T, dtype=F64),
-            response_mask=torch.ones(B, T, dtype=torch.bool),
-            loss_agg_mode="token-mean",
-            config=config,
-        )
+    old = -torch.rand(B, T, dtype=F64)
+    logp = old.clone().requires_grad_()
+    loss, _ = get_policy_loss_fn("lossplug")(
+        old_log_prob=old,
+        log_prob=logp,
+        advantages=torch.zeros(B, T, dtype=F64),
+        response_mask=torch.ones(B, T, dtype=torch.bool),
+        loss_agg_mode="token-mean",
+        config=config,
+    )
+    loss.backward()
+    # zero advantages: the policy term is 0 and the loss is nll's 0.1 · mean(−logp), its gradient −0.1 / tokens
+    torch.testing.assert_close(loss, 0.1 * (-old).mean(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(logp.grad, torch.full((B, T), -0.1 / (B * T), dtype=F64), rtol=1e-12, atol=0)

@@ -2,8 +2,7 @@
 of two CPU steps on the tiny model, whose rollout engine marks tool output in its ``env_mask`` (TRL's ``tool_mask``:
 the adapter feeds ``completion_mask & ~tool_mask`` as ``observation_mask``), and TRL's refusal without tools or a
 rollout_func, naming what to pass. verl cannot feed it: its ``ppo_loss`` hands a policy loss ``response_mask`` only
-(the environment's tokens stay behind, shown on verl's own source) and lets a recipe name no regularizer but its own
-entropy and KL — the seam refuses echo with that reason.
+(the environment's tokens stay behind, shown on verl's own source) — the seam refuses echo with that reason.
 
 Only public import paths: ``lossplug.adapters.trl`` and ``lossplug.adapters.verl``.
 """
@@ -88,5 +87,5 @@ def test_echo_under_verls_policy_loss_is_refused_with_the_reason():
     x = verl_inputs(seed=1)
     mb = {k: v[:MICRO] for k, v in x.items() if k != "lengths"}
     config = verl_actor_config({"gates": ["ppo_clip"], "reduction": "token", "regularizers": [ECHO]}, MICRO)
-    with pytest.raises(LossplugError, match=r"regularizers \[\{'name': 'echo'.*No verl setting adds these terms"):
+    with pytest.raises(LossplugError, match=r"recipe.regularizers\[0\] \(echo\) reads observation_mask: .*Next step: "):
         verl_policy_loss(config, mb)
