@@ -6,7 +6,7 @@
 
 with ``L`` the response's length in tokens (its action tokens: in a single-turn batch, verl's
 ``valid_response_length``). A per-token reward gains the penalty on the response's last action token, where the
-score sits. Computed in the reward's dtype in verl's order (``−exceed / buffer · factor``).
+score sits. Computed in the reward's dtype (at least float32) in verl's order (``−exceed / buffer · factor``).
 
 Reference: verl 0.9.1 ``verl.workers.reward_manager.dapo.DAPORewardManager.__call__``
 (``reward_model.overlong_buffer.{enable, len, penalty_factor}``, ``max_resp_len`` =
@@ -52,8 +52,11 @@ def overlong_penalty(inp: lossplug.RolloutInput, p: OverlongParams) -> lossplug.
     assert reward is not None
     mask = batch.action_mask
     lengths = mask.sum(-1)
-    exceed = lengths - (p.max_response_length - p.buffer)
-    penalty = (-exceed / p.buffer * p.factor).to(reward.dtype).clamp(max=0)
+    # in the reward's dtype (at least float32): integer lengths divided in torch's default float32 would put a
+    # float32 rounding (~1e-8) on a float64 reward, which verl and AReaL compute in Python floats
+    dtype = torch.promote_types(reward.dtype, torch.float32)
+    exceed = (lengths - (p.max_response_length - p.buffer)).to(dtype)
+    penalty = (-exceed / p.buffer * p.factor).clamp(max=0).to(reward.dtype)
     if reward.ndim == 1:
         shaped = reward + penalty
     else:  # on the last action token, beside the score

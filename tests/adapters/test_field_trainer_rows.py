@@ -150,9 +150,8 @@ def test_openrlhfs_kl_in_the_reward_is_its_compute_reward_then_verls_gae(origins
     torch.testing.assert_close(torch.where(mask, out.batch["advantages"], 0), torch.where(mask, expected, 0))
 
 
-#: overlong_penalty computes ``−exceed / buffer`` from integer lengths in torch's default float32, then casts to the
-#: reward's dtype: float32 rounding on float64 rewards (the origins compute it in Python floats)
-OVERLONG_ATOL = 1e-7
+#: overlong_penalty computes in the reward's dtype (float64 here), as the origins do in Python floats: exact
+OVERLONG_ATOL = 0.0
 
 
 # -- the DAPO overlong penalty -----------------------------------------------------------------------------------------
@@ -175,7 +174,6 @@ def test_nemo_rls_overlong_shaping_through_verls_compute_advantage():
     out = verl_compute_advantage(data, adv_estimator="lossplug", num_repeat=G, config=config)
     expected = nemo_overlong(last_token_scores(make_data(2)), mask.sum(-1), T, 3, 0.5)
     assert (expected != last_token_scores(make_data(2))).sum() >= 3, "no response is penalised: the test proves nothing"
-    # OVERLONG_ATOL: the shaper divides the integer lengths in float32 before casting to the reward's dtype
     torch.testing.assert_close(out.batch["token_level_rewards"].sum(-1), expected, rtol=0, atol=OVERLONG_ATOL)
     lengths = mask.sum(-1)
     on_last = out.batch["token_level_rewards"][torch.arange(B), lengths - 1]

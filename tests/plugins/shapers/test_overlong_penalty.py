@@ -130,3 +130,25 @@ def test_it_is_areals_reward_overlong_penalty(origins):
     expected = reward_overlong_penalty(data, BUFFER, FACTOR, MAX_LEN)["rewards"]
     shaped = lossplug.estimate_advantages(b, RECIPE).reward
     assert torch.equal(shaped, expected)
+
+
+def test_a_float64_reward_gets_the_penalty_in_float64_as_verl_computes_it_in_python_floats():
+    """A buffer and factor whose quotients float32 cannot hold: the penalty is computed in the reward's dtype, not in
+    torch's default float32 (which put a ~1e-8 error on float64 rewards)."""
+    buffer, factor = 7, 0.3
+    scores, lengths = [1.0, 0.5, -0.25, 1.0, 0.0, 0.75], [3, 6, 7, 9, 11, 12]
+    b = batch(scores, lengths)
+    b = lossplug.PolicyBatch(logp=b.logp, action_mask=b.action_mask, reward=b.reward.double(), group_id=b.group_id)
+    recipe = {
+        **RECIPE,
+        "shapers": [{"name": "overlong_penalty", "max_response_length": MAX_LEN, "buffer": buffer, "factor": factor}],
+    }
+    shaped = lossplug.estimate_advantages(b, recipe).reward
+    # verl's DAPORewardManager, in Python floats: reward + min(−exceed / buffer · factor, 0)
+    expected = [s + min(-(n - (MAX_LEN - buffer)) / buffer * factor, 0) for s, n in zip(scores, lengths)]
+    assert shaped.dtype == torch.float64
+    assert shaped.tolist() == expected
+    # what float32 division gave: off in the last bits, which the exact comparison above rules out
+    exceed = torch.tensor(lengths) - (MAX_LEN - buffer)
+    float32_way = torch.tensor(scores, dtype=torch.float64) + (-exceed / buffer * factor).double().clamp(max=0)
+    assert float32_way.tolist() != expected
