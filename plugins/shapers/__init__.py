@@ -1,5 +1,5 @@
 """Built-in reward shapers: the rollout side, rewriting the reward before the advantage (KL in the reward, clipping,
-scaling, DAPO's overlong penalty,
+scaling, DAPO's overlong penalty, prime-rl's length penalty,
 no score for truncated responses, running normalisation).
 
 This package is the built-in shapers' plugin module: lossplug's ``pyproject.toml`` declares it in the ``lossplug``
@@ -16,11 +16,12 @@ import lossplug
 
 @lossplug.hookimpl
 def lossplug_register_shapers(register: Callable[[lossplug.ShaperPlugin], None]) -> None:
-    from . import kl_in_reward, overlong_penalty, reward_transform, running_norm, zero_truncated
+    from . import kl_in_reward, length_penalty, overlong_penalty, reward_transform, running_norm, zero_truncated
 
     register(kl_in_reward.kl_in_reward)
     register(reward_transform.reward_clip)
     register(reward_transform.reward_scale)
     register(overlong_penalty.overlong_penalty)
+    register(length_penalty.length_penalty)
     register(zero_truncated.zero_truncated)
     register(running_norm.running_norm)
