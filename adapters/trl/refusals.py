@@ -82,6 +82,11 @@ ROLLOUT_TOKEN_READERS: dict[str, str] = {
         "get_soft_overlong_punishment(max_completion_len=<max_response_length>, soft_punish_cache=<buffer>)] "
         "(DAPO's soft overlong punishment with factor 1), or run this recipe in verl"
     ),
+    "length_penalty": (
+        "it reads each completion's output tokens and turns from its action mask, and TRL's gathered rewards carry "
+        "one position per completion. Next step: run this recipe in verl (algorithm.adv_estimator=lossplug), whose "
+        "response_mask has both"
+    ),
 }
 
 #: the issue where a teacher's log-probs and multi-turn ids are planned to reach the recipe
