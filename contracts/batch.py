@@ -557,6 +557,17 @@ class PolicyBatch(_TensorModel):
             "by plugins that compare the tokens the rollouts of a group share (KTAE's advantage)",
         ),
     ] = None
+    segment_id: Annotated[
+        Tensor | None,
+        _token(
+            "int",
+            "tree node (segment) of each token",
+            "the node of the sampling tree (a segment) each action token belongs to, unique within its group_id: "
+            "the rows are the tree's leaves, and a prefix several rows share carries the same ids in each of them; a "
+            "node's rows are those containing its id, its parent the segment before it in those rows (TreePO's "
+            "subgroups); read on the actions",
+        ),
+    ] = None
     anchor_id: Annotated[
         Tensor | None,
         TensorField(

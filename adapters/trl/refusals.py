@@ -160,6 +160,12 @@ UNFED: dict[str, Unfed] = {
         "pass GRPOTrainer(tools=[...]) (the tool results become observation tokens) or a rollout_func whose result "
         "carries env_mask (0 on the environment's tokens)",
     ),
+    "segment_id": Unfed(
+        "GRPOTrainer samples each completion of a prompt independently (no shared segments), so no sampling tree "
+        "exists and nothing marks the tree node of a token",
+        "sample a tree yourself (TreePO's segment-wise rollout) and run lossplug.estimate_advantages on a PolicyBatch "
+        "whose segment_id names each token's node; its advantages then go through any trainer's loss",
+    ),
 }
 #: the fields TRL's loss stage has (some under settings) that its advantage stage lacks
 UNFED_AT_ADVANTAGE: dict[str, Unfed] = {

@@ -38,6 +38,7 @@ def lossplug_register_advantages(register: Callable[[lossplug.AdvantagePlugin], 
         reinforce_plus_plus,
         remax,
         step_reinforce,
+        treepo,
     )
 
     for estimator in (
@@ -74,6 +75,8 @@ def lossplug_register_advantages(register: Callable[[lossplug.AdvantagePlugin], 
         agentic_reinforce.agentic_reinforce,
         # MT-GRPO's turn-level advantage (arXiv:2505.11821; verl #1654)
         mt_grpo.mt_grpo,
+        # TreePO's tree advantage over shared-prefix subgroups (arXiv:2508.17445; issue 31)
+        treepo.treepo,
         # a weighted mix of the estimators above (TRL #7291)
         mix.mix,
     ):

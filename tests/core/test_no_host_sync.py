@@ -62,6 +62,7 @@ def meta_batch(sequence_advantage: bool) -> tuple[lossplug.PolicyBatch, torch.Te
         advantage=empty(B) if sequence_advantage else empty(B, T),
         group_id=empty(B, dtype=torch.int64),
         token_ids=empty(B, T, dtype=torch.int64),
+        segment_id=empty(B, T, dtype=torch.int64),
     )
     return batch, logp
 

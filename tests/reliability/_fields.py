@@ -136,6 +136,10 @@ def complete_fields(fields: dict[str, Any], recipe: Any, *, components: Componen
         "anchor_id": lambda: torch.arange(logp.shape[0]) % 2,
         # sampled tokens from a small vocabulary, shared across the rows of a group (KTAE's tables, GTPO's conflicts)
         "token_ids": lambda: (torch.arange(logp.numel()).reshape(logp.shape) * 7 + 3) % 5,
+        # a sampling tree per group (TreePO): a first-half segment shared by the group's rows, then a leaf per row
+        "segment_id": lambda: torch.where(
+            torch.arange(logp.shape[1]) < logp.shape[1] // 2, 0, 1 + torch.arange(logp.shape[0]).unsqueeze(-1)
+        ),
         # echo's environment tokens: valid log-probs off the actions (the row's last position stays padding)
         "observation_mask": lambda: observation_mask_like(out),
         # prompt_mean's prompt groups: pairs of consecutive rows

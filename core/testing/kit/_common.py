@@ -317,6 +317,9 @@ def check_fields(**kw: Any) -> dict[str, Tensor]:
     fields["observation_mask"] = ~fields["action_mask"] & (torch.rand(B, T, generator=g) < 0.5)
     # sampled token ids from a small vocabulary, so that the rollouts of a group share some (KTAE's tables)
     fields["token_ids"] = torch.randint(0, 6, (B, T), generator=g, dtype=torch.int64)
+    # a sampling tree per group (TreePO): the first half of the tokens one segment every row of the group shares,
+    # the rest a leaf segment of the row's own
+    fields["segment_id"] = torch.where(torch.arange(T) < T // 2, 0, 1 + torch.arange(B).unsqueeze(-1))
     return fields
 
 
