@@ -21,7 +21,7 @@ of the policy over ``a`` after every turn (the generation loop's work; the refer
 
     π_θ(a | q, o_≤k) = exp( (1/L) Σ_j log π_θ(a_j | q, o_≤k, a_<j) )
     r_i,k = π_θ(a | q, o_≤k) − π_θ(a | q, o_≤k−1)                  for the turns k < K_i of row i (paper, eq. 2)
-    r_i,K = F1(answer, a) (0 for a malformed answer)                 for the last turn (the outcome)
+    r_i,K = F1(predicted answer, a)                                  for the last turn (the outcome)
 
 (the code's ``info_gain_type: log_prob_diff`` takes the difference of the mean log-probabilities instead). A rollout
 feeding this plugin puts ``r_i,k`` on the last action token of turn ``k`` of row ``i`` in ``reward`` (verl:
