@@ -25,6 +25,7 @@ def lossplug_register_advantages(register: Callable[[lossplug.AdvantagePlugin], 
         gpg,
         group_relative,
         grpo_loo,
+        igpo,
         ktae,
         length_adaptive_gae,
         length_weighted,
@@ -75,6 +76,8 @@ def lossplug_register_advantages(register: Callable[[lossplug.AdvantagePlugin], 
         agentic_reinforce.agentic_reinforce,
         # MT-GRPO's turn-level advantage (arXiv:2505.11821; verl #1654)
         mt_grpo.mt_grpo,
+        # IGPO's information-gain turn advantage, given the rollout's turn rewards (arXiv:2510.14967; issue 31)
+        igpo.igpo,
         # TreePO's tree advantage over shared-prefix subgroups (arXiv:2508.17445; issue 31)
         treepo.treepo,
         # a weighted mix of the estimators above (TRL #7291)
