@@ -59,7 +59,7 @@ class CFPOParams(lossplug.Params):
     eps: float = Field(
         0.2,
         gt=0,
-        description="ε of the penalty |A|·(r − 1)²/(2ε): the objective peaks at r = 1 + ε·sign(A), where PPO's clip "
+        description="ε of the penalty abs(A)·(r − 1)²/(2ε): the objective peaks at r = 1 + ε·sign(A), where PPO's clip "
         "would start (the verl port reads clip_ratio)",
     )
     log_ratio_clamp: float = Field(20.0, gt=0, description="the log-ratio is clamped to ± this before exp")
