@@ -29,11 +29,12 @@ verl's ``ppo_loss`` never passes ``rollout_log_probs``: there a recipe's engine 
 the policy term, verl's weights applied instead (:class:`LossplugPolicyLossConfig`); else refused with the lines.
 For the estimator: ``token_level_rewards`` → ``reward`` ``[B, T]``, ``uid`` (numpy object array) → integer
 ``group_id``, ``reward_baselines`` → ``reward_baseline``. verl's ``ray_trainer.compute_advantage`` passes a
-registered estimator nothing else, so a plugin that needs the critic's ``values`` (``gae``) or log-probs is refused
-there with the way out: :func:`compute_advantage` ``(data, recipe)`` on the ``DataProto`` in a custom trainer (it
-reads every field from ``data.batch``), or verl's own estimator. A teacher's log-probs and the turn ids live only in
-the driver's ``DataProto``: called by verl's ``compute_advantage``, the estimator reads them there (its caller's
-frame, as for shapers and filters) — ``teacher_logprobs`` (verl's teacher loop, ``[B, prompt + response, 1]``) →
+registered estimator nothing else: a plugin that needs more reads every field from that call's ``DataProto`` (its
+caller's frame, as for shapers and filters; called any other way, it is refused with the way out, and
+:func:`compute_advantage` ``(data, recipe)`` reads the same in a custom trainer) — ``values`` → ``value`` (``gae``;
+no critic, no ``values``: refused naming ``critic.enable``), ``old_log_probs`` / ``ref_log_prob`` /
+``rollout_log_probs`` → ``old_logp`` / ``ref_logp`` / ``behavior_logp``, ``sum_pi_squared``, ``responses`` →
+``token_ids`` (``ktae``), and the fields that live only in the driver's ``DataProto``: ``teacher_logprobs`` (verl's teacher loop, ``[B, prompt + response, 1]``) →
 ``teacher_logp`` ``[B, T]`` (``opd``), ``non_tensor_batch``'s ``traj_uid`` / ``trajectory_id`` and ``anchor_obs`` /
 ``anchor_id`` (strings or integers) → integer ``trajectory_id`` / ``anchor_id`` (``gigpo``, ``step_reinforce``),
 numbered in order of first appearance; verl's policy loss gets neither. Rows with no action token (verl's synthetic padding rows, or

@@ -32,6 +32,7 @@ __all__ = [
     "advantage_batch",
     "compute_advantage",
     "compute_lossplug_advantage",
+    "dataproto_fields",
     "driver_fields",
     "group_ids",
     "stable_ids",
@@ -61,6 +62,9 @@ _EXTRA_FIELDS = {
 }
 #: the DataProto keys ``ray_trainer.compute_advantage`` hands a registered estimator (besides rewards, mask, uid)
 _PASSED_BY_VERL = frozenset({"reward_baselines"})
+#: the fields of :data:`_EXTRA_FIELDS` verl does not hand a registered estimator: an advantage plugin that reads one
+#: makes the estimator read the DataProto of verl's ``compute_advantage``, where verl holds them at advantage time
+_NOT_PASSED_BY_VERL = frozenset(name for name, key in _EXTRA_FIELDS.items() if key not in _PASSED_BY_VERL)
 
 #: verl's key of a teacher's log-probs: ``[B, prompt + response, 1]``, written by verl 0.9.1's agent loop when its
 #: teacher loop is on (``experimental/agent_loop/agent_loop.py`` ``_postprocess``; ``teacher_manager.
@@ -111,12 +115,15 @@ def compute_lossplug_advantage(
     ``algorithm.gamma``, ``lam`` and ``norm_adv_by_std_in_grpo`` are not read: the recipe's parameters are.
 
     verl's ``ray_trainer.compute_advantage`` passes a registered estimator only ``token_level_rewards``,
-    ``response_mask``, ``index`` (uid) and ``reward_baselines``: a plugin that needs anything else (critic
-    ``values`` for ``gae``, log-probs) is refused here with the way out — :func:`compute_advantage` on the
-    ``DataProto`` in a custom trainer, or verl's own estimator. A recipe that reads a teacher's log-probs or the turn
-    ids (``opd``, ``gigpo``, ``step_reinforce``) reads every field from the ``DataProto`` of verl's
-    ``compute_advantage`` instead, found in its caller's frame (:func:`~.rollout_stages.calling_batch`):
-    :func:`teacher_logp` and :func:`stable_ids` say how; called any other way, it is refused with the way out.
+    ``response_mask``, ``index`` (uid) and ``reward_baselines``. A recipe that reads more — the critic's ``values``
+    (``gae``), ``old_log_probs`` / ``ref_log_prob`` (``reinforce_plus_plus_baseline`` with ``kl_coef``),
+    ``rollout_log_probs``, ``sum_pi_squared``, the sampled token ids ``responses`` (``ktae``), a teacher's log-probs
+    or the turn ids (``opd``, ``gigpo``, ``step_reinforce``: :func:`teacher_logp`, :func:`stable_ids`), or has
+    shapers or filters — reads every field from the ``DataProto`` of verl's ``compute_advantage`` instead, found in
+    its caller's frame (:func:`~.rollout_stages.calling_batch`: only that exact caller, only when its
+    ``token_level_rewards`` is the tensor handed here), the same fields :func:`compute_advantage` reads. A key that
+    ``DataProto`` lacks (no critic: no ``values``) is refused with what to set; called any other way, the estimator
+    refuses such a recipe with the way out (:data:`~.unfed.ADVANTAGE_UNFED`).
     """
     check_once("estimator")
     source = _algorithm_value(config, "lossplug")
@@ -142,9 +149,10 @@ def compute_lossplug_advantage(
     compiled = lossplug.compile_recipe(recipe)
     calling: CallingBatch | None = None
     driver = driver_fields(compiled)
-    if compiled.has_rollout_stages or driver:
+    if compiled.has_rollout_stages or dataproto_fields(compiled):
         # the shapers and filters read and write verl's DataProto (rollout_stages says how and why); a teacher's
-        # log-probs and the turn ids are in it too, and nowhere else
+        # log-probs and the turn ids are in it too, and nowhere else, and so are the critic's values, the log-probs
+        # and the sampled tokens an advantage plugin may read, which verl does not pass
         check_counted_once(compiled, config, ADVANTAGE_RECIPE_KEY)
         calling = calling_batch(token_level_rewards)
         check_reaches_the_actor(compiled, calling, ADVANTAGE_RECIPE_KEY)
@@ -171,6 +179,15 @@ def driver_fields(compiled: Any) -> frozenset[str]:
     return frozenset(
         name for stage in stages for name in stage.plugin.required_fields(stage.params) if name in _DRIVER_FIELDS
     )
+
+
+def dataproto_fields(compiled: Any) -> frozenset[str]:
+    """The fields the estimator reads from the DataProto of verl's ``compute_advantage`` for the recipe, because
+    verl does not pass them: :func:`driver_fields`, and the fields of :data:`_EXTRA_FIELDS` (but ``reward_baseline``)
+    that the advantage plugin requires (the shapers' and filters' are read from it anyway)."""
+    stage = compiled.advantage
+    reads = frozenset(stage.plugin.required_fields(stage.params)) if stage is not None else frozenset()
+    return driver_fields(compiled) | (reads & _NOT_PASSED_BY_VERL)
 
 
 def _driver_held(data: Any, names: frozenset[str], where: str) -> dict[str, Tensor]:
@@ -297,8 +314,9 @@ def teacher_logp(data: Any, where: str) -> Tensor:
 def compute_advantage(
     data: Any, recipe: Any, *, reward_keys: Sequence[str] | None = None, algorithm: Any = None
 ) -> Any:
-    """The recipe's advantage stage on a verl ``DataProto``, for custom trainers: the explicit path for plugins that
-    read more than verl hands a registered estimator (``gae`` reads the critic's ``values``).
+    """The recipe's advantage stage on a verl ``DataProto``, for custom trainers (verl's own trainer, at
+    ``algorithm.adv_estimator=lossplug``, reads the same fields of its ``DataProto`` through
+    :func:`compute_lossplug_advantage`).
 
     Reads ``token_level_rewards``, ``response_mask`` and ``non_tensor_batch["uid"]``, plus whatever the plugin
     requires of ``values``, ``old_log_probs``, ``ref_log_prob``, ``rollout_log_probs``, ``reward_baselines``,
@@ -497,6 +515,8 @@ def _stage_fields(
                 f"'{ANCHOR_KEYS[1]}' (strings or integers; an agent loop's extra_fields land there)",
                 _REWARD_COMPONENTS: "pass reward_keys= (verl's algorithm.gdpo_reward_keys)",
                 "sum_pi_squared": "set actor.calculate_sum_pi_squared=True (verl then computes it)",
+                "rollout_log_probs": "set actor_rollout_ref.rollout.calculate_log_probs=true (verl then keeps the "
+                "rollout engine's log-probs as rollout_log_probs)",
             }.get(verl_key)
             hint = (
                 f" Next step: {step}"

@@ -63,6 +63,7 @@ from lossplug.adapters.verl.policy_loss import policy_batch
 from lossplug.adapters.verl.recipes import ADVANTAGE_RECIPE_KEY, POLICY_RECIPE_KEY, load_recipe
 from lossplug.adapters.verl.registration import NAME
 from lossplug.adapters.verl.regularizers import VerlTerms, verl_settings_for
+from lossplug.adapters.verl.rollout_stages import missing_reference_hint
 from lossplug.contracts import LossplugError, Recipe
 
 __all__ = [
@@ -348,9 +349,10 @@ def _advantage_field_problem(recipe: Recipe, key: str) -> str | None:
     stage = lossplug.compile_recipe(recipe).advantage
     if stage is None:
         return f"{key}: the recipe has no advantage stage; add one, e.g. advantage: {{name: grpo}}"
-    # a stage reading a teacher's log-probs or turn ids makes the estimator read the DataProto verl's compute_advantage
-    # holds (as shapers and filters do): what is missing there is said when the batch is seen
-    reads_the_dataproto = bool(advantage.driver_fields(lossplug.compile_recipe(recipe)))
+    # a stage reading what verl does not pass (the critic's values, log-probs, token ids, a teacher's log-probs, turn
+    # ids) makes the estimator read the DataProto verl's compute_advantage holds (as shapers and filters do): what is
+    # missing there is said when the batch is seen
+    reads_the_dataproto = bool(advantage.dataproto_fields(lossplug.compile_recipe(recipe)))
     held = {name: torch.empty(0) for name in advantage.DATAPROTO_KEYS} if reads_the_dataproto else {}
     try:  # (verl hands its shapers and filters the DataProto compute_advantage holds: only the advantage is judged)
         advantage._stage_fields(stage, key, advantage.FIELDS_BY_KEY, held, from_verl=not reads_the_dataproto)
@@ -474,21 +476,37 @@ def _advantage_lines(recipe: Recipe, named: str) -> tuple[list[tuple[str, Any]],
         note = "the recipe has no advantage stage: verl's own algorithm.adv_estimator computes the advantages"
         return [], [], [note]
     refusal = _advantage_field_problem(recipe, ADVANTAGE_RECIPE_KEY)
-    if refusal is None:
-        lines: list[tuple[str, Any]] = [("algorithm.adv_estimator", NAME), (ADVANTAGE_RECIPE_KEY, named)]
+    compiled = lossplug.compile_recipe(recipe)
+    stage = compiled.advantage
+    reads = set(stage.plugin.required_fields(stage.params)) if stage is not None else set()
+    # what verl does not pass its estimator (a critic's values, log-probs, token ids) the estimator reads from verl's
+    # DataProto; where verl's own estimator is the stage exactly, it reads them itself: that one is preferred
+    unpassed = advantage.dataproto_fields(compiled) - advantage.driver_fields(compiled)
+    own = _verl_estimator(recipe) if refusal is not None or unpassed else None
+    critic: list[tuple[str, Any]] = [("critic.enable", True)] if "value" in reads else []
+    if own is None and refusal is None:
+        lines: list[tuple[str, Any]] = [("algorithm.adv_estimator", NAME), (ADVANTAGE_RECIPE_KEY, named), *critic]
         if _reads_turns(recipe):  # a trajectory's rows must stay in time order (advantage_problems says why)
             lines.append(("trainer.balance_batch", False))
-        return lines, [], []
-    own = _verl_estimator(recipe)
+        notes = []
+        if "ref_logp" in reads:
+            notes.append(
+                f"'{recipe.advantage.name}' reads ref_log_prob from verl's DataProto"
+                f"{missing_reference_hint('ref_log_prob')}"
+            )
+        return lines, [], notes
     if own is None:
-        return [], [Problem("recipe field", ADVANTAGE_RECIPE_KEY, refusal)], []
-    lines = [(f"algorithm.{k}", v) for k, v in own.items()]
-    stage = lossplug.compile_recipe(recipe).advantage
-    if stage is not None and "value" in stage.plugin.required_fields(stage.params):
-        lines.append(("critic.enable", True))
+        return [], [Problem("recipe field", ADVANTAGE_RECIPE_KEY, str(refusal))], []
+    lines = [(f"algorithm.{k}", v) for k, v in own.items()] + critic
+    why = (
+        f"verl does not hand a registered estimator what '{recipe.advantage.name}' reads"
+        if refusal is not None
+        else f"verl's own estimator reads what '{recipe.advantage.name}' reads itself (adv_estimator={NAME} would "
+        f"read it from verl's DataProto)"
+    )
     note = (
-        f"verl does not hand a registered estimator what '{recipe.advantage.name}' reads, so the advantages come "
-        f"from verl's own adv_estimator={own['adv_estimator']}, which is the recipe's advantage stage exactly"
+        f"{why}, so the advantages come from verl's own adv_estimator={own['adv_estimator']}, which is the recipe's "
+        "advantage stage exactly"
     )
     return lines, [], [note]
 

@@ -2,10 +2,10 @@
 Unfed`) for each of verl's two seams — the policy loss (:data:`POLICY_UNFED`: verl's ``ppo_loss`` hands a policy
 loss ``old_log_prob``, ``log_prob``, ``advantages`` and ``response_mask`` only) and the registered advantage estimator
 (:data:`ADVANTAGE_UNFED`: ``ray_trainer.compute_advantage`` hands it ``token_level_rewards``, ``response_mask``,
-``uid`` and ``reward_baselines`` only; a teacher's log-probs and the turn ids it reads from the ``DataProto`` of
-verl's ``compute_advantage`` itself, :data:`ADVANTAGE_FROM_THE_DATAPROTO`, and refuses them only when called some
-other way). The policy loss's plan and the estimator refuse a recipe with these rows, before any batch is checked
-(:func:`policy_refusals`)."""
+``uid`` and ``reward_baselines`` only; the critic's values, the log-probs, ``sum_pi_squared``, the sampled token ids,
+a teacher's log-probs and the turn ids it reads from the ``DataProto`` of verl's ``compute_advantage`` itself,
+:data:`ADVANTAGE_FROM_THE_DATAPROTO`, and refuses them only when called some other way). The policy loss's plan and
+the estimator refuse a recipe with these rows, before any batch is checked (:func:`policy_refusals`)."""
 
 from __future__ import annotations
 
@@ -29,14 +29,40 @@ POLICY_PROVIDED = frozenset({"logp", "action_mask", "old_logp", "advantage"})
 #: what the registered estimator gets from verl's compute_advantage (reward_baseline: only verl's remax computes it)
 ADVANTAGE_PROVIDED = frozenset({"reward", "group_id"})
 #: what the registered estimator reads from the DataProto of verl's compute_advantage, found in its caller's frame
-#: (:mod:`.rollout_stages`): a teacher's log-probs (``teacher_logprobs``) and the turn ids (``non_tensor_batch``'s
-#: ``traj_uid`` / ``trajectory_id`` and ``anchor_obs`` / ``anchor_id``)
-ADVANTAGE_FROM_THE_DATAPROTO = frozenset({"teacher_logp", "trajectory_id", "anchor_id"})
+#: (:mod:`.rollout_stages`): the critic's ``values``, ``old_log_probs``, ``ref_log_prob``, ``rollout_log_probs``,
+#: ``sum_pi_squared``, the sampled token ids (``responses``), a teacher's log-probs (``teacher_logprobs``) and the
+#: turn ids (``non_tensor_batch``'s ``traj_uid`` / ``trajectory_id`` and ``anchor_obs`` / ``anchor_id``)
+ADVANTAGE_FROM_THE_DATAPROTO = frozenset(
+    {
+        "value",
+        "old_logp",
+        "ref_logp",
+        "behavior_logp",
+        "sum_pi_squared",
+        "token_ids",
+        "teacher_logp",
+        "trajectory_id",
+        "anchor_id",
+    }
+)
 
 _THROUGH_VERL = (
     "run it as verl's algorithm.adv_estimator=lossplug, called by verl's ray_trainer.compute_advantage, or in a "
     "custom trainer call lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto"
 )
+
+
+def _from_the_dataproto(verl_key: str, then: str) -> Unfed:
+    """The row of a field verl's compute_advantage holds in its DataProto and hands no registered estimator: read
+    there when verl's compute_advantage called the estimator; ``then``: what verl's batch needs for it to be there."""
+    return Unfed(
+        f"verl's compute_advantage hands a registered estimator no '{verl_key}': the estimator reads "
+        f"data.batch['{verl_key}'] from the DataProto of verl's ray_trainer.compute_advantage, and this call did not "
+        "come from it",
+        f"{_THROUGH_VERL} ({then})",
+    )
+
+
 _TEACHER_TO_ESTIMATOR = Unfed(
     "verl's compute_advantage hands a registered estimator no teacher log-probs: the estimator reads "
     "data.batch['teacher_logprobs'] from the DataProto of verl's ray_trainer.compute_advantage, and this call did not "
@@ -71,6 +97,11 @@ _TRANSITIONS = Unfed(
     "run the estimator outside a trainer: lossplug.estimate_advantages on PackedTransitions you build",
 )
 _ADVANTAGE_SIDE = "verl's ppo_loss passes a policy loss the advantages, not what they were computed from"
+_NO_TREE_NEXT = (
+    "sample a tree yourself (TreePO's segment-wise rollout) and run lossplug.estimate_advantages on a PolicyBatch whose "
+    "segment_id names each token's node; in a custom trainer write them to data.batch['advantages'], which verl's "
+    "policy loss reads"
+)
 _NOT_TO_ESTIMATOR = (
     "verl's ray_trainer.compute_advantage does not pass it to a registered estimator (it passes "
     "token_level_rewards, response_mask, uid and reward_baselines)"
@@ -124,6 +155,11 @@ POLICY_UNFED: dict[str, Unfed] = {
     "anchor_id": _TURNS_TO_LOSS,
     "behavior_version": _VERSIONS,
     "policy_version": _VERSIONS,
+    "segment_id": Unfed(
+        "verl's rollout samples each response independently (no sampling tree), and its ppo_loss passes a policy "
+        "loss no segment ids",
+        _NO_TREE_NEXT,
+    ),
     "observation_mask": Unfed(
         "verl's ppo_loss passes a policy loss response_mask only: a multi-turn response's tool and user tokens lie "
         "outside it (log_prob is computed there too), but nothing marks them apart from the padding (the response's "
@@ -135,30 +171,16 @@ POLICY_UNFED: dict[str, Unfed] = {
 
 #: the fields verl's compute_advantage does not hand a registered estimator: why, and what to do instead
 ADVANTAGE_UNFED: dict[str, Unfed] = {
-    "value": Unfed(
-        _NOT_TO_ESTIMATOR,
-        f"use verl's own estimator (adv_estimator=gae, with critic.enable=True), {_CUSTOM}, which reads 'values' "
-        "from data.batch",
+    "value": _from_the_dataproto(
+        "values", "with critic.enable=True, which writes values; or verl's own adv_estimator=gae"
     ),
-    "old_logp": Unfed(
-        _NOT_TO_ESTIMATOR,
-        f"use verl's own estimator where it has one (adv_estimator=optimal_token_baseline), {_CUSTOM}, which reads "
-        "'old_log_probs' from data.batch",
+    "old_logp": _from_the_dataproto("old_log_probs", "verl computes old_log_probs before the advantages"),
+    "sum_pi_squared": _from_the_dataproto("sum_pi_squared", "with actor.calculate_sum_pi_squared=True"),
+    "ref_logp": _from_the_dataproto(
+        "ref_log_prob", "with a reference policy: actor.use_kl_loss=true, kl_loss_coef=0 if the actor has no KL term"
     ),
-    "sum_pi_squared": Unfed(
-        _NOT_TO_ESTIMATOR,
-        "use verl's own adv_estimator=optimal_token_baseline with actor.calculate_sum_pi_squared=True, "
-        f"{_CUSTOM}, which reads 'sum_pi_squared' from data.batch",
-    ),
-    "ref_logp": Unfed(
-        _NOT_TO_ESTIMATOR,
-        f"put the KL in the reward with verl's own algorithm.use_kl_in_reward=True, {_CUSTOM}, which reads "
-        "'ref_log_prob' from data.batch",
-    ),
-    "behavior_logp": Unfed(
-        _NOT_TO_ESTIMATOR,
-        "in a custom trainer call lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto, which "
-        "reads 'rollout_log_probs' from data.batch",
+    "behavior_logp": _from_the_dataproto(
+        "rollout_log_probs", "with actor_rollout_ref.rollout.calculate_log_probs=true"
     ),
     "reward_components": Unfed(
         _NOT_TO_ESTIMATOR,
@@ -168,11 +190,7 @@ ADVANTAGE_UNFED: dict[str, Unfed] = {
         "verl computes reward_baselines (a greedy response per prompt) only for its own adv_estimator=remax",
         "use verl's own adv_estimator=remax (lossplug's remax reproduces it)",
     ),
-    "token_ids": Unfed(
-        _NOT_TO_ESTIMATOR,
-        "in a custom trainer call lossplug.adapters.verl.compute_advantage(data, recipe) on the DataProto, which "
-        "reads the sampled token ids from 'responses' in data.batch",
-    ),
+    "token_ids": _from_the_dataproto("responses", "the sampled token ids, always there"),
     "entropy": Unfed(
         "verl's advantage estimators get no entropies",
         "read the entropies in a gate or regularizer, in TRL (verl's policy loss gets none either)",
@@ -184,6 +202,11 @@ ADVANTAGE_UNFED: dict[str, Unfed] = {
     "policy_version": _VERSIONS,
     "terminated": _TRANSITIONS,
     "final_value": _TRANSITIONS,
+    "segment_id": Unfed(
+        "verl's rollout samples each response independently (no sampling tree), and its compute_advantage hands a "
+        "registered estimator no segment ids",
+        _NO_TREE_NEXT,
+    ),
     "observation_mask": Unfed(
         _NOT_TO_ESTIMATOR,
         "train the environment's tokens in the loss (the echo regularizer), in TRL",

@@ -7,8 +7,9 @@ so verl's seam refuses it naming ``group_id`` (the authors' verl fork passes ``u
 KTAE: verl's advantage seam (``lossplug.adapters.verl.compute_advantage`` on a ``DataProto``, which reads the
 sampled token ids from ``responses``) against the estimator on the same tensors, its per-token advantages then
 through verl's policy-loss seam at 2 ranks × micro-batches against the PPO-clip formula over the step; verl's
-registered estimator (no ``responses`` passed to it) and TRL (one advantage per completion) refuse it naming
-``token_ids`` and the way out.
+registered estimator, to which verl's ``compute_advantage`` passes no ``responses``, reads them from that call's
+``DataProto`` (bitwise the adapter's ``compute_advantage``) and refuses when called some other way; TRL (one
+advantage per completion) refuses it naming ``token_ids`` and the way out.
 """
 
 from __future__ import annotations
@@ -126,15 +127,40 @@ def test_ktae_advantages_through_verls_policy_loss_at_two_ranks(ktae_proto):
     torch.testing.assert_close(grad, torch.where(mask, logp.grad, 0), rtol=1e-12, atol=1e-14)
 
 
-def test_ktae_as_verls_registered_estimator_is_refused_naming_responses(ktae_proto):
+def test_ktae_as_verls_registered_estimator_reads_responses_from_its_dataproto(ktae_proto):
+    import copy
+
     pytest.importorskip("lossplug.adapters.verl")  # registers the estimator 'lossplug'
     from omegaconf import OmegaConf
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
-    data, *_ = ktae_proto
+    from lossplug.adapters.verl import compute_advantage as adapters_compute_advantage
+
+    data, _, correct, group, mask, _ = ktae_proto
+    explicit = adapters_compute_advantage(copy.deepcopy(data), KTAE)
     config = OmegaConf.create({"adv_estimator": "lossplug", "lossplug": KTAE, "norm_adv_by_std_in_grpo": True})
-    with pytest.raises(LossplugError, match=r"advantage plugin 'ktae' needs 'responses'.*compute_advantage\(data"):
-        compute_advantage(data, adv_estimator="lossplug", gamma=1.0, lam=1.0, config=config)
+    out = compute_advantage(data, adv_estimator="lossplug", gamma=1.0, lam=1.0, config=config)
+    assert torch.equal(out.batch["advantages"], explicit.batch["advantages"])
+    assert torch.equal(out.batch["returns"], explicit.batch["returns"])
+    adv = out.batch["advantages"]  # the token scores are there: prompt 0's first tokens moved apart from GRPO's
+    grpo = torch.where(correct, 1.0, -1.0) / math.sqrt(4 / 3) / (1 + 1e-6 * math.sqrt(3 / 4))
+    first = adv[group == 0, 0] - grpo[group == 0].to(F64)
+    assert (first[correct[group == 0]] > 0.5).all() and (first[~correct[group == 0]] < -0.5).all()
+    assert (adv[~mask] == 0).all()
+
+
+def test_ktae_estimator_called_some_other_way_is_refused_naming_responses(ktae_proto):
+    pytest.importorskip("lossplug.adapters.verl")
+    from lossplug.adapters.verl import compute_lossplug_advantage
+
+    data, *_ = ktae_proto
+    with pytest.raises(LossplugError, match=r"advantage plugin 'ktae' needs 'responses'.*did not come from it"):
+        compute_lossplug_advantage(
+            data.batch["token_level_rewards"],
+            data.batch["response_mask"],
+            index=data.non_tensor_batch["uid"],
+            config={"lossplug": KTAE},
+        )
 
 
 def test_ktae_in_trl_is_refused_naming_token_ids(tmp_path):

@@ -6,8 +6,10 @@ trainers, through public import paths only.
   NeMo-RL's estimator (transcribed in ``tests/plugins/advantages/test_reinforce_plus_plus.py``) on multi-turn
   response masks, and the advantages then go through verl's policy-loss seam at 2 ranks × micro-batches (``ppo_clip``),
   loss and gradient against the surrogate written out (float64). verl's own ``ray_trainer.compute_advantage`` with
-  ``adv_estimator=lossplug`` hands a registered estimator no log-probs, and the adapter reads its ``DataProto`` only
-  for shapers, filters, a teacher's log-probs and the turn ids: refused, naming both fields and the way out.
+  ``adv_estimator=lossplug`` hands a registered estimator no log-probs: the estimator reads both from that call's
+  ``DataProto`` (its caller's frame), bitwise the adapter's ``compute_advantage`` on the same ``DataProto``; without a
+  reference (no ``ref_log_prob``) it is refused naming the setting, and called some other way, naming both fields
+  and the way out.
 * TRL: its advantage seam has one position per completion and no log-probs: refused when the trainer is built,
   naming both fields and the next step.
 """
@@ -80,18 +82,55 @@ def test_nemo_rls_kl_in_the_advantage_through_the_verl_adapter_and_verls_policy_
     torch.testing.assert_close(torch.where(mask, grad, 0), expected_grad, rtol=1e-12, atol=1e-14)
 
 
-def test_verls_registered_estimator_passes_no_log_probs_and_says_how():
-    pytest.importorskip("lossplug.adapters.verl")
+def verls_compute_advantage(data):
     from omegaconf import OmegaConf
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
-    data, *_ = kl_step()
     config = OmegaConf.create({"adv_estimator": "lossplug", "lossplug": RECIPE, "norm_adv_by_std_in_grpo": True})
+    return compute_advantage(data, adv_estimator="lossplug", gamma=1.0, lam=1.0, config=config)
+
+
+def test_verls_registered_estimator_reads_the_log_probs_of_its_dataproto():
+    pytest.importorskip("lossplug.adapters.verl")
+    from lossplug.adapters.verl import compute_advantage
+
+    data, x, oracle_input = kl_step()
+    out = verls_compute_advantage(data)
+    explicit = compute_advantage(kl_step()[0], RECIPE)
+    assert torch.equal(out.batch["advantages"], explicit.batch["advantages"])
+    assert torch.equal(out.batch["returns"], explicit.batch["returns"])
+    mask = x["response_mask"]
+    expected = torch.where(mask, torch.tensor(nemo_reinforce_plus_plus(oracle_input, 0.2, "k3"), dtype=F64), 0)
+    torch.testing.assert_close(out.batch["advantages"].to(F64), expected, atol=1e-12, rtol=0)
+
+
+def test_verls_registered_estimator_without_a_reference_names_the_setting():
+    pytest.importorskip("lossplug.adapters.verl")
+    data, *_ = kl_step()
+    data.batch.pop("ref_log_prob")
     with pytest.raises(LossplugError) as err:
-        compute_advantage(data, adv_estimator="lossplug", gamma=1.0, lam=1.0, config=config)
+        verls_compute_advantage(data)
+    message = str(err.value)
+    assert "advantage plugin 'reinforce_plus_plus_baseline' needs 'ref_log_prob', which the batch does not" in message
+    assert "Next step: actor_rollout_ref.actor.use_kl_loss=true" in message, message
+
+
+def test_the_estimator_called_some_other_way_names_both_log_probs_and_the_way_out():
+    pytest.importorskip("lossplug.adapters.verl")
+    from lossplug.adapters.verl import compute_lossplug_advantage
+
+    data, *_ = kl_step()
+    with pytest.raises(LossplugError) as err:
+        compute_lossplug_advantage(
+            data.batch["token_level_rewards"],
+            data.batch["response_mask"],
+            index=data.non_tensor_batch["uid"],
+            config={"lossplug": RECIPE},
+        )
     message = str(err.value)
     for field in ("old_log_probs", "ref_log_prob"):
         assert f"advantage plugin 'reinforce_plus_plus_baseline' needs '{field}'" in message, message
+    assert "this call did not come from it" in message
     assert "lossplug.adapters.verl.compute_advantage(data, recipe)" in message and "Next step" in message
 
 

@@ -114,8 +114,9 @@ def test_rloo_matches_verl():
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95)])
 def test_gae_through_compute_advantage_matches_verl(gamma, lam):
-    """GAE needs the critic's values, which verl does not pass to a registered estimator: the explicit path for a
-    custom trainer is ``compute_advantage(data, recipe)`` on the DataProto (it reads ``values`` from data.batch)."""
+    """GAE needs the critic's values, which verl does not pass to a registered estimator: a custom trainer's path is
+    ``compute_advantage(data, recipe)`` on the DataProto (it reads ``values`` from data.batch); verl's own trainer's,
+    the estimator reading the same DataProto (below)."""
     batch = make_batch(4)
     theirs = run(batch, "gae", gamma=gamma, lam=lam, use_pf_ppo=False)
     data = lossplug_compute_advantage(
@@ -138,21 +139,40 @@ def test_decoupled_gae_takes_the_advantages_and_the_returns_from_verls_gae_at_tw
     assert not torch.allclose(at_actor[1], at_critic[1])  # the two λ give different returns here
 
 
-def test_gae_under_verls_trainer_is_refused_naming_the_explicit_path():
-    """Under ``adv_estimator=lossplug`` verl's ``compute_advantage`` passes no values: a clear refusal that names
-    ``compute_advantage(data, recipe)`` and verl's own ``gae`` — never a search of the caller's frames."""
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95)])
+def test_gae_under_verls_trainer_reads_the_values_of_its_dataproto(gamma, lam):
+    """Under ``adv_estimator=lossplug`` verl's ``compute_advantage`` passes the estimator no values: it reads them from
+    the DataProto of that call (its caller's frame, the exact caller and tensor checked), as for shapers, filters, a
+    teacher and turns — the same advantages and returns as ``compute_advantage(data, recipe)`` on that DataProto,
+    bitwise, and as verl's own gae."""
     batch = make_batch(5)
-    with pytest.raises(LossplugError, match=r"needs 'values'.*compute_advantage\(data, recipe\)"):
-        run(batch, "lossplug", lam=0.9, lossplug=recipe({"name": "gae", "gamma": 1.0, "lam": 0.9}))
+    spec = recipe({"name": "gae", "gamma": gamma, "lam": lam, "whiten": True})
+    ours = run(batch, "lossplug", gamma=gamma, lam=lam, lossplug=spec)
+    explicit = lossplug_compute_advantage(data_proto(batch), spec)
+    assert torch.equal(ours[0], explicit.batch["advantages"]) and torch.equal(ours[1], explicit.batch["returns"])
+    theirs = run(batch, "gae", gamma=gamma, lam=lam, use_pf_ppo=False)
+    assert max_diff(batch, ours, theirs) <= TOL
+    assert ours[0].dtype == DT and torch.count_nonzero(ours[0]) > 0
+
+
+def test_gae_under_verls_trainer_without_a_critic_is_refused_naming_the_setting():
+    """No critic, no ``values`` in verl's DataProto: refused with what to set."""
+    batch = {k: v for k, v in make_batch(5).items() if k != "values"}
+    with pytest.raises(LossplugError, match=r"needs 'values', which the batch does not hold\. Next step: set critic"):
+        run(batch, "lossplug", lossplug=recipe({"name": "gae"}))
 
 
 def test_gae_values_passed_by_a_caller_are_used():
     batch = make_batch(6)
     config = OmegaConf.create({"lossplug": recipe({"name": "gae"})})
-    with pytest.raises(LossplugError, match="needs 'values'"):
+    data = data_proto(batch)  # in this frame, as in verl's: read only when verl's compute_advantage is the caller
+    with pytest.raises(LossplugError) as refused:  # called some other way, without values
         compute_lossplug_advantage(
-            batch["token_level_rewards"], batch["response_mask"], index=batch["uid"], config=config
+            data.batch["token_level_rewards"], data.batch["response_mask"], index=batch["uid"], config=config
         )
+    message = str(refused.value)
+    assert "needs 'values'" in message and "this call did not come from it" in message, message
+    assert "algorithm.adv_estimator=lossplug" in message and "compute_advantage(data, recipe)" in message
     adv, ret = compute_lossplug_advantage(
         batch["token_level_rewards"], batch["response_mask"], index=batch["uid"], config=config, values=batch["values"]
     )  # a caller that passes them

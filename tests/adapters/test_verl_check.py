@@ -118,6 +118,23 @@ def test_a_critic_recipe_runs_as_verls_own_estimator(tmp_path):
     ]
 
 
+@pytest.mark.parametrize(
+    "advantage, extra",
+    [
+        ("{name: gae, lam: 0.95, critic_lam: 1.0}", ["critic.enable=true"]),  # no verl estimator has two λ
+        ("ktae", []),
+        ("{name: reinforce_plus_plus_baseline, kl_coef: 0.2}", []),
+    ],
+)
+def test_a_recipe_reading_what_verl_does_not_pass_runs_as_lossplug_reading_its_dataproto(tmp_path, advantage, extra):
+    recipe = write(tmp_path, f"advantage: {advantage}\ngates: [ppo_clip]\nreduction: token\n", "r.yaml")
+    lines, problems, notes = recipe_overrides(recipe)
+    assert problems == []
+    assert lines[-2 - len(extra) :] == ["algorithm.adv_estimator=lossplug", f"+algorithm.lossplug={recipe}", *extra]
+    if "kl_coef" in advantage:  # ref_log_prob is there only with a reference policy: the note says what to set
+        assert any("reads ref_log_prob" in n and "use_kl_loss=true" in n for n in notes), notes
+
+
 def test_the_overrides_of_a_preset_are_the_documented_lines():
     lines, problems, _ = recipe_overrides("dapo")
     assert (lines, problems) == (DAPO_LINES, [])
