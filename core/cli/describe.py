@@ -237,9 +237,13 @@ def catalogue_problems(reg: Registry | None = None, *, builtin_only: bool = True
 
 def _md(text: str) -> str:
     """reStructuredText-flavoured docstring → Markdown: roles become code spans, ``::`` introduces the indented
-    (code) block that follows it."""
+    (code) block that follows it, and a doctest paragraph (``>>>``) becomes a fenced ``pycon`` block — Markdown would
+    read its ``x["a"]["b"]`` as reference links."""
     text = _ROLES.sub(lambda m: f"``{m.group(1)}``", text)
-    return re.sub(r"::(\n\s*\n)", r":\1", text)
+    text = re.sub(r"::(\n\s*\n)", r":\1", text)
+    return "\n\n".join(
+        f"```pycon\n{p}\n```" if p.lstrip().startswith(">>>") else p for p in re.split(r"\n[ \t]*\n", text)
+    )
 
 
 def _cite(text: str) -> str:
