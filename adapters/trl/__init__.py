@@ -57,7 +57,8 @@ The micro-batch TRL hands to ``_compute_loss`` becomes a :class:`lossplug.Policy
 ``action_mask``        ``completion_mask`` × ``tool_mask`` (tool / environment tokens are not actions); rows
                        with no action at all (e.g. ``mask_truncated_completions``) are left out of the batch
                        but still counted in the population, exactly as TRL's denominators count them
-``old_logp``           ``old_per_token_logps`` (``num_iterations > 1``, misaligned accumulation, vLLM IS), else
+``old_logp``           ``old_per_token_logps`` (``num_iterations > 1``, misaligned accumulation, vLLM IS; with
+                       ``opd``'s default student, computed by the adapter when TRL did not), else
                        ``logp.detach()`` — TRL's own rule
 ``behavior_logp``      ``sampling_per_token_logps`` (vLLM, ``rollout_func``); tokens the engine could not
                        score (NaN) get ``old_logp`` — engine ratio exactly 1, TRL's convention
@@ -65,7 +66,7 @@ The micro-batch TRL hands to ``_compute_loss`` becomes a :class:`lossplug.Policy
 ``entropy``            the entropies ``_get_per_token_logps_and_entropies`` computes (always, as TRL does), when a
                        recipe stage reads them (``top_entropy``, ``entropy``); they carry the gradient (an
                        entropy bonus differentiates them)
-``advantage``          ``advantages`` (the recipe's, see above)
+``advantage``          ``advantages`` (the recipe's, see above; ``[B, T]`` with ``opd``)
 ``group_id``           ``lossplug_group_id``;   ``reward``: ``lossplug_reward`` when every row has one
 ``reward_components``  ``lossplug_reward_components`` when a stage reads them and every value is finite
 ``teacher_logp``       ``lossplug_teacher_logp``: the ``teacher_model``'s log-probs of the completions, computed
@@ -74,7 +75,8 @@ The micro-batch TRL hands to ``_compute_loss`` becomes a :class:`lossplug.Policy
 =====================  ================================================================================
 
 At the advantage stage, a ``rollout_func``'s extra fields ``trajectory_id`` and ``anchor_id`` (one integer or string
-per completion) are gathered with the rewards, so that ``gigpo`` and ``step_reinforce`` run there
+per completion) are gathered with the rewards, so that ``gigpo`` and ``step_reinforce`` run there; ``opd`` runs its
+task there and its per-token signal on each process's rows once the teacher's log-probs are known
 (:mod:`~lossplug.adapters.trl.teachers_and_turns`).
 
 Reduction and TRL's gradient-accumulation convention

@@ -37,13 +37,17 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 import lossplug
+from lossplug.adapters.trl.loss import FORWARD_KEYS
 from lossplug.adapters.trl.metrics import log_metrics
 from lossplug.adapters.trl.state import AdapterState, adapter_state
+from lossplug.adapters.trl.teachers_and_turns import opd_advantages
 from lossplug.contracts import LossplugError, PolicyBatch
 from lossplug.needs import required_fields
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer
+
+    from lossplug.pipeline import CompiledRecipe
 
 __all__ = ["GatheredAdvantages", "add_recipe_advantages", "advantage_batch", "gathered_advantages", "group_advantages"]
 
@@ -96,12 +100,12 @@ def gathered_advantages(
     group_ids = st.rounds * groups_per_round + torch.arange(n, device=device) // num_generations
     st.rounds += 1
     metrics: dict[str, torch.Tensor] = {}
-    compiled = st.compiled
+    recipe, compiled = st.gathered()  # (with opd: its task estimator; the per-token part comes later, per process)
     if compiled.advantage is None:
         return GatheredAdvantages(None, rewards, group_ids, metrics)
     min_size = compiled.advantage.plugin.min_group_size
     some_unscorable = bool(unscorable.any())
-    valid, too_small = _estimable_rows(st, group_ids, unscorable, some_unscorable)
+    valid, too_small = _estimable_rows(compiled, group_ids, unscorable, some_unscorable)
     everything = not some_unscorable and not bool(too_small.any())  # the usual case: no row left out
     advantages = torch.zeros_like(rewards)
     in_play = torch.ones_like(valid) if compiled.filters else None
@@ -109,7 +113,7 @@ def gathered_advantages(
         rows = None if everything else valid
         batch = advantage_batch(trainer, st, rewards, group_ids, rewards_per_func, rows)
         with _shaper_state_kept(st, keep=not train):
-            result = lossplug.estimate_advantages(batch, st.recipe, validate=st.validate)
+            result = lossplug.estimate_advantages(batch, recipe, validate=st.validate)
         adv = result.advantage
         if adv.ndim == 2:  # a token-level estimator over the single placeholder position
             adv = adv[:, 0]
@@ -156,14 +160,14 @@ def _shaper_state_kept(st: AdapterState, *, keep: bool) -> Iterator[None]:
 
 
 def _estimable_rows(
-    st: AdapterState, group_ids: torch.Tensor, unscorable: torch.Tensor, some_unscorable: bool
+    compiled: CompiledRecipe, group_ids: torch.Tensor, unscorable: torch.Tensor, some_unscorable: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(valid, too_small)``: the rows the estimator sees, and the scorable rows left out because leaving the
     unscorable ones out shrank their group below what the estimator needs (RLOO: 2). Those get advantage 0 like the
     unscorable ones — with a metric and a warning, never silently and never a crash in the middle of a run."""
-    assert st.compiled.advantage is not None
+    assert compiled.advantage is not None
     valid = ~unscorable
-    min_size = st.compiled.advantage.plugin.min_group_size
+    min_size = compiled.advantage.plugin.min_group_size
     too_small = torch.zeros_like(valid)
     if min_size > 1 and some_unscorable:
         _, inverse, counts = torch.unique(group_ids[valid], return_inverse=True, return_counts=True)
@@ -174,7 +178,7 @@ def _estimable_rows(
         if bool(small.any()):
             warnings.warn(
                 f"lossplug: {int(small.sum())} completions are in groups with fewer than {min_size} "
-                f"scorable completions, which recipe.advantage ({st.compiled.advantage.plugin.name}) "
+                f"scorable completions, which recipe.advantage ({compiled.advantage.plugin.name}) "
                 "needs; they get advantage 0 (metric lossplug/reward/too_small_group_frac)",
                 stacklevel=3,
             )
@@ -193,10 +197,11 @@ def advantage_batch(
     reward, prompt group and (when the plugin reads them) per-function rewards and a rollout_func's trajectory and
     anchor ids — of the ``rows`` (a boolean mask;
     ``None``: every row). The one place a new advantage-stage field gets filled from TRL's rewards."""
-    assert st.compiled.advantage is not None
+    compiled = st.gathered()[1]
+    assert compiled.advantage is not None
     r, ids = (rewards, group_ids) if rows is None else (rewards[rows], group_ids[rows])
     components = None
-    stages: tuple[Any, ...] = (*st.compiled.shapers, *st.compiled.filters, st.compiled.advantage)
+    stages: tuple[Any, ...] = (*compiled.shapers, *compiled.filters, compiled.advantage)
     readers = [s for s in stages if "reward_components" in required_fields(s.plugin, s.params)]
     if readers:
         components = rewards_per_func if rows is None else rewards_per_func[rows]
@@ -235,16 +240,25 @@ def add_recipe_advantages(trainer: GRPOTrainer, output: dict[str, Any], rewards_
     advantages, rewards, group_ids = gathered.advantages, gathered.rewards, gathered.group_ids
     n_local = output["completion_ids"].shape[0]
     local = slice(trainer.accelerator.process_index * n_local, (trainer.accelerator.process_index + 1) * n_local)
+    trl_adv = output["advantages"]
     if advantages is not None:
-        trl_adv = output["advantages"]
         output["advantages"] = advantages[local].to(device=trl_adv.device, dtype=trl_adv.dtype)
-        # TRL's completions table (a deque): show the advantages actually used
+    if gathered.in_play is not None:
+        _drop_filtered(trainer, output, gathered.in_play, group_ids, local)
+    st = adapter_state(trainer)
+    if st.opd is not None:  # opd: its task's value of each completion (0 without a task) plus its per-token signal
+        task = output["advantages"] if advantages is not None else torch.zeros_like(trl_adv)
+        output["advantages"], opd_metrics = opd_advantages(trainer, st.opd, output, task, st.validate, FORWARD_KEYS)
+        gathered.metrics.update({f"advantage/{k}": v for k, v in opd_metrics.items()})
+        tool_mask = output.get("tool_mask")
+        action = output["completion_mask"] if tool_mask is None else output["completion_mask"] * tool_mask
+        per_completion = output["advantages"].sum(-1) / action.sum(-1).clamp(min=1)
+        advantages = trainer.accelerator.gather(per_completion)  # (the table shows every process's completions)
+    if advantages is not None:  # TRL's completions table (a deque): show the advantages actually used
         logged = cast("MutableSequence[Any]", trainer._logs["advantages"])
         values = advantages.tolist()[-len(logged) :] if len(logged) else []
         for i, v in enumerate(values):
             logged[len(logged) - len(values) + i] = v
-    if gathered.in_play is not None:
-        _drop_filtered(trainer, output, gathered.in_play, group_ids, local)
     output["lossplug_group_id"] = group_ids[local]
     output["lossplug_reward"] = rewards[local]
     # one column per reward function, unweighted (NaN where a function returned None): TRL's rewards_per_func

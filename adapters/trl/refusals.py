@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 from lossplug.adapters.trl.equivalent import engine_correction_gate, off_policy_mask_gate, trl_regularizers
 from lossplug.adapters.trl.loss import TRL_CONDITIONAL_FIELDS, TRL_FIELDS
 from lossplug.adapters.trl.state import batch_stages, grpo_config, named_stages
-from lossplug.adapters.trl.teachers_and_turns import TURN_FIELDS
+from lossplug.adapters.trl.teachers_and_turns import TURN_FIELDS, opd_plan
 from lossplug.adapters.unfed import Unfed, readers, unfed_line
 from lossplug.contracts import LossplugError, Provenance
 from lossplug.needs import required_fields
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ADVANTAGE_PROVIDED",
     "ALLOW_UNTESTED_ENV",
+    "PER_PROCESS_ADVANTAGES",
     "PROVIDED",
     "ROLLOUT_FUNC_PROVIDED",
     "ROLLOUT_TOKEN_READERS",
@@ -89,6 +90,9 @@ ROLLOUT_TOKEN_READERS: dict[str, str] = {
     ),
 }
 
+#: advantage estimators the adapter runs per process after generation, with the loss stage's fields (refused in the
+#: words of :data:`UNFED`, not :data:`UNFED_AT_ADVANTAGE`): opd's per-token signal
+PER_PROCESS_ADVANTAGES = frozenset({"opd"})
 #: the issue where a teacher's log-probs and multi-turn ids are planned to reach the recipe
 TEACHERS_AND_TURNS = "planned: issue 'Teachers and turns'"
 _CRITIC = Unfed(
@@ -184,14 +188,16 @@ UNFED_AT_ADVANTAGE: dict[str, Unfed] = {
         "put the KL in the loss instead: a kl regularizer, with beta = its coef",
     ),
     "entropy": Unfed(_BEFORE_LOGPROBS, "read the entropies in a gate or a regularizer (the loss stage has TRL's)"),
-    # opd: its advantage is per token, TRL's one value per completion computed before the student's log-probs
+    # opd itself runs (its task gathered, its per-token signal per process); another estimator reading the teacher
+    # (a mix with an opd component) would need its per-token part at the gathered seam
     "teacher_logp": Unfed(
-        "TRL's advantage stage runs on the rewards gathered over the processes, one value per completion, before any "
-        "log-prob of the student exists, and a teacher's signal is per token (opd: A_t = A_task - coef·(logp_student,t "
-        "- teacher_logp_t))",
-        "put the reverse KL to the teacher in the loss: a regularizer that reads teacher_logp, with attach(..., "
-        "teacher_model=teacher) (the loss stage has the teacher's log-probs); opd's per-token advantage itself runs "
-        "outside TRL: lossplug.estimate_advantages on a PolicyBatch you build with teacher_logp",
+        "TRL's advantage stage runs on the rewards gathered over the processes, one value per completion, and a "
+        "teacher's signal is per token: the adapter computes it per process only for opd at the top of "
+        "recipe.advantage (A_t = A_task - coef·(logp_student,t - teacher_logp_t), its task on the gathered rewards)",
+        "advantage: {name: opd, coef: ..., task: <estimator>} with teacher_model= (for a mix of opd and one "
+        "estimator: opd's task, with the weights folded into coef); or put the reverse KL to the teacher in the loss, "
+        "a regularizer that reads teacher_logp; or run the mix under verl, whose advantage seam reads the teacher "
+        "loop's teacher_logprobs",
     ),
     # the loss stage has them (completion_ids, for a gate such as gtpo); the advantage stage does not
     "token_ids": Unfed(
@@ -260,9 +266,11 @@ def refusals(
     out += _policy_weights(trainer, compiled)
     out += _kl_and_entropy(trainer, compiled)
     out += _fields(trainer, compiled, teacher)
-    out += _advantage_stage(trainer, compiled)
-    out += _turns_at_the_advantage(trainer, compiled)
-    out += _rollout_stages(compiled)
+    out += _opd(trainer, compiled, teacher)
+    gathered = opd_task(compiled)  # what runs on TRL's gathered rewards (with opd: its task)
+    out += _advantage_stage(trainer, gathered, "recipe.advantage.task" if _is_opd(compiled) else "recipe.advantage")
+    out += _turns_at_the_advantage(trainer, gathered)
+    out += _rollout_stages(gathered) if not (_is_opd(compiled) and gathered.advantage is None) else []
     reads = {f for stage in batch_stages(compiled) for f in required_fields(stage.plugin, stage.params)}
     if "behavior_logp" in reads and not any("behavior_logp" in m for m in out) and has_behavior_logp(trainer):
         try:
@@ -383,11 +391,11 @@ def _fields(trainer: GRPOTrainer, compiled: CompiledRecipe, teacher: bool = Fals
     """The fields the recipe's gates and regularizers read that TRL's batch does not have; a teacher none reads."""
     reads = {f for stage in batch_stages(compiled) for f in required_fields(stage.plugin, stage.params)}
     out = []
-    if teacher and "teacher_logp" not in reads:
+    if teacher and "teacher_logp" not in reads and not _is_opd(compiled):
         out.append(
-            "teacher_model is given, but no gate or regularizer of the recipe reads teacher_logp: the teacher would "
-            "run a forward pass per generation batch for nothing (and TRL's advantage stage cannot read it). Next "
-            "step: add a regularizer that reads teacher_logp, or drop teacher_model"
+            "teacher_model is given, but neither the recipe's advantage (opd) nor a gate or regularizer reads "
+            "teacher_logp: the teacher would run a forward pass per generation batch for nothing. Next step: "
+            "advantage: {name: opd, ...}, or a regularizer that reads teacher_logp, or drop teacher_model"
         )
     provided = set(PROVIDED)
     if teacher or getattr(trainer, "rollout_func", None) is not None:  # a rollout_func may return teacher_logprobs
@@ -406,7 +414,48 @@ def _fields(trainer: GRPOTrainer, compiled: CompiledRecipe, teacher: bool = Fals
     ]
 
 
-def _advantage_stage(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]:
+def _is_opd(compiled: CompiledRecipe) -> bool:
+    return compiled.advantage is not None and compiled.advantage.plugin.name == "opd"
+
+
+def opd_task(compiled: CompiledRecipe) -> CompiledRecipe:
+    """``compiled``, or with ``opd`` as its advantage, the recipe that runs on TRL's gathered rewards (opd's task)."""
+    if not _is_opd(compiled):
+        return compiled
+    plan = opd_plan(compiled.recipe, compiled)
+    assert plan is not None
+    return plan.task_compiled
+
+
+def _opd(trainer: GRPOTrainer, compiled: CompiledRecipe, teacher: bool) -> list[str]:
+    """``opd`` as the advantage: its per-token part reads the teacher's and the student's log-probs of this process's
+    completions (:mod:`~lossplug.adapters.trl.teachers_and_turns`); what TRL cannot give it, and what its task-less
+    form cannot carry."""
+    if not _is_opd(compiled):
+        return []
+    assert compiled.advantage is not None
+    p: Any = compiled.advantage.params
+    out = []
+    if not teacher and getattr(trainer, "rollout_func", None) is None:
+        out.append(unfed_line("recipe.advantage", "opd", "teacher_logp", UNFED["teacher_logp"]))
+    if p.student == "behavior_logp" and not has_behavior_logp(trainer):
+        out.append(unfed_line("recipe.advantage", "opd", "behavior_logp", UNFED["behavior_logp"]))
+    if p.task is None and (compiled.shapers or compiled.filters):
+        out.append(
+            "recipe.advantage (opd) has no task, and the recipe has shapers or filters: they run on TRL's gathered "
+            "rewards before a task estimator, which opd alone does not have. Next step: opd's task (e.g. task: "
+            "grpo), or drop the shapers and filters"
+        )
+    if any(s.controller is not None for s in compiled.shapers):
+        out.append(
+            "recipe.advantage (opd) with a shaper that keeps state across steps: the adapter runs opd's task with its "
+            "own copy of the shapers, whose state TRL's checkpoints would not hold. Next step: a stateless shaper, or "
+            "run this recipe under verl"
+        )
+    return out
+
+
+def _advantage_stage(trainer: GRPOTrainer, compiled: CompiledRecipe, where: str = "recipe.advantage") -> list[str]:
     """An advantage stage that reads more than TRL's gathered rewards (and a rollout_func's turn ids), or cannot run
     on the padded layout."""
     adv_stage = compiled.advantage
@@ -417,13 +466,13 @@ def _advantage_stage(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str
     if getattr(trainer, "rollout_func", None) is not None:
         provided |= ROLLOUT_FUNC_PROVIDED
     out = [
-        unfed_line("recipe.advantage", name, f, UNFED_AT_ADVANTAGE.get(f) or UNFED[f])
+        unfed_line(where, name, f, UNFED_AT_ADVANTAGE.get(f) or UNFED[f])
         for f in required_fields(adv_stage.plugin, adv_stage.params)
         if f not in provided
     ]
     if "padded" not in adv_stage.plugin.layouts:
         out.append(
-            f"recipe.advantage ({name}) works on the packed layout only, and TRL's batches are padded. Next step: "
+            f"{where} ({name}) works on the packed layout only, and TRL's batches are padded. Next step: "
             "run it outside a trainer, lossplug.estimate_advantages on PackedTransitions you build"
         )
     return out
@@ -495,8 +544,11 @@ def unfed_markdown() -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 
-    def row(name: str, where: str, kinds: tuple[str, ...], unfed: Unfed) -> str:
-        plugins = ", ".join(f"`{label}`" for label in readers(name, kinds)) or "none built in"
+    def per_process(label: str) -> bool:  # opd: fed per process after generation, as the loss stage is
+        return label.split(" (")[0] in PER_PROCESS_ADVANTAGES
+
+    def row(name: str, where: str, labels: list[str], unfed: Unfed) -> str:
+        plugins = ", ".join(f"`{label}`" for label in labels) or "none built in"
         return f"| `{name}`{where} | {plugins} | {cell(unfed.why)} | {cell(unfed.next_step)} |"
 
     rows = [
@@ -504,9 +556,14 @@ def unfed_markdown() -> str:
         "|---|---|---|---|",
     ]
     every_kind = ("advantage", "gate", "regularizer", "reduction")
-    # a field with a row of its own at the advantage stage: this row lists the loss stage's readers only
+    for name, u in UNFED.items():
+        labels = readers(name, every_kind)
+        if name in UNFED_AT_ADVANTAGE:  # it has a row of its own there: here the loss stage's readers (and opd's)
+            at_advantage = set(readers(name, ("advantage",)))
+            labels = [x for x in labels if x not in at_advantage or per_process(x)]
+        rows.append(row(name, "", labels, u))
     rows += [
-        row(name, "", every_kind[1:] if name in UNFED_AT_ADVANTAGE else every_kind, u) for name, u in UNFED.items()
+        row(name, " (advantage stage)", [x for x in readers(name, ("advantage",)) if not per_process(x)], u)
+        for name, u in UNFED_AT_ADVANTAGE.items()
     ]
-    rows += [row(name, " (advantage stage)", ("advantage",), u) for name, u in UNFED_AT_ADVANTAGE.items()]
     return "\n".join(rows)

@@ -18,6 +18,7 @@ from lossplug.peers import LOCAL, Peers
 if TYPE_CHECKING:
     from trl import GRPOConfig, GRPOTrainer
 
+    from lossplug.adapters.trl.teachers_and_turns import OpdPlan
     from lossplug.pipeline import CompiledRecipe, MetricLevel, Validate
 
 __all__ = [
@@ -75,6 +76,18 @@ class AdapterState:
     attached: bool = False
     #: the ranks a gate's batch-level statistic is pooled over: every process of the run (``loss.trl_peers``)
     peers: Peers = LOCAL
+    #: ``opd`` as the advantage: its task at the gathered seam, its per-token signal per process
+    #: (:mod:`~lossplug.adapters.trl.teachers_and_turns`)
+    opd: OpdPlan | None = None
+
+    @property
+    def reads_teacher(self) -> bool:
+        """A loss stage or the advantage (``opd``) reads ``teacher_logp``."""
+        return "teacher_logp" in self.needs or self.opd is not None
+
+    def gathered(self) -> tuple[Recipe, CompiledRecipe]:
+        """The recipe run on TRL's gathered rewards: the recipe itself, or with ``opd``, its task estimator."""
+        return (self.opd.task_recipe, self.opd.task_compiled) if self.opd is not None else (self.recipe, self.compiled)
 
     @functools.cached_property
     def dashboard(self) -> DashboardPlan:

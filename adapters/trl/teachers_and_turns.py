@@ -13,9 +13,9 @@ hands it to the recipe as ``PolicyBatch.teacher_logp``. The teacher gets TRL's f
 ``temperature`` (as TRL's reference model does), so its log-probs are of the same tempered distribution as the
 student's ``logp``. It is checked at ``attach``: the same vocabulary size as the student (a token id must mean the
 same token to both; no tokenizer mapping is attempted), moved to the trainer's device (one that cannot be moved,
-e.g. weights on the meta device, is refused) and put in eval mode. A teacher that no loss stage reads is refused (it
-would cost a forward pass per batch for nothing). The teacher is not prepared for DeepSpeed / FSDP: it runs as the
-module it is on every process.
+e.g. weights on the meta device, is refused) and put in eval mode. A teacher that nothing reads (neither ``opd`` nor
+a loss stage) is refused (it would cost a forward pass per batch for nothing). The teacher is not prepared for
+DeepSpeed / FSDP: it runs as the module it is on every process.
 
 Instead of a ``teacher_model``, a ``rollout_func`` may return the teacher's log-probs itself, as the extra field
 ``teacher_logprobs``: one list per completion with one float per completion token (``None`` where unscored, which is
@@ -23,11 +23,29 @@ then an error on a completion token), padded as TRL pads the rollout's ``logprob
 to choose. A recipe that reads ``teacher_logp`` in a trainer with a ``rollout_func`` and no ``teacher_model`` is
 accepted at ``attach``, and a batch whose rollout returns no ``teacher_logprobs`` is then an error naming the field.
 
-``opd`` (on-policy distillation as the advantage) cannot run at TRL's advantage seam: its advantage is per token
-(``A_t = A_task − coef·(logp_student,t − teacher_logp_t)``), where TRL's is computed on the rewards gathered over the
-processes, one value per completion, before any log-prob of the student exists; the refusal says so
-(:mod:`~lossplug.adapters.trl.refusals`). The reverse KL to the teacher in the loss (a regularizer reading
-``teacher_logp``) runs.
+``opd`` as the advantage
+------------------------
+``{advantage: {name: opd, coef, student, task}}`` runs in two parts (:func:`opd_advantages`). Its ``task`` estimator
+(with the recipe's shapers and filters) runs at TRL's advantage seam, on the rewards gathered over the processes, one
+value per completion, as any estimator does (no task: 0). Then, on this process's rows only — each process has its
+own completions, so the per-token part needs no gather — once the teacher's log-probs are known, ``opd`` itself
+(without its task, through :func:`lossplug.estimate_advantages`) computes ``−coef·(student − teacher_logp)`` on the
+action tokens (``completion_mask × tool_mask``), and the task's value of each completion is added on its action
+tokens: TRL's batch then carries ``advantages`` ``[B, T]`` (its loss accepts them; the loss seam hands them to the
+recipe as they are), which TRL's shuffle and split into micro-batches slice with the rows. The student's log-probs:
+
+* ``student: old_logp`` — TRL's ``old_per_token_logps`` where TRL computes them (``num_iterations > 1``, gradient
+  accumulation not a multiple of the generation frequency, vLLM's correction); otherwise the adapter computes them
+  the same way (TRL's per-token helper with the trainer's model, under ``no_grad``, in TRL's chunks) and puts them in
+  the batch as ``old_per_token_logps``, so that the loss's ``old_logp`` is the tensor the advantage read;
+* ``student: behavior_logp`` — TRL's ``sampling_per_token_logps`` (vLLM, or a rollout_func's ``logprobs``; refused
+  without either); an unscored (NaN) one on an action token is an error naming the rows.
+
+The advantage is computed once per generation batch, before any update (as slime and verl do), and re-used over
+``num_iterations``. The completions table logs each completion's mean advantage over its action tokens; the metric
+``lossplug/advantage/opd/reverse_kl`` is the mean ``student − teacher_logp`` over this process's action tokens
+(averaged over the processes). A ``mix`` with an ``opd`` component stays refused (its per-token part would need the
+components' per-token values at the gathered seam).
 
 Turns
 -----
@@ -46,23 +64,31 @@ from __future__ import annotations
 
 import hashlib
 import operator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lossplug.contracts import LossplugError
+import lossplug
+from lossplug.adapters.common import ActionRows
+from lossplug.contracts import LossplugError, PolicyBatch, Recipe
 from lossplug.contracts.batch_rules import LOGP_TOLERANCE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from trl import GRPOTrainer
 
+    from lossplug.pipeline import CompiledRecipe, Validate
+
 __all__ = [
     "ROLLOUT_TEACHER_FIELD",
+    "OpdPlan",
     "TURN_FIELDS",
     "check_teacher",
     "checked_teacher_logps",
     "gathered_turn_ids",
+    "opd_advantages",
+    "opd_plan",
     "pad_to",
     "rollout_teacher_logps",
     "stable_id",
@@ -177,21 +203,30 @@ def _vocab_size(model: Any) -> int:
 def teacher_logps(trainer: GRPOTrainer, teacher: Any, output: dict[str, Any], forward_keys: tuple[str, ...]) -> Tensor:
     """The teacher's log-probs ``[B, T]`` of the completions in TRL's batch ``output``: TRL's own per-token helper,
     under ``no_grad``, in TRL's chunks; checked for shape and finiteness on the completion tokens (rows named)."""
+    logps = completion_logps(trainer, teacher, output, forward_keys)
+    return checked_teacher_logps(logps, output, "the teacher's log-probs").detach()
+
+
+def completion_logps(trainer: GRPOTrainer, model: Any, output: dict[str, Any], forward_keys: tuple[str, ...]) -> Tensor:
+    """``model``'s log-probs ``[B, T]`` of the completions in TRL's batch ``output``, as TRL computes its old and
+    reference log-probs: its own per-token helper, under ``no_grad``, in its chunks."""
+    from trl.models.utils import disable_gradient_checkpointing
+
     mode = "train" if trainer.model.training else "eval"  # type: ignore[union-attr]  # (TRL: Optional)
     args = trainer.args
     batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
     completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
-    with torch.no_grad():
+    kwargs = getattr(args, "gradient_checkpointing_kwargs", None)
+    with torch.no_grad(), disable_gradient_checkpointing(cast("PreTrainedModel", trainer.model), kwargs):
         out = trainer._get_per_token_logps_and_entropies(
-            teacher,
+            model,
             torch.cat([output["prompt_ids"], completion_ids], dim=1),
             torch.cat([output["prompt_mask"], completion_mask], dim=1),
             completion_ids.size(1),
             batch_size=batch_size,
             **{k: output.get(k) for k in forward_keys},
         )
-    logps: Tensor = out[0]
-    return checked_teacher_logps(logps, output, "the teacher's log-probs").detach()
+    return cast(Tensor, out[0]).detach()
 
 
 def checked_teacher_logps(logps: Tensor, output: dict[str, Any], source: str) -> Tensor:
@@ -249,3 +284,99 @@ def rollout_teacher_logps(inputs: list[dict[str, Any]], completion_ids_list: lis
 def pad_to(logps: Tensor, width: int, device: Any) -> Tensor:
     """``logps`` ``[B, T']`` right-padded with 0 to ``width`` columns (TRL's ``pad_to_multiple_of``), on ``device``."""
     return torch.nn.functional.pad(logps, (0, width - logps.shape[1])).to(device)
+
+
+@dataclass(frozen=True)
+class OpdPlan:
+    """``opd`` as TRL's advantage, split where TRL's batch has each part (the module's docstring)."""
+
+    coef: float
+    #: ``old_logp`` or ``behavior_logp``
+    student: str
+    #: what runs on TRL's gathered rewards: the recipe with opd's task as its advantage (none without a task)
+    task_recipe: Recipe
+    task_compiled: CompiledRecipe
+    #: opd without its task and without the rollout stages, on this process's rows (per token)
+    signal_recipe: Recipe
+
+
+def opd_plan(recipe: Recipe, compiled: CompiledRecipe) -> OpdPlan | None:
+    """The plan when the recipe's advantage is ``opd`` (None otherwise)."""
+    stage = compiled.advantage
+    if stage is None or stage.plugin.name != "opd":
+        return None
+    p: Any = stage.params  # (opd's OPDParams: coef, student, task)
+    data = recipe.to_dict()
+    task = {k: v for k, v in data.items() if k != "advantage"}
+    if p.task is not None:
+        task["advantage"] = p.task
+    task_recipe = Recipe.load(task)
+    signal = {k: v for k, v in data.items() if k not in ("shapers", "filters")}
+    signal["advantage"] = {"name": "opd", "coef": p.coef, "student": p.student}
+    return OpdPlan(
+        coef=p.coef,
+        student=p.student,
+        task_recipe=task_recipe,
+        task_compiled=lossplug.compile_recipe(task_recipe),
+        signal_recipe=Recipe.load(signal),
+    )
+
+
+def opd_student_logps(
+    trainer: GRPOTrainer, plan: OpdPlan, output: dict[str, Any], action: Tensor, forward_keys: tuple[str, ...]
+) -> Tensor:
+    """The student's log-probs opd reads (the module's docstring); computes and stores ``old_per_token_logps`` where
+    TRL did not."""
+    if plan.student == "behavior_logp":
+        behavior = output.get("sampling_per_token_logps")
+        if behavior is None:  # (refused at attach: no vLLM and no rollout_func)
+            raise LossplugError("recipe.advantage (opd) reads behavior_logp, and TRL's batch has none")
+        unscored = torch.isnan(behavior) & action
+        if bool(unscored.any()):
+            rows = unscored.any(-1).nonzero().squeeze(-1).tolist()
+            raise LossplugError(
+                f"recipe.advantage (opd) reads behavior_logp, and the rollout's log-probs are unscored (NaN) on action "
+                f"tokens of rows {rows[:8]} of this process's generation batch. Next step: score every completion "
+                "token, or student: old_logp"
+            )
+        return cast(Tensor, behavior)
+    old = output.get("old_per_token_logps")
+    if old is None:  # TRL uses logp.detach() in the loss: the same policy, computed here before any update
+        old = completion_logps(trainer, trainer.model, output, forward_keys)
+        output["old_per_token_logps"] = old
+    return cast(Tensor, old)
+
+
+def opd_advantages(
+    trainer: GRPOTrainer,
+    plan: OpdPlan,
+    output: dict[str, Any],
+    task: Tensor,
+    validate: Validate,
+    forward_keys: tuple[str, ...],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """opd's advantages ``[B, T]`` of this process's rows: ``task`` (``[B]``, the task estimator's value of each
+    completion, from the gathered seam) plus opd's own ``−coef·(student − teacher_logp)``, on the action tokens
+    (0 elsewhere); and the metric ``opd/reverse_kl``."""
+    completion_mask = output["completion_mask"]
+    tool_mask = output.get("tool_mask")
+    action = (completion_mask if tool_mask is None else completion_mask * tool_mask).bool()
+    teacher = output["lossplug_teacher_logp"]
+    student = opd_student_logps(trainer, plan, output, action, forward_keys)
+    dtype = torch.promote_types(torch.promote_types(student.dtype, teacher.dtype), torch.float32)
+    signal = torch.zeros(action.shape, dtype=dtype, device=action.device)
+    rows = ActionRows(action)  # a row without an action token (a filtered or emptied completion) keeps 0
+    if not rows.none:
+        take = rows.take
+        batch = PolicyBatch.unchecked(
+            logp=take(student),  # (a placeholder opd does not read)
+            action_mask=take(action),
+            teacher_logp=take(teacher),
+            **{plan.student: take(student)},
+        )
+        result = lossplug.estimate_advantages(batch, plan.signal_recipe, validate=validate)
+        signal = rows.scatter(result.advantage.to(dtype), signal)
+    advantage = torch.where(action, task.to(device=action.device, dtype=dtype).unsqueeze(-1) + signal, 0)
+    gap = torch.where(action, student.to(dtype) - teacher.to(dtype), 0)
+    metrics = {"opd/reverse_kl": gap.sum() / action.sum().clamp(min=1)}
+    return advantage, metrics

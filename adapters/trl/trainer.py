@@ -57,6 +57,7 @@ from lossplug.adapters.trl.teachers_and_turns import (
     check_teacher,
     checked_teacher_logps,
     gathered_turn_ids,
+    opd_plan,
     pad_to,
     rollout_teacher_logps,
     teacher_logps,
@@ -95,7 +96,7 @@ def _calculate_rewards(
     st.rewards_per_func = rewards_per_func
     # the rollout_func's per-completion ids, which TRL merged into the inputs, gathered as TRL gathered the rewards
     st.turn_ids = gathered_turn_ids(trainer, inputs, st.turn_fields) if st.turn_fields else None
-    if "teacher_logp" in st.needs:  # the rollout's own teacher (TRL merged its extra fields into the inputs)
+    if st.reads_teacher:  # the rollout's own teacher (TRL merged its extra fields into the inputs)
         st.rollout_teacher = rollout_teacher_logps(inputs, completion_ids_list)
     return rewards_per_func
 
@@ -120,7 +121,7 @@ def _generate_and_score_completions(
         )
     if st.teacher is not None:  # once per generation batch, where TRL computes its reference log-probs
         output["lossplug_teacher_logp"] = teacher_logps(trainer, st.teacher, output, FORWARD_KEYS)
-    elif "teacher_logp" in st.needs:  # no teacher_model: the refusals let this through only with a rollout_func
+    elif st.reads_teacher:  # no teacher_model: the refusals let this through only with a rollout_func
         if rollout_teacher is None:
             raise LossplugError(
                 f"the recipe reads teacher_logp, and the rollout_func's result has no '{ROLLOUT_TEACHER_FIELD}' and "
@@ -370,4 +371,5 @@ def _setup(
         peers=trl_peers(trainer),
         teacher=teacher_model,
         turn_fields=tuple(f for f in TURN_FIELDS if f in advantage_reads),
+        opd=opd_plan(recipe_obj, compiled),
     )

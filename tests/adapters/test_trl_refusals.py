@@ -62,7 +62,7 @@ def expected_row(line: str):
     if m is None or m["where"].startswith(("recipe.shapers", "recipe.filters")):
         return None  # (the rollout stages' refusals: refusals.ROLLOUT_UNFED, one position per completion)
     name = m["field"]
-    if m["where"] == "recipe.advantage":
+    if m["where"] == "recipe.advantage" and m["plugin"] not in refusals.PER_PROCESS_ADVANTAGES:
         return refusals.UNFED_AT_ADVANTAGE.get(name) or refusals.UNFED[name]
     return refusals.UNFED[name]
 
@@ -85,14 +85,16 @@ def test_a_field_refusal_quotes_its_row_of_the_table(refused):
                 assert line.endswith(f": {row.why}. Next step: {row.next_step}"), (label, line)
 
 
-def test_opd_is_refused_at_trls_advantage_with_the_reason_and_what_runs(refused):
-    """The issue that reported it: opd was refused with no next step. Its advantage is per token, TRL's one value per
-    completion (issue 'Teachers and turns'): the teacher's signal runs in the loss, with teacher_model=."""
-    teacher = [line for line in refused["opd"] if "reads teacher_logp" in line]
-    assert len(teacher) == 1
-    assert "one value per completion" in teacher[0] and "a teacher's signal is per token" in teacher[0]
-    assert "a regularizer that reads teacher_logp, with attach(..., teacher_model=teacher)" in teacher[0]
-    assert "lossplug.estimate_advantages on a PolicyBatch you build with teacher_logp" in teacher[0]
+def test_opd_without_a_teacher_is_refused_with_how_to_give_it_one(refused):
+    """opd runs as TRL's advantage (issue 'Teachers and turns': its task on the gathered rewards, its per-token signal
+    per process); in the plainest trainer it lacks only a teacher, and the refusal says how to give it one. Its
+    student, old_logp, is never refused (the adapter computes it where TRL does not)."""
+    assert len(refused["opd"]) == 1
+    teacher = refused["opd"][0]
+    assert teacher.startswith("recipe.advantage (opd) reads teacher_logp")
+    assert "Next step: pass attach(trainer, recipe, teacher_model=teacher)" in teacher
+    behaviour = refused["opd (student: behavior_logp)"]
+    assert any(line.startswith("recipe.advantage (opd) reads behavior_logp") for line in behaviour)
 
 
 def test_every_field_trl_lacks_has_a_row():
@@ -108,10 +110,11 @@ def test_the_docs_table_has_a_row_per_field_with_its_readers_and_next_step():
     table = refusals.unfed_markdown()
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     assert len(rows) == len(refusals.UNFED) + len(refusals.UNFED_AT_ADVANTAGE)
-    teacher = next(row for row in rows if row.startswith("| `teacher_logp` |"))  # the loss stage: teacher_model=
-    assert "teacher_model=teacher" in teacher and "`opd`" not in teacher
+    # the loss stage and opd (fed per process after generation): teacher_model=
+    teacher = next(row for row in rows if row.startswith("| `teacher_logp` |"))
+    assert "teacher_model=teacher" in teacher and "`opd`" in teacher and "`distillation`" in teacher
     at_advantage = next(row for row in rows if row.startswith("| `teacher_logp` (advantage stage)"))
-    assert "`opd`" in at_advantage and "one value per completion" in at_advantage
+    assert "`opd`" not in at_advantage and "one value per completion" in at_advantage
     turns = next(row for row in rows if row.startswith("| `trajectory_id`"))
     assert "`gigpo`" in turns and "`step_reinforce`" in turns and "rollout_func=" in turns
     for row in rows:

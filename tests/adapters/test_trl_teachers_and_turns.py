@@ -3,9 +3,13 @@
 * A teacher: two real ``GRPOTrainer`` steps of a recipe whose regularizer reads ``teacher_logp``; every
   micro-batch's ``teacher_logp`` equals the ``teacher_model``'s log-probs of the same completions computed here
   directly (a plain forward, ``log_softmax(logits / temperature)``, float32, 1e-6), or a rollout_func's
-  ``teacher_logprobs`` exactly. Refused: another vocabulary size, a teacher no loss stage reads, two teachers, ``opd``
-  as TRL's advantage (per token, where TRL's is per completion); non-finite teacher log-probs, a rollout's
-  ``teacher_logprobs`` of another length or missing are named with their rows.
+  ``teacher_logprobs`` exactly. Refused: another vocabulary size, a teacher nothing reads, two teachers; non-finite
+  teacher log-probs, a rollout's ``teacher_logprobs`` of another length or missing are named with their rows.
+* ``opd`` as TRL's advantage: two real steps (alone, with a ``grpo`` task, with a rollout's teacher and behaviour
+  log-probs), each generation batch sliced into two micro-batches: the ``[B, T]`` advantages the loss reads equal
+  ``coef·(teacher_logp − student) + grpo`` computed here by hand (plain forwards of the teacher and of the student
+  before the update, or the rollout's own values; the group advantage written out), float32, 1e-6. Refused: no
+  teacher, behaviour log-probs TRL does not have, no task with a filter, a ``mix`` with an ``opd`` component.
 * Turns: ``gigpo`` and ``step_reinforce`` at TRL's advantage seam on the ``trajectory_id`` / ``anchor_id`` a
   ``rollout_func`` returns (strings and integers): the advantages TRL's batch carries equal
   ``lossplug.estimate_advantages`` on the same rewards with ids numbered by hand. Refused: no rollout_func; an id
@@ -175,7 +179,10 @@ def test_a_teacher_that_cannot_reach_the_trainers_device_is_refused(tmp_path, te
 
 def test_a_teacher_that_no_loss_stage_reads_is_refused(tmp_path):
     tok = tiny.tiny_tokenizer()
-    with pytest.raises(LossplugError, match="no gate or regularizer of the recipe reads teacher_logp.*Next step"):
+    with pytest.raises(
+        LossplugError,
+        match=r"neither the recipe's advantage \(opd\) nor a gate or regularizer reads teacher_logp.*Next step",
+    ):
         tiny.tiny_grpo_trainer(
             "grpo", tmp_path / "out", tokenizer=tok, trainer_kwargs={"teacher_model": tiny.tiny_model(tok, seed=1)}
         )
@@ -186,21 +193,6 @@ def test_a_recipe_reading_teacher_logp_without_a_teacher_says_how(tmp_path, teac
         tiny.tiny_grpo_trainer(TEACHER_RECIPE, tmp_path / "out")
     assert "regularizers[0] (lpx_teacher_logp_gap) reads teacher_logp" in str(err.value)
     assert "Next step: pass attach(trainer, recipe, teacher_model=teacher)" in str(err.value)
-
-
-def test_opd_as_trls_advantage_is_refused_with_the_reason(tmp_path):
-    tok = tiny.tiny_tokenizer()
-    with pytest.raises(LossplugError) as err:
-        tiny.tiny_grpo_trainer(
-            {"advantage": {"name": "opd", "task": "grpo"}, "gates": ["ppo_clip"], "reduction": "token"},
-            tmp_path / "out",
-            tokenizer=tok,
-            trainer_kwargs={"teacher_model": tiny.tiny_model(tok, seed=1)},
-        )
-    message = str(err.value)
-    assert "recipe.advantage (opd) reads teacher_logp" in message
-    assert "one value per completion" in message and "a teacher's signal is per token" in message
-    assert "Next step: put the reverse KL to the teacher in the loss" in message
 
 
 def test_non_finite_teacher_log_probs_are_named_with_their_rows(tmp_path, teacher_reader):
@@ -284,6 +276,216 @@ def test_two_teachers_are_refused(tmp_path, teacher_reader):
     )
     with pytest.raises(LossplugError, match="teacher_logp has two sources"):
         trainer.train()
+
+
+# -- opd as TRL's advantage: its task on the gathered rewards, its per-token signal per process ------------------------
+def grpo_by_hand(reward, size=4, eps=1e-6):
+    """lossplug's grpo defaults, written out: (r − group mean) / (Bessel std + eps), 0 for a group of equal rewards;
+    groups are consecutive runs of ``size`` rows (TRL's sampler)."""
+    out = torch.zeros_like(reward, dtype=torch.float64)
+    r = reward.double()
+    for start in range(0, r.shape[0], size):
+        g = r[start : start + size]
+        if bool((g == g[0]).all()):
+            continue
+        out[start : start + size] = (g - g.mean()) / (g.std(unbiased=True) + eps)
+    return out
+
+
+def direct_logps(model, inputs):
+    """``model``'s log-probs of the completions: a plain forward, log-softmax of logits / temperature (as
+    :func:`direct_teacher_logps`)."""
+    return direct_teacher_logps(model, inputs)
+
+
+class RecordingTeacherRollout(TeacherRollout):
+    """TeacherRollout that also records the behaviour log-probs it returns (all scored)."""
+
+    def __init__(self, tok, **kwargs):
+        super().__init__(tok, unscored=False, **kwargs)
+        self.behavior = []
+
+    def __call__(self, prompts, trainer):
+        out = super().__call__(prompts, trainer)
+        self.behavior.append(out["logprobs"])
+        return out
+
+
+def padded(values, width):
+    return torch.stack(
+        [torch.nn.functional.pad(torch.tensor(v, dtype=torch.float32), (0, width - len(v))) for v in values]
+    )
+
+
+#: the task advantage divides float32 rewards' centred values by their group's std (0.02 here): float32 rounding of
+#: the rewards, amplified, reaches 1e-6 on advantages of about 1.5 — a relative tolerance of 8 float32 ulps
+RTOL = 1e-6
+
+OPD_CASES = {
+    # opd alone; TRL computes no old log-probs (accumulation aligned with generation): the adapter does; two
+    # micro-batches per generation batch (steps_per_generation = gradient_accumulation_steps = 2)
+    "alone_teacher_model": dict(
+        advantage={"name": "opd", "coef": 0.5},
+        config={"gradient_accumulation_steps": 2, "num_iterations": 1},
+        source="teacher_model",
+    ),
+    # with grpo: TRL computes old_per_token_logps (steps_per_generation 2, accumulation 1), the batch sliced in two
+    "grpo_task_teacher_model": dict(
+        advantage={"name": "opd", "coef": 1.0, "task": "grpo"},
+        config={"steps_per_generation": 2},
+        source="teacher_model",
+    ),
+    # the rollout's own teacher and its behaviour log-probs as the student, tool tokens outside the actions
+    "grpo_task_rollout_behavior": dict(
+        advantage={"name": "opd", "coef": 0.7, "student": "behavior_logp", "task": "grpo"},
+        config={"gradient_accumulation_steps": 2, "num_iterations": 1},
+        source="rollout",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPD_CASES))
+def test_opd_runs_as_trls_advantage_per_token(tmp_path, monkeypatch, case):
+    spec = OPD_CASES[case]
+    coef, student, task = (
+        spec["advantage"]["coef"],
+        spec["advantage"].get("student", "old_logp"),
+        "task" in spec["advantage"],
+    )
+    tok = tiny.tiny_tokenizer()
+    teacher = tiny.tiny_model(tok, seed=1)
+    rollout = RecordingTeacherRollout(tok) if spec["source"] == "rollout" else None
+    kwargs = {"teacher_model": teacher} if rollout is None else {"rollout_func": rollout}
+    seen = []
+    original = trl_loss.policy_batch
+
+    def recording(trainer, st, inputs, *args, **kw):
+        batch = original(trainer, st, inputs, *args, **kw)
+        seen.append((dict(inputs), batch))
+        return batch
+
+    monkeypatch.setattr(trl_loss, "policy_batch", recording)
+    recipe = {"advantage": spec["advantage"], "gates": ["ppo_clip"], "reduction": "token"}
+    trainer = tiny.tiny_grpo_trainer(
+        recipe, tmp_path / "out", tokenizer=tok, temperature=TEMPERATURE, trainer_kwargs=kwargs, **spec["config"]
+    )
+    generations = []  # per generation batch: the student's and teacher's log-probs and the task advantage, by hand
+    generate = trainer._generate_and_score_completions
+
+    def wrapped(inputs):
+        out = generate(inputs)
+        n, width = out["completion_ids"].shape
+        call = len(generations)
+        out["lpx_row"] = torch.arange(n) + 1000 * call  # a row's identity through TRL's shuffle and split
+        if rollout is None:
+            teacher_logp = direct_logps(teacher, out)
+            # the student before any update of this generation batch (its optimizer step has not run yet)
+            student_logp = direct_logps(trainer.model, out) if student == "old_logp" else None
+        else:
+            teacher_logp = padded(rollout.teacher[call], width)
+            student_logp = padded(rollout.behavior[call], width)
+        task_adv = grpo_by_hand(out["lossplug_reward"]) if task else torch.zeros(n, dtype=torch.float64)
+        generations.append((teacher_logp, student_logp, task_adv))
+        return out
+
+    trainer._generate_and_score_completions = wrapped
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert generations and len(seen) == 2 * len(generations)  # every generation batch sliced into two micro-batches
+    checked = 0
+    for inputs, batch in seen:
+        rows = inputs["lpx_row"]
+        call = int(rows[0]) // 1000
+        assert bool((rows // 1000 == call).all())
+        teacher_logp, student_logp, task_adv = (t[rows % 1000] for t in generations[call])
+        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        action = mask.bool()
+        expected = torch.where(
+            action, coef * (teacher_logp.double() - student_logp.double()) + task_adv.unsqueeze(-1), 0
+        ).float()
+        assert inputs["advantages"].shape == action.shape and inputs["advantages"].dtype == torch.float32
+        torch.testing.assert_close(inputs["advantages"], expected, atol=1e-6, rtol=RTOL)
+        keep = action.any(-1)
+        assert batch.advantage is not None and batch.advantage.shape == batch.logp.shape  # what the loss reads
+        torch.testing.assert_close(
+            torch.where(batch.action_mask, batch.advantage, 0), expected[keep], atol=1e-6, rtol=RTOL
+        )
+        if student == "old_logp":  # the loss's old_logp is the tensor the advantage read
+            torch.testing.assert_close(
+                torch.where(batch.action_mask, batch.old_logp, 0),
+                torch.where(action, student_logp, 0)[keep],
+                atol=1e-6,
+                rtol=0,
+            )
+        # the teacher's signal is there: not the task advantage alone
+        assert not torch.allclose(
+            expected[action], task_adv.unsqueeze(-1).expand_as(expected)[action].float(), atol=1e-3
+        )
+        checked += int(action.sum())
+    assert checked > 0
+    losses = [e["lossplug/loss"] for e in trainer.state.log_history if "lossplug/loss" in e]
+    assert losses and all(math.isfinite(v) for v in losses)
+    gaps = [
+        e["lossplug/advantage/opd/reverse_kl"]
+        for e in trainer.state.log_history
+        if "lossplug/advantage/opd/reverse_kl" in e
+    ]
+    assert len(gaps) == len(generations) and all(math.isfinite(v) and v != 0 for v in gaps)  # one per generation batch
+
+
+def test_opd_without_a_teacher_says_how(tmp_path):
+    with pytest.raises(LossplugError) as err:
+        tiny.tiny_grpo_trainer(
+            {"advantage": {"name": "opd", "task": "grpo"}, "gates": ["ppo_clip"], "reduction": "token"},
+            tmp_path / "out",
+        )
+    message = str(err.value)
+    assert "recipe.advantage (opd) reads teacher_logp" in message
+    assert "Next step: pass attach(trainer, recipe, teacher_model=teacher)" in message
+
+
+def test_opd_on_behaviour_log_probs_trl_does_not_have_is_refused(tmp_path):
+    tok = tiny.tiny_tokenizer()
+    with pytest.raises(LossplugError) as err:
+        tiny.tiny_grpo_trainer(
+            {"advantage": {"name": "opd", "student": "behavior_logp"}, "gates": ["ppo_clip"], "reduction": "token"},
+            tmp_path / "out",
+            tokenizer=tok,
+            trainer_kwargs={"teacher_model": tiny.tiny_model(tok, seed=1)},
+        )
+    message = str(err.value)
+    assert "recipe.advantage (opd) reads behavior_logp" in message and "teacher_logp" not in message
+    assert "Next step: set use_vllm=True" in message
+
+
+def test_opd_without_a_task_and_a_filter_is_refused(tmp_path):
+    tok = tiny.tiny_tokenizer()
+    with pytest.raises(
+        LossplugError, match=r"recipe.advantage \(opd\) has no task, and the recipe has shapers or filters.*Next step"
+    ):
+        tiny.tiny_grpo_trainer(
+            {"advantage": "opd", "filters": ["zero_variance"], "gates": ["ppo_clip"], "reduction": "token"},
+            tmp_path / "out",
+            tokenizer=tok,
+            trainer_kwargs={"teacher_model": tiny.tiny_model(tok, seed=1)},
+        )
+
+
+def test_a_mix_with_an_opd_component_stays_refused_with_the_reason(tmp_path):
+    tok = tiny.tiny_tokenizer()
+    mix = {"name": "mix", "components": [{"name": "opd", "weight": 1.0}, {"name": "grpo", "weight": 0.5}]}
+    with pytest.raises(LossplugError) as err:
+        tiny.tiny_grpo_trainer(
+            {"advantage": mix, "gates": ["ppo_clip"], "reduction": "token"},
+            tmp_path / "out",
+            tokenizer=tok,
+            trainer_kwargs={"teacher_model": tiny.tiny_model(tok, seed=1)},
+        )
+    message = str(err.value)
+    assert "recipe.advantage (mix) reads teacher_logp" in message and "one value per completion" in message
+    assert "Next step: advantage: {name: opd, coef: ..., task: <estimator>}" in message
 
 
 # -- turns ------------------------------------------------------------------------------------------------------------
