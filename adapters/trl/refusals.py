@@ -481,7 +481,8 @@ def _advantage_stage(trainer: GRPOTrainer, compiled: CompiledRecipe, where: str 
 def _turns_at_the_advantage(trainer: GRPOTrainer, compiled: CompiledRecipe) -> list[str]:
     """Advantages that read the turns of a completion (runs of action tokens): TRL's advantage seam sees one position
     per completion, so where a completion can hold several turns (tools, a rollout_func) they would silently see one.
-    ``agentic_reinforce`` is exact at γ = 1 (no turn is discounted); ``mt_grpo`` never is (its first turn differs)."""
+    ``agentic_reinforce`` is exact at γ = 1 (no turn is discounted); ``mt_grpo`` and ``igpo`` never are (each turn has
+    its own reward)."""
     stage = compiled.advantage
     if stage is None or not (getattr(trainer, "tools", None) or getattr(trainer, "rollout_func", None) is not None):
         return []  # one turn per completion: what these estimators compute on one turn is what runs
@@ -493,6 +494,14 @@ def _turns_at_the_advantage(trainer: GRPOTrainer, compiled: CompiledRecipe) -> l
             "advantage seam has one position per completion, so the turns of a completion with tool calls are not "
             "seen there. Next step: gamma: 1.0 (ROLL's default; exact in TRL), or run it under verl, whose estimator "
             "reads the turns from response_mask"
+        ]
+    if name == "igpo":
+        return [
+            "recipe.advantage (igpo) gives each turn of a completion its own advantage (its information gain and the "
+            "later turns', discounted), but TRL's advantage seam has one position per completion, so the turns of a "
+            "completion with tool calls are not seen there (every token would get the outcome's alone). Next step: "
+            "run it under verl (adv_estimator=lossplug reads the turns from response_mask and the turn rewards from "
+            "token_level_rewards), or drop tools/rollout_func"
         ]
     if name == "mt_grpo":
         return [

@@ -10,7 +10,7 @@
 * TRL: two real ``GRPOTrainer`` steps; TRL's advantage seam has one position per completion (one turn: its score is
   the outcome), so what runs there is IGPO's one-turn case, ``(R − mean) / (sqrt(pop. var + 1e-8) + 1e-6)``, checked
   on TRL's batch. Where a completion can hold several turns (tools, a ``rollout_func``) the turns are not seen there
-  and the adapter must refuse (see the xfail below: the refusal is the lead's edit to ``adapters/trl/refusals.py``).
+  and the adapter refuses.
 """
 
 from __future__ import annotations
@@ -128,10 +128,6 @@ def test_igpo_trains_in_a_trl_grpo_trainer_as_its_one_turn_case(tmp_path):
     assert bool((inputs["advantages"] != 0).any())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adapters/trl/refusals.py _turns_at_the_advantage does not name igpo yet (the lead adds the refusal)",
-)
 def test_igpo_is_refused_where_trl_completions_can_hold_several_turns(tmp_path):
     pytest.importorskip("trl")
     from lossplug import LossplugError
