@@ -1,6 +1,6 @@
 """What the multi-turn advantage tests share: ``step_reinforce`` and ``gigpo`` draw the same interleaved episodes
 (one row per step), ``step_reinforce`` and ``agentic_reinforce`` check the loss and gradient of a REINFORCE recipe
-against their transcribed advantage."""
+against their transcribed advantage; ``igpo`` and ``mt_grpo`` check that the rows' order changes nothing."""
 
 from __future__ import annotations
 
@@ -59,3 +59,19 @@ def assert_reinforce_loss_and_gradient(
     expected.backward()
     torch.testing.assert_close(result.loss, expected, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(logp.grad, reference.grad, atol=1e-12, rtol=1e-12)
+
+
+def assert_row_order_changes_nothing(
+    batch: lossplug.PolicyBatch, recipe: lossplug.Recipe, adv: torch.Tensor, seed: int
+) -> None:
+    """The advantages of ``batch``'s rows shuffled (a permutation drawn from ``seed``) are ``adv`` shuffled alike
+    (1e-12): the estimator reads no row order."""
+    perm = torch.randperm(batch.action_mask.shape[0], generator=torch.Generator().manual_seed(seed))
+    shuffled = batch.replace(
+        logp=batch.logp[perm],
+        old_logp=batch.old_logp[perm],
+        action_mask=batch.action_mask[perm],
+        reward=batch.reward[perm],
+        group_id=batch.group_id[perm],
+    )
+    torch.testing.assert_close(lossplug.compute_advantages(shuffled, recipe), adv[perm], atol=1e-12, rtol=0)

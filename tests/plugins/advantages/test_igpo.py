@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 
 import lossplug
 
+from ._multi_turn import assert_row_order_changes_nothing
+
 F64 = torch.float64
 
 
@@ -277,16 +279,7 @@ def test_order_shift_and_turn_structure(seed, gamma, norm, shift):
     params = {"gamma": gamma, "norm": norm}
     adv = lossplug.compute_advantages(batch, recipe(**params))
     mask, B = batch.action_mask, batch.action_mask.shape[0]
-    # the rows' order changes nothing
-    perm = torch.randperm(B, generator=torch.Generator().manual_seed(seed))
-    shuffled = batch.replace(
-        logp=batch.logp[perm],
-        old_logp=batch.old_logp[perm],
-        action_mask=mask[perm],
-        reward=batch.reward[perm],
-        group_id=batch.group_id[perm],
-    )
-    torch.testing.assert_close(lossplug.compute_advantages(shuffled, recipe(**params)), adv[perm], atol=1e-12, rtol=0)
+    assert_row_order_changes_nothing(batch, recipe(**params), adv, seed)
     # a constant added to every turn reward of group 0 changes nothing (no gain is shifted onto exactly 0 here)
     ends = mask & ~torch.nn.functional.pad(mask[:, 1:], (0, 1), value=False)
     shifted_reward = batch.reward + shift * (ends & (batch.group_id == 0).unsqueeze(-1))

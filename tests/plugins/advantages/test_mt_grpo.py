@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 
 import lossplug
 
+from ._multi_turn import assert_row_order_changes_nothing
+
 F64 = torch.float64
 
 
@@ -252,16 +254,7 @@ def test_order_outcome_shift_and_turn_structure(seed, coef, shift):
     params = {"turn_coef": coef}
     adv = lossplug.compute_advantages(batch, recipe(**params))
     mask, B = batch.action_mask, batch.action_mask.shape[0]
-    # the rows' order changes nothing
-    perm = torch.randperm(B, generator=torch.Generator().manual_seed(seed))
-    shuffled = batch.replace(
-        logp=batch.logp[perm],
-        old_logp=batch.old_logp[perm],
-        action_mask=mask[perm],
-        reward=batch.reward[perm],
-        group_id=batch.group_id[perm],
-    )
-    torch.testing.assert_close(lossplug.compute_advantages(shuffled, recipe(**params)), adv[perm], atol=1e-12, rtol=0)
+    assert_row_order_changes_nothing(batch, recipe(**params), adv, seed)
     # a constant added to every outcome of group 0 (on each row's last action token) changes nothing
     last = mask & (mask.flip(-1).cumsum(-1).flip(-1) == 1)
     shifted = batch.replace(reward=batch.reward + shift * (last & (batch.group_id == 0).unsqueeze(-1)))
