@@ -1,7 +1,8 @@
 """What the field-inventory tests share inside the trainers: lossplug's policy loss configured as verl's actor does,
 and called as a trainer that passes ``rollout_log_probs`` calls it; verl's batch after rewarding as a ``DataProto``;
 TRL's first micro-batch with the model's own forward pass; two TRL steps; the refusals of the gates that need whole
-prompt groups. verl and TRL are imported lazily (the tests skip without them)."""
+prompt groups; the turn-level advantages' checks (verl's advantage and policy-loss seam on responses of several turns,
+TRL's one-turn case and its refusal of several). verl and TRL are imported lazily (the tests skip without them)."""
 
 from __future__ import annotations
 
@@ -216,3 +217,95 @@ def trl_first_micro_batch(trainer: Any) -> TrlMicroBatch:
         trainer.model, ids, attention, inputs["completion_ids"].size(1), compute_entropy=True
     )
     return TrlMicroBatch(inputs, params, loss, grads, logps, entropies)
+
+
+# -- turn-level advantages (igpo, mt_grpo) -----------------------------------------------------------------------------
+
+
+def turn_runs(mask_row: list) -> list[tuple[int, int]]:
+    """The turns of a response: [start, end) of each run of action tokens."""
+    runs, t, T = [], 0, len(mask_row)
+    while t < T:
+        if mask_row[t]:
+            s = t
+            while t < T and mask_row[t]:
+                t += 1
+            runs.append((s, t))
+        else:
+            t += 1
+    return runs
+
+
+def ppo_clip_over_the_step(x: dict[str, torch.Tensor], adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clip (0.2) over the step's action tokens, token mean: loss and gradient."""
+    mask = x["response_mask"]
+    old = torch.where(mask, x["old_log_prob"], 0)
+    logp = torch.where(mask, x["log_prob"], 0).clone().requires_grad_()
+    ratio = (logp - old).exp()
+    a = torch.where(mask, adv, 0)
+    expected = -(torch.where(mask, torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a), 0).sum() / mask.sum())
+    expected.backward()
+    return expected.detach(), torch.where(mask, logp.grad, 0)
+
+
+def verl_advantage(data: Any, recipe: dict, registered: bool) -> Any:
+    """``recipe``'s advantage on verl's ``data``: through verl's ``compute_advantage`` with the registered estimator
+    (``adv_estimator=lossplug``) when ``registered``, else through ``lossplug.adapters.verl.compute_advantage``."""
+    if registered:
+        pytest.importorskip("lossplug.adapters.verl")  # registers the estimator 'lossplug'
+        from omegaconf import OmegaConf
+        from verl.trainer.ppo.ray_trainer import compute_advantage
+
+        config = OmegaConf.create({"adv_estimator": "lossplug", "lossplug": recipe, "norm_adv_by_std_in_grpo": True})
+        return compute_advantage(data, adv_estimator="lossplug", gamma=1.0, lam=1.0, config=config)
+    from lossplug.adapters.verl import compute_advantage as lossplug_compute_advantage
+
+    return lossplug_compute_advantage(data, recipe)
+
+
+def assert_turn_advantages_through_verl_seam(
+    recipe: dict, x: dict[str, torch.Tensor], adv: torch.Tensor, expected: torch.Tensor
+) -> None:
+    """verl's advantages ``adv`` on verl_inputs' step ``x`` (responses of several turns and of one) equal the formula
+    written out (``expected``, 1e-12), differ between the first and last turn of some multi-turn response (the
+    per-turn part acts), and through verl's policy-loss seam at DP ranks × micro-batches give PPO's clip over the
+    step: loss and gradient (float64)."""
+    mask = x["response_mask"]
+    turns = [len(turn_runs(mask[i].tolist())) for i in range(mask.shape[0])]
+    assert max(turns) >= 3 and min(turns) == 1  # several turns and one-turn responses
+    torch.testing.assert_close(adv, expected, atol=1e-12, rtol=0)
+    assert any(
+        abs(float(adv[i, turn_runs(mask[i].tolist())[0][0]] - adv[i, turn_runs(mask[i].tolist())[-1][0]])) > 1e-3
+        for i in range(mask.shape[0])
+        if turns[i] > 1
+    )
+    x = {**x, "advantages": torch.where(mask, adv, x["advantages"])}  # verl's garbage off the mask stays
+    loss, grad, _ = verl_seam_over_step(recipe, x)
+    expected_loss, expected_grad = ppo_clip_over_the_step(x, adv)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.where(mask, grad, 0), expected_grad, rtol=1e-12, atol=1e-14)
+
+
+def assert_trl_one_turn_case(recipe: dict, tmp_path: Any, expected_of: Any) -> None:
+    """Two real TRL steps under ``recipe``, then TRL's advantages on its batch (one position per completion: one turn)
+    equal ``expected_of(reward, group)`` (float64, 1e-5) and are not all 0."""
+    from .test_field_roll_nemo_advantages_in_trainers import one_micro_batch, trained
+
+    trainer = trained(recipe, tmp_path, None)
+    inputs = one_micro_batch(trainer)
+    reward, group = inputs["lossplug_reward"].to(torch.float64), inputs["lossplug_group_id"]
+    torch.testing.assert_close(inputs["advantages"].to(torch.float64), expected_of(reward, group), atol=1e-5, rtol=1e-5)
+    assert bool((inputs["advantages"] != 0).any())
+
+
+def assert_trl_refuses_several_turns(recipe: dict, name: str, tmp_path: Any) -> None:
+    """A TRL trainer whose completions can hold several turns (a ``rollout_func``) under ``recipe`` is refused, naming
+    ``name`` and the reason: TRL's advantage seam has one position per completion."""
+    pytest.importorskip("trl")
+    from lossplug.testing import tiny
+
+    tok = tiny.tiny_tokenizer()
+    with pytest.raises(LossplugError, match=rf"{name}.*one position per completion"):
+        tiny.tiny_grpo_trainer(
+            recipe, tmp_path / "out", tokenizer=tok, trainer_kwargs={"rollout_func": tiny.TinyRollout(tok)}
+        )

@@ -18,9 +18,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._field_trainers import verl_inputs, verl_seam_over_step, verl_step_as_proto
-from .test_field_mt_grpo_in_trainers import ppo_clip_over_the_step, turn_runs
-from .test_field_roll_nemo_advantages_in_trainers import one_micro_batch, trained
+from ._field_trainers import (
+    assert_trl_one_turn_case,
+    assert_trl_refuses_several_turns,
+    assert_turn_advantages_through_verl_seam,
+    turn_runs,
+    verl_advantage,
+    verl_inputs,
+    verl_step_as_proto,
+)
 
 F64 = torch.float64
 GAMMA = 0.9
@@ -83,33 +89,11 @@ def per_turn_proto(seed=3):
 @pytest.mark.parametrize("registered", [False, True], ids=["adapter", "verl_estimator"])
 def test_igpo_through_verl_and_its_policy_loss_seam_at_two_ranks(registered):
     data, x, turn_rewards, group = per_turn_proto()
-    mask = x["response_mask"]
-    if registered:
-        pytest.importorskip("lossplug.adapters.verl")  # registers the estimator 'lossplug'
-        from omegaconf import OmegaConf
-        from verl.trainer.ppo.ray_trainer import compute_advantage
-
-        config = OmegaConf.create({"adv_estimator": "lossplug", "lossplug": IGPO, "norm_adv_by_std_in_grpo": True})
-        out = compute_advantage(data, adv_estimator="lossplug", gamma=1.0, lam=1.0, config=config)
-    else:
-        from lossplug.adapters.verl import compute_advantage
-
-        out = compute_advantage(data, IGPO)
-    turns = [len(rs) for rs in turn_rewards]
-    assert max(turns) >= 3 and min(turns) == 1  # several turns and one-turn responses
-    adv = out.batch["advantages"].to(F64)
-    torch.testing.assert_close(adv, igpo_written_out(turn_rewards, mask, group), atol=1e-12, rtol=0)
-    # the turns of a multi-turn response carry different values (the gains and the discount act)
-    assert any(
-        abs(float(adv[i, turn_runs(mask[i].tolist())[0][0]] - adv[i, turn_runs(mask[i].tolist())[-1][0]])) > 1e-3
-        for i in range(mask.shape[0])
-        if turns[i] > 1
-    )
-    x = {**x, "advantages": torch.where(mask, adv, x["advantages"])}  # verl's garbage off the mask stays
-    loss, grad, _ = verl_seam_over_step(IGPO, x)
-    expected, expected_grad = ppo_clip_over_the_step(x, adv)
-    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(torch.where(mask, grad, 0), expected_grad, rtol=1e-12, atol=1e-14)
+    adv = verl_advantage(data, IGPO, registered).batch["advantages"].to(F64)
+    # igpo_written_out checks each row's turns against its per-turn rewards; the turns of a multi-turn response
+    # carry different values (the gains and the discount act)
+    expected = igpo_written_out(turn_rewards, x["response_mask"], group)
+    assert_turn_advantages_through_verl_seam(IGPO, x, adv, expected)
 
 
 # -- TRL --------------------------------------------------------------------------------------------------------------
@@ -117,24 +101,13 @@ def test_igpo_through_verl_and_its_policy_loss_seam_at_two_ranks(registered):
 
 @pytest.mark.slow
 def test_igpo_trains_in_a_trl_grpo_trainer_as_its_one_turn_case(tmp_path):
-    trainer = trained(IGPO, tmp_path, None)
-    inputs = one_micro_batch(trainer)
-    reward, group = inputs["lossplug_reward"].to(F64), inputs["lossplug_group_id"]
-    # one position per completion at TRL's advantage seam: one turn, its score the outcome
-    expected = igpo_written_out(
-        [[float(r)] for r in reward], torch.ones(len(reward), 1, dtype=torch.bool), group
-    ).squeeze(-1)
-    torch.testing.assert_close(inputs["advantages"].to(F64), expected, atol=1e-5, rtol=1e-5)
-    assert bool((inputs["advantages"] != 0).any())
+    def one_turn(reward, group):
+        # one position per completion at TRL's advantage seam: one turn, its score the outcome
+        one = torch.ones(len(reward), 1, dtype=torch.bool)
+        return igpo_written_out([[float(r)] for r in reward], one, group).squeeze(-1)
+
+    assert_trl_one_turn_case(IGPO, tmp_path, one_turn)
 
 
 def test_igpo_is_refused_where_trl_completions_can_hold_several_turns(tmp_path):
-    pytest.importorskip("trl")
-    from lossplug import LossplugError
-    from lossplug.testing import tiny
-
-    tok = tiny.tiny_tokenizer()
-    with pytest.raises(LossplugError, match=r"igpo.*one position per completion"):
-        tiny.tiny_grpo_trainer(
-            IGPO, tmp_path / "out", tokenizer=tok, trainer_kwargs={"rollout_func": tiny.TinyRollout(tok)}
-        )
+    assert_trl_refuses_several_turns(IGPO, "igpo", tmp_path)

@@ -17,28 +17,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._field_trainers import verl_inputs, verl_seam_over_step, verl_step_as_proto
-from .test_field_roll_nemo_advantages_in_trainers import one_micro_batch, trained
+from ._field_trainers import (
+    assert_trl_one_turn_case,
+    assert_trl_refuses_several_turns,
+    assert_turn_advantages_through_verl_seam,
+    turn_runs,
+    verl_advantage,
+    verl_inputs,
+    verl_step_as_proto,
+)
 
 F64 = torch.float64
 MT_GRPO = {"advantage": "mt_grpo", "gates": ["ppo_clip"], "reduction": "token"}
 
 
 # -- MT-GRPO written out ----------------------------------------------------------------------------------------------
-
-
-def turn_runs(mask_row):
-    """The turns of a response: [start, end) of each run of action tokens."""
-    runs, t, T = [], 0, len(mask_row)
-    while t < T:
-        if mask_row[t]:
-            s = t
-            while t < T and mask_row[t]:
-                t += 1
-            runs.append((s, t))
-        else:
-            t += 1
-    return runs
 
 
 def normalised(values, group):
@@ -69,18 +62,6 @@ def mt_grpo_written_out(turn_reward, outcome, mask, group, coef=1.0):
     return out
 
 
-def ppo_clip_over_the_step(x, adv):
-    """PPO's clip (0.2) over the step's action tokens, token mean: loss and gradient."""
-    mask = x["response_mask"]
-    old = torch.where(mask, x["old_log_prob"], 0)
-    logp = torch.where(mask, x["log_prob"], 0).clone().requires_grad_()
-    ratio = (logp - old).exp()
-    a = torch.where(mask, adv, 0)
-    expected = -(torch.where(mask, torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a), 0).sum() / mask.sum())
-    expected.backward()
-    return expected.detach(), torch.where(mask, logp.grad, 0)
-
-
 # -- verl -------------------------------------------------------------------------------------------------------------
 
 
@@ -109,34 +90,11 @@ def per_turn_proto(seed=3):
 @pytest.mark.parametrize("registered", [False, True], ids=["adapter", "verl_estimator"])
 def test_mt_grpo_through_verl_and_its_policy_loss_seam_at_two_ranks(registered):
     data, x, turn_reward, outcome, group = per_turn_proto()
-    mask = x["response_mask"]
-    if registered:
-        pytest.importorskip("lossplug.adapters.verl")  # registers the estimator 'lossplug'
-        from omegaconf import OmegaConf
-        from verl.trainer.ppo.ray_trainer import compute_advantage
-
-        config = OmegaConf.create({"adv_estimator": "lossplug", "lossplug": MT_GRPO, "norm_adv_by_std_in_grpo": True})
-        out = compute_advantage(data, adv_estimator="lossplug", gamma=1.0, lam=1.0, config=config)
-    else:
-        from lossplug.adapters.verl import compute_advantage
-
-        out = compute_advantage(data, MT_GRPO)
-    turns = [len(turn_runs(mask[i].tolist())) for i in range(mask.shape[0])]
-    assert max(turns) >= 3 and min(turns) == 1  # several turns and one-turn responses in both groups
-    adv = out.batch["advantages"].to(F64)
-    torch.testing.assert_close(adv, mt_grpo_written_out(turn_reward, outcome, mask, group), atol=1e-12, rtol=0)
-    # the first turn of a multi-turn response differs from its later turns (the turn advantage acts)
-    first_differs = [
-        abs(float(adv[i, turn_runs(mask[i].tolist())[0][0]] - adv[i, turn_runs(mask[i].tolist())[-1][0]])) > 1e-3
-        for i in range(mask.shape[0])
-        if turns[i] > 1
-    ]
-    assert any(first_differs)
-    x = {**x, "advantages": torch.where(mask, adv, x["advantages"])}  # verl's garbage off the mask stays
-    loss, grad, _ = verl_seam_over_step(MT_GRPO, x)
-    expected, expected_grad = ppo_clip_over_the_step(x, adv)
-    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(torch.where(mask, grad, 0), expected_grad, rtol=1e-12, atol=1e-14)
+    adv = verl_advantage(data, MT_GRPO, registered).batch["advantages"].to(F64)
+    # several turns and one-turn responses in both groups; the first turn of a multi-turn response differs from its
+    # later turns (the turn advantage acts)
+    expected = mt_grpo_written_out(turn_reward, outcome, x["response_mask"], group)
+    assert_turn_advantages_through_verl_seam(MT_GRPO, x, adv, expected)
 
 
 # -- TRL --------------------------------------------------------------------------------------------------------------
@@ -144,24 +102,14 @@ def test_mt_grpo_through_verl_and_its_policy_loss_seam_at_two_ranks(registered):
 
 @pytest.mark.slow
 def test_mt_grpo_trains_in_a_trl_grpo_trainer_as_its_one_turn_case(tmp_path):
-    trainer = trained(MT_GRPO, tmp_path, None)
-    inputs = one_micro_batch(trainer)
-    reward, group = inputs["lossplug_reward"].to(F64), inputs["lossplug_group_id"]
-    # one position per completion at TRL's advantage seam: one turn, the combined advantage (r − mean)/(std + 1e-4)
-    expected = torch.tensor(normalised(reward.tolist(), group.tolist()), dtype=F64)
-    constant = torch.tensor([bool((reward[group == g] == reward[group == g][0]).all()) for g in group.tolist()])
-    expected = torch.where(constant, 0.0, expected)
-    torch.testing.assert_close(inputs["advantages"].to(F64), expected, atol=1e-5, rtol=1e-5)
-    assert bool((inputs["advantages"] != 0).any())
+    def one_turn(reward, group):
+        # one position per completion at TRL's advantage seam: one turn, the combined advantage (r − mean)/(std + 1e-4)
+        expected = torch.tensor(normalised(reward.tolist(), group.tolist()), dtype=F64)
+        constant = torch.tensor([bool((reward[group == g] == reward[group == g][0]).all()) for g in group.tolist()])
+        return torch.where(constant, 0.0, expected)
+
+    assert_trl_one_turn_case(MT_GRPO, tmp_path, one_turn)
 
 
 def test_mt_grpo_is_refused_where_trl_completions_can_hold_several_turns(tmp_path):
-    pytest.importorskip("trl")
-    from lossplug import LossplugError
-    from lossplug.testing import tiny
-
-    tok = tiny.tiny_tokenizer()
-    with pytest.raises(LossplugError, match=r"mt_grpo.*one position per completion"):
-        tiny.tiny_grpo_trainer(
-            MT_GRPO, tmp_path / "out", tokenizer=tok, trainer_kwargs={"rollout_func": tiny.TinyRollout(tok)}
-        )
+    assert_trl_refuses_several_turns(MT_GRPO, "mt_grpo", tmp_path)
