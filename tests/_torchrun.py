@@ -1,15 +1,44 @@
 """Two data-parallel processes for a test: a script run by ``torchrun --standalone --nproc_per_node 2`` (gloo on
-the CPU), each rank writing its results under the folder given as its first argument."""
+the CPU), each rank writing its results under the folder given as its first argument: ``SCRIPT_HELPERS`` (source to
+put before a script's own) writes them, ``rank_results`` reads them back."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+
+#: Python source for the top of a two-process script: ``first_generation(trainer)``, a TRL trainer's first generation
+#: batch as ``_generate_and_score_completions`` returns it (train mode, no accumulation: what the first micro-batch is
+#: cut from); ``write_rank_result_and_exit(out_dir, result)``, this rank's ``result`` as ``rank<RANK>.json``, then exit
+SCRIPT_HELPERS = textwrap.dedent("""
+    import json, os, sys
+
+    def first_generation(trainer):
+        outputs = []
+        generate = trainer._generate_and_score_completions
+        trainer._generate_and_score_completions = lambda inputs: outputs.append(generate(inputs)) or outputs[-1]
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+        (output,) = outputs
+        return output
+
+    def write_rank_result_and_exit(out_dir, result):
+        with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
+            json.dump(result, f)
+        # the result is written: leave without the interpreter's teardown, where a native thread still being joined
+        # (gloo, OpenMP) can abort a process whose work succeeded
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+""")
 
 
 def run_on_two_processes(script: Path, *args: str, env: dict[str, str] | None = None, timeout: int = 300) -> None:
@@ -25,3 +54,8 @@ def run_on_two_processes(script: Path, *args: str, env: dict[str, str] | None = 
         timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def rank_results(folder: Path) -> list:
+    """The two ranks' results, as ``write_rank_result_and_exit`` wrote them under ``folder``: rank 0's, then rank 1's."""
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]

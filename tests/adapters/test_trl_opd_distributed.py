@@ -7,13 +7,12 @@ advantage written out) and compares (float32, 1e-6)."""
 
 from __future__ import annotations
 
-import json
 import textwrap
 
 import pytest
 import torch
 
-from .._torchrun import run_on_two_processes
+from .._torchrun import SCRIPT_HELPERS, rank_results, run_on_two_processes
 
 pytest.importorskip("trl")
 
@@ -22,13 +21,12 @@ pytestmark = pytest.mark.slow
 COEF = 0.5
 TEMPERATURE = 0.7
 
-SCRIPT = textwrap.dedent("""
-    import json, os, sys, torch
+SCRIPT = SCRIPT_HELPERS + textwrap.dedent("""
+    import os, sys, torch
     from lossplug.adapters.trl import LossplugGRPOTrainer
     from lossplug.testing import tiny
 
     out_dir, coef, temperature = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
-    RANK = int(os.environ["RANK"])
 
     def direct(model, out):
         ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
@@ -48,13 +46,7 @@ SCRIPT = textwrap.dedent("""
                                   train_dataset=tiny.tiny_dataset(16), processing_class=tok, recipe=recipe,
                                   teacher_model=teacher)
     assert trainer.accelerator.num_processes == 2
-    outputs = []
-    generate = trainer._generate_and_score_completions
-    trainer._generate_and_score_completions = lambda inputs: outputs.append(generate(inputs)) or outputs[-1]
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    (output,) = outputs
+    output = first_generation(trainer)
     result = {
         "advantages": output["advantages"].tolist(),
         "rewards": output["lossplug_reward"].tolist(),
@@ -63,11 +55,7 @@ SCRIPT = textwrap.dedent("""
         "student": direct(trainer.model, output).tolist(),
         "old": output["old_per_token_logps"].tolist(),
     }
-    with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    write_rank_result_and_exit(out_dir, result)
 """)
 
 
@@ -77,7 +65,7 @@ def test_opd_gathers_its_task_and_keeps_its_per_token_signal_per_process(tmp_pat
     script = tmp_path / "ddp.py"
     script.write_text(SCRIPT)
     run_on_two_processes(script, str(tmp_path), str(COEF), str(TEMPERATURE), env=OFFLINE_ENV)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = rank_results(tmp_path)
     rewards = torch.tensor([v for r in ranks for v in r["rewards"]], dtype=torch.float64)
     assert rewards.shape == (4,) and not bool((rewards == rewards[0]).all())
     task = (rewards - rewards.mean()) / (rewards.std(unbiased=True) + 1e-6)  # one group over both processes

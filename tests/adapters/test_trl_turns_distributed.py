@@ -14,7 +14,7 @@ import torch
 
 import lossplug
 
-from .._torchrun import run_on_two_processes
+from .._torchrun import SCRIPT_HELPERS, rank_results, run_on_two_processes
 
 pytest.importorskip("trl")
 
@@ -33,7 +33,7 @@ RECIPES = {
     },
 }
 
-SCRIPT = textwrap.dedent("""
+SCRIPT = SCRIPT_HELPERS + textwrap.dedent("""
     import json, os, sys, torch
     from lossplug.adapters.trl import LossplugGRPOTrainer
     from lossplug.testing import tiny
@@ -56,19 +56,9 @@ SCRIPT = textwrap.dedent("""
                                       train_dataset=tiny.tiny_dataset(16), processing_class=tok, recipe=recipe,
                                       rollout_func=TurnRollout(tok, seed=11 + RANK, tools=False))
         assert trainer.accelerator.num_processes == 2
-        outputs = []
-        generate = trainer._generate_and_score_completions
-        trainer._generate_and_score_completions = lambda inputs: outputs.append(generate(inputs)) or outputs[-1]
-        trainer.model.train()
-        trainer.current_gradient_accumulation_steps = 1
-        trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-        (output,) = outputs
+        output = first_generation(trainer)
         result[name] = {"advantages": output["advantages"].tolist(), "rewards": output["lossplug_reward"].tolist()}
-    with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    write_rank_result_and_exit(out_dir, result)
 """)
 
 
@@ -78,7 +68,7 @@ def test_turn_ids_are_gathered_with_the_rewards_over_two_processes(tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(SCRIPT)
     run_on_two_processes(script, str(tmp_path), json.dumps(RECIPES), env=OFFLINE_ENV)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = rank_results(tmp_path)
     for name, recipe in RECIPES.items():
         rewards = torch.tensor([v for r in ranks for v in r[name]["rewards"]], dtype=torch.float64)
         got = torch.tensor([v for r in ranks for v in r[name]["advantages"]], dtype=torch.float64)
