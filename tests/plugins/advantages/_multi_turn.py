@@ -1,9 +1,11 @@
 """What the multi-turn advantage tests share: ``step_reinforce`` and ``gigpo`` draw the same interleaved episodes
 (one row per step), ``step_reinforce`` and ``agentic_reinforce`` check the loss and gradient of a REINFORCE recipe
-against their transcribed advantage; ``igpo`` and ``mt_grpo`` check that the rows' order changes nothing."""
+against their transcribed advantage; ``igpo`` and ``mt_grpo`` check that the rows' order changes nothing, that equal rewards and lone rows get 0, and that
+bad batches are refused by name."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import lossplug
@@ -75,3 +77,32 @@ def assert_row_order_changes_nothing(
         group_id=batch.group_id[perm],
     )
     torch.testing.assert_close(lossplug.compute_advantages(shuffled, recipe), adv[perm], atol=1e-12, rtol=0)
+
+
+def assert_equal_rewards_and_lone_rows_get_zero(batch: lossplug.PolicyBatch, recipe: lossplug.Recipe) -> None:
+    """Every reward 0 (equal in each group, no turn reward): every advantage exactly 0; every row its own group: every
+    advantage exactly 0."""
+    equal = batch.replace(reward=torch.where(batch.action_mask, 0.0, 0.0).to(torch.float64))
+    assert bool((lossplug.compute_advantages(equal, recipe) == 0).all())
+    alone = batch.replace(group_id=torch.arange(batch.action_mask.shape[0]))
+    assert bool((lossplug.compute_advantages(alone, recipe) == 0).all())
+
+
+def assert_bad_turn_batches_are_refused_by_name(batch: lossplug.PolicyBatch, recipe: lossplug.Recipe) -> None:
+    """A turn reward on an observation or padding token (the error names the field, the rule and the position), a
+    row without an action token, and a batch without ``group_id`` are refused."""
+    mask = batch.action_mask
+    row, col = 0, int((~mask[0]).nonzero()[0])  # an observation or padding position of row 0
+    off = batch.reward.clone()
+    off[row, col] = 0.5  # a turn reward put on an observation token
+    with pytest.raises(lossplug.BatchValidationError, match=r"reward.*0 off the action positions") as err:
+        lossplug.compute_advantages(batch.replace(reward=off), recipe)
+    assert f"(row {row}, pos {col})" in str(err.value)
+    no_turns = mask.clone()
+    no_turns[1] = False
+    with pytest.raises(lossplug.BatchValidationError, match="at least one action token"):
+        lossplug.compute_advantages(
+            batch.replace(action_mask=no_turns, reward=torch.where(no_turns, batch.reward, 0)), recipe
+        )
+    with pytest.raises(lossplug.BatchValidationError, match="group_id"):
+        lossplug.compute_advantages(batch.replace(group_id=None), recipe)

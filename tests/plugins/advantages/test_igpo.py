@@ -22,7 +22,11 @@ from hypothesis import strategies as st
 
 import lossplug
 
-from ._multi_turn import assert_row_order_changes_nothing
+from ._multi_turn import (
+    assert_bad_turn_batches_are_refused_by_name,
+    assert_equal_rewards_and_lone_rows_get_zero,
+    assert_row_order_changes_nothing,
+)
 
 F64 = torch.float64
 
@@ -345,10 +349,7 @@ def test_a_turns_reward_may_sit_on_any_of_its_tokens_and_a_row_score_is_the_outc
 def test_groups_of_equal_outcomes_without_gains_and_of_one_row_get_zero():
     rows, G = rows_of(5, max_turns=1)
     batch = batch_of(rows, G, 5)
-    equal = batch.replace(reward=torch.where(batch.action_mask, 0.0, 0.0).to(F64))
-    assert bool((lossplug.compute_advantages(equal, recipe()) == 0).all())
-    alone = batch.replace(group_id=torch.arange(batch.action_mask.shape[0]))
-    assert bool((lossplug.compute_advantages(alone, recipe()) == 0).all())
+    assert_equal_rewards_and_lone_rows_get_zero(batch, recipe())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -358,21 +359,8 @@ def test_groups_of_equal_outcomes_without_gains_and_of_one_row_get_zero():
 def test_bad_input_is_refused_by_name():
     rows, G = rows_of(3)
     batch = batch_of(rows, G, 3)
+    assert_bad_turn_batches_are_refused_by_name(batch, recipe())
     mask = batch.action_mask
-    row, col = 0, int((~mask[0]).nonzero()[0])  # an observation or padding position of row 0
-    off = batch.reward.clone()
-    off[row, col] = 0.5  # a turn reward put on an observation token
-    with pytest.raises(lossplug.BatchValidationError, match=r"reward.*0 off the action positions") as err:
-        lossplug.compute_advantages(batch.replace(reward=off), recipe())
-    assert f"(row {row}, pos {col})" in str(err.value)
-    no_turns = mask.clone()
-    no_turns[1] = False
-    with pytest.raises(lossplug.BatchValidationError, match="at least one action token"):
-        lossplug.compute_advantages(
-            batch.replace(action_mask=no_turns, reward=torch.where(no_turns, batch.reward, 0)), recipe()
-        )
-    with pytest.raises(lossplug.BatchValidationError, match="group_id"):
-        lossplug.compute_advantages(batch.replace(group_id=None), recipe())
     nan = batch.reward.clone()
     nan[2, int(mask[2].nonzero()[-1])] = float("nan")
     with pytest.raises(lossplug.BatchValidationError, match="reward"):

@@ -23,7 +23,11 @@ from hypothesis import strategies as st
 
 import lossplug
 
-from ._multi_turn import assert_row_order_changes_nothing
+from ._multi_turn import (
+    assert_bad_turn_batches_are_refused_by_name,
+    assert_equal_rewards_and_lone_rows_get_zero,
+    assert_row_order_changes_nothing,
+)
 
 F64 = torch.float64
 
@@ -321,10 +325,7 @@ def test_groups_of_equal_rewards_and_of_one_row_get_zero():
     """The reference: 0 / (0 + 1e-4) = 0 for equal rewards; NaN for a group of one row (torch's std of one value),
     0 here."""
     batch = random_batch(5)
-    equal = batch.replace(reward=torch.where(batch.action_mask, 0.0, 0.0).to(F64))
-    assert bool((lossplug.compute_advantages(equal, recipe()) == 0).all())
-    alone = batch.replace(group_id=torch.arange(batch.action_mask.shape[0]))
-    assert bool((lossplug.compute_advantages(alone, recipe()) == 0).all())
+    assert_equal_rewards_and_lone_rows_get_zero(batch, recipe())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -333,21 +334,7 @@ def test_groups_of_equal_rewards_and_of_one_row_get_zero():
 
 def test_bad_input_is_refused_by_name():
     batch = random_batch(3)
-    mask = batch.action_mask
-    row, col = 0, int((~mask[0]).nonzero()[0])  # an observation or padding position of row 0
-    off = batch.reward.clone()
-    off[row, col] = 0.5
-    with pytest.raises(lossplug.BatchValidationError, match=r"reward.*0 off the action positions") as err:
-        lossplug.compute_advantages(batch.replace(reward=off), recipe())
-    assert f"(row {row}, pos {col})" in str(err.value)
-    no_turns = mask.clone()
-    no_turns[1] = False
-    with pytest.raises(lossplug.BatchValidationError, match="at least one action token"):
-        lossplug.compute_advantages(
-            batch.replace(action_mask=no_turns, reward=torch.where(no_turns, batch.reward, 0)), recipe()
-        )
-    with pytest.raises(lossplug.BatchValidationError, match="group_id"):
-        lossplug.compute_advantages(batch.replace(group_id=None), recipe())
+    assert_bad_turn_batches_are_refused_by_name(batch, recipe())
     for bad in ({"turn_coef": -1.0}, {"eps": -1e-4}, {"turns": 2}):
         with pytest.raises(lossplug.RecipeError, match="mt_grpo"):
             recipe(**bad)
