@@ -248,6 +248,20 @@ def ppo_clip_over_the_step(x: dict[str, torch.Tensor], adv: torch.Tensor) -> tup
     return expected.detach(), torch.where(mask, logp.grad, 0)
 
 
+def verl_turn_step(
+    seed: int,
+) -> tuple[dict[str, torch.Tensor], list[list[tuple[int, int]]], torch.Generator, torch.Tensor, torch.Tensor]:
+    """verl_inputs' step from ``seed`` and what per-turn rewards are drawn onto: each row's turns (``turn_runs``), a
+    generator seeded alike (apart from verl_inputs') for the rewards, groups of 4 (row // 4), and
+    ``token_level_rewards`` of zeros (float64) to fill."""
+    x = verl_inputs(seed=seed)
+    mask = x["response_mask"]
+    rows, width = mask.shape
+    turns = [turn_runs(mask[i].tolist()) for i in range(rows)]
+    g = torch.Generator().manual_seed(seed)
+    return x, turns, g, torch.arange(rows) // 4, torch.zeros(rows, width, dtype=torch.float64)
+
+
 def verl_advantage(data: Any, recipe: dict, registered: bool) -> Any:
     """``recipe``'s advantage on verl's ``data``: through verl's ``compute_advantage`` with the registered estimator
     (``adv_estimator=lossplug``) when ``registered``, else through ``lossplug.adapters.verl.compute_advantage``."""

@@ -24,8 +24,8 @@ from ._field_trainers import (
     assert_turn_advantages_through_verl_seam,
     turn_runs,
     verl_advantage,
-    verl_inputs,
     verl_step_as_proto,
+    verl_turn_step,
 )
 
 F64 = torch.float64
@@ -69,15 +69,9 @@ def per_turn_proto(seed=3):
     """verl_inputs' step as a DataProto whose token_level_rewards carry IGPO's per-turn rewards: a gain U(−0.3, 0.3)
     on the last token of every turn but the last, an F1 in {0, 0.5, 1} on the response's last action token; groups
     of 4 in ``uid``."""
-    x = verl_inputs(seed=seed)
-    mask = x["response_mask"]
-    B, T = mask.shape
-    g = torch.Generator().manual_seed(seed)
-    group = torch.arange(B) // 4
-    rewards = torch.zeros(B, T, dtype=F64)
+    x, turns, g, group, rewards = verl_turn_step(seed)
     turn_rewards = []
-    for i in range(B):
-        runs = turn_runs(mask[i].tolist())
+    for i, runs in enumerate(turns):
         rs = [0.6 * float(torch.rand(1, generator=g)) - 0.3 for _ in runs[:-1]]
         rs.append(0.5 * int(torch.randint(0, 3, (1,), generator=g)))
         for (_, e), r in zip(runs, rs):

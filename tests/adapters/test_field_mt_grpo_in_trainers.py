@@ -23,8 +23,8 @@ from ._field_trainers import (
     assert_turn_advantages_through_verl_seam,
     turn_runs,
     verl_advantage,
-    verl_inputs,
     verl_step_as_proto,
+    verl_turn_step,
 )
 
 F64 = torch.float64
@@ -69,15 +69,9 @@ def per_turn_proto(seed=3):
     """verl_inputs' step as a DataProto whose token_level_rewards carry per-turn rewards: a turn reward on the first
     turn's last token of every response of two or more turns (0 for one of one turn, as the reference's turn
     functions give without a tool call), the outcome on the response's last action token; groups of 4 in ``uid``."""
-    x = verl_inputs(seed=seed)
-    mask = x["response_mask"]
-    B, T = mask.shape
-    g = torch.Generator().manual_seed(seed)
-    group = torch.arange(B) // 4
-    rewards = torch.zeros(B, T, dtype=F64)
+    x, turns, g, group, rewards = verl_turn_step(seed)
     turn_reward, outcome = [], []
-    for i in range(B):
-        runs = turn_runs(mask[i].tolist())
+    for i, runs in enumerate(turns):
         o = float(torch.rand(1, generator=g) < 0.5) + 0.1 * float(torch.rand(1, generator=g))
         t = 0.1 * int(torch.randint(0, 3, (1,), generator=g)) if len(runs) > 1 else 0.0
         rewards[i, runs[-1][1] - 1] += o
