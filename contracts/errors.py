@@ -68,9 +68,30 @@ class MissingExtra(LossplugError, ModuleNotFoundError):
         return type(self), (self.package, self.extra, self.needed_by)
 
 
+def _typo_distance(a: str, b: str) -> int:
+    """Edits between ``a`` and ``b`` where swapping two neighbouring letters is one edit (optimal string alignment):
+    'gpro' is one edit from 'grpo', two from 'igpo'."""
+    rows = [list(range(len(b) + 1))]
+    for i in range(1, len(a) + 1):
+        row = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(rows[i - 1][j] + 1, row[j - 1] + 1, rows[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], rows[i - 2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """A ' (did you mean 'x'?)' suffix for typos, or ''."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    """A ' (did you mean 'x'?)' suffix for typos, or '': the choice fewest typing edits away (a swap of neighbouring
+    letters counts one) when it is within a third of the word, else difflib's closest."""
+    options = list(choices)
+    if not options:
+        return ""
+    best = min(options, key=lambda c: (_typo_distance(word, c), -difflib.SequenceMatcher(None, word, c).ratio()))
+    if _typo_distance(word, best) <= max(1, len(word) // 3):
+        return f" (did you mean '{best}'?)"
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
