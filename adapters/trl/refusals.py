@@ -36,7 +36,6 @@ __all__ = [
     "ROLLOUT_FUNC_PROVIDED",
     "ROLLOUT_TOKEN_READERS",
     "ROLLOUT_UNFED",
-    "TEACHERS_AND_TURNS",
     "TESTED_TRL",
     "UNFED",
     "UNFED_AT_ADVANTAGE",
@@ -93,8 +92,6 @@ ROLLOUT_TOKEN_READERS: dict[str, str] = {
 #: advantage estimators the adapter runs per process after generation, with the loss stage's fields (refused in the
 #: words of :data:`UNFED`, not :data:`UNFED_AT_ADVANTAGE`): opd's per-token signal
 PER_PROCESS_ADVANTAGES = frozenset({"opd"})
-#: the issue where a teacher's log-probs and multi-turn ids are planned to reach the recipe
-TEACHERS_AND_TURNS = "planned: issue 'Teachers and turns'"
 _CRITIC = Unfed(
     "GRPOTrainer trains no critic (value model)",
     "run it under verl with a critic (critic.enable=True): verl's own adv_estimator=gae, or "
@@ -175,13 +172,15 @@ UNFED: dict[str, Unfed] = {
 UNFED_AT_ADVANTAGE: dict[str, Unfed] = {
     "old_logp": Unfed(
         _BEFORE_LOGPROBS,
-        f"{TEACHERS_AND_TURNS} (the advantage stage reading TRL's log-probs); under verl, "
-        "lossplug.adapters.verl.compute_advantage(data, recipe) in a custom trainer reads old_log_probs",
+        "in TRL, read the old log-probs in a gate or regularizer of the loss stage, where TRL has them (opd is the one "
+        "estimator the adapter runs per token after generation); under verl, algorithm.adv_estimator=lossplug reads "
+        "old_log_probs from verl's DataProto",
     ),
     "behavior_logp": Unfed(
         _BEFORE_LOGPROBS,
-        f"{TEACHERS_AND_TURNS} (the advantage stage reading TRL's log-probs); under verl, "
-        "lossplug.adapters.verl.compute_advantage(data, recipe) in a custom trainer reads rollout_log_probs",
+        "in TRL, read the rollout's log-probs in a gate or regularizer of the loss stage, where TRL has them with vLLM "
+        "or a rollout_func; under verl, algorithm.adv_estimator=lossplug reads rollout_log_probs from verl's "
+        "DataProto (rollout.calculate_log_probs=true)",
     ),
     "ref_logp": Unfed(
         _BEFORE_LOGPROBS + " (TRL puts no KL in the reward)",

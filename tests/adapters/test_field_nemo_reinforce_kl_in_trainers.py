@@ -159,4 +159,4 @@ def test_trl_refuses_the_kl_in_the_advantage_and_names_the_next_step(tmp_path):
     for field in ("old_logp", "ref_logp"):
         assert f"recipe.advantage (reinforce_plus_plus_baseline) reads {field}" in message, message
     assert "Next step: put the KL in the loss instead: a kl regularizer" in message
-    assert "lossplug.adapters.verl.compute_advantage(data, recipe)" in message
+    assert "algorithm.adv_estimator=lossplug reads old_log_probs" in message
