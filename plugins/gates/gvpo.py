@@ -66,8 +66,9 @@ import torch
 from pydantic import Field
 
 import lossplug
-from lossplug.contracts import LossplugError
 from lossplug.ops import response_stats
+
+from ._whole_groups import refuse_split_groups
 
 
 class GVPOParams(lossplug.Params):
@@ -87,19 +88,19 @@ def _refuse_split_groups(inp: lossplug.GateInput, pooled_ids: torch.Tensor, p: G
     expected = p.group_size
     pooled_counts = (pooled_ids.unsqueeze(-1) == pooled_ids.unsqueeze(0)).sum(-1)  # [P]: each pooled row's group size
     bad = pooled_counts != expected if expected is not None else pooled_counts < 2
-    if pooled_counts.device.type != "cpu":
-        torch._assert_async(~bad.any(), "gate 'gvpo': a prompt group is not whole in this micro-batch (group_size)")
-        return
-    if bool(bad.any()):
+
+    def describe() -> str:
         row = int(bad.nonzero()[:, 0][pooled_ids[bad].argmin()])  # the smallest group id that is not whole
         want = f"exactly group_size={expected}" if expected is not None else "at least 2 (1 / (n − 1))"
-        raise LossplugError(
+        return (
             f"gate 'gvpo': group_id {int(pooled_ids[row])} has {int(pooled_counts[row])} row(s) in this micro-batch"
             f"{' (pooled over its peers)' if not inp.peers.local else ''}, GVPO needs {want}: its centred implicit "
             "reward reads the current log-probs of every rollout of the group, so each micro-batch must hold whole "
             "groups (TRL: steps_per_generation=1 with per_device_train_batch_size a multiple of num_generations; "
             "the authors' verl: _balance_batch with world_size·ppo_micro_batch_size_per_gpu divisible by rollout.n)"
         )
+
+    refuse_split_groups(bad, "gvpo", describe)
 
 
 def _group_statistics(inp: lossplug.GateInput, implicit: torch.Tensor, p: GVPOParams) -> tuple[torch.Tensor, ...]:

@@ -67,8 +67,9 @@ import torch
 from pydantic import Field
 
 import lossplug
-from lossplug.contracts import LossplugError
 from lossplug.ops import response_stats
+
+from ._whole_groups import refuse_split_groups
 
 
 class TPOParams(lossplug.Params):
@@ -90,21 +91,20 @@ def _group_log_sum_exp(same: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor
 def _check_whole_groups(inp: lossplug.GateInput, counts: torch.Tensor, valid: torch.Tensor, p: TPOParams) -> None:
     expected = p.group_size
     bad = valid & ((counts != expected) if expected is not None else (counts < 1))
-    if counts.device.type != "cpu":
-        # no host synchronisation on an accelerator: the assert fires on the device, the message names the setting
-        torch._assert_async(~bad.any(), "gate 'tpo': a prompt group is not whole in this micro-batch (group_size)")
-        return
-    if bool(bad.any()):
+
+    def describe() -> str:
         row = int(bad.nonzero()[0, 0])
         group_id = inp.batch.group_id
         assert group_id is not None  # required
-        raise LossplugError(
+        return (
             f"gate 'tpo': group_id {int(group_id[row])} has {int(counts[row])} row(s) with an action token in this "
             f"micro-batch{' (pooled over its peers)' if not inp.peers.local else ''}, TPO needs exactly "
             f"group_size={expected}: its softmax over the group reads the current log-probs of every rollout of "
             "the group, so each micro-batch must hold whole groups (TRL: steps_per_generation=1 with "
             "per_device_train_batch_size a multiple of num_generations)"
         )
+
+    refuse_split_groups(bad, "tpo", describe)
 
 
 @lossplug.gate("tpo", params=TPOParams, requires=("old_logp", "group_id"), level="sequence", pools=True)
