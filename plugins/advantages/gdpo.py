@@ -30,10 +30,10 @@ import torch
 from pydantic import Field
 
 import lossplug
-from lossplug.contracts import LossplugError
 from lossplug.ops import Groups
 
 from ._verl_statistics import at_least_float32, constant_group, group_mean_or_zero, whiten_rows
+from .multi_reward import component_weights
 
 Tensor = torch.Tensor
 
@@ -68,14 +68,9 @@ def gdpo(batch: lossplug.PolicyBatch, p: GDPOParams) -> Tensor:
     """
     components = at_least_float32(cast(Tensor, batch.reward_components))  # required
     K = components.shape[-1]
-    if p.weights is not None and len(p.weights) != K:
-        raise LossplugError(
-            f"gdpo: weights has {len(p.weights)} entries but reward_components has {K} columns (one weight per "
-            f"reward component)"
-        )
+    weights = component_weights("gdpo", p.weights, K)
     groups = Groups.from_ids(cast(Tensor, batch.group_id))  # required
     normalised = decoupled_group_normalisation(components, groups, p.eps)
-    weights = p.weights if p.weights is not None else (1.0,) * K
     total = weights[0] * normalised[:, 0]
     for k in range(1, K):  # in order, as verl accumulates them
         total = total + weights[k] * normalised[:, k]

@@ -50,11 +50,11 @@ import torch
 from pydantic import Field
 
 import lossplug
-from lossplug.contracts import LossplugError
 from lossplug.ops import Groups
 
 from ._verl_statistics import at_least_float32
 from .grpo_loo import leave_one_out_stats
+from .multi_reward import component_weights
 
 Tensor = torch.Tensor
 
@@ -109,13 +109,8 @@ def gdpo_loo(batch: lossplug.PolicyBatch, p: GDPOLeaveOneOutParams) -> Tensor:
     """
     components = at_least_float32(cast(Tensor, batch.reward_components))  # required
     K = components.shape[-1]
-    if p.weights is not None and len(p.weights) != K:
-        raise LossplugError(
-            f"gdpo_loo: weights has {len(p.weights)} entries but reward_components has {K} columns (one weight per "
-            f"reward component, in the order of the columns)"
-        )
+    weights = component_weights("gdpo_loo", p.weights, K)
     groups = Groups.from_ids(cast(Tensor, batch.group_id))  # required
-    weights = p.weights if p.weights is not None else (1.0,) * K
     total = weights[0] * component_advantage(groups, components[:, 0], p)
     for k in range(1, K):  # in order, as NeMo-RL's sum() accumulates them
         total = total + weights[k] * component_advantage(groups, components[:, k], p)

@@ -44,6 +44,19 @@ class NormalizeThenSumParams(lossplug.Params):
     )
 
 
+def component_weights(plugin: str, weights: tuple[float, ...] | None, columns: int) -> tuple[float, ...]:
+    """The weight of each of ``columns`` reward components (every weight 1 when none are given); a count that is not
+    the number of columns is refused, naming ``plugin``."""
+    if weights is None:
+        return (1.0,) * columns
+    if len(weights) != columns:
+        raise LossplugError(
+            f"{plugin}: weights has {len(weights)} entries but reward_components has {columns} columns (one weight "
+            "per reward component, in the order of the columns)"
+        )
+    return tuple(weights)
+
+
 @lossplug.advantage("normalize_then_sum", params=NormalizeThenSumParams, requires=("reward_components", "group_id"))
 def normalize_then_sum(batch: lossplug.PolicyBatch, p: NormalizeThenSumParams) -> torch.Tensor:
     """A = batch-normalised Σ_k w_k·(R_k − mean_group R_k)/(std_group R_k + eps): each reward normalised in its group.
@@ -54,11 +67,7 @@ def normalize_then_sum(batch: lossplug.PolicyBatch, p: NormalizeThenSumParams) -
     """
     rewards = cast(torch.Tensor, batch.reward_components)  # [B, K]; set: required
     num_rewards = rewards.shape[1]
-    if p.weights is not None and len(p.weights) != num_rewards:
-        raise LossplugError(
-            f"normalize_then_sum: weights has {len(p.weights)} entries but reward_components has {num_rewards} "
-            "columns (one weight per reward function)"
-        )
+    per_column = component_weights("normalize_then_sum", p.weights, num_rewards)
     groups = Groups.from_ids(cast(torch.Tensor, batch.group_id))  # set: required
     inverse, counts = groups.inverse, groups.counts.to(rewards.dtype).unsqueeze(-1)  # [G, 1]
 
@@ -76,7 +85,7 @@ def normalize_then_sum(batch: lossplug.PolicyBatch, p: NormalizeThenSumParams) -
     denom = std + p.eps  # eps may be 0: a zero std must not turn into ±inf
     normalised = torch.where(constant | (denom <= 0), torch.zeros_like(centered), centered / denom)
     # float32 weights, as TRL holds reward_weights (a weight like 0.3 enters with float32 rounding)
-    weights = torch.tensor(p.weights if p.weights is not None else [1.0] * num_rewards, dtype=torch.float32)
+    weights = torch.tensor(per_column, dtype=torch.float32)
     summed = (normalised * weights.to(device=rewards.device, dtype=rewards.dtype)).sum(-1)
     if p.scale == "none":
         return summed
